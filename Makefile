@@ -1,0 +1,36 @@
+# The two commands a new user needs: `make run` and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+# CPU build of torch on machines without CUDA; an unpinned torch pulls a multi-GB CUDA build.
+TORCH_SPEC ?= torch==2.13.0
+STAMP := $(VENV)/.installed
+
+export HF_HUB_OFFLINE := 1
+export TOKENIZERS_PARALLELISM := false
+
+.PHONY: install run test clean model
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+$(STAMP): pyproject.toml Makefile | $(PY)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q "$(TORCH_SPEC)"
+	$(PIP) install -q -e ".[triton,test]"
+	touch $(STAMP)
+
+install: $(STAMP)
+
+model: install
+	$(PY) -m engine.model_loader smollm2-135m-instruct
+
+run: model
+	$(PY) -m engine.cli_demo
+
+test: install model
+	TRITON_INTERPRET=1 $(PY) -m pytest -q -ra
+
+clean:
+	rm -rf $(VENV) build *.egg-info

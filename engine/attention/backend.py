@@ -1,0 +1,45 @@
+"""What every attention backend gets per step, and the interface it implements."""
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class StepLayout:
+    """The flattened batch of one step, built once by the model runner and shared by all layers.
+
+    Sequences are ordered decodes first: tokens ``0 .. num_decodes-1`` are one decode each.
+    """
+
+    # Cache slot (block * block_size + offset) each new token's K/V is written to. [T] int64
+    slot_mapping: torch.Tensor
+    # Sequence b's new tokens are rows query_start_loc[b]:query_start_loc[b+1]. [B+1] int32
+    query_start_loc: torch.Tensor
+    # Context length of each sequence including its new tokens. [B] int32
+    seq_lens: torch.Tensor
+    # Physical block ids per sequence, padded with 0. [B, max_blocks] int32
+    block_tables: torch.Tensor
+    num_decodes: int
+    # The same facts as Python lists, so backends plan without device syncs.
+    query_lens_list: list[int]
+    seq_lens_list: list[int]
+    block_size: int
+
+
+class AttentionBackend(abc.ABC):
+    """Writes a layer's new K/V into the paged cache and attends over each sequence's context."""
+
+    name: str
+
+    @abc.abstractmethod
+    def prepare(self, layout: StepLayout) -> object:
+        """Per-step precomputation shared by every layer (index tensors, masks)."""
+
+    @abc.abstractmethod
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                k_cache: torch.Tensor, v_cache: torch.Tensor, layout: StepLayout, prepared: object,
+                scale: float) -> torch.Tensor:
+        """query [T, Hq, D], key/value [T, Hkv, D]; caches [blocks, block_size, Hkv, D]. -> [T, Hq, D]"""

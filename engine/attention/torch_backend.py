@@ -1,0 +1,86 @@
+"""Paged attention in plain torch: the CPU serving path.
+
+Decodes are batched into one SDPA call over their gathered, padded contexts; each prefill
+chunk gets its own call with a causal mask offset by its cached context. Index tensors are
+computed once per step (``prepare``) and reused by every layer.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engine.attention.backend import AttentionBackend, StepLayout
+
+
+@dataclass
+class _Prefill:
+    q_start: int
+    q_end: int
+    ctx_slots: torch.Tensor  # [ctx] int64
+    mask: torch.Tensor | None  # [q, ctx] bool, None when the chunk is the whole context (plain causal)
+
+
+@dataclass
+class TorchStepPlan:
+    decode_slots: torch.Tensor | None  # [Bd, C] int64
+    decode_mask: torch.Tensor | None  # [Bd, 1, 1, C] bool
+    prefills: list[_Prefill]
+
+
+def context_slots(block_tables: torch.Tensor, block_size: int, length: int) -> torch.Tensor:
+    """Slot index of every context position < length, per row of block_tables. [B, length]"""
+    offsets = torch.arange(block_size, device=block_tables.device)
+    slots = block_tables.to(torch.int64).unsqueeze(-1) * block_size + offsets
+    return slots.flatten(1)[:, :length]
+
+
+class TorchAttentionBackend(AttentionBackend):
+    name = "torch"
+
+    def prepare(self, layout: StepLayout) -> TorchStepPlan:
+        nd = layout.num_decodes
+        decode_slots = decode_mask = None
+        if nd:
+            ctx = max(layout.seq_lens_list[:nd])
+            decode_slots = context_slots(layout.block_tables[:nd], layout.block_size, ctx)
+            positions = torch.arange(ctx, device=decode_slots.device)
+            decode_mask = (positions < layout.seq_lens[:nd, None]).view(nd, 1, 1, ctx)
+        prefills = []
+        starts = layout.query_start_loc.tolist()
+        for b in range(nd, len(layout.seq_lens_list)):
+            q_len, ctx = layout.query_lens_list[b], layout.seq_lens_list[b]
+            slots = context_slots(layout.block_tables[b:b + 1], layout.block_size, ctx)[0]
+            mask = None
+            if q_len != ctx:
+                q_pos = torch.arange(ctx - q_len, ctx, device=slots.device)
+                mask = torch.arange(ctx, device=slots.device)[None, :] <= q_pos[:, None]
+            prefills.append(_Prefill(starts[b], starts[b + 1], slots, mask))
+        return TorchStepPlan(decode_slots, decode_mask, prefills)
+
+    def forward(self, query, key, value, k_cache, v_cache, layout, prepared: TorchStepPlan, scale):
+        num_kv_heads, head_dim = k_cache.shape[-2:]
+        k_flat = k_cache.view(-1, num_kv_heads, head_dim)
+        v_flat = v_cache.view(-1, num_kv_heads, head_dim)
+        k_flat.index_copy_(0, layout.slot_mapping, key.to(k_flat.dtype))
+        v_flat.index_copy_(0, layout.slot_mapping, value.to(v_flat.dtype))
+
+        out = torch.empty_like(query)
+        nd = layout.num_decodes
+        if nd:
+            # [Bd, C, Hkv, D] -> [Bd, Hkv, C, D]
+            k = k_flat[prepared.decode_slots].transpose(1, 2)
+            v = v_flat[prepared.decode_slots].transpose(1, 2)
+            q = query[:nd].unsqueeze(2)  # [Bd, Hq, 1, D]
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=prepared.decode_mask, scale=scale,
+                                               enable_gqa=True)
+            out[:nd] = o.squeeze(2)
+        for p in prepared.prefills:
+            q = query[p.q_start:p.q_end].transpose(0, 1).unsqueeze(0)  # [1, Hq, q, D]
+            k = k_flat[p.ctx_slots].transpose(0, 1).unsqueeze(0)  # [1, Hkv, ctx, D]
+            v = v_flat[p.ctx_slots].transpose(0, 1).unsqueeze(0)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=p.mask, is_causal=p.mask is None,
+                                               scale=scale, enable_gqa=True)
+            out[p.q_start:p.q_end] = o[0].transpose(0, 1)
+        return out

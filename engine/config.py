@@ -1,0 +1,82 @@
+"""Engine configuration: one frozen dataclass, validated once, named as vLLM names its knobs."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SCHEDULING_POLICIES = ("fcfs", "priority")
+PREEMPTION_MODES = ("recompute", "swap")
+BATCHING_MODES = ("continuous", "static")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the scheduler, cache manager and runner need to agree on."""
+
+    model: str = "smollm2-135m-instruct"
+    # Tokens per KV page.
+    block_size: int = 16
+    # Upper bound on sequences in one step (prefills and decodes together).
+    max_num_seqs: int = 64
+    # Token budget of one step, shared by prefill chunks and decodes.
+    max_num_batched_tokens: int = 2048
+    # Longest prompt + output a request may have; None takes the model's own limit.
+    max_model_len: int | None = None
+    # Pages in the device KV pool; None sizes it from kv_cache_memory_gb.
+    num_gpu_blocks: int | None = None
+    kv_cache_memory_gb: float = 1.0
+    # Pages in the host pool that swap preemption moves sequences into.
+    num_cpu_blocks: int = 256
+    enable_prefix_caching: bool = True
+    # Chunk prompts longer than the step budget instead of refusing them.
+    enable_chunked_prefill: bool = True
+    scheduling_policy: str = "fcfs"
+    # Priority points a waiting request gains per second of waiting (priority policy only),
+    # so a low-priority request cannot starve under a steady high-priority stream.
+    priority_aging_per_s: float = 1.0
+    preemption_mode: str = "recompute"
+    batching: str = "continuous"
+    # Batch size of the static baseline.
+    static_batch_size: int = 8
+    dtype: str = "auto"
+    device: str = "auto"
+    attention_backend: str = "auto"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        def positive(name: str) -> None:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+        def one_of(name: str, allowed: tuple[str, ...]) -> None:
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "static_batch_size"):
+            positive(name)
+        if self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.num_gpu_blocks is not None:
+            positive("num_gpu_blocks")
+        if self.max_model_len is not None:
+            positive("max_model_len")
+        if self.num_cpu_blocks < 0:
+            raise ValueError(f"num_cpu_blocks must be >= 0, got {self.num_cpu_blocks}")
+        if not self.kv_cache_memory_gb > 0:
+            raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
+        if self.priority_aging_per_s < 0:
+            raise ValueError(f"priority_aging_per_s must be >= 0, got {self.priority_aging_per_s}")
+        one_of("scheduling_policy", SCHEDULING_POLICIES)
+        one_of("preemption_mode", PREEMPTION_MODES)
+        one_of("batching", BATCHING_MODES)
+        one_of("dtype", DTYPES)
+        one_of("attention_backend", ATTENTION_BACKENDS)
+        if self.preemption_mode == "swap" and self.num_cpu_blocks == 0:
+            raise ValueError("preemption_mode='swap' needs num_cpu_blocks > 0")
+        if not self.enable_chunked_prefill and self.max_model_len is not None \
+                and self.max_model_len > self.max_num_batched_tokens:
+            raise ValueError(
+                "without chunked prefill max_num_batched_tokens must be >= max_model_len "
+                f"({self.max_num_batched_tokens} < {self.max_model_len}); raise it or enable chunked prefill")

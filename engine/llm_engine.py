@@ -1,0 +1,133 @@
+"""The engine loop the workers drive: add_request, abort_request, step.
+
+``step()`` stays three lines (schedule, run, update); everything else is bookkeeping of
+requests and turning them into ``RequestOutput``.
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from typing import Callable, Sequence
+
+from engine.config import EngineConfig
+from engine.kv_cache_manager import KVCacheManager
+from engine.model_loader import load_tokenizer, resolve_model
+from engine.model_runner import ModelRunner
+from engine.outputs import RequestMetrics, RequestOutput
+from engine.request import Request
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, clock: Callable[[], float] = time.monotonic):
+        self.config = config
+        self.clock = clock
+        model_dir = resolve_model(config.model)
+        self.tokenizer = load_tokenizer(model_dir)
+        self.runner = ModelRunner(config, model_dir)
+        hf = self.runner.model.config
+        self.vocab_size = hf.vocab_size
+        self.max_model_len = config.max_model_len or getattr(hf, "max_position_embeddings", 2048)
+        self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
+                                 num_cpu_blocks=config.num_cpu_blocks if config.preemption_mode == "swap" else 0)
+        self.scheduler = Scheduler(config, self.kv, self.max_model_len, clock=clock)
+        self.requests: dict[str, Request] = {}
+        self._ids = itertools.count()
+
+    # ---- requests ------------------------------------------------------------------
+    def add_request(self, request_id: str | None, prompt: str | Sequence[int],
+                    params: SamplingParams | None = None, priority: int = 0,
+                    arrival_time: float | None = None) -> Request:
+        """Validate and queue one request. Bad input raises ValueError naming the field."""
+        params = params or SamplingParams()
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in the engine")
+        text, token_ids = self._prompt_tokens(prompt)
+        params.validate_for_vocab(self.vocab_size)
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
+        total = len(token_ids) + params.max_tokens
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(token_ids)} tokens; max_model_len is {self.max_model_len}")
+        if self.kv.blocks_needed(min(total, self.max_model_len)) > self.kv.num_total_blocks:
+            raise ValueError(f"prompt + max_tokens ({total} tokens) cannot fit the KV cache of "
+                             f"{self.kv.num_total_blocks * self.config.block_size} tokens; lower max_tokens")
+        request = Request(request_id, token_ids, params, eos_token_ids=self.runner.eos_token_ids,
+                          priority=priority, arrival_time=self.clock() if arrival_time is None else arrival_time,
+                          prompt=text)
+        self.requests[request_id] = request
+        self.scheduler.add(request)
+        return request
+
+    def _prompt_tokens(self, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            return prompt, self.tokenizer.encode(prompt)
+        token_ids = list(prompt)
+        if not token_ids:
+            raise ValueError("prompt token_ids must not be empty")
+        for t in token_ids:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
+                raise ValueError(f"prompt token id {t!r} is outside the vocabulary [0, {self.vocab_size})")
+        return None, token_ids
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """End a request wherever it is; its pages go back at once. None if unknown or done."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        self.scheduler.abort(request)
+        return self._output(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- the loop --------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        plan = self.scheduler.schedule()
+        sampled = self.runner.run(plan)
+        changed = self.scheduler.update(plan, sampled)
+        return [self._output(r) for r in changed]
+
+    def _output(self, request: Request) -> RequestOutput:
+        finished = request.is_finished
+        if finished:
+            self.requests.pop(request.request_id, None)
+        reason = request.finish_reason
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt=request.prompt,
+            prompt_token_ids=request.prompt_token_ids,
+            token_ids=list(request.output_token_ids),
+            text=self.tokenizer.decode(request.output_token_ids, skip_special_tokens=True) if finished else "",
+            finished=finished,
+            finish_reason=str(reason) if reason is not None else None,
+            logprobs=list(request.output_logprobs) if request.sampling_params.logprobs is not None else None,
+            num_cached_tokens=max(request.num_cached_tokens, 0),
+            num_preemptions=request.num_preemptions,
+            metrics=RequestMetrics(request.arrival_time, request.first_scheduled_time,
+                                   request.first_token_time, self.clock() if finished else None),
+        )
+
+    # ---- checks ----------------------------------------------------------------------
+    def stats(self) -> dict[str, float]:
+        return {
+            "kv_blocks_total": self.kv.num_total_blocks,
+            "kv_blocks_free": self.kv.num_free_blocks,
+            "kv_blocks_cached": self.kv.num_cached_blocks,
+            "kv_usage": self.kv.usage,
+            "prefix_cache_hit_rate": self.kv.prefix_stats.hit_rate,
+            "num_running": sum(1 for r in self.scheduler.running if not r.is_finished),
+            "num_waiting": len(self.scheduler.waiting),
+            "num_preemptions": self.scheduler.num_preemptions,
+        }
+
+    def assert_idle(self) -> None:
+        """No request in flight and every page free or cached (run after every engine test)."""
+        if self.scheduler.has_unfinished() or self.scheduler.running:
+            raise AssertionError("requests still scheduled")
+        self.kv.assert_idle()
+

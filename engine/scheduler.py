@@ -1,0 +1,264 @@
+"""Continuous batching: which tokens of which requests run in the next step.
+
+Every step has one token budget (``max_num_batched_tokens``) shared by decodes and prefill
+chunks. Running requests go first; waiting ones join while budget, ``max_num_seqs`` and
+KV pages allow. When pages run out, the lowest-priority (then latest) request is preempted
+by recompute (its pages are dropped; it re-prefills later, often from the prefix cache) or
+by swap (its pages move to host memory and come back intact).
+
+``batching="static"`` is the baseline continuous batching is measured against: a batch
+is admitted only when the previous one has fully ended, and finished members keep
+computing padding rows until the longest member ends, as a static ``generate`` does.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from engine.config import EngineConfig
+from engine.kv_cache_manager import KVCacheManager
+from engine.request import FinishReason, Request, RequestStatus
+
+
+@dataclass
+class ScheduledChunk:
+    request: Request
+    # Position of the first token fed this step (the request's computed tokens before it).
+    start: int
+    # Tokens fed this step: 1 for a decode, up to the whole prompt for a prefill.
+    num_tokens: int
+    # The chunk reaches the request's newest token, so its last logits are sampled.
+    samples: bool
+    # Static batching: the row of a finished member, computed and discarded.
+    padding: bool = False
+
+    @property
+    def is_decode(self) -> bool:
+        return self.num_tokens == 1
+
+
+@dataclass
+class SchedulerOutput:
+    # Decodes first, then prefill chunks: the runner relies on that order.
+    chunks: list[ScheduledChunk] = field(default_factory=list)
+    # (device block, host block) pairs to copy out before the forward runs.
+    swap_out: list[tuple[int, int]] = field(default_factory=list)
+    # (host block, device block) pairs to copy in before the forward runs.
+    swap_in: list[tuple[int, int]] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+    # Block table of every scheduled request, as it stands after this step's allocations.
+    block_tables: dict[str, list[int]] = field(default_factory=dict)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(c.num_tokens for c in self.chunks)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.chunks
+
+
+@dataclass
+class SampledToken:
+    token_id: int
+    logprobs: list[tuple[int, float]] | None = None
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, kv: KVCacheManager, max_model_len: int,
+                 clock: Callable[[], float] = time.monotonic):
+        self.config = config
+        self.kv = kv
+        self.max_model_len = max_model_len
+        self.clock = clock
+        self.waiting: list[Request] = []
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    # ---- queue management ------------------------------------------------------------
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def abort(self, request: Request) -> None:
+        if request.is_finished:
+            return
+        if request in self.waiting:
+            self.waiting.remove(request)
+        if request in self.running:
+            self.running.remove(request)
+        self._end(request, FinishReason.ABORTED)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting) or any(not r.is_finished for r in self.running)
+
+    def _rank(self, request: Request, now: float) -> tuple[float, float]:
+        """Smaller runs first. Priority ages by waiting time so nothing starves."""
+        if self.config.scheduling_policy == "priority":
+            aged = request.priority - self.config.priority_aging_per_s * (now - request.arrival_time)
+            return aged, request.arrival_time
+        return 0.0, request.arrival_time
+
+    # ---- scheduling ------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        now = self.clock()
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        if self.config.batching == "static" and all(r.is_finished for r in self.running):
+            self._release_static_batch()
+        self.running.sort(key=lambda r: self._rank(r, now))
+        scheduled: set[str] = set()
+
+        for request in list(self.running):
+            if request not in self.running:  # preempted earlier in this loop
+                continue
+            padding = request.is_finished
+            remaining = 1 if padding else request.num_tokens - request.num_computed_tokens
+            n = min(remaining, budget)
+            if n == 0:
+                continue
+            while self.kv.allocate(request.request_id, request.num_computed_tokens + n) is None:
+                victim = self._pick_victim(exclude=scheduled)
+                self._preempt(victim, out)
+                if victim is request:
+                    break
+            if request not in self.running:
+                continue
+            out.chunks.append(ScheduledChunk(request, request.num_computed_tokens, n,
+                                             samples=not padding and n == remaining, padding=padding))
+            scheduled.add(request.request_id)
+            budget -= n
+
+        # Static batching admits a new batch only once the last one has fully ended.
+        if not out.preempted and (self.config.batching == "continuous" or not self.running):
+            self._admit_waiting(out, budget, now)
+
+        out.chunks.sort(key=lambda c: not c.is_decode)
+        for chunk in out.chunks:
+            out.block_tables[chunk.request.request_id] = self.kv.block_table(chunk.request.request_id)
+            if chunk.request.first_scheduled_time is None:
+                chunk.request.first_scheduled_time = now
+        return out
+
+    def _release_static_batch(self) -> None:
+        for r in self.running:
+            self.kv.free(r.request_id)
+        self.running.clear()
+
+    def _max_running(self) -> int:
+        if self.config.batching == "static":
+            return min(self.config.max_num_seqs, self.config.static_batch_size)
+        return self.config.max_num_seqs
+
+    def _admit_waiting(self, out: SchedulerOutput, budget: int, now: float) -> None:
+        self.waiting.sort(key=lambda r: self._rank(r, now))
+        while self.waiting and budget > 0 and len(self.running) < self._max_running():
+            request = self.waiting[0]
+            if not self.config.enable_chunked_prefill and request.status is RequestStatus.WAITING \
+                    and request.num_tokens > budget:
+                return
+            admitted = self._admit(request, out, budget)
+            while admitted is None:
+                victim = self._pick_victim(exclude=set())
+                if victim is None or self._rank(victim, now) <= self._rank(request, now) \
+                        or self.config.scheduling_policy != "priority":
+                    return
+                # A more urgent arrival takes the pages of less urgent running work.
+                self._preempt(victim, out)
+                out.chunks = [c for c in out.chunks if c.request is not victim]
+                budget = self.config.max_num_batched_tokens - out.num_batched_tokens
+                admitted = self._admit(request, out, budget)
+            self.waiting.pop(0)
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            out.chunks.append(admitted)
+            budget -= admitted.num_tokens
+
+    def _admit(self, request: Request, out: SchedulerOutput, budget: int) -> ScheduledChunk | None:
+        """Give a waiting request its pages; None when the pool is short."""
+        rid = request.request_id
+        if request.status is RequestStatus.SWAPPED:
+            extra = self.kv.blocks_needed(request.num_tokens) - self.kv.num_swap_in_blocks(rid)
+            if self.kv.num_swap_in_blocks(rid) + max(extra, 0) > self.kv.num_free_blocks:
+                return None
+            out.swap_in.extend(self.kv.swap_in(rid))
+            start = request.num_computed_tokens
+        else:
+            cached = self.kv.find_cached_prefix(request.all_token_ids)
+            start = len(cached) * self.kv.block_size
+            remaining = request.num_tokens - start
+            if self.kv.allocate(rid, start + min(remaining, budget), cached) is None:
+                return None
+            self.kv.prefix_stats.queries += request.num_tokens
+            self.kv.prefix_stats.hits += start
+            request.num_computed_tokens = start
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = start
+        remaining = request.num_tokens - start
+        n = min(remaining, budget)
+        if self.kv.allocate(rid, start + n) is None:  # a swapped request's newest token
+            raise RuntimeError("pool accounting error while admitting a swapped request")
+        return ScheduledChunk(request, start, n, samples=n == remaining)
+
+    def _pick_victim(self, exclude: set[str]) -> Request | None:
+        """The least urgent running request not yet in this step (or the last resort)."""
+        now = self.clock()
+        candidates = [r for r in self.running if r.request_id not in exclude and not r.is_finished] \
+            or [r for r in self.running if r.request_id not in exclude]
+        if not candidates:
+            return None
+        return max(candidates, key=lambda r: self._rank(r, now))
+
+    def _preempt(self, request: Request, out: SchedulerOutput) -> None:
+        self.running.remove(request)
+        self.num_preemptions += 1
+        request.num_preemptions += 1
+        out.preempted.append(request)
+        if request.is_finished:  # a static padding row just goes
+            self.kv.free(request.request_id)
+            return
+        pairs = self.kv.swap_out(request.request_id) if self.config.preemption_mode == "swap" else None
+        if pairs is not None:
+            out.swap_out.extend(pairs)
+            request.status = RequestStatus.SWAPPED
+        else:
+            self.kv.free(request.request_id)
+            request.num_computed_tokens = 0
+            request.status = RequestStatus.WAITING
+        self.waiting.append(request)
+
+    # ---- after the forward -----------------------------------------------------------
+    def update(self, out: SchedulerOutput, sampled: dict[str, SampledToken]) -> list[Request]:
+        """Advance every scheduled request; returns those with a new token or an end."""
+        changed = []
+        for chunk in out.chunks:
+            request = chunk.request
+            request.num_computed_tokens = chunk.start + chunk.num_tokens
+            if chunk.padding or request.is_finished:
+                continue
+            self.kv.cache_full_blocks(request.request_id, request.all_token_ids, request.num_computed_tokens)
+            if not chunk.samples:
+                continue
+            token = sampled[request.request_id]
+            request.append_token(token.token_id, token.logprobs)
+            if request.first_token_time is None:
+                request.first_token_time = self.clock()
+            reason = request.check_stop(self.max_model_len)
+            if reason is not None:
+                self._finish(request, reason)
+            changed.append(request)
+        return changed
+
+    def _finish(self, request: Request, reason: FinishReason) -> None:
+        if self.config.batching == "static":
+            # Keep the row until the whole batch ends (the cost static batching pays).
+            request.status = RequestStatus.FINISHED
+            request.finish_reason = reason
+            return
+        self.running.remove(request)
+        self._end(request, reason)
+
+    def _end(self, request: Request, reason: FinishReason) -> None:
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        self.kv.free(request.request_id)
