@@ -1,0 +1,80 @@
+import copy
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from tests.tiny_models import make_tiny_model  # noqa: E402
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dirs(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tiny-models")
+    return {arch: make_tiny_model(root / arch, arch=arch) for arch in ("llama", "qwen2")}
+
+
+@pytest.fixture
+def make_llm():
+    """Builds LLMs and, after the test, checks each is idle: no request left, every page free or cached."""
+    from engine import LLM
+    made = []
+
+    def factory(model, **kwargs):
+        kwargs.setdefault("dtype", "float32")
+        llm = LLM(model=str(model), **kwargs)
+        made.append(llm)
+        return llm
+
+    yield factory
+    for llm in made:
+        llm.engine.assert_idle()
+
+
+class HFReference:
+    """Greedy `transformers.generate` in fp32, memoised: the correctness oracle."""
+
+    def __init__(self, model_dir: Path):
+        from transformers import AutoModelForCausalLM
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        self._memo: dict[tuple, list[int]] = {}
+
+    def greedy(self, prompt: list[int], max_tokens: int, ignore_eos: bool = True) -> list[int]:
+        key = (tuple(prompt), max_tokens, ignore_eos)
+        if key not in self._memo:
+            config = copy.deepcopy(self.model.generation_config)
+            if ignore_eos:
+                # Keep going past EOS without masking it, as the engine's ignore_eos does:
+                # an id outside the vocabulary never stops generation.
+                config.eos_token_id = self.model.config.vocab_size
+            config.pad_token_id = config.pad_token_id if config.pad_token_id is not None else 0
+            with torch.no_grad():
+                out = self.model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                          generation_config=config, max_new_tokens=max_tokens, do_sample=False)
+            self._memo[key] = out[0, len(prompt):].tolist()
+        return self._memo[key]
+
+
+@pytest.fixture(scope="session")
+def hf_reference():
+    refs: dict[str, HFReference] = {}
+
+    def get(model_dir: Path) -> HFReference:
+        if str(model_dir) not in refs:
+            refs[str(model_dir)] = HFReference(model_dir)
+        return refs[str(model_dir)]
+
+    return get

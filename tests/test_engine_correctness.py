@@ -1,0 +1,123 @@
+"""Greedy output of the engine equals transformers `generate(do_sample=False)`, token for token (fp32)."""
+import random
+
+import pytest
+
+from engine import SamplingParams
+
+MAX_TOKENS = 10
+GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+def mixed_prompts(n: int, seed: int, lo: int = 1, hi: int = 60, vocab: int = 256) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(vocab) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+def assert_matches(llm_outputs, prompts, reference, max_tokens=MAX_TOKENS):
+    for prompt, out in zip(prompts, llm_outputs):
+        assert out.token_ids == reference.greedy(prompt, max_tokens), f"prompt of {len(prompt)} tokens"
+        assert out.finish_reason == "length"
+
+
+@pytest.fixture(params=["llama", "qwen2"])
+def arch(request):
+    return request.param
+
+
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+def test_mixed_batch_matches_transformers(arch, block_size, tiny_model_dirs, make_llm, hf_reference):
+    model = tiny_model_dirs[arch]
+    prompts = mixed_prompts(18, seed=block_size)
+    llm = make_llm(model, block_size=block_size, num_gpu_blocks=256)
+    outputs = llm.generate(prompts, GREEDY)
+    assert_matches(outputs, prompts, hf_reference(model))
+
+
+def test_single_prompt(arch, tiny_model_dirs, make_llm, hf_reference):
+    model = tiny_model_dirs[arch]
+    llm = make_llm(model, num_gpu_blocks=16)
+    for prompt in ([7], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17]):
+        [out] = llm.generate([prompt], GREEDY)
+        assert_matches([out], [prompt], hf_reference(model))
+
+
+def test_requests_join_while_others_decode(arch, tiny_model_dirs, make_llm, hf_reference):
+    model = tiny_model_dirs[arch]
+    llm = make_llm(model, num_gpu_blocks=128, block_size=8)
+    engine = llm.engine
+    prompts = mixed_prompts(6, seed=3)
+    done = {}
+    engine.add_request("r0", prompts[0], GREEDY)
+    engine.add_request("r1", prompts[1], GREEDY)
+    step = 0
+    while engine.has_unfinished_requests() or step < 6:
+        if 2 <= step < 6:  # join mid-decode, one per step
+            engine.add_request(f"r{step}", prompts[step], GREEDY)
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+        step += 1
+    assert_matches([done[f"r{i}"] for i in range(6)], prompts, hf_reference(model))
+
+
+def test_prefix_cache_hits_give_same_tokens(arch, tiny_model_dirs, make_llm, hf_reference):
+    model = tiny_model_dirs[arch]
+    llm = make_llm(model, block_size=8, num_gpu_blocks=128, enable_prefix_caching=True)
+    system = mixed_prompts(1, seed=11, lo=40, hi=40)[0]
+    prompts = [system + tail for tail in mixed_prompts(5, seed=12, lo=1, hi=9)]
+    first = llm.generate(prompts[:1], GREEDY)
+    rest = llm.generate(prompts[1:], GREEDY)
+    assert first[0].num_cached_tokens == 0
+    assert all(o.num_cached_tokens == 40 for o in rest)  # 5 full blocks of the shared prompt
+    assert_matches(first + rest, prompts, hf_reference(model))
+    # The very same prompt again: everything but the last (partial) block is served from cache.
+    [again] = llm.generate(prompts[:1], GREEDY)
+    assert again.num_cached_tokens == (len(prompts[0]) - 1) // 8 * 8
+    assert_matches([again], prompts[:1], hf_reference(model))
+    assert llm.engine.kv.prefix_stats.hit_rate > 0
+
+
+def test_chunked_prefill(arch, tiny_model_dirs, make_llm, hf_reference):
+    model = tiny_model_dirs[arch]
+    llm = make_llm(model, block_size=8, num_gpu_blocks=128, max_num_batched_tokens=24)
+    prompts = mixed_prompts(5, seed=5, lo=50, hi=90)
+    outputs = llm.generate(prompts, GREEDY)
+    assert_matches(outputs, prompts, hf_reference(model))
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_preemption_keeps_output_exact(arch, mode, tiny_model_dirs, make_llm, hf_reference):
+    model = tiny_model_dirs[arch]
+    # 12 blocks of 8 tokens cannot hold 8 sequences of ~40 tokens at once: preemption must happen.
+    llm = make_llm(model, block_size=8, num_gpu_blocks=12, preemption_mode=mode, num_cpu_blocks=64)
+    prompts = mixed_prompts(8, seed=21, lo=20, hi=35)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    outputs = llm.generate(prompts, params)
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert sum(o.num_preemptions for o in outputs) > 0
+    assert_matches(outputs, prompts, hf_reference(model), max_tokens=16)
+
+
+def test_static_batching_matches_and_pays_for_padding(tiny_model_dirs, make_llm, hf_reference):
+    model = tiny_model_dirs["llama"]
+    llm = make_llm(model, block_size=8, num_gpu_blocks=256, batching="static", static_batch_size=4)
+    prompts = mixed_prompts(8, seed=8)
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (2, 12) * 4]
+    engine = llm.engine
+    row_tokens = 0
+    ids = [engine.add_request(None, p, sp).request_id for p, sp in zip(prompts, params)]
+    done = {}
+    while engine.has_unfinished_requests():
+        plan_rows = engine.scheduler.schedule()
+        row_tokens += sum(c.num_tokens for c in plan_rows.chunks if c.is_decode)
+        sampled = engine.runner.run(plan_rows)
+        for r in engine.scheduler.update(plan_rows, sampled):
+            if r.is_finished:
+                done[r.request_id] = engine._output(r)
+    engine.scheduler.schedule()  # lets the last batch go
+    for prompt, sp, rid in zip(prompts, params, ids):
+        assert done[rid].token_ids == hf_reference(model).greedy(prompt, sp.max_tokens)
+    useful_decodes = sum(sp.max_tokens - 1 for sp in params)
+    # Each batch of 4 runs to its longest member (12 tokens): 2 batches x 4 rows x 11 decode steps.
+    assert row_tokens == 2 * 4 * 11 > useful_decodes
