@@ -27,7 +27,7 @@ model: install
 	$(PY) -m engine.model_loader smollm2-135m-instruct
 
 run: model
-	$(PY) -m engine.cli_demo
+	$(PY) -m engine.demo
 
 test: install model
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -ra

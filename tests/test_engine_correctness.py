@@ -121,3 +121,18 @@ def test_static_batching_matches_and_pays_for_padding(tiny_model_dirs, make_llm,
     useful_decodes = sum(sp.max_tokens - 1 for sp in params)
     # Each batch of 4 runs to its longest member (12 tokens): 2 batches x 4 rows x 11 decode steps.
     assert row_tokens == 2 * 4 * 11 > useful_decodes
+
+
+def test_triton_backend_matches_transformers(tiny_model_dirs, make_llm, hf_reference):
+    """The engine on the Triton kernels (interpreted on CPU) still equals transformers."""
+    from engine.attention import triton_kernels
+    if not triton_kernels.TRITON_AVAILABLE:
+        pytest.skip("triton is not installed")
+    if not triton_kernels._INTERPRETED and not __import__("torch").cuda.is_available():
+        pytest.skip("compiled Triton needs CUDA; set TRITON_INTERPRET=1 to run it on CPU")
+    model = tiny_model_dirs["llama"]
+    llm = make_llm(model, block_size=8, num_gpu_blocks=32, attention_backend="triton",
+                   max_num_batched_tokens=16)  # chunked prefill + decodes in mixed steps
+    prompts = mixed_prompts(3, seed=31, lo=3, hi=20)
+    params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
+    assert_matches(llm.generate(prompts, params), prompts, hf_reference(model), max_tokens=4)
