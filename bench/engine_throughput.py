@@ -86,8 +86,9 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
 
+    # Prefix caching off: every round replays the same prompts, and hits would flatter the engine.
     common = dict(dtype=args.dtype, block_size=16, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=2048,
-                  kv_cache_memory_gb=1.0)
+                  kv_cache_memory_gb=1.0, enable_prefix_caching=False)
     continuous = LLM(args.model, batching="continuous", **common)
     static = LLM(args.model, batching="static", static_batch_size=args.batch_size, **common)
     from engine.model_loader import load_model, resolve_model

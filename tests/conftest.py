@@ -24,7 +24,7 @@ def pytest_collection_modifyitems(config, items):
 @pytest.fixture(scope="session")
 def tiny_model_dirs(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tiny-models")
-    return {arch: make_tiny_model(root / arch, arch=arch) for arch in ("llama", "qwen2")}
+    return {arch: make_tiny_model(root / arch, arch=arch) for arch in ("llama", "qwen2", "mistral")}
 
 
 @pytest.fixture

@@ -20,7 +20,7 @@ def assert_matches(llm_outputs, prompts, reference, max_tokens=MAX_TOKENS):
         assert out.finish_reason == "length"
 
 
-@pytest.fixture(params=["llama", "qwen2"])
+@pytest.fixture(params=["llama", "qwen2", "mistral"])
 def arch(request):
     return request.param
 

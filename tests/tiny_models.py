@@ -1,12 +1,12 @@
-"""Tiny random-initialised checkpoints (Llama, Qwen2) with a byte-level tokenizer, built in-test."""
+"""Tiny random-initialised checkpoints (Llama, Qwen2, Mistral) with a byte-level tokenizer, built in-test."""
 from __future__ import annotations
 
 from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-from transformers import (LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config,
-                          Qwen2ForCausalLM)
+from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM,
+                          PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM)
 
 SPECIALS = ["<bos>", "<eos>", "<pad>"]
 VOCAB_SIZE = 256 + len(SPECIALS)
@@ -40,6 +40,8 @@ def make_tiny_model(path: Path, arch: str = "llama", seed: int = 0, num_layers: 
         model = LlamaForCausalLM(LlamaConfig(**common))
     elif arch == "qwen2":
         model = Qwen2ForCausalLM(Qwen2Config(**common, tie_word_embeddings=True))
+    elif arch == "mistral":
+        model = MistralForCausalLM(MistralConfig(**common, head_dim=head_dim, sliding_window=None))
     else:
         raise ValueError(f"unknown tiny arch {arch!r}")
     # A wider init than the default 0.02 gives confident logits, so greedy comparisons test
