@@ -12,7 +12,7 @@ from typing import Callable, Sequence
 from engine.config import EngineConfig
 from engine.kv_cache_manager import KVCacheManager
 from engine.model_loader import load_tokenizer, resolve_model
-from engine.model_runner import ModelRunner
+from engine.model_runner import ModelRunner, PoolFactory, default_pool
 from engine.outputs import RequestMetrics, RequestOutput
 from engine.request import Request
 from engine.sampling_params import SamplingParams
@@ -20,12 +20,14 @@ from engine.scheduler import Scheduler
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig, clock: Callable[[], float] = time.monotonic):
+    def __init__(self, config: EngineConfig, clock: Callable[[], float] = time.monotonic,
+                 pool_factory: PoolFactory = default_pool):
         self.config = config
         self.clock = clock
         model_dir = resolve_model(config.model)
         self.tokenizer = load_tokenizer(model_dir)
-        self.runner = ModelRunner(config, model_dir)
+        self.model_name = config.model
+        self.runner = ModelRunner(config, model_dir, pool_factory)
         hf = self.runner.model.config
         self.vocab_size = hf.vocab_size
         self.max_model_len = config.max_model_len or getattr(hf, "max_position_embeddings", 2048)
@@ -60,6 +62,31 @@ class LLMEngine:
         self.requests[request_id] = request
         self.scheduler.add(request)
         return request
+
+    def add_prefilled_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
+                              first_token: int, priority: int = 0,
+                              first_logprobs: list[tuple[int, float]] | None = None) -> RequestOutput:
+        """Admit a request whose prompt KV already sits in the pages reserved under its id.
+
+        The prefill worker computed the prompt and sampled the first token; decoding goes on
+        from there. Returns the output with that first token (finished if it already ends).
+        """
+        if not self.kv.owns(request_id):
+            raise ValueError(f"request {request_id!r} has no reserved pages")
+        _, token_ids = self._prompt_tokens(list(prompt_token_ids))
+        request = Request(request_id, token_ids, params, eos_token_ids=self.runner.eos_token_ids,
+                          priority=priority, arrival_time=self.clock())
+        request.num_computed_tokens = len(token_ids)
+        request.num_cached_tokens = 0
+        request.first_token_time = self.clock()
+        self.kv.cache_full_blocks(request_id, token_ids, len(token_ids))
+        self.requests[request_id] = request
+        request.append_token(first_token, first_logprobs)
+        self.scheduler.add_running(request)
+        reason = request.check_stop(self.max_model_len)
+        if reason is not None:
+            self.scheduler.finish(request, reason)
+        return self._output(request)
 
     def _prompt_tokens(self, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -34,8 +35,17 @@ def resolve_dtype(name: str) -> torch.dtype:
     return torch.bfloat16 if name == "auto" else _DTYPES[name]
 
 
+# Makes the device KV pool: (shape, dtype, device) -> tensor. The shm transport passes one
+# that maps the pool into shared memory so a prefill process can write into it.
+PoolFactory = Callable[[tuple[int, ...], torch.dtype, torch.device], torch.Tensor]
+
+
+def default_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_dir: Path):
+    def __init__(self, config: EngineConfig, model_dir: Path, pool_factory: PoolFactory = default_pool):
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype)
@@ -48,7 +58,7 @@ class ModelRunner:
         self.backend = select_backend(config.attention_backend, self.device.type)
         self.num_blocks = config.num_gpu_blocks or self._blocks_for(config.kv_cache_memory_gb)
         shape = (self.num_layers, 2, self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
-        self.kv_cache = torch.zeros(shape, dtype=self.dtype, device=self.device)
+        self.kv_cache = pool_factory(shape, self.dtype, self.device)
         self.cpu_cache = None
         if config.preemption_mode == "swap":
             self.cpu_cache = torch.zeros((*shape[:2], config.num_cpu_blocks, *shape[3:]), dtype=self.dtype,
@@ -57,6 +67,9 @@ class ModelRunner:
         eos = self.model.generation_config.eos_token_id
         self.eos_token_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
         self.sampler = Sampler(self.eos_token_ids)
+        # Called as (plan, layer) once a layer's K/V of the step are in the pool: the prefill
+        # side of kvtransfer ships each layer while the next one computes.
+        self.layer_hook: Callable[[SchedulerOutput, int], None] | None = None
         log.info("model runner: %s on %s in %s, attention %s, %d KV blocks of %d tokens",
                  model_dir.name, self.device, self.dtype, self.backend.name, self.num_blocks, self.block_size)
 
@@ -77,7 +90,9 @@ class ModelRunner:
             return {}
         input_ids, layout, sample_rows = self._build_inputs(plan)
         positions = torch.tensor(self._positions(plan), dtype=torch.int64)
-        step = PagedForward(self.backend, layout, self.backend.prepare(layout), self.kv_caches)
+        hook = self.layer_hook
+        step = PagedForward(self.backend, layout, self.backend.prepare(layout), self.kv_caches,
+                            on_layer_written=(lambda layer: hook(plan, layer)) if hook else None)
         hidden = self.model.model(input_ids=input_ids.to(self.device)[None],
                                   position_ids=positions.to(self.device)[None],
                                   use_cache=False, splitserve=step).last_hidden_state[0]

@@ -80,6 +80,11 @@ class Scheduler:
     def add(self, request: Request) -> None:
         self.waiting.append(request)
 
+    def add_running(self, request: Request) -> None:
+        """A request whose KV is already computed (handed over by a prefill worker)."""
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+
     def abort(self, request: Request) -> None:
         if request.is_finished:
             return
@@ -245,11 +250,11 @@ class Scheduler:
                 request.first_token_time = self.clock()
             reason = request.check_stop(self.max_model_len)
             if reason is not None:
-                self._finish(request, reason)
+                self.finish(request, reason)
             changed.append(request)
         return changed
 
-    def _finish(self, request: Request, reason: FinishReason) -> None:
+    def finish(self, request: Request, reason: FinishReason) -> None:
         if self.config.batching == "static":
             # Keep the row until the whole batch ends (the cost static batching pays).
             request.status = RequestStatus.FINISHED

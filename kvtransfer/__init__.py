@@ -1,0 +1,95 @@
+"""Moving paged KV from a prefill pool into pages reserved in a decode pool.
+
+``build_decode`` and ``build_prefill`` wire an engine to a transport; the connectors in
+``decode_side`` / ``prefill_side`` hold the protocol (reserve, write layer by layer, flush,
+complete with the epoch).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from pathlib import Path
+from typing import Callable, Iterable
+
+import torch
+
+from kvtransfer.base import (ChecksumMismatchError, KVLayout, LayoutMismatchError, LeaseExpiredError,
+                             StaleEpochError, TransferAbortedError, TransferDescriptor, TransferError,
+                             TransportUnavailableError)
+
+log = logging.getLogger(__name__)
+
+TRANSPORTS = ("shm", "tcp", "nccl")
+
+__all__ = ["build_decode", "build_prefill", "TRANSPORTS", "TransferDescriptor", "KVLayout", "TransferError",
+           "LayoutMismatchError", "StaleEpochError", "LeaseExpiredError", "TransferAbortedError",
+           "ChecksumMismatchError", "TransportUnavailableError"]
+
+
+def choose_transport(requested: str, device_type: str) -> str:
+    """``auto``: shared memory for CPU pools on one host, torch.distributed for GPU pools."""
+    if requested != "auto":
+        if requested not in TRANSPORTS:
+            raise ValueError(f"kv transport must be one of {('auto',) + TRANSPORTS}, got {requested!r}")
+        return requested
+    return "nccl" if device_type == "cuda" else "shm"
+
+
+def build_decode(config, transport: str = "auto", lease_ttl_s: float = 30.0,
+                 clock: Callable[[], float] = time.time, host: str = "127.0.0.1"):
+    """A decode engine whose pool accepts KV over ``transport``; returns its DecodeConnector."""
+    from engine.llm_engine import LLMEngine
+    from engine.model_runner import default_pool, resolve_device
+    from kvtransfer.decode_side import DecodeConnector
+    from kvtransfer.lease import LeaseTable, PageFence
+
+    name = choose_transport(transport, resolve_device(config.device).type)
+    shared: dict = {}
+    if name == "shm":
+        from kvtransfer.transports.shm import create_shared_pool
+
+        def pool_factory(shape, dtype, device):
+            pool, owners, directory = create_shared_pool(shape, dtype)
+            shared.update(owners=owners, directory=directory)
+            return pool
+    else:
+        pool_factory = default_pool
+    engine = LLMEngine(config, pool_factory=pool_factory)
+    pool = engine.runner.kv_cache
+    owners = shared.get("owners", torch.empty(pool.shape[2], dtype=torch.int64))
+    leases = LeaseTable(PageFence(owners), lease_ttl_s, clock=clock)
+    if name == "shm":
+        from kvtransfer.transports.shm import ShmReceiver
+        receiver = ShmReceiver(pool, leases, Path(shared["directory"]))
+    elif name == "tcp":
+        from kvtransfer.transports.tcp import TcpReceiver
+        receiver = TcpReceiver(pool, leases, host=host)
+    else:
+        from kvtransfer.transports.nccl import NcclReceiver
+        receiver = NcclReceiver(pool, leases, host=host)
+    log.info("decode KV transport: %s at %s", name, receiver.address)
+    return DecodeConnector(engine, receiver, leases)
+
+
+def sender_factories(pool: torch.Tensor, transports: Iterable[str]) -> dict:
+    def make(name: str):
+        def factory(address: str):
+            if name == "shm":
+                from kvtransfer.transports.shm import ShmSender
+                return ShmSender(address, pool)
+            if name == "tcp":
+                from kvtransfer.transports.tcp import TcpSender
+                return TcpSender(address, pool)
+            from kvtransfer.transports.nccl import NcclSender
+            return NcclSender(address, pool)
+        return factory
+    return {name: make(name) for name in transports}
+
+
+def build_prefill(config, transports: Iterable[str] = TRANSPORTS, verify_checksum: bool = False):
+    """A prefill engine that ships KV over any of ``transports``; returns its PrefillConnector."""
+    from engine.llm_engine import LLMEngine
+    from kvtransfer.prefill_side import PrefillConnector
+
+    engine = LLMEngine(config)
+    return PrefillConnector(engine, sender_factories(engine.runner.kv_cache, transports), verify_checksum)

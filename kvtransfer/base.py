@@ -1,0 +1,139 @@
+"""Contracts shared by both sides of a KV handoff: layout, descriptor, errors, page runs, checksums.
+
+A decode worker *reserves* pages for a request and describes them in a ``TransferDescriptor``
+(transport address, page ids, layout, epoch, lease deadline). The prefill worker checks the
+layout against its own before any byte moves, writes the request's KV into those pages layer
+by layer, flushes, and reports completion with the epoch. The epoch is a fencing token: a
+write or a completion that carries an older epoch than the lease's current one is refused.
+"""
+from __future__ import annotations
+
+import zlib
+from dataclasses import asdict, dataclass, fields
+from typing import Sequence
+
+import torch
+
+
+class TransferError(Exception):
+    """A KV handoff failed; the message says why and what to do."""
+
+
+class LayoutMismatchError(TransferError):
+    pass
+
+
+class StaleEpochError(TransferError):
+    pass
+
+
+class LeaseExpiredError(TransferError):
+    pass
+
+
+class TransferAbortedError(TransferError):
+    pass
+
+
+class ChecksumMismatchError(TransferError):
+    pass
+
+
+class TransportUnavailableError(TransferError):
+    pass
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Everything that must match for pages to mean the same thing on both sides."""
+
+    model: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: str  # torch dtype name without the "torch." prefix, e.g. "bfloat16"
+
+    def check_compatible(self, other: "KVLayout") -> None:
+        diffs = [f"{f.name}: {getattr(self, f.name)!r} here vs {getattr(other, f.name)!r} on the peer"
+                 for f in fields(self) if getattr(self, f.name) != getattr(other, f.name)]
+        if diffs:
+            raise LayoutMismatchError("KV layout mismatch, no bytes moved; run both workers with the same "
+                                      "model, block size and dtype (" + "; ".join(diffs) + ")")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one page of one layer's K (or V)."""
+        return self.block_size * self.num_kv_heads * self.head_dim * torch.empty((), dtype=self.torch_dtype).element_size()
+
+    @classmethod
+    def of_pool(cls, model: str, pool: torch.Tensor) -> "KVLayout":
+        """Layout of a pool tensor shaped [layers, 2, blocks, block_size, kv_heads, head_dim]."""
+        layers, two, _, block_size, kv_heads, head_dim = pool.shape
+        if two != 2:
+            raise ValueError(f"a KV pool is [layers, 2, blocks, block_size, kv_heads, head_dim], got {tuple(pool.shape)}")
+        return cls(model, layers, kv_heads, head_dim, block_size, str(pool.dtype).removeprefix("torch."))
+
+
+@dataclass(frozen=True)
+class TransferDescriptor:
+    """What a decode worker hands out for one request's reserved pages."""
+
+    request_id: str
+    transport: str
+    address: str
+    block_ids: tuple[int, ...]
+    layout: KVLayout
+    epoch: int
+    lease_deadline: float  # time.time() seconds
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["block_ids"] = list(self.block_ids)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "TransferDescriptor":
+        return cls(request_id=str(d["request_id"]), transport=str(d["transport"]), address=str(d["address"]),
+                   block_ids=tuple(int(b) for b in d["block_ids"]), layout=KVLayout(**d["layout"]),
+                   epoch=int(d["epoch"]), lease_deadline=float(d["lease_deadline"]))
+
+
+def coalesce(src_blocks: Sequence[int], dst_blocks: Sequence[int]) -> list[tuple[int, int, int]]:
+    """Runs (src_start, dst_start, length) where both sides' block ids are consecutive.
+
+    A run moves as one copy; fragmented tables degrade to one copy per page, contiguous ones
+    to a single copy per layer.
+    """
+    if len(src_blocks) != len(dst_blocks):
+        raise ValueError(f"{len(src_blocks)} source pages for {len(dst_blocks)} destination pages")
+    runs: list[tuple[int, int, int]] = []
+    for s, d in zip(src_blocks, dst_blocks):
+        if runs and runs[-1][0] + runs[-1][2] == s and runs[-1][1] + runs[-1][2] == d:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((s, d, 1))
+    return runs
+
+
+def kv_checksum(pool: torch.Tensor, block_ids: Sequence[int], num_tokens: int) -> int:
+    """CRC32 of the KV of the first ``num_tokens`` token slots of a request, every layer, K then V.
+
+    Computed the same way over the prefill pages and the decode pages, so equal bytes give an
+    equal checksum whatever the page ids; slots past ``num_tokens`` (stale data) do not count.
+    """
+    block_size = pool.shape[3]
+    crc = 0
+    full, tail = divmod(num_tokens, block_size)
+    index = torch.tensor(list(block_ids[:full + (1 if tail else 0)]), dtype=torch.long)
+    pages = pool.index_select(2, index)  # [L, 2, n, bs, H, D]
+    if tail:
+        crc = zlib.crc32(pages[:, :, :full].contiguous().view(torch.uint8).numpy().tobytes(), crc)
+        crc = zlib.crc32(pages[:, :, full:, :tail].contiguous().view(torch.uint8).numpy().tobytes(), crc)
+    else:
+        crc = zlib.crc32(pages.contiguous().view(torch.uint8).numpy().tobytes(), crc)
+    return crc

@@ -1,0 +1,81 @@
+"""Decode side of the handoff: reserve pages, describe them, admit the request once its KV is in.
+
+Runs on the decode worker's engine thread (the engine is not thread-safe); only the
+transport's receiver threads run elsewhere, and they touch pool memory alone, under the
+lease fence.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Sequence
+
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestOutput
+from engine.sampling_params import SamplingParams
+from kvtransfer.base import ChecksumMismatchError, KVLayout, TransferDescriptor, kv_checksum
+from kvtransfer.lease import LeaseTable
+from kvtransfer.transports.base import KVReceiver
+
+log = logging.getLogger(__name__)
+
+
+class DecodeConnector:
+    def __init__(self, engine: LLMEngine, receiver: KVReceiver, leases: LeaseTable):
+        self.engine = engine
+        self.receiver = receiver
+        self.leases = leases
+        self.layout = KVLayout.of_pool(engine.model_name, engine.runner.kv_cache)
+        self.num_expired = 0
+
+    def reserve(self, request_id: str, num_prompt_tokens: int) -> TransferDescriptor | None:
+        """Pages for a prompt of ``num_prompt_tokens`` tokens, or None when the pool is short."""
+        if self.engine.kv.owns(request_id) or request_id in self.engine.requests:
+            raise ValueError(f"request {request_id!r} already has pages on this worker")
+        if self.engine.kv.allocate(request_id, num_prompt_tokens) is None:
+            return None
+        lease = self.leases.grant(request_id, self.engine.kv.block_table(request_id))
+        return TransferDescriptor(request_id, self.receiver.name, self.receiver.address, lease.block_ids,
+                                  self.layout, lease.epoch, lease.deadline)
+
+    def complete(self, request_id: str, epoch: int, prompt_token_ids: Sequence[int], params: SamplingParams,
+                 first_token: int, checksum: int | None = None, priority: int = 0,
+                 first_logprobs: list[tuple[int, float]] | None = None) -> RequestOutput:
+        """The prefill side flushed every layer: check the epoch (and checksum), then start decoding.
+
+        A stale epoch or an expired lease raises and leaves the pages to their current owner;
+        a checksum mismatch frees the pages and raises.
+        """
+        lease = self.leases.complete(request_id, epoch)
+        # From here the pages belong to the engine's request: no transport may write them.
+        self.leases.release(request_id)
+        if checksum is not None:
+            got = kv_checksum(self.engine.runner.kv_cache, lease.block_ids, len(prompt_token_ids))
+            if got != checksum:
+                self.engine.kv.free(request_id)
+                raise ChecksumMismatchError(f"request {request_id!r}: KV checksum {got:#010x} != "
+                                            f"{checksum:#010x} sent by the prefill side; pages freed")
+        return self.engine.add_prefilled_request(request_id, prompt_token_ids, params, first_token,
+                                                 priority=priority, first_logprobs=first_logprobs)
+
+    def abort(self, request_id: str) -> bool:
+        """Drop a reservation (mid-transfer) or a running request. True if there was one."""
+        lease = self.leases.release(request_id)
+        if request_id in self.engine.requests:
+            self.engine.abort_request(request_id)
+            return True
+        if self.engine.kv.owns(request_id):
+            self.engine.kv.free(request_id)
+            return True
+        return lease is not None
+
+    def reap_expired(self) -> list[str]:
+        """Free the pages of handoffs whose prefill side went quiet past the lease."""
+        expired = self.leases.expired()
+        for request_id in expired:
+            log.warning("lease of %s expired before its KV arrived; pages freed", request_id)
+            self.abort(request_id)
+        self.num_expired += len(expired)
+        return expired
+
+    def close(self) -> None:
+        self.receiver.close()

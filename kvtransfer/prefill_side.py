@@ -1,0 +1,165 @@
+"""Prefill side of the handoff: run the prompt, ship its KV layer by layer, report the first token.
+
+The model runner calls ``_on_layer`` once a layer's K/V of the step are in the prefill pool;
+the connector queues that layer's page runs for a copy thread, so copies of layer l overlap
+the compute of layer l+1. At the end of the step the queue is drained (the pages of finished
+requests may be reused by the next step), each finished transfer is flushed, and the result
+carries what the decode side needs to ``complete``.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+import queue
+import threading
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+from engine.llm_engine import LLMEngine
+from engine.sampling_params import SamplingParams
+from engine.scheduler import SchedulerOutput
+from kvtransfer.base import KVLayout, TransferDescriptor, TransferError, coalesce, kv_checksum
+from kvtransfer.transports.base import KVSender
+
+log = logging.getLogger(__name__)
+
+SenderFactory = Callable[[str], KVSender]  # address -> sender over this side's pool
+
+
+@dataclass
+class PrefillResult:
+    request_id: str
+    epoch: int
+    prompt_token_ids: list[int]
+    # Set on success.
+    first_token: int | None = None
+    first_logprobs: list[tuple[int, float]] | None = None
+    checksum: int | None = None
+    # Set on failure: the transfer error; the request's prefill pages are already freed.
+    error: TransferError | None = None
+    num_copies: int = 0
+
+
+@dataclass
+class _Transfer:
+    desc: TransferDescriptor
+    sender: KVSender
+    prompt_token_ids: list[int]
+    copies_at_start: int
+    first_chunk: bool = True
+    checksum: int | None = None
+    error: TransferError | None = field(default=None)
+
+
+class PrefillConnector:
+    def __init__(self, engine: LLMEngine, senders: dict[str, SenderFactory], verify_checksum: bool = False):
+        self.engine = engine
+        self.layout = KVLayout.of_pool(engine.model_name, engine.runner.kv_cache)
+        self.sender_factories = senders
+        self.verify_checksum = verify_checksum
+        self._senders: dict[tuple[str, str], KVSender] = {}
+        self._transfers: dict[str, _Transfer] = {}
+        self._copies: queue.Queue = queue.Queue()
+        self._copier = threading.Thread(target=self._copy_loop, name="kv-copier", daemon=True)
+        self._copier.start()
+        engine.runner.layer_hook = self._on_layer
+
+    # ---- control -------------------------------------------------------------------
+    def start(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
+              desc: TransferDescriptor, priority: int = 0) -> None:
+        """Check the layout, then queue the prompt for prefill into ``desc``'s pages."""
+        self.layout.check_compatible(desc.layout)
+        if desc.transport not in self.sender_factories:
+            raise TransferError(f"transport {desc.transport!r} is not enabled on this prefill worker "
+                                f"(enabled: {sorted(self.sender_factories)})")
+        blocks_needed = self.engine.kv.blocks_needed(len(prompt_token_ids))
+        if len(desc.block_ids) < blocks_needed:
+            raise TransferError(f"request {request_id!r}: {len(desc.block_ids)} reserved pages for a prompt "
+                                f"needing {blocks_needed}")
+        sender = self._sender(desc)
+        one_token = dataclasses.replace(params, max_tokens=1, min_tokens=0)
+        self.engine.add_request(request_id, list(prompt_token_ids), one_token, priority=priority)
+        self._transfers[request_id] = _Transfer(desc, sender, list(prompt_token_ids), sender.num_copies)
+
+    def abort(self, request_id: str) -> None:
+        self._transfers.pop(request_id, None)
+        self.engine.abort_request(request_id)
+
+    def step(self) -> list[PrefillResult]:
+        """One engine step; returns the transfers that ended (flushed or failed)."""
+        outputs = self.engine.step()
+        self._copies.join()  # every queued layer copy is done before pages can be reused
+        results = []
+        for out in outputs:
+            transfer = self._transfers.pop(out.request_id, None)
+            if transfer is None:
+                continue
+            result = PrefillResult(out.request_id, transfer.desc.epoch, transfer.prompt_token_ids)
+            try:
+                if transfer.error is not None:
+                    raise transfer.error
+                transfer.sender.flush(transfer.desc)
+                result.first_token = out.token_ids[0]
+                result.first_logprobs = out.logprobs[0] if out.logprobs else None
+                result.checksum = transfer.checksum
+            except TransferError as e:
+                result.error = e
+            result.num_copies = transfer.sender.num_copies - transfer.copies_at_start
+            results.append(result)
+        # Transfers refused mid-prefill stop computing at once.
+        for request_id, transfer in list(self._transfers.items()):
+            if transfer.error is not None:
+                self.abort(request_id)
+                results.append(PrefillResult(request_id, transfer.desc.epoch, transfer.prompt_token_ids,
+                                             error=transfer.error))
+        return results
+
+    def has_pending(self) -> bool:
+        return bool(self._transfers)
+
+    def close(self) -> None:
+        for sender in self._senders.values():
+            sender.close()
+        self.engine.runner.layer_hook = None
+
+    # ---- data path -----------------------------------------------------------------
+    def _sender(self, desc: TransferDescriptor) -> KVSender:
+        key = (desc.transport, desc.address)
+        if key not in self._senders:
+            self._senders[key] = self.sender_factories[desc.transport](desc.address)
+        return self._senders[key]
+
+    def _on_layer(self, plan: SchedulerOutput, layer: int) -> None:
+        last_layer = layer == self.layout.num_layers - 1
+        for chunk in plan.chunks:
+            transfer = self._transfers.get(chunk.request.request_id)
+            if transfer is None or transfer.error is not None:
+                continue
+            bs = self.layout.block_size
+            # The first chunk also ships prefix-cache hits: pages this step did not write.
+            first = 0 if transfer.first_chunk else chunk.start // bs
+            last = (chunk.start + chunk.num_tokens - 1) // bs
+            src = plan.block_tables[chunk.request.request_id][first:last + 1]
+            runs = coalesce(src, transfer.desc.block_ids[first:last + 1])
+            self._copies.put((transfer, layer, runs))
+            if last_layer:
+                transfer.first_chunk = False
+                if chunk.samples and self.verify_checksum:
+                    self._copies.join()
+                    transfer.checksum = kv_checksum(self.engine.runner.kv_cache,
+                                                    plan.block_tables[chunk.request.request_id],
+                                                    len(transfer.prompt_token_ids))
+
+    def _copy_loop(self) -> None:
+        while True:
+            transfer, layer, runs = self._copies.get()
+            try:
+                if transfer.error is None:
+                    transfer.sender.write(transfer.desc, layer, runs)
+            except TransferError as e:
+                transfer.error = e
+            except Exception as e:  # a broken peer must fail this transfer, not the copier
+                log.exception("KV copy failed")
+                transfer.error = TransferError(f"KV copy failed: {e}")
+            finally:
+                self._copies.task_done()

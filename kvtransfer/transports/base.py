@@ -1,0 +1,56 @@
+"""The two halves every transport implements.
+
+A ``KVReceiver`` lives in the decode worker next to its pool and makes the pool writable by
+senders of its kind. A ``KVSender`` lives in the prefill worker, one per decode address, and
+copies page runs of its own pool into the decode pool. After ``flush`` returns, every byte
+written is in the decode pool (or ``flush`` raised): only then may completion be reported.
+"""
+from __future__ import annotations
+
+import abc
+from typing import Sequence
+
+import torch
+
+from kvtransfer.base import TransferDescriptor
+from kvtransfer.lease import LeaseTable
+
+Run = tuple[int, int, int]  # (src_block, dst_block, num_blocks)
+
+
+class KVReceiver(abc.ABC):
+    name: str
+
+    def __init__(self, pool: torch.Tensor, leases: LeaseTable):
+        self.pool = pool  # [layers, 2, blocks, block_size, kv_heads, head_dim]
+        self.leases = leases
+
+    @property
+    @abc.abstractmethod
+    def address(self) -> str:
+        """What a sender needs to reach this pool."""
+
+    def close(self) -> None:
+        pass
+
+
+class KVSender(abc.ABC):
+    name: str
+
+    def __init__(self, address: str, src_pool: torch.Tensor):
+        self.address = address
+        self.src_pool = src_pool
+        # Copy operations issued (one per page run per layer per K/V): what coalescing saves.
+        self.num_copies = 0
+        self.bytes_sent = 0
+
+    @abc.abstractmethod
+    def write(self, desc: TransferDescriptor, layer: int, runs: Sequence[Run]) -> None:
+        """Copy ``runs`` of layer ``layer`` (K and V) from the source pool into the descriptor's pages."""
+
+    @abc.abstractmethod
+    def flush(self, desc: TransferDescriptor) -> None:
+        """Return once every write for ``desc`` is in the decode pool; raise if any was refused."""
+
+    def close(self) -> None:
+        pass

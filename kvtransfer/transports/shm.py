@@ -1,0 +1,97 @@
+"""Same host, CPU: the decode pool lives in shared memory and the prefill side writes into it.
+
+The decode worker creates its pool as a file under /dev/shm (``torch.from_file(shared=True)``)
+plus a small page-owner table beside it. A sender maps both and copies page runs straight
+from its own pool into the mapped decode pool: no socket, no intermediate buffer. Before each
+run it checks that the destination pages still carry the descriptor's epoch, so a stalled
+writer whose lease was released stops at its next copy.
+"""
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import uuid
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from kvtransfer.base import StaleEpochError, TransferDescriptor, TransportUnavailableError
+from kvtransfer.lease import LeaseTable
+from kvtransfer.transports.base import KVReceiver, KVSender, Run
+
+SHM_ROOT = Path(os.environ.get("SPLITSERVE_SHM_DIR", "/dev/shm"))
+
+
+def _map(path: Path, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.from_file(str(path), shared=True, size=numel, dtype=dtype)
+
+
+def create_shared_pool(shape: Sequence[int], dtype: torch.dtype, root: Path | None = None
+                       ) -> tuple[torch.Tensor, torch.Tensor, Path]:
+    """A zeroed pool and page-owner table in shared memory; returns (pool, owners, directory)."""
+    root = root or (SHM_ROOT if SHM_ROOT.is_dir() else Path(tempfile.gettempdir()))
+    directory = root / f"splitserve-kv-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    directory.mkdir(mode=0o700)
+    numel = 1
+    for n in shape:
+        numel *= n
+    pool = _map(directory / "pool", numel, dtype).view(*shape)
+    owners = _map(directory / "owners", shape[2], torch.int64)
+    (directory / "meta.json").write_text(json.dumps({"shape": list(shape), "dtype": str(dtype).removeprefix("torch.")}))
+    return pool, owners, directory
+
+
+class ShmReceiver(KVReceiver):
+    name = "shm"
+
+    def __init__(self, pool: torch.Tensor, leases: LeaseTable, directory: Path):
+        super().__init__(pool, leases)
+        self.directory = directory
+
+    @property
+    def address(self) -> str:
+        return str(self.directory)
+
+    def close(self) -> None:
+        for name in ("pool", "owners", "meta.json"):
+            (self.directory / name).unlink(missing_ok=True)
+        try:
+            self.directory.rmdir()
+        except OSError:
+            pass
+
+
+class ShmSender(KVSender):
+    name = "shm"
+
+    def __init__(self, address: str, src_pool: torch.Tensor):
+        super().__init__(address, src_pool)
+        directory = Path(address)
+        try:
+            meta = json.loads((directory / "meta.json").read_text())
+        except OSError as e:
+            raise TransportUnavailableError(f"shm pool {address} is not reachable from here ({e}); "
+                                            "is the decode worker on this host, sharing /dev/shm?") from e
+        shape = meta["shape"]
+        numel = 1
+        for n in shape:
+            numel *= n
+        self.dst_pool = _map(directory / "pool", numel, getattr(torch, meta["dtype"])).view(*shape)
+        self.owners = _map(directory / "owners", shape[2], torch.int64)
+
+    def write(self, desc: TransferDescriptor, layer: int, runs: Sequence[Run]) -> None:
+        src, dst = self.src_pool[layer], self.dst_pool[layer]  # [2, blocks, bs, H, D]
+        for s, d, n in runs:
+            if not bool((self.owners[d:d + n] == desc.epoch).all()):
+                raise StaleEpochError(f"request {desc.request_id!r}: pages {d}..{d + n - 1} no longer belong "
+                                      f"to epoch {desc.epoch}; the decode side released them")
+            dst[:, d:d + n].copy_(src[:, s:s + n])
+            self.num_copies += 1
+            self.bytes_sent += 2 * src[0, s:s + n].numel() * src.element_size()
+
+    def flush(self, desc: TransferDescriptor) -> None:
+        # Copies are synchronous stores into the shared mapping: nothing is in flight.
+        if not bool((self.owners[list(desc.block_ids)] == desc.epoch).all()):
+            raise StaleEpochError(f"request {desc.request_id!r}: epoch {desc.epoch} was released before the flush")

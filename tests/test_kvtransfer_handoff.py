@@ -1,0 +1,269 @@
+"""Prefill engine -> KV pages -> decode engine, in one process, over shared memory.
+
+Checks the pages arrive byte for byte, that greedy output after the handoff equals
+transformers, and that every failure path ends with the pages free on both sides.
+"""
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+import torch
+
+from engine import EngineConfig, SamplingParams
+from kvtransfer import (LayoutMismatchError, StaleEpochError, build_decode, build_prefill)
+from kvtransfer.base import ChecksumMismatchError, kv_checksum
+from tests.test_engine_correctness import mixed_prompts
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+
+class FakeClock:
+    def __init__(self):
+        self.now = time.time()
+
+    def __call__(self):
+        return self.now
+
+
+def config(model, **kw):
+    kw.setdefault("num_gpu_blocks", 128)
+    return EngineConfig(model=str(model), dtype="float32", **kw)
+
+
+@pytest.fixture
+def pair(tiny_model_dirs):
+    made = []
+
+    def make(block_size=8, prefill_kw=None, decode_kw=None, model=None, transport="shm", **decode_args):
+        model = model or tiny_model_dirs["llama"]
+        decode = build_decode(config(model, block_size=block_size, **(decode_kw or {})), transport, **decode_args)
+        prefill = build_prefill(config(model, block_size=block_size, **(prefill_kw or {})), verify_checksum=True)
+        made.append((prefill, decode))
+        return prefill, decode
+
+    yield make
+    for prefill, decode in made:
+        prefill.engine.assert_idle()
+        decode.engine.assert_idle()
+        assert len(decode.leases) == 0
+        prefill.close()
+        decode.close()
+
+
+def fragment(decode):
+    """Hold every other page of the decode pool so reservations get non-contiguous pages."""
+    kv = decode.engine.kv
+    n = kv.num_free_blocks
+    for i in range(n):
+        kv.allocate(f"frag{i}", kv.block_size)
+    for i in range(0, n, 2):
+        kv.free(f"frag{i}")
+    return [f"frag{i}" for i in range(1, n, 2)]
+
+
+def handoff(prefill, decode, prompts, params=GREEDY, max_steps=500):
+    """Reserve, prefill with layer-by-layer transfer, complete, decode to the end."""
+    descs = {}
+    for i, prompt in enumerate(prompts):
+        desc = decode.reserve(f"r{i}", len(prompt))
+        assert desc is not None
+        descs[desc.request_id] = desc
+        prefill.start(desc.request_id, prompt, params, desc)
+    finished = {}
+    for _ in range(max_steps):
+        for result in prefill.step():
+            assert result.error is None, result.error
+            i = int(result.request_id[1:])
+            out = decode.complete(result.request_id, result.epoch, prompts[i], params, result.first_token,
+                                  checksum=result.checksum)
+            if out.finished:
+                finished[out.request_id] = out
+        for out in decode.engine.step():
+            if out.finished:
+                finished[out.request_id] = out
+        if len(finished) == len(prompts):
+            return [finished[f"r{i}"] for i in range(len(prompts))], descs
+    raise AssertionError("handoff did not finish")
+
+
+@pytest.mark.parametrize("block_size", [8, 16])
+@pytest.mark.parametrize("fragmented", [False, True])
+def test_greedy_output_after_shm_handoff_equals_transformers(pair, block_size, fragmented, tiny_model_dirs,
+                                                            hf_reference):
+    # A small step budget chunks the prefill: pages are shipped across several steps.
+    prefill, decode = pair(block_size, prefill_kw={"max_num_batched_tokens": 24})
+    held = fragment(decode) if fragmented else []
+    prompts = mixed_prompts(5, seed=block_size, lo=3, hi=45)
+    outputs, descs = handoff(prefill, decode, prompts)
+    ref = hf_reference(tiny_model_dirs["llama"])
+    for prompt, out in zip(prompts, outputs):
+        assert out.token_ids == ref.greedy(prompt, 8)
+    contiguous = all(list(d.block_ids) == list(range(d.block_ids[0], d.block_ids[0] + len(d.block_ids)))
+                     for d in descs.values())
+    assert contiguous != fragmented or len(descs) == 0
+    for rid in held:
+        decode.engine.kv.free(rid)
+
+
+@pytest.mark.parametrize("num_layers", [1, 3])
+def test_decode_pages_equal_prefill_pages_byte_for_byte(pair, tmp_path, num_layers):
+    from tests.tiny_models import make_tiny_model
+    model = make_tiny_model(tmp_path / f"l{num_layers}", num_layers=num_layers)
+    prefill, decode = pair(16, model=model)
+    held = fragment(decode)
+    prompt = mixed_prompts(1, seed=7, lo=70, hi=70)[0]
+    desc = decode.reserve("x", len(prompt))
+    prefill.start("x", prompt, GREEDY, desc)
+    src_table = []
+    hook = prefill.engine.runner.layer_hook
+
+    def spy(plan, layer):
+        if plan.block_tables.get("x"):
+            src_table[:] = plan.block_tables["x"]
+        hook(plan, layer)
+    prefill.engine.runner.layer_hook = spy
+    [result] = prefill.step()
+    src = prefill.engine.runner.kv_cache
+    dst = decode.engine.runner.kv_cache
+    full, tail = divmod(len(prompt), 16)
+    for i, (s, d) in enumerate(zip(src_table, desc.block_ids)):
+        n = 16 if i < full else tail
+        assert torch.equal(src[:, :, s, :n], dst[:, :, d, :n]), f"page {i}"
+    assert result.checksum == kv_checksum(dst, desc.block_ids, len(prompt))
+    # 70 tokens = 5 pages; fragmented destination pages need more than one copy per layer.
+    assert result.num_copies > num_layers
+    decode.abort("x")
+    for rid in held:
+        decode.engine.kv.free(rid)
+
+
+def test_contiguous_pages_move_as_one_copy_per_layer(pair):
+    prefill, decode = pair(8)
+    prompt = mixed_prompts(1, seed=3, lo=40, hi=40)[0]
+    desc = decode.reserve("c", len(prompt))
+    prefill.start("c", prompt, GREEDY, desc)
+    [result] = prefill.step()
+    assert result.error is None
+    assert result.num_copies == 2  # the tiny model has 2 layers; 5 consecutive pages each
+    decode.abort("c")
+
+
+def test_decode_abort_mid_transfer_frees_both_sides(pair):
+    prefill, decode = pair(8, prefill_kw={"max_num_batched_tokens": 16})
+    prompt = mixed_prompts(1, seed=4, lo=60, hi=60)[0]
+    desc = decode.reserve("a", len(prompt))
+    prefill.start("a", prompt, GREEDY, desc)
+    assert prefill.step() == []  # first 16-token chunk shipped, prefill not done
+    free_before = decode.engine.kv.num_free_blocks
+    assert decode.abort("a")
+    assert decode.engine.kv.num_free_blocks > free_before
+    results = []
+    deadline = time.monotonic() + 10
+    while not results and time.monotonic() < deadline:
+        results = prefill.step()
+    [result] = results
+    assert isinstance(result.error, StaleEpochError)
+    assert not prefill.has_pending()
+
+
+def test_stale_epoch_completion_is_refused(pair):
+    prefill, decode = pair(8)
+    prompt = [5, 6, 7, 8, 9]
+    old = decode.reserve("s", len(prompt))
+    decode.abort("s")
+    new = decode.reserve("s", len(prompt))
+    assert new.epoch != old.epoch
+    with pytest.raises(StaleEpochError):
+        decode.complete("s", old.epoch, prompt, GREEDY, first_token=1)
+    # The old descriptor cannot write either: the shm sender refuses before copying.
+    prefill.start("s", prompt, GREEDY, old)
+    [result] = prefill.step()
+    assert isinstance(result.error, StaleEpochError)
+    decode.abort("s")
+
+
+def test_layout_mismatch_is_refused_before_any_byte_moves(pair, tiny_model_dirs):
+    decode = build_decode(config(tiny_model_dirs["llama"], block_size=8), "shm")
+    prefill = build_prefill(config(tiny_model_dirs["llama"], block_size=16))
+    try:
+        before = decode.engine.runner.kv_cache.clone()
+        desc = decode.reserve("m", 10)
+        with pytest.raises(LayoutMismatchError, match="block_size"):
+            prefill.start("m", list(range(10)), GREEDY, desc)
+        assert torch.equal(before, decode.engine.runner.kv_cache)
+        assert not prefill.engine.has_unfinished_requests()
+        decode.abort("m")
+        decode.engine.assert_idle()
+    finally:
+        prefill.close()
+        decode.close()
+
+
+def test_lease_expiry_frees_reserved_pages(pair):
+    clock = FakeClock()
+    prefill, decode = pair(8, lease_ttl_s=5.0, clock=clock)
+    free0 = decode.engine.kv.num_free_blocks
+    desc = decode.reserve("e", 30)
+    assert decode.engine.kv.num_free_blocks < free0
+    assert decode.reap_expired() == []
+    clock.now += 6
+    assert decode.reap_expired() == ["e"]
+    assert decode.engine.kv.num_free_blocks == free0
+    with pytest.raises(StaleEpochError):
+        decode.complete("e", desc.epoch, list(range(30)), GREEDY, first_token=1)
+
+
+def test_checksum_mismatch_frees_pages_and_says_so(pair):
+    prefill, decode = pair(8)
+    prompt = mixed_prompts(1, seed=9, lo=20, hi=20)[0]
+    desc = decode.reserve("k", len(prompt))
+    prefill.start("k", prompt, GREEDY, desc)
+    [result] = prefill.step()
+    decode.engine.runner.kv_cache[0, 0, desc.block_ids[0], 0] += 1.0  # corrupt one slot
+    with pytest.raises(ChecksumMismatchError):
+        decode.complete("k", result.epoch, prompt, GREEDY, result.first_token, checksum=result.checksum)
+
+
+PREFILL_CHILD = textwrap.dedent("""
+    import json, sys, time
+    from engine import EngineConfig, SamplingParams
+    from kvtransfer import build_prefill
+    from kvtransfer.base import TransferDescriptor
+    model, desc_json, prompt_json = sys.argv[1:4]
+    prefill = build_prefill(EngineConfig(model=model, dtype="float32", num_gpu_blocks=64, block_size=8))
+    hook = prefill.engine.runner.layer_hook
+    def slow_hook(plan, layer):
+        hook(plan, layer)
+        print("layer", layer, flush=True)
+        time.sleep(60)  # stalls mid-transfer until killed
+    prefill.engine.runner.layer_hook = slow_hook
+    desc = TransferDescriptor.from_dict(json.loads(desc_json))
+    prefill.start(desc.request_id, json.loads(prompt_json), SamplingParams(temperature=0, max_tokens=4), desc)
+    prefill.step()
+""")
+
+
+def test_prefill_killed_mid_transfer_ends_with_pages_free(pair, tiny_model_dirs):
+    import json
+    clock = FakeClock()
+    prefill, decode = pair(8, lease_ttl_s=30.0, clock=clock)
+    free0 = decode.engine.kv.num_free_blocks
+    prompt = mixed_prompts(1, seed=5, lo=30, hi=30)[0]
+    desc = decode.reserve("k9", len(prompt))
+    child = subprocess.Popen([sys.executable, "-c", PREFILL_CHILD, str(tiny_model_dirs["llama"]),
+                              json.dumps(desc.to_dict()), json.dumps(prompt)],
+                             stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
+    try:
+        assert child.stdout.readline().startswith("layer 0")  # layer 0 written, then it stalls
+        os.kill(child.pid, signal.SIGKILL)
+        child.wait(timeout=10)
+    finally:
+        if child.poll() is None:
+            child.kill()
+    clock.now += 31
+    assert decode.reap_expired() == ["k9"]
+    assert decode.engine.kv.num_free_blocks == free0
