@@ -19,7 +19,7 @@ from kvtransfer.base import (ChecksumMismatchError, KVLayout, LayoutMismatchErro
 
 log = logging.getLogger(__name__)
 
-TRANSPORTS = ("shm", "tcp", "nccl")
+TRANSPORTS = ("shm", "tcp", "nccl", "cuda_ipc")
 
 __all__ = ["build_decode", "build_prefill", "TRANSPORTS", "TransferDescriptor", "KVLayout", "TransferError",
            "LayoutMismatchError", "StaleEpochError", "LeaseExpiredError", "TransferAbortedError",
@@ -27,12 +27,12 @@ __all__ = ["build_decode", "build_prefill", "TRANSPORTS", "TransferDescriptor", 
 
 
 def choose_transport(requested: str, device_type: str) -> str:
-    """``auto``: shared memory for CPU pools on one host, torch.distributed for GPU pools."""
+    """``auto``: shared memory for CPU pools, CUDA IPC for GPU pools (both same host)."""
     if requested != "auto":
         if requested not in TRANSPORTS:
             raise ValueError(f"kv transport must be one of {('auto',) + TRANSPORTS}, got {requested!r}")
         return requested
-    return "nccl" if device_type == "cuda" else "shm"
+    return "cuda_ipc" if device_type == "cuda" else "shm"
 
 
 def build_decode(config, transport: str = "auto", lease_ttl_s: float = 30.0,
@@ -61,6 +61,9 @@ def build_decode(config, transport: str = "auto", lease_ttl_s: float = 30.0,
     if name == "shm":
         from kvtransfer.transports.shm import ShmReceiver
         receiver = ShmReceiver(pool, leases, Path(shared["directory"]))
+    elif name == "cuda_ipc":
+        from kvtransfer.transports.cuda_ipc import CudaIpcReceiver
+        receiver = CudaIpcReceiver.create(pool, lease_ttl_s, clock)  # its fence lives in shared memory
     elif name == "tcp":
         from kvtransfer.transports.tcp import TcpReceiver
         receiver = TcpReceiver(pool, leases, host=host)
@@ -68,7 +71,7 @@ def build_decode(config, transport: str = "auto", lease_ttl_s: float = 30.0,
         from kvtransfer.transports.nccl import NcclReceiver
         receiver = NcclReceiver(pool, leases, host=host)
     log.info("decode KV transport: %s at %s", name, receiver.address)
-    return DecodeConnector(engine, receiver, leases)
+    return DecodeConnector(engine, receiver, receiver.leases)
 
 
 def sender_factories(pool: torch.Tensor, transports: Iterable[str]) -> dict:
@@ -77,6 +80,9 @@ def sender_factories(pool: torch.Tensor, transports: Iterable[str]) -> dict:
             if name == "shm":
                 from kvtransfer.transports.shm import ShmSender
                 return ShmSender(address, pool)
+            if name == "cuda_ipc":
+                from kvtransfer.transports.cuda_ipc import CudaIpcSender
+                return CudaIpcSender(address, pool)
             if name == "tcp":
                 from kvtransfer.transports.tcp import TcpSender
                 return TcpSender(address, pool)

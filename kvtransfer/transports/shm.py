@@ -28,19 +28,30 @@ def _map(path: Path, numel: int, dtype: torch.dtype) -> torch.Tensor:
     return torch.from_file(str(path), shared=True, size=numel, dtype=dtype)
 
 
-def create_shared_pool(shape: Sequence[int], dtype: torch.dtype, root: Path | None = None
-                       ) -> tuple[torch.Tensor, torch.Tensor, Path]:
-    """A zeroed pool and page-owner table in shared memory; returns (pool, owners, directory)."""
-    root = root or (SHM_ROOT if SHM_ROOT.is_dir() else Path(tempfile.gettempdir()))
+def create_pool_directory(shape: Sequence[int], dtype: torch.dtype, extra_meta: dict | None = None
+                          ) -> tuple[torch.Tensor, Path]:
+    """A shared-memory directory with the page-owner table and the pool's metadata."""
+    root = SHM_ROOT if SHM_ROOT.is_dir() else Path(tempfile.gettempdir())
     directory = root / f"splitserve-kv-{os.getpid()}-{uuid.uuid4().hex[:8]}"
     directory.mkdir(mode=0o700)
+    owners = _map(directory / "owners", shape[2], torch.int64)
+    meta = {"shape": list(shape), "dtype": str(dtype).removeprefix("torch."), **(extra_meta or {})}
+    (directory / "meta.json").write_text(json.dumps(meta))
+    return owners, directory
+
+
+def create_shared_pool(shape: Sequence[int], dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor, Path]:
+    """A zeroed pool and page-owner table in shared memory; returns (pool, owners, directory)."""
+    owners, directory = create_pool_directory(shape, dtype)
+    pool = _map(directory / "pool", _numel(shape), dtype).view(*shape)
+    return pool, owners, directory
+
+
+def _numel(shape: Sequence[int]) -> int:
     numel = 1
     for n in shape:
         numel *= n
-    pool = _map(directory / "pool", numel, dtype).view(*shape)
-    owners = _map(directory / "owners", shape[2], torch.int64)
-    (directory / "meta.json").write_text(json.dumps({"shape": list(shape), "dtype": str(dtype).removeprefix("torch.")}))
-    return pool, owners, directory
+    return numel
 
 
 class ShmReceiver(KVReceiver):
@@ -74,15 +85,14 @@ class ShmSender(KVSender):
         try:
             meta = json.loads((directory / "meta.json").read_text())
         except OSError as e:
-            raise TransportUnavailableError(f"shm pool {address} is not reachable from here ({e}); "
+            raise TransportUnavailableError(f"{self.name} pool {address} is not reachable from here ({e}); "
                                             "is the decode worker on this host, sharing /dev/shm?") from e
-        shape = meta["shape"]
-        numel = 1
-        for n in shape:
-            numel *= n
-        self.dst_pool = _map(directory / "pool", numel, getattr(torch, meta["dtype"])).view(*shape)
-        self.owners = _map(directory / "owners", shape[2], torch.int64)
+        self.dst_pool = self._map_pool(directory, meta)
+        self.owners = _map(directory / "owners", meta["shape"][2], torch.int64)
         self._bytes_per_block = 2 * self.dst_pool[0, 0, 0].numel() * self.dst_pool.element_size()
+
+    def _map_pool(self, directory: Path, meta: dict) -> torch.Tensor:
+        return _map(directory / "pool", _numel(meta["shape"]), getattr(torch, meta["dtype"])).view(*meta["shape"])
 
     def write(self, desc: TransferDescriptor, layer: int, runs: Sequence[Run]) -> None:
         dst_blocks = [d + i for _, d, n in runs for i in range(n)]
@@ -97,8 +107,8 @@ class ShmSender(KVSender):
         else:
             # Many short runs: one gather and one scatter beat thousands of tiny copies, even
             # though the pages pass through a temporary in this process's memory.
-            src_blocks = torch.tensor([s + i for s, _, n in runs for i in range(n)])
-            dst.index_copy_(1, torch.tensor(dst_blocks), src.index_select(1, src_blocks))
+            src_blocks = torch.tensor([s + i for s, _, n in runs for i in range(n)], device=src.device)
+            dst.index_copy_(1, torch.tensor(dst_blocks, device=dst.device), src.index_select(1, src_blocks))
             self.num_copies += 1
         self.bytes_sent += len(dst_blocks) * self._bytes_per_block
 
