@@ -1,4 +1,4 @@
-"""Prefill engine -> KV pages -> decode engine, in one process, over shared memory.
+"""Prefill engine -> KV pages -> decode engine, in one process, over shm and tcp.
 
 Checks the pages arrive byte for byte, that greedy output after the handoff equals
 transformers, and that every failure path ends with the pages free on both sides.
@@ -34,11 +34,16 @@ def config(model, **kw):
     return EngineConfig(model=str(model), dtype="float32", **kw)
 
 
+@pytest.fixture(params=["shm", "tcp"])
+def transport(request):
+    return request.param
+
+
 @pytest.fixture
-def pair(tiny_model_dirs):
+def pair(tiny_model_dirs, transport):
     made = []
 
-    def make(block_size=8, prefill_kw=None, decode_kw=None, model=None, transport="shm", **decode_args):
+    def make(block_size=8, prefill_kw=None, decode_kw=None, model=None, **decode_args):
         model = model or tiny_model_dirs["llama"]
         decode = build_decode(config(model, block_size=block_size, **(decode_kw or {})), transport, **decode_args)
         prefill = build_prefill(config(model, block_size=block_size, **(prefill_kw or {})), verify_checksum=True)
@@ -142,6 +147,7 @@ def test_decode_pages_equal_prefill_pages_byte_for_byte(pair, tmp_path, num_laye
 
 
 def test_contiguous_pages_move_as_one_copy_per_layer(pair):
+    # (tcp: one frame per run per layer while a run is under the 4 MiB frame limit)
     prefill, decode = pair(8)
     prompt = mixed_prompts(1, seed=3, lo=40, hi=40)[0]
     desc = decode.reserve("c", len(prompt))
@@ -186,8 +192,8 @@ def test_stale_epoch_completion_is_refused(pair):
     decode.abort("s")
 
 
-def test_layout_mismatch_is_refused_before_any_byte_moves(pair, tiny_model_dirs):
-    decode = build_decode(config(tiny_model_dirs["llama"], block_size=8), "shm")
+def test_layout_mismatch_is_refused_before_any_byte_moves(transport, tiny_model_dirs):
+    decode = build_decode(config(tiny_model_dirs["llama"], block_size=8), transport)
     prefill = build_prefill(config(tiny_model_dirs["llama"], block_size=16))
     try:
         before = decode.engine.runner.kv_cache.clone()
@@ -234,7 +240,7 @@ PREFILL_CHILD = textwrap.dedent("""
     from kvtransfer import build_prefill
     from kvtransfer.base import TransferDescriptor
     model, desc_json, prompt_json = sys.argv[1:4]
-    prefill = build_prefill(EngineConfig(model=model, dtype="float32", num_gpu_blocks=64, block_size=8))
+    prefill = build_prefill(EngineConfig(model=model, dtype="float32", num_gpu_blocks=128, block_size=8))
     hook = prefill.engine.runner.layer_hook
     def slow_hook(plan, layer):
         hook(plan, layer)

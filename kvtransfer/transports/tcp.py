@@ -1,0 +1,374 @@
+"""Any host, no GPU interconnect: page runs streamed over one TCP connection per sender.
+
+Wire format (network byte order; never pickle). Every frame is a fixed 37-byte header,
+``HEADER = struct.Struct("!4sBBBHqIIIQ")``, then the request id, then the payload:
+
+    magic        4s  b"SSKV"
+    version      B   1
+    type         B   WRITE=1, FLUSH=2 (sender -> receiver); ACK=3, ERROR=4 (receiver -> sender)
+    error kind   B   ERROR only: STALE=1, EXPIRED=2, ABORTED=3 (else 0)
+    rid length   H   bytes of the UTF-8 request id that follows the header (<= 1024)
+    epoch        q   the lease's fencing token
+    layer        I   WRITE: layer of the run
+    dst_block    I   WRITE: first destination page
+    num_blocks   I   WRITE: pages in the run (>= 1)
+    payload len  Q   bytes after the request id
+
+A WRITE payload is the run's K pages then its V pages, raw bytes in the pool's dtype: exactly
+``src_pool[layer][:, s:s+n]`` laid out as ``[2, n, block_size, kv_heads, head_dim]``, so its
+length is ``2 * n * page_bytes``. FLUSH has no payload; the receiver answers it with ACK (every
+earlier WRITE of that request and epoch is in the pool) or ERROR, whose payload is a UTF-8
+message. Replies echo the request id and epoch. A frame that fails validation (magic, version,
+type, ranges, lengths) gets an ERROR (kind ABORTED) and the connection is closed.
+
+The receiver reads each half of a WRITE payload straight into the destination pool slice
+(``pool[layer, k_or_v, d:d+n]`` is contiguous), holding the lease table's fence and only after
+checking that the pages still carry the frame's epoch. A refused write (stale epoch, expired or
+released lease) is drained into a scratch buffer and remembered, and the next FLUSH for that
+request and epoch replies ERROR. Holding the fence while receiving makes ``release()`` wait for
+the current frame, so senders cut runs into frames of at most ``max_frame_bytes`` (4 MiB).
+"""
+from __future__ import annotations
+
+import socket
+import struct
+import threading
+import time
+from typing import Sequence
+
+import torch
+
+from kvtransfer.base import (KVLayout, LeaseExpiredError, StaleEpochError, TransferAbortedError,
+                             TransferDescriptor, TransferError, TransportUnavailableError)
+from kvtransfer.lease import LeaseTable
+from kvtransfer.transports.base import KVReceiver, KVSender, Run
+
+MAGIC = b"SSKV"
+VERSION = 1
+HEADER = struct.Struct("!4sBBBHqIIIQ")
+WRITE, FLUSH, ACK, ERROR = 1, 2, 3, 4
+STALE, EXPIRED, ABORTED = 1, 2, 3
+MAX_RID_BYTES = 1024
+MAX_MESSAGE_BYTES = 64 << 10
+_KIND_OF = {StaleEpochError: STALE, LeaseExpiredError: EXPIRED}
+_ERROR_OF = {STALE: StaleEpochError, EXPIRED: LeaseExpiredError}
+
+
+class _ProtocolError(Exception):
+    """A frame from the network that breaks the wire format: the connection is closed."""
+
+
+class _PeerGone(Exception):
+    """The peer closed the connection or made no progress within the timeout."""
+
+
+class _Timeout(_PeerGone):
+    """No progress within the socket timeout."""
+
+
+def frame(ftype: int, rid: bytes, epoch: int, layer: int = 0, dst: int = 0, num: int = 0,
+          payload_len: int = 0, kind: int = 0) -> bytes:
+    """Header plus request id of one frame (the payload is sent after it)."""
+    return HEADER.pack(MAGIC, VERSION, ftype, kind, len(rid), epoch, layer, dst, num, payload_len) + rid
+
+
+def _byte_view(t: torch.Tensor) -> memoryview:
+    """Writable bytes of a contiguous CPU tensor, no copy."""
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+def _flat_view(pool: torch.Tensor) -> memoryview | None:
+    """All bytes of a contiguous CPU pool (pages are sliced out by offset), else None."""
+    return _byte_view(pool) if pool.is_contiguous() and pool.device.type == "cpu" else None
+
+
+def _recv_exact(sock: socket.socket, view: memoryview, idle_ok: bool = False) -> bool:
+    """Fill ``view`` from ``sock``. With ``idle_ok``, a timeout before the first byte returns False."""
+    got = 0
+    while got < len(view):
+        try:
+            n = sock.recv_into(view[got:])
+        except socket.timeout:
+            if idle_ok and got == 0:
+                return False
+            raise _Timeout(f"no data for {sock.gettimeout()} s") from None
+        except OSError as e:
+            raise _PeerGone(f"connection lost ({e})") from None
+        if n == 0:
+            raise _PeerGone("connection closed by the peer" + (" in the middle of a frame" if got else ""))
+        got += n
+    return True
+
+
+class TcpReceiver(KVReceiver):
+    name = "tcp"
+
+    def __init__(self, pool: torch.Tensor, leases: LeaseTable, host: str = "127.0.0.1", port: int = 0,
+                 timeout_s: float = 10.0, max_frame_bytes: int = 64 << 20):
+        super().__init__(pool, leases)
+        self.timeout_s = timeout_s  # a frame that stalls this long mid-payload drops its connection
+        self.max_frame_bytes = max_frame_bytes
+        self.layout = KVLayout.of_pool("", pool)
+        self._flat = _flat_view(pool)
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._conns: dict[socket.socket, threading.Thread] = {}
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._listener = socket.create_server((host, port), family=family)
+        self._listener.settimeout(0.2)
+        self._host, self._port = host, self._listener.getsockname()[1]
+        self._accept_thread = threading.Thread(target=self._accept_loop, name="tcp-kv-accept", daemon=True)
+        self._accept_thread.start()
+
+    @property
+    def address(self) -> str:
+        return f"[{self._host}]:{self._port}" if ":" in self._host else f"{self._host}:{self._port}"
+
+    @property
+    def num_connections(self) -> int:
+        with self._lock:
+            return len(self._conns)
+
+    def close(self) -> None:
+        self._stop.set()
+        try:
+            self._listener.shutdown(socket.SHUT_RDWR)  # wakes accept() at once
+        except OSError:
+            pass
+        self._listener.close()
+        with self._lock:
+            conns = dict(self._conns)
+        for conn in conns:
+            try:
+                conn.shutdown(socket.SHUT_RDWR)  # wakes a handler blocked in recv
+            except OSError:
+                pass
+        deadline = time.monotonic() + 2.0
+        for thread in [self._accept_thread, *conns.values()]:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        for conn in conns:
+            conn.close()
+
+    def _accept_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._listener.accept()
+            except socket.timeout:
+                continue
+            except OSError:
+                return  # listener closed
+            conn.settimeout(self.timeout_s)
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            thread = threading.Thread(target=self._serve, args=(conn,), name="tcp-kv-conn", daemon=True)
+            with self._lock:
+                if self._stop.is_set():
+                    conn.close()
+                    return
+                self._conns[conn] = thread
+            thread.start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        errors: dict[tuple[str, int], TransferError] = {}  # refused writes, reported at the next FLUSH
+        scratch = memoryview(bytearray(1 << 20))
+        header = bytearray(HEADER.size)
+        try:
+            while not self._stop.is_set():
+                if not _recv_exact(conn, memoryview(header), idle_ok=True):
+                    continue  # idle between frames
+                try:
+                    self._frame(conn, header, errors, scratch)
+                except _ProtocolError as e:
+                    self._fail(conn, str(e))
+                    return
+        except (_PeerGone, OSError):
+            pass
+        finally:
+            with self._lock:
+                self._conns.pop(conn, None)
+            conn.close()
+
+    def _frame(self, conn: socket.socket, header: bytearray, errors: dict, scratch: memoryview) -> None:
+        magic, version, ftype, _, rid_len, epoch, layer, dst, num, nbytes = HEADER.unpack(header)
+        if magic != MAGIC or version != VERSION:
+            raise _ProtocolError(f"bad frame header (magic {magic!r}, version {version}); "
+                                 f"expected {MAGIC!r} version {VERSION}")
+        if rid_len > MAX_RID_BYTES:
+            raise _ProtocolError(f"request id of {rid_len} bytes (at most {MAX_RID_BYTES})")
+        rid_buf = bytearray(rid_len)
+        _recv_exact(conn, memoryview(rid_buf))
+        try:
+            rid = rid_buf.decode()
+        except UnicodeDecodeError:
+            raise _ProtocolError("request id is not UTF-8") from None
+        if ftype == FLUSH:
+            if nbytes:
+                raise _ProtocolError(f"FLUSH with a {nbytes}-byte payload")
+            err = errors.pop((rid, epoch), None)
+            if err is None:
+                try:
+                    self.leases.check(rid, epoch)
+                except (StaleEpochError, LeaseExpiredError) as e:
+                    err = e
+            if err is None:
+                conn.sendall(frame(ACK, rid_buf, epoch))
+            else:
+                msg, kind = str(err).encode()[:MAX_MESSAGE_BYTES], _KIND_OF.get(type(err), ABORTED)
+                conn.sendall(frame(ERROR, rid_buf, epoch, payload_len=len(msg), kind=kind) + msg)
+            return
+        if ftype != WRITE:
+            raise _ProtocolError(f"unexpected frame type {ftype}")
+        layers, _, blocks = self.pool.shape[:3]
+        if layer >= layers or num < 1 or dst + num > blocks:
+            raise _ProtocolError(f"run of {num} pages at page {dst} of layer {layer} is outside the pool "
+                                 f"({layers} layers, {blocks} pages)")
+        expected = 2 * num * self.layout.page_bytes
+        if nbytes != expected or nbytes > self.max_frame_bytes:
+            raise _ProtocolError(f"payload of {nbytes} bytes; {num} pages of K and V are {expected} bytes "
+                                 f"(at most {self.max_frame_bytes} per frame)")
+        if (rid, epoch) not in errors:
+            try:
+                with self.leases.writing(rid, epoch):
+                    if self.leases.fence.owned_by(range(dst, dst + num), epoch):
+                        for kv in (0, 1):
+                            self._recv_pages(conn, layer, kv, dst, num)
+                        return
+                    raise StaleEpochError(f"request {rid!r}: pages {dst}..{dst + num - 1} do not belong to "
+                                          f"epoch {epoch}; they were released or were never reserved for it")
+            except (StaleEpochError, LeaseExpiredError) as e:
+                if len(errors) >= 1024:
+                    errors.pop(next(iter(errors)))
+                errors[(rid, epoch)] = e
+        left = nbytes  # refused: drain the payload so the stream stays in step
+        while left:
+            n = min(left, len(scratch))
+            _recv_exact(conn, scratch[:n])
+            left -= n
+
+    def _recv_pages(self, conn: socket.socket, layer: int, kv: int, dst: int, num: int) -> None:
+        if self._flat is not None:  # zero-copy: socket -> the bytes of pool[layer, kv, dst:dst+num]
+            start = ((layer * 2 + kv) * self.pool.shape[2] + dst) * self.layout.page_bytes
+            _recv_exact(conn, self._flat[start:start + num * self.layout.page_bytes])
+            return
+        target = self.pool[layer, kv, dst:dst + num]
+        staging = torch.empty(target.shape, dtype=target.dtype)  # strided or device pool
+        _recv_exact(conn, _byte_view(staging))
+        target.copy_(staging)
+
+    def _fail(self, conn: socket.socket, message: str) -> None:
+        """Send ERROR, then close gracefully so the peer can still read it."""
+        msg = message.encode()[:MAX_MESSAGE_BYTES]
+        try:
+            conn.sendall(frame(ERROR, b"", 0, payload_len=len(msg), kind=ABORTED) + msg)
+            conn.shutdown(socket.SHUT_WR)
+            conn.settimeout(0.2)
+            deadline = time.monotonic() + 1.0
+            while time.monotonic() < deadline and not self._stop.is_set() and conn.recv(1 << 16):
+                pass
+        except OSError:
+            pass
+
+
+class TcpSender(KVSender):
+    name = "tcp"
+
+    def __init__(self, address: str, src_pool: torch.Tensor, timeout_s: float = 10.0,
+                 max_frame_bytes: int = 4 << 20):
+        super().__init__(address, src_pool)
+        self.timeout_s = timeout_s
+        self.max_frame_bytes = max_frame_bytes
+        self._lock = threading.Lock()
+        self._broken: str | None = None
+        self._flat = _flat_view(src_pool)
+        self._page_bytes = KVLayout.of_pool("", src_pool).page_bytes
+        try:
+            host, port = address.rsplit(":", 1)
+            self.sock = socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s)
+        except (OSError, ValueError) as e:
+            raise TransportUnavailableError(f"tcp KV receiver at {address!r} is not reachable ({e}); "
+                                            "is the decode worker up and its port open from here?") from e
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def write(self, desc: TransferDescriptor, layer: int, runs: Sequence[Run]) -> None:
+        KVLayout.of_pool(desc.layout.model, self.src_pool).check_compatible(desc.layout)
+        rid, page_bytes = desc.request_id.encode(), self._page_bytes
+        per_frame = max(1, self.max_frame_bytes // (2 * page_bytes))
+        src = self.src_pool[layer]  # [2, blocks, bs, H, D]
+        for s, d, n in runs:
+            if s < 0 or d < 0 or n < 1 or s + n > src.shape[1]:
+                raise ValueError(f"run {(s, d, n)} is outside the source pool ({src.shape[1]} pages)")
+        with self._lock:
+            self._check_usable()
+            for s, d, n in runs:
+                for off in range(0, n, per_frame):
+                    k = min(per_frame, n - off)
+                    halves = [self._pages(layer, kv, s + off, k) for kv in (0, 1)]
+                    try:
+                        self._send([frame(WRITE, rid, desc.epoch, layer, d + off, k, 2 * k * page_bytes), *halves])
+                    except OSError as e:
+                        self._raise_broken(f"sending pages {d + off}..{d + off + k - 1} of layer {layer} failed ({e})")
+                    self.num_copies += 1
+                    self.bytes_sent += 2 * k * page_bytes
+
+    def flush(self, desc: TransferDescriptor) -> None:
+        rid = desc.request_id.encode()
+        with self._lock:
+            self._check_usable()
+            try:
+                self.sock.sendall(frame(FLUSH, rid, desc.epoch))
+            except OSError as e:
+                self._raise_broken(f"sending FLUSH failed ({e})")
+            ftype, kind, r_rid, r_epoch, message = self._read_reply()
+            if ftype == ERROR and kind in _ERROR_OF and r_rid == rid and r_epoch == desc.epoch:
+                raise _ERROR_OF[kind](f"tcp receiver {self.address}: {message}")
+            if ftype == ERROR:
+                self._raise_broken(f"the receiver refused the stream: {message}")
+            if ftype != ACK or r_rid != rid or r_epoch != desc.epoch:
+                self._raise_broken(f"unexpected reply (type {ftype}, request {r_rid!r}, epoch {r_epoch}) "
+                                   f"to the FLUSH of {desc.request_id!r} epoch {desc.epoch}")
+
+    def close(self) -> None:
+        self._broken = self._broken or "sender closed"
+        self.sock.close()
+
+    def _pages(self, layer: int, kv: int, start: int, num: int) -> memoryview:
+        """Bytes of src_pool[layer, kv, start:start+num]: a slice of the pool itself when it is contiguous."""
+        if self._flat is not None:
+            offset = ((layer * 2 + kv) * self.src_pool.shape[2] + start) * self._page_bytes
+            return self._flat[offset:offset + num * self._page_bytes]
+        return _byte_view(self.src_pool[layer, kv, start:start + num].contiguous().cpu())
+
+    def _send(self, bufs: list) -> None:
+        """Header and both halves in one syscall when the socket takes them (small frames)."""
+        sent = self.sock.sendmsg(bufs)
+        for buf in bufs:
+            if sent < len(buf):
+                self.sock.sendall(memoryview(buf)[sent:])
+            sent = max(0, sent - len(buf))
+
+    def _check_usable(self) -> None:
+        if self._broken:
+            raise TransferAbortedError(f"tcp connection to {self.address} is unusable: {self._broken}; "
+                                       "open a new sender and retry the transfer")
+
+    def _raise_broken(self, why: str) -> None:
+        self._broken = why
+        self.sock.close()
+        raise TransferAbortedError(f"tcp receiver {self.address}: {why}; the transfer did not complete")
+
+    def _read_reply(self) -> tuple[int, int, bytes, int, str]:
+        header = bytearray(HEADER.size)
+        try:
+            _recv_exact(self.sock, memoryview(header))
+            magic, version, ftype, kind, rid_len, epoch, _, _, _, nbytes = HEADER.unpack(header)
+            if magic != MAGIC or version != VERSION or rid_len > MAX_RID_BYTES or nbytes > MAX_MESSAGE_BYTES:
+                self._raise_broken(f"malformed reply header {bytes(header)!r}")
+            body = bytearray(rid_len + nbytes)
+            _recv_exact(self.sock, memoryview(body))
+        except _Timeout:
+            self._broken = f"no reply within {self.timeout_s} s"
+            self.sock.close()
+            raise TransferError(f"tcp receiver {self.address} did not answer the FLUSH within "
+                                f"{self.timeout_s} s; treat the transfer as failed") from None
+        except _PeerGone as e:
+            self._raise_broken(str(e))
+        return ftype, kind, bytes(body[:rid_len]), epoch, body[rid_len:].decode(errors="replace")
