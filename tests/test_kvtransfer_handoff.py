@@ -273,3 +273,59 @@ def test_prefill_killed_mid_transfer_ends_with_pages_free(pair, tiny_model_dirs)
     clock.now += 31
     assert decode.reap_expired() == ["k9"]
     assert decode.engine.kv.num_free_blocks == free0
+
+
+PREFILL_PROCESS = textwrap.dedent("""
+    import json, sys
+    from engine import EngineConfig, SamplingParams
+    from kvtransfer import build_prefill
+    from kvtransfer.base import TransferDescriptor
+    model, jobs_json = sys.argv[1:3]
+    prefill = build_prefill(EngineConfig(model=model, dtype="float32", num_gpu_blocks=128, block_size=8,
+                                         max_num_batched_tokens=24), verify_checksum=True)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    for job in json.loads(jobs_json):
+        desc = TransferDescriptor.from_dict(job["desc"])
+        prefill.start(desc.request_id, job["prompt"], params, desc)
+    results = []
+    while prefill.has_pending():
+        for r in prefill.step():
+            results.append({"request_id": r.request_id, "epoch": r.epoch, "first_token": r.first_token,
+                            "checksum": r.checksum, "error": str(r.error) if r.error else None})
+    prefill.close()
+    print(json.dumps(results))
+""")
+
+
+@pytest.mark.parametrize("transport_name", ["shm", "tcp", "nccl"])
+def test_handoff_across_processes_equals_transformers(transport_name, tiny_model_dirs, hf_reference):
+    """The prefill engine in its own process, as in the product; nccl (gloo on CPU) needs that."""
+    import json
+    model = tiny_model_dirs["llama"]
+    decode = build_decode(config(model, block_size=8), transport_name)
+    try:
+        prompts = mixed_prompts(4, seed=77, lo=5, hi=50)
+        jobs = [{"desc": decode.reserve(f"p{i}", len(p)).to_dict(), "prompt": p} for i, p in enumerate(prompts)]
+        child = subprocess.run([sys.executable, "-c", PREFILL_PROCESS, str(model), json.dumps(jobs)],
+                               capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": os.getcwd()})
+        assert child.returncode == 0, child.stderr[-2000:]
+        results = json.loads(child.stdout.strip().splitlines()[-1])
+        assert len(results) == 4 and all(r["error"] is None for r in results)
+        finished = {}
+        for r in results:
+            i = int(r["request_id"][1:])
+            out = decode.complete(r["request_id"], r["epoch"], prompts[i], GREEDY, r["first_token"],
+                                  checksum=r["checksum"])
+            if out.finished:
+                finished[out.request_id] = out
+        while decode.engine.has_unfinished_requests():
+            for out in decode.engine.step():
+                if out.finished:
+                    finished[out.request_id] = out
+        ref = hf_reference(model)
+        for i, prompt in enumerate(prompts):
+            assert finished[f"p{i}"].token_ids == ref.greedy(prompt, 8)
+        decode.engine.assert_idle()
+        assert len(decode.leases) == 0
+    finally:
+        decode.close()
