@@ -1,17 +1,23 @@
 """KV transfer throughput: each transport moving a realistic paged KV vs a plain memcpy.
 
 SmolLM2-135M shapes (30 layers, 3 KV heads, head size 64, bf16), block size 16, prompts of
-512-4096 tokens, destination pages contiguous or fragmented (every other page). Each case
-moves every layer's K and V pages run by run (as the prefill connector does), flushes, and is
-timed against `torch` copying the same number of bytes in one call, interleaved in one run
-(memcpy, transport, memcpy, transport, ...) after a warm-up; medians are reported.
+512-4096 tokens, destination pages contiguous or fragmented (every other page). The sender
+runs in its own process, as a prefill worker does; it moves every layer's K and V pages run by
+run (as the prefill connector does) and flushes. Each transfer is timed against `torch`
+copying the same number of bytes in one call, interleaved in one run (memcpy, transport,
+memcpy, transport, ...) after a warm-up; medians are reported. Latency = write of all layers
++ flush, i.e. one handoff's data time.
 
     python -m bench.kvtransfer --out bench/results/kvtransfer.json
 """
 from __future__ import annotations
 
 import argparse
+import json
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -35,18 +41,52 @@ def make_receiver(name: str, num_blocks: int):
     if name == "tcp":
         from kvtransfer.transports.tcp import TcpReceiver
         return TcpReceiver(pool, leases)
+    if name == "nccl":
+        from kvtransfer.transports.nccl import NcclReceiver
+        return NcclReceiver(pool, leases)
     raise ValueError(name)
 
 
-def make_sender(name: str, address: str, src: torch.Tensor):
-    if name == "shm":
-        from kvtransfer.transports.shm import ShmSender
-        return ShmSender(address, src)
-    from kvtransfer.transports.tcp import TcpSender
-    return TcpSender(address, src)
+def sender_process(name: str, address: str, num_blocks: int) -> None:
+    """Child: reads one descriptor per line, transfers, answers with its timing (JSON lines)."""
+    from kvtransfer import sender_factories
+    src = torch.randn(LAYERS, 2, num_blocks, BLOCK, KV_HEADS, HEAD_DIM).to(DTYPE)
+    sender = sender_factories(src, [name])[name](address)
+    for line in sys.stdin:
+        job = json.loads(line)
+        desc = TransferDescriptor.from_dict(job["desc"])
+        runs = coalesce(job["src_blocks"], list(desc.block_ids))
+        copies0, bytes0 = sender.num_copies, sender.bytes_sent
+        start = time.perf_counter()
+        for layer in range(LAYERS):
+            sender.write(desc, layer, runs)
+        sender.flush(desc)
+        seconds = time.perf_counter() - start
+        print(json.dumps({"seconds": seconds, "copies": sender.num_copies - copies0,
+                          "bytes": sender.bytes_sent - bytes0}), flush=True)
+    sender.close()
 
 
-def one_transfer(receiver, sender, tokens: int, layout: str, request_no: int) -> tuple[float, int, int]:
+class RemoteSender:
+    def __init__(self, name: str, address: str, num_blocks: int):
+        code = f"from bench.kvtransfer import sender_process; sender_process({name!r}, {address!r}, {num_blocks})"
+        self.proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     text=True, cwd=Path(__file__).resolve().parent.parent)
+
+    def transfer(self, desc: TransferDescriptor, src_blocks: list[int]) -> dict:
+        self.proc.stdin.write(json.dumps({"desc": desc.to_dict(), "src_blocks": src_blocks}) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"sender process ended (exit {self.proc.wait()})")
+        return json.loads(line)
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=30)
+
+
+def one_transfer(receiver, sender: RemoteSender, tokens: int, layout: str, request_no: int) -> dict:
     n = -(-tokens // BLOCK)
     src_blocks = list(range(n))
     dst_blocks = list(range(0, 2 * n, 2)) if layout == "fragmented" else list(range(n))
@@ -54,15 +94,10 @@ def one_transfer(receiver, sender, tokens: int, layout: str, request_no: int) ->
     lease = receiver.leases.grant(rid, dst_blocks)
     desc = TransferDescriptor(rid, receiver.name, receiver.address, tuple(dst_blocks),
                               KVLayout.of_pool("smollm2", receiver.pool), lease.epoch, lease.deadline)
-    runs = coalesce(src_blocks, dst_blocks)
-    copies0, bytes0 = sender.num_copies, sender.bytes_sent
-    start = time.perf_counter()
-    for layer in range(LAYERS):
-        sender.write(desc, layer, runs)
-    sender.flush(desc)
-    seconds = time.perf_counter() - start
-    receiver.leases.release(rid)
-    return seconds, sender.num_copies - copies0, sender.bytes_sent - bytes0
+    try:
+        return sender.transfer(desc, src_blocks)
+    finally:
+        receiver.leases.release(rid)
 
 
 def memcpy(nbytes: int, a: torch.Tensor, b: torch.Tensor) -> float:
@@ -75,20 +110,19 @@ def memcpy(nbytes: int, a: torch.Tensor, b: torch.Tensor) -> float:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True)
-    parser.add_argument("--transports", default="shm,tcp")
+    parser.add_argument("--transports", default="shm,tcp,nccl")
     parser.add_argument("--tokens", default="512,1024,4096")
     parser.add_argument("--repeats", type=int, default=5)
     args = parser.parse_args(argv)
     token_counts = [int(t) for t in args.tokens.split(",")]
     num_blocks = 2 * -(-max(token_counts) // BLOCK) + 2
-    src = torch.randn(LAYERS, 2, num_blocks, BLOCK, KV_HEADS, HEAD_DIM).to(DTYPE)
-    total = src.numel()
+    total = LAYERS * 2 * num_blocks * BLOCK * KV_HEADS * HEAD_DIM
     flat_a, flat_b = torch.randn(total).to(DTYPE), torch.zeros(total, dtype=DTYPE)
     rows = []
     request_no = 0
     for name in args.transports.split(","):
         receiver = make_receiver(name, num_blocks)
-        sender = make_sender(name, receiver.address, src)
+        sender = RemoteSender(name, receiver.address, num_blocks)
         try:
             for tokens in token_counts:
                 for layout in ("contiguous", "fragmented"):
@@ -96,9 +130,10 @@ def main(argv=None) -> int:
                     request_no += 1
                     times, copy_times = [], []
                     for _ in range(args.repeats):
-                        seconds, copies, nbytes = one_transfer(receiver, sender, tokens, layout, request_no)
+                        result = one_transfer(receiver, sender, tokens, layout, request_no)
                         request_no += 1
-                        times.append(seconds)
+                        copies, nbytes = result["copies"], result["bytes"]
+                        times.append(result["seconds"])
                         copy_times.append(memcpy(nbytes, flat_a, flat_b))
                     t, m = median(times), median(copy_times)
                     row = {"transport": name, "layout": layout, "tokens": tokens, "bytes": nbytes,
