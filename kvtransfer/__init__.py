@@ -26,13 +26,21 @@ __all__ = ["build_decode", "build_prefill", "TRANSPORTS", "TransferDescriptor", 
            "ChecksumMismatchError", "TransportUnavailableError"]
 
 
-def choose_transport(requested: str, device_type: str) -> str:
-    """``auto``: shared memory for CPU pools, CUDA IPC for GPU pools (both same host)."""
-    if requested != "auto":
-        if requested not in TRANSPORTS:
-            raise ValueError(f"kv transport must be one of {('auto',) + TRANSPORTS}, got {requested!r}")
-        return requested
-    return "cuda_ipc" if device_type == "cuda" else "shm"
+def choose_transports(requested: str, device_type: str) -> list[str]:
+    """Transports a decode worker offers, fastest first.
+
+    ``auto``: same-host zero-copy first (cuda_ipc for GPU pools, shm for CPU pools), then a
+    transport that crosses hosts (nccl between GPUs, tcp otherwise). A comma list is taken as given.
+    """
+    if requested == "auto":
+        return ["cuda_ipc", "nccl", "tcp"] if device_type == "cuda" else ["shm", "tcp"]
+    names = [n.strip() for n in requested.split(",") if n.strip()]
+    for name in names:
+        if name not in TRANSPORTS:
+            raise ValueError(f"kv transport must be 'auto' or a comma list of {TRANSPORTS}, got {name!r}")
+    if not names:
+        raise ValueError("kv transport list is empty")
+    return names
 
 
 def build_decode(config, transport: str = "auto", lease_ttl_s: float = 30.0,
@@ -43,9 +51,9 @@ def build_decode(config, transport: str = "auto", lease_ttl_s: float = 30.0,
     from kvtransfer.decode_side import DecodeConnector
     from kvtransfer.lease import LeaseTable, PageFence
 
-    name = choose_transport(transport, resolve_device(config.device).type)
+    names = choose_transports(transport, resolve_device(config.device).type)
     shared: dict = {}
-    if name == "shm":
+    if "shm" in names:
         from kvtransfer.transports.shm import create_shared_pool
 
         def pool_factory(shape, dtype, device):
@@ -56,22 +64,28 @@ def build_decode(config, transport: str = "auto", lease_ttl_s: float = 30.0,
         pool_factory = default_pool
     engine = LLMEngine(config, pool_factory=pool_factory)
     pool = engine.runner.kv_cache
-    owners = shared.get("owners", torch.empty(pool.shape[2], dtype=torch.int64))
-    leases = LeaseTable(PageFence(owners), lease_ttl_s, clock=clock)
-    if name == "shm":
-        from kvtransfer.transports.shm import ShmReceiver
-        receiver = ShmReceiver(pool, leases, Path(shared["directory"]))
-    elif name == "cuda_ipc":
+    receivers = []
+    if "cuda_ipc" in names:
         from kvtransfer.transports.cuda_ipc import CudaIpcReceiver
-        receiver = CudaIpcReceiver.create(pool, lease_ttl_s, clock)  # its fence lives in shared memory
-    elif name == "tcp":
-        from kvtransfer.transports.tcp import TcpReceiver
-        receiver = TcpReceiver(pool, leases, host=host)
+        # Its page-owner table lives in shared memory, so every receiver fences on it.
+        receivers.append(CudaIpcReceiver.create(pool, lease_ttl_s, clock))
+        leases = receivers[0].leases
     else:
-        from kvtransfer.transports.nccl import NcclReceiver
-        receiver = NcclReceiver(pool, leases, host=host)
-    log.info("decode KV transport: %s at %s", name, receiver.address)
-    return DecodeConnector(engine, receiver, receiver.leases)
+        owners = shared.get("owners", torch.empty(pool.shape[2], dtype=torch.int64))
+        leases = LeaseTable(PageFence(owners), lease_ttl_s, clock=clock)
+    for name in names:
+        if name == "shm":
+            from kvtransfer.transports.shm import ShmReceiver
+            receivers.append(ShmReceiver(pool, leases, Path(shared["directory"])))
+        elif name == "tcp":
+            from kvtransfer.transports.tcp import TcpReceiver
+            receivers.append(TcpReceiver(pool, leases, host=host))
+        elif name == "nccl":
+            from kvtransfer.transports.nccl import NcclReceiver
+            receivers.append(NcclReceiver(pool, leases, host=host))
+    receivers.sort(key=lambda r: names.index(r.name))
+    log.info("decode KV transports (fastest first): %s", ", ".join(f"{r.name}@{r.address}" for r in receivers))
+    return DecodeConnector(engine, receivers, leases)
 
 
 def sender_factories(pool: torch.Tensor, transports: Iterable[str]) -> dict:

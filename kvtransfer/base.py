@@ -90,17 +90,26 @@ class TransferDescriptor:
     layout: KVLayout
     epoch: int
     lease_deadline: float  # time.time() seconds
+    # Further (transport, address) pairs the same pages accept, slower ones last; the prefill
+    # side takes the first offer it supports and can reach.
+    alternatives: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def offers(self) -> tuple[tuple[str, str], ...]:
+        return ((self.transport, self.address),) + self.alternatives
 
     def to_dict(self) -> dict:
         d = asdict(self)
         d["block_ids"] = list(self.block_ids)
+        d["alternatives"] = [list(a) for a in self.alternatives]
         return d
 
     @classmethod
     def from_dict(cls, d: dict) -> "TransferDescriptor":
         return cls(request_id=str(d["request_id"]), transport=str(d["transport"]), address=str(d["address"]),
                    block_ids=tuple(int(b) for b in d["block_ids"]), layout=KVLayout(**d["layout"]),
-                   epoch=int(d["epoch"]), lease_deadline=float(d["lease_deadline"]))
+                   epoch=int(d["epoch"]), lease_deadline=float(d["lease_deadline"]),
+                   alternatives=tuple((str(t), str(a)) for t, a in d.get("alternatives", ())))
 
 
 def coalesce(src_blocks: Sequence[int], dst_blocks: Sequence[int]) -> list[tuple[int, int, int]]:

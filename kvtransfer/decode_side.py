@@ -20,9 +20,12 @@ log = logging.getLogger(__name__)
 
 
 class DecodeConnector:
-    def __init__(self, engine: LLMEngine, receiver: KVReceiver, leases: LeaseTable):
+    def __init__(self, engine: LLMEngine, receivers: Sequence[KVReceiver], leases: LeaseTable):
+        if not receivers:
+            raise ValueError("a decode connector needs at least one transport")
         self.engine = engine
-        self.receiver = receiver
+        # Fastest first: every descriptor offers all of them, in this order.
+        self.receivers = list(receivers)
         self.leases = leases
         self.layout = KVLayout.of_pool(engine.model_name, engine.runner.kv_cache)
         self.num_expired = 0
@@ -34,8 +37,9 @@ class DecodeConnector:
         if self.engine.kv.allocate(request_id, num_prompt_tokens) is None:
             return None
         lease = self.leases.grant(request_id, self.engine.kv.block_table(request_id))
-        return TransferDescriptor(request_id, self.receiver.name, self.receiver.address, lease.block_ids,
-                                  self.layout, lease.epoch, lease.deadline)
+        first, *rest = self.receivers
+        return TransferDescriptor(request_id, first.name, first.address, lease.block_ids, self.layout,
+                                  lease.epoch, lease.deadline, tuple((r.name, r.address) for r in rest))
 
     def complete(self, request_id: str, epoch: int, prompt_token_ids: Sequence[int], params: SamplingParams,
                  first_token: int, checksum: int | None = None, priority: int = 0,
@@ -77,5 +81,10 @@ class DecodeConnector:
         self.num_expired += len(expired)
         return expired
 
+    @property
+    def transports(self) -> list[str]:
+        return [r.name for r in self.receivers]
+
     def close(self) -> None:
-        self.receiver.close()
+        for receiver in self.receivers:
+            receiver.close()

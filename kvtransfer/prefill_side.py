@@ -18,7 +18,8 @@ from typing import Callable, Sequence
 from engine.llm_engine import LLMEngine
 from engine.sampling_params import SamplingParams
 from engine.scheduler import SchedulerOutput
-from kvtransfer.base import KVLayout, TransferDescriptor, TransferError, coalesce, kv_checksum
+from kvtransfer.base import (KVLayout, TransferDescriptor, TransferError, TransportUnavailableError, coalesce,
+                             kv_checksum)
 from kvtransfer.transports.base import KVSender
 
 log = logging.getLogger(__name__)
@@ -38,6 +39,8 @@ class PrefillResult:
     # Set on failure: the transfer error; the request's prefill pages are already freed.
     error: TransferError | None = None
     num_copies: int = 0
+    # The transport that carried the pages.
+    transport: str | None = None
 
 
 @dataclass
@@ -69,9 +72,6 @@ class PrefillConnector:
               desc: TransferDescriptor, priority: int = 0) -> None:
         """Check the layout, then queue the prompt for prefill into ``desc``'s pages."""
         self.layout.check_compatible(desc.layout)
-        if desc.transport not in self.sender_factories:
-            raise TransferError(f"transport {desc.transport!r} is not enabled on this prefill worker "
-                                f"(enabled: {sorted(self.sender_factories)})")
         blocks_needed = self.engine.kv.blocks_needed(len(prompt_token_ids))
         if len(desc.block_ids) < blocks_needed:
             raise TransferError(f"request {request_id!r}: {len(desc.block_ids)} reserved pages for a prompt "
@@ -105,6 +105,7 @@ class PrefillConnector:
             except TransferError as e:
                 result.error = e
             result.num_copies = transfer.sender.num_copies - transfer.copies_at_start
+            result.transport = transfer.sender.name
             results.append(result)
         # Transfers refused mid-prefill stop computing at once.
         for request_id, transfer in list(self._transfers.items()):
@@ -124,10 +125,24 @@ class PrefillConnector:
 
     # ---- data path -----------------------------------------------------------------
     def _sender(self, desc: TransferDescriptor) -> KVSender:
-        key = (desc.transport, desc.address)
-        if key not in self._senders:
-            self._senders[key] = self.sender_factories[desc.transport](desc.address)
-        return self._senders[key]
+        """The first offered transport this side supports and can reach; a fallback is logged loudly."""
+        refused = []
+        for transport, address in desc.offers:
+            if transport not in self.sender_factories:
+                refused.append(f"{transport}: not enabled here")
+                continue
+            key = (transport, address)
+            if key not in self._senders:
+                try:
+                    self._senders[key] = self.sender_factories[transport](address)
+                except TransportUnavailableError as e:
+                    refused.append(f"{transport}: {e}")
+                    continue
+            if refused:
+                log.warning("KV transfer of %s falls back to %s (%s)", desc.request_id, transport, "; ".join(refused))
+            return self._senders[key]
+        raise TransportUnavailableError(f"request {desc.request_id!r}: no offered KV transport is usable here ("
+                                        + "; ".join(refused) + ")")
 
     def _on_layer(self, plan: SchedulerOutput, layer: int) -> None:
         last_layer = layer == self.layout.num_layers - 1

@@ -329,3 +329,55 @@ def test_handoff_across_processes_equals_transformers(transport_name, tiny_model
         assert len(decode.leases) == 0
     finally:
         decode.close()
+
+
+def test_auto_offers_fastest_first_and_falls_back_loudly(tiny_model_dirs, hf_reference, caplog):
+    import dataclasses
+    import logging
+    model = tiny_model_dirs["llama"]
+    decode = build_decode(config(model, block_size=8), "auto")
+    prefill = build_prefill(config(model, block_size=8))
+    try:
+        assert decode.transports == ["shm", "tcp"]
+        prompt = mixed_prompts(1, seed=12, lo=20, hi=20)[0]
+        desc = decode.reserve("f", len(prompt))
+        assert [t for t, _ in desc.offers] == ["shm", "tcp"]
+        # As seen from another host: the shared-memory pool is not there.
+        elsewhere = dataclasses.replace(desc, address="/nonexistent/splitserve-kv")
+        with caplog.at_level(logging.WARNING, logger="kvtransfer.prefill_side"):
+            prefill.start("f", prompt, GREEDY, elsewhere)
+            [result] = prefill.step()
+        assert result.error is None and result.transport == "tcp"
+        assert "falls back to tcp" in caplog.text and "not reachable" in caplog.text
+        out = decode.complete("f", result.epoch, prompt, GREEDY, result.first_token)
+        while not out.finished:
+            [out] = decode.engine.step()
+        assert out.token_ids == hf_reference(model).greedy(prompt, 8)
+        # Same host: shm is taken, nothing logged.
+        caplog.clear()
+        desc = decode.reserve("g", len(prompt))
+        with caplog.at_level(logging.WARNING, logger="kvtransfer.prefill_side"):
+            prefill.start("g", prompt, GREEDY, desc)
+            [result] = prefill.step()
+        assert result.transport == "shm" and "falls back" not in caplog.text
+        decode.abort("g")
+        decode.engine.assert_idle()
+        prefill.engine.assert_idle()
+    finally:
+        prefill.close()
+        decode.close()
+
+
+def test_no_usable_transport_is_a_clear_error(tiny_model_dirs):
+    model = tiny_model_dirs["llama"]
+    decode = build_decode(config(model, block_size=8), "shm")
+    prefill = build_prefill(config(model, block_size=8), transports=["tcp"])
+    try:
+        desc = decode.reserve("n", 10)
+        with pytest.raises(Exception, match="no offered KV transport"):
+            prefill.start("n", list(range(10)), GREEDY, desc)
+        assert not prefill.engine.has_unfinished_requests()
+        decode.abort("n")
+    finally:
+        prefill.close()
+        decode.close()
