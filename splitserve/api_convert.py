@@ -1,0 +1,171 @@
+"""Proto <-> domain conversion at the edge: the only module that knows both sides.
+
+Servicers call these helpers on the way in (``*_from_proto``, which validate and raise
+``InvalidArgument`` naming the offending field) and on the way out (``*_to_proto``); engine and
+kvtransfer code never sees a ``*_pb2`` type.
+
+Sampling defaults differ from the engine's in one place: an unset ``max_tokens`` is
+``DEFAULT_MAX_TOKENS`` (256, the engine's own default of 16 is too short for a chat reply);
+an unset ``temperature`` is ``DEFAULT_TEMPERATURE`` (1.0, same as the engine). Every other
+unset field keeps the engine default (see ``engine.sampling_params.SamplingParams``).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Sequence
+
+from engine.sampling_params import SamplingParams
+from splitserve.errors import InvalidArgument
+from splitserve.v1 import generation_pb2, worker_pb2
+
+if TYPE_CHECKING:  # kvtransfer.base imports torch; the gateway converts descriptors without it
+    from kvtransfer.base import TransferDescriptor
+
+__all__ = [
+    "DEFAULT_MAX_TOKENS", "DEFAULT_TEMPERATURE", "PROMPT_FIELDS", "sampling_from_proto", "prompt_from_request",
+    "descriptor_to_proto", "descriptor_from_proto", "logprobs_to_proto", "logprobs_from_proto",
+]
+
+DEFAULT_MAX_TOKENS = 256
+DEFAULT_TEMPERATURE = 1.0
+
+# Proto3 ``optional`` scalars of SamplingParams: copied only when the client set them.
+_OPTIONAL_SAMPLING_FIELDS = (
+    "max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "seed",
+    "repetition_penalty", "frequency_penalty", "presence_penalty", "logprobs",
+)
+_ENGINE_SAMPLING_FIELDS = frozenset(f.name for f in dataclasses.fields(SamplingParams))
+
+# The ways a prompt can be given, in the order error messages list them.
+PROMPT_FIELDS = ("text", "token_ids", "messages")
+
+
+# ---- sampling --------------------------------------------------------------------------
+
+def sampling_from_proto(msg: generation_pb2.SamplingParams | None) -> SamplingParams:
+    """Engine sampling parameters from the proto; unset fields take the defaults above.
+
+    Raises ``InvalidArgument`` whose message starts with the field path, e.g.
+    ``"sampling.temperature must be >= 0, got -1.0"``.
+    """
+    kwargs: dict = {"max_tokens": DEFAULT_MAX_TOKENS, "temperature": DEFAULT_TEMPERATURE}
+    if msg is not None:
+        for name in _OPTIONAL_SAMPLING_FIELDS:
+            if msg.HasField(name):
+                kwargs[name] = getattr(msg, name)
+        kwargs["stop"] = list(msg.stop)
+        kwargs["stop_token_ids"] = list(msg.stop_token_ids)
+        kwargs["ignore_eos"] = msg.ignore_eos
+    try:
+        return SamplingParams(**kwargs)
+    except ValueError as exc:
+        # The engine's messages start with the field name ("top_k must be ..."); prefix the
+        # message path so a JSON caller sees exactly what to fix.
+        text = str(exc)
+        first = text.split(" ", 1)[0]
+        path = f"sampling.{text}" if first in _ENGINE_SAMPLING_FIELDS else f"invalid sampling: {text}"
+        raise InvalidArgument(path) from exc
+
+
+# ---- prompt ----------------------------------------------------------------------------
+
+def prompt_from_request(req, vocab_size: int | None = None) -> tuple[str, object]:
+    """The one prompt form set in a GenerateRequest (or TokenizeRequest).
+
+    Returns ``("text", str)``, ``("token_ids", list[int])`` or ``("messages", list[dict])``
+    with dicts ``{"role": ..., "content": ...}``. Raises ``InvalidArgument`` when none or
+    several of the forms are set (an empty string or list counts as unset: proto3 cannot tell
+    them apart), for a message without a role, and, when ``vocab_size`` is given, for a token
+    id outside ``[0, vocab_size)``.
+    """
+    present = [name for name in PROMPT_FIELDS if name in req.DESCRIPTOR.fields_by_name]
+    chosen = [name for name in present if len(getattr(req, name)) > 0]
+    if len(chosen) != 1:
+        detail = f" (got {', '.join(chosen)})" if chosen else ""
+        raise InvalidArgument(f"exactly one of {', '.join(present)} must be set{detail}")
+    kind = chosen[0]
+    if kind == "text":
+        return "text", req.text
+    if kind == "token_ids":
+        ids = list(req.token_ids)
+        if vocab_size is not None:
+            for i, tok in enumerate(ids):
+                if tok >= vocab_size:
+                    raise InvalidArgument(f"token_ids[{i}] is {tok}, must be < vocab_size ({vocab_size})")
+        return "token_ids", ids
+    messages = []
+    for i, m in enumerate(req.messages):
+        if not m.role.strip():
+            raise InvalidArgument(f"messages[{i}].role must not be empty (e.g. \"user\")")
+        messages.append({"role": m.role, "content": m.content})
+    return "messages", messages
+
+
+# ---- KV transfer descriptor ------------------------------------------------------------
+
+def descriptor_to_proto(desc: "TransferDescriptor") -> worker_pb2.TransferDescriptor:
+    """``kvtransfer.base.TransferDescriptor`` -> proto."""
+    layout = desc.layout
+    return worker_pb2.TransferDescriptor(
+        request_id=desc.request_id,
+        transport=desc.transport,
+        address=desc.address,
+        block_ids=list(desc.block_ids),
+        layout=worker_pb2.KVLayout(model=layout.model, num_layers=layout.num_layers,
+                                   num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim,
+                                   block_size=layout.block_size, dtype=layout.dtype),
+        epoch=desc.epoch,
+        lease_deadline=desc.lease_deadline,
+        alternatives=[worker_pb2.TransportOffer(transport=t, address=a) for t, a in desc.alternatives],
+    )
+
+
+def descriptor_from_proto(msg: worker_pb2.TransferDescriptor, field: str = "descriptor") -> "TransferDescriptor":
+    """Proto -> ``kvtransfer.base.TransferDescriptor``; ``InvalidArgument`` when incomplete."""
+    from kvtransfer.base import KVLayout, TransferDescriptor
+
+    for name in ("request_id", "transport", "address"):
+        if not getattr(msg, name):
+            raise InvalidArgument(f"{field}.{name} must be set")
+    if not msg.HasField("layout"):
+        raise InvalidArgument(f"{field}.layout must be set")
+    if not msg.block_ids:
+        raise InvalidArgument(f"{field}.block_ids must not be empty")
+    lay = msg.layout
+    layout = KVLayout(model=lay.model, num_layers=lay.num_layers, num_kv_heads=lay.num_kv_heads,
+                      head_dim=lay.head_dim, block_size=lay.block_size, dtype=lay.dtype)
+    return TransferDescriptor(
+        request_id=msg.request_id,
+        transport=msg.transport,
+        address=msg.address,
+        block_ids=tuple(msg.block_ids),
+        layout=layout,
+        epoch=msg.epoch,
+        lease_deadline=msg.lease_deadline,
+        alternatives=tuple((o.transport, o.address) for o in msg.alternatives),
+    )
+
+
+# ---- logprobs --------------------------------------------------------------------------
+
+def logprobs_to_proto(entry: Sequence[tuple[int, float]] | None) -> generation_pb2.TokenLogprobs | None:
+    """One position of the engine's logprobs, ``[(sampled_id, lp), (top1_id, lp), ...]``.
+
+    ``None`` (logprobs not requested) gives ``None``; callers leave the proto field unset.
+    """
+    if entry is None:
+        return None
+    if not entry:
+        raise ValueError("a logprobs entry starts with the sampled token's (id, logprob); got an empty list")
+    (token_id, logprob), *top = entry
+    return generation_pb2.TokenLogprobs(
+        token_id=token_id, logprob=logprob,
+        top=[generation_pb2.TopLogprob(token_id=t, logprob=lp) for t, lp in top],
+    )
+
+
+def logprobs_from_proto(msg: generation_pb2.TokenLogprobs | None) -> list[tuple[int, float]] | None:
+    """Inverse of ``logprobs_to_proto`` (e.g. the first token's logprobs handed to a decode worker)."""
+    if msg is None:
+        return None
+    return [(msg.token_id, msg.logprob)] + [(t.token_id, t.logprob) for t in msg.top]

@@ -1,0 +1,196 @@
+"""Domain errors and the one place they become gRPC status codes.
+
+Code raises the exception that says what went wrong (``InvalidArgument("sampling.top_p ...")``,
+``ResourceExhausted("queue full", retry_after_s=2)``); servicers do not pick status codes
+themselves. ``status_for`` maps any exception to ``(grpc.StatusCode, message)``:
+
+=============================================  ==========================================
+exception                                      status
+=============================================  ==========================================
+``SplitserveError`` subclasses                 their ``code``
+``ValueError`` (engine validation)             INVALID_ARGUMENT
+``kvtransfer.base.LayoutMismatchError``        FAILED_PRECONDITION
+other ``kvtransfer.base.TransferError``        UNAVAILABLE (the handoff is void; retry it)
+anything else                                  INTERNAL, generic message, logged with traceback
+=============================================  ==========================================
+
+``ErrorMappingInterceptor`` applies it to every handler of a synchronous ``grpc.server``.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import sys
+from typing import Callable
+
+import grpc
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "SplitserveError", "InvalidArgument", "ResourceExhausted", "NotFound", "Cancelled",
+    "DeadlineExceeded", "Unavailable", "status_for", "ErrorMappingInterceptor",
+    "RETRY_AFTER_METADATA_KEY", "INTERNAL_MESSAGE",
+]
+
+# Trailing metadata key of a RESOURCE_EXHAUSTED status: milliseconds to wait before retrying.
+RETRY_AFTER_METADATA_KEY = "retry-after-ms"
+
+# What clients see for an unexpected exception; the details go to the server log only.
+INTERNAL_MESSAGE = "internal server error (details are in the server log)"
+
+
+class SplitserveError(Exception):
+    """Base of the errors a client is meant to see; ``code`` is their gRPC status."""
+
+    code: grpc.StatusCode = grpc.StatusCode.INTERNAL
+
+    def __init__(self, message: str = "") -> None:
+        super().__init__(message)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class InvalidArgument(SplitserveError):
+    """The request is malformed; retrying it unchanged will fail again."""
+
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class ResourceExhausted(SplitserveError):
+    """No room now (queue full, no KV pages); retry after ``retry_after_s`` seconds if given."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+    def __init__(self, message: str = "", retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        if retry_after_s is not None and not retry_after_s >= 0:
+            raise ValueError(f"retry_after_s must be None or >= 0, got {retry_after_s!r}")
+        self.retry_after_s = retry_after_s
+
+
+class NotFound(SplitserveError):
+    """No such request (unknown id, or its record expired)."""
+
+    code = grpc.StatusCode.NOT_FOUND
+
+
+class Cancelled(SplitserveError):
+    """The request was aborted or its client went away."""
+
+    code = grpc.StatusCode.CANCELLED
+
+
+class DeadlineExceeded(SplitserveError):
+    """The request's gRPC deadline passed before it finished."""
+
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+class Unavailable(SplitserveError):
+    """A worker or dependency cannot serve now (dead worker, Redis down); safe to retry."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+def _kvtransfer_status(exc: BaseException) -> tuple[grpc.StatusCode, str] | None:
+    # Look the module up instead of importing it: kvtransfer pulls in torch, which the
+    # gateway does not need, and an exception of a module never imported cannot exist.
+    base = sys.modules.get("kvtransfer.base")
+    if base is None:
+        return None
+    if isinstance(exc, base.LayoutMismatchError):
+        return grpc.StatusCode.FAILED_PRECONDITION, str(exc)
+    if isinstance(exc, base.TransferError):
+        return grpc.StatusCode.UNAVAILABLE, str(exc)
+    return None
+
+
+def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
+    """The gRPC status code and client-facing message for ``exc``.
+
+    Unexpected exceptions give INTERNAL with a generic message and are logged here with their
+    traceback (so call this from the ``except`` block, or pass an exception that carries one).
+    """
+    if isinstance(exc, SplitserveError):
+        return exc.code, str(exc)
+    mapped = _kvtransfer_status(exc)
+    if mapped is not None:
+        return mapped
+    if isinstance(exc, ValueError):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+    log.error("unhandled %s while serving an RPC", type(exc).__name__, exc_info=exc)
+    return grpc.StatusCode.INTERNAL, INTERNAL_MESSAGE
+
+
+def _abort(context: grpc.ServicerContext, exc: Exception) -> None:
+    """Turn ``exc`` into the RPC's status; always raises (``context.abort`` does)."""
+    if _is_abort(context, exc):
+        raise exc  # the handler already chose a status with context.abort()
+    code, message = status_for(exc)
+    retry_after_s = getattr(exc, "retry_after_s", None)
+    if code == grpc.StatusCode.RESOURCE_EXHAUSTED and retry_after_s is not None:
+        context.set_trailing_metadata(((RETRY_AFTER_METADATA_KEY, str(round(retry_after_s * 1000))),))
+    context.abort(code, message)
+
+
+def _is_abort(context: grpc.ServicerContext, exc: Exception) -> bool:
+    # grpc's sync server implements context.abort() by raising a bare Exception after
+    # recording the status; such an exception must pass through untouched.
+    if type(exc) is not Exception or exc.args:
+        return False
+    try:
+        code = context.code()
+    except Exception:  # very old grpcio without ServicerContext.code()
+        return True
+    return code is not None and code != grpc.StatusCode.OK
+
+
+class ErrorMappingInterceptor(grpc.ServerInterceptor):
+    """Server interceptor (sync ``grpc.server``) that maps raised exceptions via ``status_for``.
+
+    Wraps every handler kind; for streaming responses an exception raised mid-stream ends the
+    stream with the mapped status after the messages already sent. RESOURCE_EXHAUSTED with a
+    ``retry_after_s`` also sets the trailing metadata ``retry-after-ms``.
+    """
+
+    def intercept_service(self, continuation: Callable, handler_call_details: grpc.HandlerCallDetails):
+        handler = continuation(handler_call_details)
+        if handler is None:
+            return None
+        kinds = (
+            ("unary_unary", grpc.unary_unary_rpc_method_handler, _wrap_call),
+            ("unary_stream", grpc.unary_stream_rpc_method_handler, _wrap_stream),
+            ("stream_unary", grpc.stream_unary_rpc_method_handler, _wrap_call),
+            ("stream_stream", grpc.stream_stream_rpc_method_handler, _wrap_stream),
+        )
+        for attr, make, wrap in kinds:
+            behavior = getattr(handler, attr)
+            if behavior is not None:
+                return make(wrap(behavior), request_deserializer=handler.request_deserializer,
+                            response_serializer=handler.response_serializer)
+        return handler
+
+
+def _wrap_call(behavior: Callable) -> Callable:
+    @functools.wraps(behavior)
+    def wrapper(request, context):
+        try:
+            return behavior(request, context)
+        except Exception as exc:
+            _abort(context, exc)
+
+    return wrapper
+
+
+def _wrap_stream(behavior: Callable) -> Callable:
+    @functools.wraps(behavior)
+    def wrapper(request, context):
+        try:
+            yield from behavior(request, context)
+        except Exception as exc:
+            _abort(context, exc)
+
+    return wrapper
