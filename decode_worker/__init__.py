@@ -1,0 +1,1 @@
+"""Decode worker: reserves KV pages, admits prefilled requests, runs continuous batching, streams tokens."""

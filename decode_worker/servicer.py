@@ -1,0 +1,141 @@
+"""The DecodeWorker gRPC service over a DecodeConnector (role ``decode``) or a plain engine (role ``both``).
+
+Protocol (the gateway orchestrates): ``Reserve`` returns a transfer descriptor; the prefill
+worker writes the prompt's KV into those pages and returns the first token; ``Decode`` then
+completes the handoff with the epoch and streams every later token. On a ``both`` worker,
+``Decode`` with epoch 0 runs the whole request here, first token included.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+
+from engine.llm_engine import LLMEngine
+from engine.outputs import RequestOutput
+from kvtransfer.decode_side import DecodeConnector
+from splitserve.api_convert import (descriptor_to_proto, logprobs_from_proto, logprobs_to_proto,
+                                    sampling_from_proto)
+from splitserve.engine_loop import EngineDead, EngineLoop
+from splitserve.errors import InvalidArgument, ResourceExhausted
+from splitserve.v1 import generation_pb2, worker_pb2, worker_pb2_grpc
+
+# How often a streaming handler wakes to notice a client that went away.
+POLL_S = 0.5
+
+
+class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
+    def __init__(self, engine: LLMEngine, connector: DecodeConnector | None, worker_id: str):
+        """``connector`` None: a ``both`` worker that prefills its own requests."""
+        self.engine = engine
+        self.connector = connector
+        self.worker_id = worker_id
+        self.role = "decode" if connector else "both"
+        self.address = ""
+        self.loop = EngineLoop(self._step, self.engine.has_unfinished_requests,
+                               housekeeping=connector.reap_expired if connector else None,
+                               name=f"{self.role}-engine").start()
+
+    def _step(self):
+        return [(out.request_id, out) for out in self.engine.step()]
+
+    # ---- RPCs ------------------------------------------------------------------------
+    def Reserve(self, request, context):
+        if self.role == "both":
+            raise InvalidArgument("this worker runs prefill and decode itself (role both): call Decode with epoch 0")
+        if not request.request_id or request.num_prompt_tokens < 1:
+            raise InvalidArgument("request_id and num_prompt_tokens >= 1 are required")
+        desc = self.loop.call(lambda: self.connector.reserve(request.request_id, request.num_prompt_tokens))
+        if desc is None:
+            raise ResourceExhausted(f"no free KV pages for {request.num_prompt_tokens} tokens on {self.worker_id}",
+                                    retry_after_s=0.5)
+        return worker_pb2.ReserveResponse(descriptor=descriptor_to_proto(desc))
+
+    def Decode(self, request, context):
+        rid = request.request_id
+        if not rid:
+            raise InvalidArgument("request_id is required")
+        params = sampling_from_proto(request.sampling)
+        prompt = list(request.prompt_token_ids)
+        events = self.loop.subscribe(rid)
+        done = threading.Event()
+
+        def on_rpc_end():  # client cancelled, deadline passed or stream ended
+            if not done.is_set():
+                try:
+                    self.loop.call(lambda: self._abort(rid), timeout=10)
+                except EngineDead:
+                    pass
+        context.add_callback(on_rpc_end)
+        try:
+            if request.epoch == 0:
+                if self.role != "both":
+                    raise InvalidArgument("epoch is required: this decode worker only continues prefilled requests")
+                self.loop.call(lambda: self.engine.add_request(rid, prompt, params, priority=request.priority))
+                sent, out = 0, None
+            else:
+                first_lp = logprobs_from_proto(request.first_logprobs) if request.HasField("first_logprobs") else None
+                checksum = request.checksum if request.HasField("checksum") else None
+                out = self.loop.call(lambda: self.connector.complete(
+                    rid, request.epoch, prompt, params, request.first_token, checksum=checksum,
+                    priority=request.priority, first_logprobs=first_lp))
+                sent = 1  # the gateway already has the first token from the prefill worker
+            while True:
+                if out is not None and (len(out.token_ids) > sent or out.finished):
+                    chunk = self._chunk(out, sent)
+                    sent = len(out.token_ids)
+                    if out.finished:
+                        done.set()
+                        yield chunk
+                        return
+                    yield chunk
+                out = self._next_event(events, context)
+                if out is None:
+                    return
+        finally:
+            self.loop.unsubscribe(rid)
+
+    def Abort(self, request, context):
+        found = self.loop.call(lambda: self._abort(request.request_id))
+        return worker_pb2.WorkerAbortResponse(found=bool(found))
+
+    def GetWorkerInfo(self, request, context):
+        stats = self.loop.call(self.engine.stats)
+        return generation_pb2.WorkerInfo(
+            worker_id=self.worker_id, role=self.role, address=self.address,
+            transports=self.connector.transports if self.connector else [],
+            kv_blocks_total=int(stats["kv_blocks_total"]), kv_blocks_free=int(stats["kv_blocks_free"]),
+            kv_blocks_cached=int(stats["kv_blocks_cached"]), num_running=int(stats["num_running"]),
+            num_waiting=int(stats["num_waiting"]))
+
+    # ---- helpers -----------------------------------------------------------------------
+    def _abort(self, request_id: str) -> bool:
+        if self.connector is not None:
+            return self.connector.abort(request_id)
+        return self.engine.abort_request(request_id) is not None
+
+    @staticmethod
+    def _next_event(events: queue.Queue, context) -> RequestOutput | None:
+        while context.is_active():
+            try:
+                event = events.get(timeout=POLL_S)
+            except queue.Empty:
+                continue
+            if isinstance(event, BaseException):
+                raise event
+            return event
+        return None
+
+    @staticmethod
+    def _chunk(out: RequestOutput, sent: int) -> worker_pb2.DecodeChunk:
+        chunk = worker_pb2.DecodeChunk(token_ids=out.token_ids[sent:])
+        if out.logprobs:
+            chunk.logprobs.extend(logprobs_to_proto(lp) for lp in out.logprobs[sent:])
+        if out.finished:
+            chunk.finish_reason = out.finish_reason
+        return chunk
+
+    def close(self) -> None:
+        self.loop.stop()
+        if self.connector is not None:
+            self.connector.close()
+

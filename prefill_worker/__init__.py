@@ -1,0 +1,1 @@
+"""Prefill worker: runs prompts and writes their KV into pages reserved on a decode worker."""

@@ -1,0 +1,101 @@
+"""The PrefillWorker gRPC service over a PrefillConnector.
+
+``Prefill`` queues the prompt, waits until its KV is in the decode worker's pages (the
+connector ships it layer by layer while computing) and answers with the first token and
+the epoch the gateway passes on to ``DecodeWorker.Decode``.
+"""
+from __future__ import annotations
+
+import queue
+import threading
+import time
+
+from kvtransfer.prefill_side import PrefillConnector, PrefillResult
+from splitserve.api_convert import descriptor_from_proto, logprobs_to_proto, sampling_from_proto
+from splitserve.engine_loop import EngineDead, EngineLoop
+from splitserve.errors import DeadlineExceeded, InvalidArgument
+from splitserve.v1 import generation_pb2, worker_pb2, worker_pb2_grpc
+
+POLL_S = 0.5
+
+
+class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
+    def __init__(self, connector: PrefillConnector, worker_id: str):
+        self.connector = connector
+        self.engine = connector.engine
+        self.worker_id = worker_id
+        self.address = ""
+        self.loop = EngineLoop(self._step, connector.has_pending, name="prefill-engine").start()
+
+    def _step(self):
+        return [(result.request_id, result) for result in self.connector.step()]
+
+    def Prefill(self, request, context):
+        rid = request.request_id
+        if not rid or not request.prompt_token_ids:
+            raise InvalidArgument("request_id and prompt_token_ids are required")
+        if not request.HasField("descriptor"):
+            raise InvalidArgument("descriptor is required: reserve pages on a decode worker first")
+        desc = descriptor_from_proto(request.descriptor)
+        params = sampling_from_proto(request.sampling)
+        events = self.loop.subscribe(rid)
+        done = threading.Event()
+
+        def on_rpc_end():
+            if not done.is_set():
+                try:
+                    self.loop.call(lambda: self.connector.abort(rid), timeout=10)
+                except EngineDead:
+                    pass
+        context.add_callback(on_rpc_end)
+        start = time.monotonic()
+        try:
+            self.loop.call(lambda: self.connector.start(rid, list(request.prompt_token_ids), params, desc,
+                                                        priority=request.priority))
+            result = self._wait(events, context, desc.lease_deadline)
+            done.set()
+            if result.error is not None:
+                raise result.error
+            response = worker_pb2.PrefillResponse(
+                request_id=rid, epoch=result.epoch, first_token=result.first_token,
+                transport=result.transport or "", num_copies=result.num_copies,
+                prefill_ms=1000 * (time.monotonic() - start))
+            if result.first_logprobs:
+                response.first_logprobs.CopyFrom(logprobs_to_proto(result.first_logprobs))
+            if result.checksum is not None:
+                response.checksum = result.checksum
+            return response
+        finally:
+            self.loop.unsubscribe(rid)
+
+    def _wait(self, events: queue.Queue, context, lease_deadline: float) -> PrefillResult:
+        # Past the lease (plus a margin) the decode side has freed the pages anyway.
+        give_up = time.monotonic() + max(1.0, lease_deadline - time.time()) + 5.0
+        while context.is_active():
+            if time.monotonic() > give_up:
+                raise DeadlineExceeded("prefill did not finish within the decode worker's lease")
+            try:
+                event = events.get(timeout=POLL_S)
+            except queue.Empty:
+                continue
+            if isinstance(event, BaseException):
+                raise event
+            return event
+        raise DeadlineExceeded("the caller went away")
+
+    def Abort(self, request, context):
+        self.loop.call(lambda: self.connector.abort(request.request_id))
+        return worker_pb2.WorkerAbortResponse(found=True)
+
+    def GetWorkerInfo(self, request, context):
+        stats = self.loop.call(self.engine.stats)
+        return generation_pb2.WorkerInfo(
+            worker_id=self.worker_id, role="prefill", address=self.address,
+            transports=sorted(self.connector.sender_factories),
+            kv_blocks_total=int(stats["kv_blocks_total"]), kv_blocks_free=int(stats["kv_blocks_free"]),
+            kv_blocks_cached=int(stats["kv_blocks_cached"]), num_running=int(stats["num_running"]),
+            num_waiting=int(stats["num_waiting"]))
+
+    def close(self) -> None:
+        self.loop.stop()
+        self.connector.close()
