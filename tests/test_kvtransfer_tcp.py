@@ -5,6 +5,7 @@ import os
 import random
 import select
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -89,8 +90,9 @@ def test_pages_arrive_byte_exact(cleanup, dtype, bs, layers, fragmented):
     assert same_bytes(dst[:, :, dst_blocks], src[:, :, src_blocks])
     others = [b for b in range(blocks) if b not in dst_blocks]
     assert same_bytes(dst[:, :, others], before[:, :, others])  # nothing else touched
-    assert len(runs) == 1 if not fragmented else len(runs) > 1
+    assert len(runs) == 1 if not fragmented else len(runs) >= tcp.PACK_MIN_RUNS
     assert sender.num_copies == len(runs) * layers
+    assert sender.num_frames == (layers if fragmented else len(runs) * layers)  # fragmented: one PACKED per layer
     assert sender.bytes_sent == 2 * n * layers * KVLayout.of_pool("m", src).page_bytes
 
 
@@ -105,14 +107,190 @@ def test_large_run_is_split_into_bounded_frames(cleanup):
     assert same_bytes(dst[:, :, 20:60], src[:, :, 0:40])
 
 
-def test_strided_pools_go_through_staging(cleanup):
+@pytest.mark.parametrize("src_blocks, dst_blocks", [([0, 5, 6, 7], [9, 1, 2, 3]),  # 2 runs: WRITE frames
+                                                    ([0, 5, 6, 7, 12, 3], [9, 1, 2, 14, 4, 11])])  # PACKED
+def test_strided_pools_go_through_staging(cleanup, src_blocks, dst_blocks):
     wide_src, wide_dst = make_pool(2, 16, seed=19), make_pool(2, 16, seed=20)
     src, dst = wide_src.transpose(-1, -2), wide_dst.transpose(-1, -2)  # [.., D, H]: not contiguous
     assert not src.is_contiguous() and not dst.is_contiguous()
     leases = make_leases(16)
     receiver = receiver_for(cleanup, dst, leases)
-    transfer(receiver, src, dst, leases, "r", [0, 5, 6, 7], [9, 1, 2, 3], cleanup)
-    assert same_bytes(dst[:, :, [9, 1, 2, 3]], src[:, :, [0, 5, 6, 7]])
+    transfer(receiver, src, dst, leases, "r", src_blocks, dst_blocks, cleanup)
+    assert same_bytes(dst[:, :, dst_blocks], src[:, :, src_blocks])
+
+
+def fragmented_pages(rng, blocks, lengths):
+    """(src, dst) page lists that coalesce into exactly ``len(lengths)`` runs of those lengths: on both
+    sides the runs lie apart (a gap between any two), and the destination takes them in random order."""
+    def runs(order):
+        starts = sorted(rng.sample(range(blocks - 2 * sum(lengths)), len(lengths)))
+        placed = {}
+        for k, (start, i) in enumerate(zip(starts, order)):
+            offset = sum(lengths[j] + 1 for j in order[:k])  # earlier runs plus a gap each
+            placed[i] = list(range(start + offset, start + offset + lengths[i]))
+        return [b for i in range(len(lengths)) for b in placed[i]]
+    order = list(range(len(lengths)))
+    rng.shuffle(order)
+    return runs(list(range(len(lengths)))), runs(order)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_runs_arrive_byte_exact(cleanup, dtype):
+    layers, blocks = 3, 128
+    rng = random.Random(str(dtype))
+    lengths = [rng.randint(1, 4) for _ in range(20)]
+    src_blocks, dst_blocks = fragmented_pages(rng, blocks, lengths)
+    src, dst = make_pool(layers, blocks, 16, dtype, seed=21), make_pool(layers, blocks, 16, dtype, seed=22)
+    before = dst.clone()
+    leases = make_leases(blocks)
+    receiver = receiver_for(cleanup, dst, leases)
+    sender, runs, _ = transfer(receiver, src, dst, leases, "p", src_blocks, dst_blocks, cleanup)
+    assert sorted(n for _, _, n in runs) == sorted(lengths)  # 20 runs, some of several pages
+    assert sender.num_frames == layers and sender.num_copies == len(runs) * layers
+    assert sender.bytes_sent == 2 * len(dst_blocks) * layers * KVLayout.of_pool("m", src).page_bytes
+    assert same_bytes(dst[:, :, dst_blocks], src[:, :, src_blocks])
+    others = [b for b in range(blocks) if b not in dst_blocks]
+    assert same_bytes(dst[:, :, others], before[:, :, others])
+
+
+@pytest.mark.parametrize("page_shape", [(1, 1, 3), (3, 1, 5)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_packed_pages_of_odd_sizes(cleanup, page_shape, dtype):
+    # Pages of 6..60 bytes: not a multiple of 16, so no wide-element rows; the plain index path is used.
+    torch.manual_seed(23)
+    src, dst = torch.randn(2, 2, 24, *page_shape).to(dtype), torch.randn(2, 2, 24, *page_shape).to(dtype)
+    leases = make_leases(24)
+    receiver = receiver_for(cleanup, dst, leases)
+    src_blocks, dst_blocks = [3, 4, 9, 1, 20, 21, 22], [0, 1, 5, 7, 10, 11, 23]
+    sender, runs, _ = transfer(receiver, src, dst, leases, "odd", src_blocks, dst_blocks, cleanup)
+    assert len(runs) >= tcp.PACK_MIN_RUNS and sender.num_frames == 2
+    assert same_bytes(dst[:, :, dst_blocks], src[:, :, src_blocks])
+
+
+def test_packed_write_is_split_into_bounded_frames(cleanup):
+    layers, blocks = 2, 96
+    src = make_pool(layers, blocks, 16, torch.bfloat16, seed=24)
+    dst = make_pool(layers, blocks, 16, torch.bfloat16, seed=25)
+    page_bytes = KVLayout.of_pool("m", src).page_bytes
+    limit = 5 * (2 * page_bytes + 8)  # 5 pages and their table entries per frame
+    leases = make_leases(blocks)
+    # The receiver enforces the same limit: a frame over it (table included) would be refused.
+    receiver = receiver_for(cleanup, dst, leases, max_frame_bytes=limit)
+    rng = random.Random(26)
+    lengths = [3, 1, 4, 2, 7, 1, 1, 3, 2]  # 24 pages: runs cut across frame boundaries
+    src_blocks, dst_blocks = fragmented_pages(rng, blocks, lengths)
+    sender, runs, _ = transfer(receiver, src, dst, leases, "split", src_blocks, dst_blocks, cleanup,
+                               max_frame_bytes=limit)
+    assert sender.num_frames == layers * 5  # ceil(24 / 5) self-contained frames per layer
+    assert len(runs) == len(lengths) and sender.num_copies > len(runs) * layers  # some runs were cut in two
+    assert same_bytes(dst[:, :, dst_blocks], src[:, :, src_blocks])
+
+
+FRAGMENTED = ([0, 1, 2, 3, 4, 5], [1, 3, 5, 7, 9, 11])  # (src, dst): six one-page runs
+
+
+def test_packed_frames_refused_after_release_or_expiry(cleanup):
+    now = [1000.0]
+    src, dst = make_pool(3, 16, seed=27), make_pool(3, 16, seed=28)
+    leases = make_leases(16, ttl_s=5.0, clock=lambda: now[0])
+    receiver = receiver_for(cleanup, dst, leases)
+    src_blocks, dst_blocks = FRAGMENTED
+    runs = coalesce(src_blocks, dst_blocks)
+    sender = TcpSender(receiver.address, src)
+    cleanup(sender)
+    # Stale: the lease was released and re-issued between layers.
+    lease = leases.grant("r", dst_blocks)
+    desc = descriptor("r", receiver, dst_blocks, dst, lease)
+    sender.write(desc, 0, runs)
+    sender.flush(desc)
+    assert same_bytes(dst[0][:, dst_blocks], src[0][:, src_blocks])
+    leases.release("r")
+    leases.grant("r", dst_blocks)
+    before = dst.clone()
+    sender.write(desc, 1, runs)
+    sender.write(desc, 2, runs)
+    with pytest.raises(StaleEpochError, match="stale|do not belong"):
+        sender.flush(desc)
+    assert same_bytes(dst, before) and sender.num_frames == 3
+    leases.release("r")
+    # Expired: the lease outlived its deadline.
+    lease = leases.grant("e", dst_blocks)
+    desc = descriptor("e", receiver, dst_blocks, dst, lease)
+    now[0] += 10.0
+    sender.write(desc, 0, runs)
+    with pytest.raises(LeaseExpiredError):
+        sender.flush(desc)
+    assert same_bytes(dst, before)
+    leases.release("e")
+    # One page outside the reservation refuses the whole frame.
+    lease = leases.grant("part", dst_blocks[:-1])
+    desc = descriptor("part", receiver, dst_blocks, dst, lease)
+    sender.write(desc, 0, runs)
+    with pytest.raises(StaleEpochError, match="do not belong"):
+        sender.flush(desc)
+    assert same_bytes(dst, before)
+    leases.release("part")
+    # The same connection still carries a good transfer.
+    lease = leases.grant("ok", dst_blocks)
+    desc = descriptor("ok", receiver, dst_blocks, dst, lease)
+    for layer in range(3):
+        sender.write(desc, layer, runs)
+    sender.flush(desc)
+    assert same_bytes(dst[:, :, dst_blocks], src[:, :, src_blocks])
+
+
+def test_malformed_packed_frames_are_refused(cleanup):
+    src, dst = make_pool(2, 16, seed=29), make_pool(2, 16, seed=30)
+    leases = make_leases(16)
+    receiver = receiver_for(cleanup, dst, leases, max_frame_bytes=8 << 10)  # 8 pages of K and V
+    lease = leases.grant("victim", [2, 4, 6, 8])
+    page_bytes = KVLayout.of_pool("m", dst).page_bytes
+    rid, ep = b"victim", lease.epoch
+
+    def packed(table, num=None, layer=0, runs=None, nbytes=None, pages=None):
+        """A PACKED frame for ``table`` [(dst, n), ...]; any field can be made wrong on purpose."""
+        num = sum(n for _, n in table) if num is None else num
+        body = b"".join(struct.pack("!II", d, n) for d, n in table)
+        payload = b"\7" * (2 * (num if pages is None else pages) * page_bytes)
+        nbytes = len(body) + len(payload) if nbytes is None else nbytes
+        header = tcp.frame(tcp.PACKED, rid, ep, layer, len(table) if runs is None else runs, num, nbytes)
+        return header + body + payload
+
+    good = [(2, 1), (4, 1), (6, 1), (8, 1)]
+    bad_frames = {  # name: (frame, what the ERROR says)
+        "run past the pool": (packed([(2, 1), (4, 1), (6, 1), (15, 2)]), "outside the pool"),
+        "run start past the pool": (packed([(2, 1), (4, 1), (6, 1), (99, 1)]), "outside the pool"),
+        "uint32 wrap": (packed([(2, 1), (4, 1), (6, 1), (2 ** 32 - 1, 2)]), "outside the pool"),
+        "empty run": (packed([(2, 1), (4, 0), (6, 2), (8, 1)]), "outside the pool"),
+        "overlapping runs": (packed([(2, 2), (3, 1), (6, 1), (8, 1)]), "overlapping"),
+        "table sum != pages": (packed(good, num=5, pages=5), "do not add up to 5 pages"),
+        "payload too short": (packed(good, nbytes=8 * 4 + 2 * 4 * page_bytes - 1), "payload of"),
+        "payload too long": (packed(good, nbytes=8 * 4 + 2 * 4 * page_bytes + 16), "payload of"),
+        "huge num_runs": (packed(good, runs=2 ** 32 - 1), "4294967295 runs, does not fit"),
+        "more runs than pages": (packed(good, runs=5), "5 runs, does not fit"),
+        "zero runs": (packed(good, runs=0), "0 runs, does not fit"),
+        "pages beyond the pool": (packed(good, num=17, pages=17), "17 pages in 4 runs, does not fit"),
+        "layer": (packed(good, layer=2), "layer 2, "),
+        "over the frame limit": (packed([(0, 16)]), "at most 8192 per frame"),
+        "truncated table": (packed(good)[:tcp.HEADER.size + len(rid) + 12], None),
+    }
+    before = dst.clone()
+    for name, (data, message) in bad_frames.items():
+        reply = raw_exchange(receiver.address, data)
+        if message is None:
+            continue  # the peer hung up: nothing to answer
+        assert len(reply) >= tcp.HEADER.size, name
+        fields = tcp.HEADER.unpack(reply[:tcp.HEADER.size])
+        assert fields[0] == tcp.MAGIC and fields[2] == tcp.ERROR and fields[3] == tcp.ABORTED, name
+        assert message in reply[tcp.HEADER.size:].decode(), (name, reply)
+    assert same_bytes(dst, before)  # nothing landed
+    # A well-formed frame on the same kind of raw connection lands (the pool is still served).
+    reply = raw_exchange(receiver.address, packed(good) + tcp.frame(tcp.FLUSH, rid, ep))
+    assert tcp.HEADER.unpack(reply[:tcp.HEADER.size])[2] == tcp.ACK
+    assert bool((dst[0, :, [2, 4, 6, 8]].contiguous().view(torch.uint8) == 7).all())
+    leases.release("victim")
+    transfer(receiver, src, dst, leases, "ok", *FRAGMENTED, cleanup)
+    assert same_bytes(dst[:, :, FRAGMENTED[1]], src[:, :, FRAGMENTED[0]])
 
 
 def test_release_mid_transfer_refuses_later_writes(cleanup):
@@ -204,7 +382,8 @@ def test_malformed_frames_close_only_their_connection(cleanup):
         "block": tcp.frame(tcp.WRITE, rid, ep, 0, 15, 2, page2),
         "empty run": tcp.frame(tcp.WRITE, rid, ep, 0, 4, 0, 0),
         "length": tcp.frame(tcp.WRITE, rid, ep, 0, 4, 2, page2 + 1) + b"\0" * (page2 + 1),
-        "rid length": tcp.HEADER.pack(tcp.MAGIC, 1, tcp.WRITE, 0, 60000, ep, 0, 4, 2, page2),
+        "rid length": tcp.HEADER.pack(tcp.MAGIC, tcp.VERSION, tcp.WRITE, 0, 60000, ep, 0, 4, 2, page2),
+        "version 1": tcp.HEADER.pack(tcp.MAGIC, 1, tcp.WRITE, 0, 6, ep, 0, 4, 2, page2) + rid + b"\0" * page2,
         "rid utf8": tcp.frame(tcp.WRITE, b"\xff\xfe", ep, 0, 4, 2, page2),
         "flush payload": tcp.frame(tcp.FLUSH, rid, ep, payload_len=5) + b"hello",
         "truncated": tcp.frame(tcp.WRITE, rid, ep, 0, 4, 2, page2)[:20],

@@ -4,29 +4,36 @@ Wire format (network byte order; never pickle). Every frame is a fixed 37-byte h
 ``HEADER = struct.Struct("!4sBBBHqIIIQ")``, then the request id, then the payload:
 
     magic        4s  b"SSKV"
-    version      B   1
-    type         B   WRITE=1, FLUSH=2 (sender -> receiver); ACK=3, ERROR=4 (receiver -> sender)
+    version      B   2 (1 had no PACKED)
+    type         B   WRITE=1, FLUSH=2, PACKED=5 (sender -> receiver); ACK=3, ERROR=4 (receiver -> sender)
     error kind   B   ERROR only: STALE=1, EXPIRED=2, ABORTED=3 (else 0)
     rid length   H   bytes of the UTF-8 request id that follows the header (<= 1024)
     epoch        q   the lease's fencing token
-    layer        I   WRITE: layer of the run
-    dst_block    I   WRITE: first destination page
-    num_blocks   I   WRITE: pages in the run (>= 1)
+    layer        I   WRITE, PACKED: layer of the pages
+    dst_block    I   WRITE: first destination page; PACKED: runs in the frame's table (>= 1)
+    num_blocks   I   WRITE: pages in the run (>= 1); PACKED: pages in the frame (>= runs)
     payload len  Q   bytes after the request id
 
 A WRITE payload is the run's K pages then its V pages, raw bytes in the pool's dtype: exactly
 ``src_pool[layer][:, s:s+n]`` laid out as ``[2, n, block_size, kv_heads, head_dim]``, so its
-length is ``2 * n * page_bytes``. FLUSH has no payload; the receiver answers it with ACK (every
-earlier WRITE of that request and epoch is in the pool) or ERROR, whose payload is a UTF-8
-message. Replies echo the request id and epoch. A frame that fails validation (magic, version,
-type, ranges, lengths) gets an ERROR (kind ABORTED) and the connection is closed.
+length is ``2 * n * page_bytes``. A PACKED payload is a table of uint32 pairs (dst_block,
+num_blocks), one per run, then the K pages then the V pages of every run in table order (the
+gather ``src_pool[layer][:, idx]``): ``8 * runs + 2 * pages * page_bytes`` bytes. A ``write()``
+of ``PACK_MIN_RUNS`` runs or more (fragmented pages) is sent as PACKED frames, each with its own
+table, one per layer within ``max_frame_bytes``; fewer runs go as a WRITE per run. FLUSH has no
+payload; the receiver answers it with ACK (every earlier write of that request and epoch is in
+the pool) or ERROR, whose payload is a UTF-8 message. Replies echo the request id and epoch. A
+frame that fails validation (magic, version, type, ranges, lengths, runs that leave the pool,
+overlap or miscount) gets an ERROR (kind ABORTED) and the connection is closed.
 
 The receiver reads each half of a WRITE payload straight into the destination pool slice
 (``pool[layer, k_or_v, d:d+n]`` is contiguous), holding the lease table's fence and only after
-checking that the pages still carry the frame's epoch. A refused write (stale epoch, expired or
-released lease) is drained into a scratch buffer and remembered, and the next FLUSH for that
-request and epoch replies ERROR. Holding the fence while receiving makes ``release()`` wait for
-the current frame, so senders cut runs into frames of at most ``max_frame_bytes`` (4 MiB).
+checking that the pages still carry the frame's epoch; PACKED pages land in a per-connection
+scratch buffer, then are scattered (``index_copy_``) under the fence after the same check. A
+refused write (stale epoch, expired or released lease) is discarded and remembered, and the next
+FLUSH for that request and epoch replies ERROR. Holding the fence while receiving makes
+``release()`` wait for the current frame, so senders cut writes into frames of at most
+``max_frame_bytes`` (4 MiB).
 """
 from __future__ import annotations
 
@@ -44,9 +51,10 @@ from kvtransfer.lease import LeaseTable
 from kvtransfer.transports.base import KVReceiver, KVSender, Run
 
 MAGIC = b"SSKV"
-VERSION = 1
+VERSION = 2
 HEADER = struct.Struct("!4sBBBHqIIIQ")
-WRITE, FLUSH, ACK, ERROR = 1, 2, 3, 4
+WRITE, FLUSH, ACK, ERROR, PACKED = 1, 2, 3, 4, 5
+PACK_MIN_RUNS = 4  # from this many runs in one write(), one gathered frame beats a frame per run
 STALE, EXPIRED, ABORTED = 1, 2, 3
 MAX_RID_BYTES = 1024
 MAX_MESSAGE_BYTES = 64 << 10
@@ -77,6 +85,15 @@ def _byte_view(t: torch.Tensor) -> memoryview:
     return memoryview(t.reshape(-1).view(torch.uint8).numpy())
 
 
+def _page_rows(t: torch.Tensor) -> torch.Tensor:
+    """[..., pages, bs, H, D] as one row of 16-byte elements per page where the strides allow (else ``t``):
+    index_select / index_copy_ move those bit for bit, several times faster than 2-byte elements."""
+    try:
+        return t.view(*t.shape[:-3], -1).view(torch.uint8).view(torch.complex128)
+    except RuntimeError:
+        return t
+
+
 def _flat_view(pool: torch.Tensor) -> memoryview | None:
     """All bytes of a contiguous CPU pool (pages are sliced out by offset), else None."""
     return _byte_view(pool) if pool.is_contiguous() and pool.device.type == "cpu" else None
@@ -98,6 +115,13 @@ def _recv_exact(sock: socket.socket, view: memoryview, idle_ok: bool = False) ->
             raise _PeerGone("connection closed by the peer" + (" in the middle of a frame" if got else ""))
         got += n
     return True
+
+
+def _scratch(holder: list, nbytes: int) -> torch.Tensor:
+    """The first ``nbytes`` of a connection's reusable uint8 buffer, grown when too small."""
+    if holder[0].numel() < nbytes:
+        holder[0] = torch.empty(nbytes, dtype=torch.uint8)
+    return holder[0][:nbytes]
 
 
 class TcpReceiver(KVReceiver):
@@ -169,7 +193,7 @@ class TcpReceiver(KVReceiver):
 
     def _serve(self, conn: socket.socket) -> None:
         errors: dict[tuple[str, int], TransferError] = {}  # refused writes, reported at the next FLUSH
-        scratch = memoryview(bytearray(1 << 20))
+        scratch = [torch.empty(0, dtype=torch.uint8)]  # PACKED pages and refused payloads land here
         header = bytearray(HEADER.size)
         try:
             while not self._stop.is_set():
@@ -187,7 +211,7 @@ class TcpReceiver(KVReceiver):
                 self._conns.pop(conn, None)
             conn.close()
 
-    def _frame(self, conn: socket.socket, header: bytearray, errors: dict, scratch: memoryview) -> None:
+    def _frame(self, conn: socket.socket, header: bytearray, errors: dict, scratch: list) -> None:
         magic, version, ftype, _, rid_len, epoch, layer, dst, num, nbytes = HEADER.unpack(header)
         if magic != MAGIC or version != VERSION:
             raise _ProtocolError(f"bad frame header (magic {magic!r}, version {version}); "
@@ -201,48 +225,73 @@ class TcpReceiver(KVReceiver):
         except UnicodeDecodeError:
             raise _ProtocolError("request id is not UTF-8") from None
         if ftype == FLUSH:
-            if nbytes:
-                raise _ProtocolError(f"FLUSH with a {nbytes}-byte payload")
-            err = errors.pop((rid, epoch), None)
-            if err is None:
-                try:
-                    self.leases.check(rid, epoch)
-                except (StaleEpochError, LeaseExpiredError) as e:
-                    err = e
-            if err is None:
-                conn.sendall(frame(ACK, rid_buf, epoch))
-            else:
-                msg, kind = str(err).encode()[:MAX_MESSAGE_BYTES], _KIND_OF.get(type(err), ABORTED)
-                conn.sendall(frame(ERROR, rid_buf, epoch, payload_len=len(msg), kind=kind) + msg)
-            return
-        if ftype != WRITE:
+            return self._flush(conn, rid_buf, rid, epoch, nbytes, errors)
+        if ftype not in (WRITE, PACKED):
             raise _ProtocolError(f"unexpected frame type {ftype}")
         layers, _, blocks = self.pool.shape[:3]
-        if layer >= layers or num < 1 or dst + num > blocks:
-            raise _ProtocolError(f"run of {num} pages at page {dst} of layer {layer} is outside the pool "
-                                 f"({layers} layers, {blocks} pages)")
-        expected = 2 * num * self.layout.page_bytes
+        packed = ftype == PACKED  # dst is then the number of runs in the table that starts the payload
+        expected = 8 * dst * packed + 2 * num * self.layout.page_bytes
+        if layer >= layers or packed and not 0 < dst <= num <= blocks:
+            raise _ProtocolError(f"layer {layer}" + (f", {num} pages in {dst} runs," if packed else "")
+                                 + f" does not fit the pool ({layers} layers, {blocks} pages)")
         if nbytes != expected or nbytes > self.max_frame_bytes:
-            raise _ProtocolError(f"payload of {nbytes} bytes; {num} pages of K and V are {expected} bytes "
-                                 f"(at most {self.max_frame_bytes} per frame)")
-        if (rid, epoch) not in errors:
+            raise _ProtocolError(f"payload of {nbytes} bytes; {num} pages of K and V" + " and their run table" * packed
+                                 + f" are {expected} bytes (at most {self.max_frame_bytes} per frame)")
+        runs = [(dst, num)]
+        if packed:
+            table = bytearray(8 * dst)
+            _recv_exact(conn, memoryview(table))
+            runs = list(struct.iter_unpack("!II", table))
+        if any(n < 1 or d + n > blocks for d, n in runs) or sum(n for _, n in runs) != num:
+            raise _ProtocolError(f"runs {runs[:4]}{'...' * (len(runs) > 4)} of layer {layer} are outside the pool "
+                                 f"({blocks} pages) or do not add up to {num} pages")
+        pages = range(dst, dst + num)
+        if packed:  # received before taking the fence, scattered under it
+            pages = [d + i for d, n in runs for i in range(n)]
+            if len(set(pages)) != num:
+                raise _ProtocolError(f"the run table of layer {layer} has overlapping runs")
+            buf = _scratch(scratch, nbytes - 8 * dst)
+            _recv_exact(conn, _byte_view(buf))
+        refused = (rid, epoch) in errors
+        if not refused:
             try:
                 with self.leases.writing(rid, epoch):
-                    if self.leases.fence.owned_by(range(dst, dst + num), epoch):
+                    if not self.leases.fence.owned_by(pages, epoch):
+                        raise StaleEpochError(f"request {rid!r}: pages {min(pages)}..{max(pages)} do not belong to "
+                                              f"epoch {epoch}; they were released or were never reserved for it")
+                    if not packed:
                         for kv in (0, 1):
                             self._recv_pages(conn, layer, kv, dst, num)
                         return
-                    raise StaleEpochError(f"request {rid!r}: pages {dst}..{dst + num - 1} do not belong to "
-                                          f"epoch {epoch}; they were released or were never reserved for it")
+                    rows = _page_rows(self.pool[layer])  # [2, blocks, ...]
+                    kv = buf.view(rows.dtype).view(2, num, *rows.shape[2:]).to(self.pool.device)
+                    idx = torch.tensor(pages, device=self.pool.device)
+                    for half in (0, 1):
+                        rows[half].index_copy_(0, idx, kv[half])
+                    if self.pool.is_cuda:  # landed before the fence is let go and scratch is reused
+                        torch.cuda.synchronize(self.pool.device)
             except (StaleEpochError, LeaseExpiredError) as e:
+                refused = True
                 if len(errors) >= 1024:
                     errors.pop(next(iter(errors)))
                 errors[(rid, epoch)] = e
-        left = nbytes  # refused: drain the payload so the stream stays in step
-        while left:
-            n = min(left, len(scratch))
-            _recv_exact(conn, scratch[:n])
-            left -= n
+        if refused and not packed:  # drain the payload so the stream stays in step
+            _recv_exact(conn, _byte_view(_scratch(scratch, nbytes)))
+
+    def _flush(self, conn: socket.socket, rid_buf: bytearray, rid: str, epoch: int, nbytes: int, errors: dict) -> None:
+        if nbytes:
+            raise _ProtocolError(f"FLUSH with a {nbytes}-byte payload")
+        err = errors.pop((rid, epoch), None)
+        if err is None:
+            try:
+                self.leases.check(rid, epoch)
+            except (StaleEpochError, LeaseExpiredError) as e:
+                err = e
+        if err is None:
+            conn.sendall(frame(ACK, rid_buf, epoch))
+        else:
+            msg, kind = str(err).encode()[:MAX_MESSAGE_BYTES], _KIND_OF.get(type(err), ABORTED)
+            conn.sendall(frame(ERROR, rid_buf, epoch, payload_len=len(msg), kind=kind) + msg)
 
     def _recv_pages(self, conn: socket.socket, layer: int, kv: int, dst: int, num: int) -> None:
         if self._flat is not None:  # zero-copy: socket -> the bytes of pool[layer, kv, dst:dst+num]
@@ -276,6 +325,7 @@ class TcpSender(KVSender):
         super().__init__(address, src_pool)
         self.timeout_s = timeout_s
         self.max_frame_bytes = max_frame_bytes
+        self.num_frames = 0  # WRITE and PACKED frames sent
         self._lock = threading.Lock()
         self._broken: str | None = None
         self._flat = _flat_view(src_pool)
@@ -291,23 +341,41 @@ class TcpSender(KVSender):
     def write(self, desc: TransferDescriptor, layer: int, runs: Sequence[Run]) -> None:
         KVLayout.of_pool(desc.layout.model, self.src_pool).check_compatible(desc.layout)
         rid, page_bytes = desc.request_id.encode(), self._page_bytes
-        per_frame = max(1, self.max_frame_bytes // (2 * page_bytes))
         src = self.src_pool[layer]  # [2, blocks, bs, H, D]
         for s, d, n in runs:
             if s < 0 or d < 0 or n < 1 or s + n > src.shape[1]:
                 raise ValueError(f"run {(s, d, n)} is outside the source pool ({src.shape[1]} pages)")
+        pack = len(runs) >= PACK_MIN_RUNS  # fragmented pages: one gathered frame, not a frame per run
+        per_frame = max(1, self.max_frame_bytes // (2 * page_bytes + 8 * pack))  # a table entry per page at most
+        frames, room = [], 0  # each a list of (src, dst, n) run pieces of at most per_frame pages in all
+        for s, d, n in runs:
+            while n:
+                if not room or not pack:
+                    frames.append([])
+                    room = per_frame
+                k = min(n, room)
+                frames[-1].append((s, d, k))
+                s, d, n, room = s + k, d + k, n - k, room - k
         with self._lock:
             self._check_usable()
-            for s, d, n in runs:
-                for off in range(0, n, per_frame):
-                    k = min(per_frame, n - off)
-                    halves = [self._pages(layer, kv, s + off, k) for kv in (0, 1)]
-                    try:
-                        self._send([frame(WRITE, rid, desc.epoch, layer, d + off, k, 2 * k * page_bytes), *halves])
-                    except OSError as e:
-                        self._raise_broken(f"sending pages {d + off}..{d + off + k - 1} of layer {layer} failed ({e})")
-                    self.num_copies += 1
-                    self.bytes_sent += 2 * k * page_bytes
+            for pieces in frames:
+                k = sum(n for _, _, n in pieces)
+                if pack:
+                    table = b"".join(struct.pack("!II", d, n) for _, d, n in pieces)
+                    idx = torch.tensor([s + i for s, _, n in pieces for i in range(n)], device=src.device)
+                    bufs = [frame(PACKED, rid, desc.epoch, layer, len(pieces), k, len(table) + 2 * k * page_bytes),
+                            table, _byte_view(_page_rows(src).index_select(1, idx).cpu())]  # K, then V
+                else:
+                    [(s, d, _)] = pieces
+                    bufs = [frame(WRITE, rid, desc.epoch, layer, d, k, 2 * k * page_bytes),
+                            *[self._pages(layer, kv, s, k) for kv in (0, 1)]]
+                try:
+                    self._send(bufs)
+                except OSError as e:
+                    self._raise_broken(f"sending {k} pages of layer {layer} (to page {pieces[0][1]}...) failed ({e})")
+                self.num_copies += len(pieces)  # page runs, as in every transport; frames are counted apart
+                self.num_frames += 1
+                self.bytes_sent += 2 * k * page_bytes
 
     def flush(self, desc: TransferDescriptor) -> None:
         rid = desc.request_id.encode()
@@ -338,7 +406,7 @@ class TcpSender(KVSender):
         return _byte_view(self.src_pool[layer, kv, start:start + num].contiguous().cpu())
 
     def _send(self, bufs: list) -> None:
-        """Header and both halves in one syscall when the socket takes them (small frames)."""
+        """Header and payload parts in one syscall when the socket takes them (small frames)."""
         sent = self.sock.sendmsg(bufs)
         for buf in bufs:
             if sent < len(buf):
