@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install run test clean model
+.PHONY: install run test clean model redis
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -23,13 +23,19 @@ $(STAMP): pyproject.toml Makefile | $(PY)
 
 install: $(STAMP)
 
+# A private redis-server is started by the tests and by `make run`; install it if missing.
+redis:
+	@command -v redis-server >/dev/null 2>&1 || { \
+		echo "installing redis-server with apt"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; }
+
 model: install
 	$(PY) -m engine.model_loader smollm2-135m-instruct
 
-run: model
+run: model redis
 	$(PY) -m engine.demo
 
-test: install model
+test: install model redis
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -ra
 
 clean:

@@ -38,6 +38,18 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=_env("port", 0), help="gRPC port (0 picks a free one)")
     p.add_argument("--worker-id", default=_env("worker_id", ""))
     p.add_argument("--no-reflection", action="store_true", default=_env("no_reflection", "") == "1")
+    _redis_flags(p)
+
+
+def _redis_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--redis-url", default=_env("redis_url", ""),
+                   help="Redis holding the queue, request state and worker registry (workers: optional)")
+    p.add_argument("--redis-password", default=_env("redis_password", ""))
+
+
+def _redis_state(args, **kwargs):
+    from gateway.redis_state import RedisState, make_client
+    return RedisState(make_client(args.redis_url, password=args.redis_password or None), **kwargs)
 
 
 def _engine_config(args):
@@ -47,26 +59,38 @@ def _engine_config(args):
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
 
 
-def _serve(servicer, register, args, role: str) -> int:
-    from splitserve.grpc_server import build_server
-    server, health, port = build_server(register, f"{args.host}:{args.port}",
-                                        reflection_enabled=not args.no_reflection)
-    servicer.address = f"{args.host}:{port}"
-    # The first line on stdout says where to connect (scripts and tests read it).
-    print(f"{role} worker {servicer.worker_id} serving on {servicer.address}", flush=True)
+def _stop_event() -> threading.Event:
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
+    return stop
+
+
+def _serve(servicer, register, args, role: str, transports: list[str]) -> int:
+    from splitserve.grpc_server import build_server
+    from splitserve.registration import Heartbeat
+    server, health, port = build_server(register, f"{args.host}:{args.port}",
+                                        reflection_enabled=not args.no_reflection)
+    servicer.address = f"{args.host}:{port}"
+    heartbeat = None
+    if args.redis_url:
+        heartbeat = Heartbeat(_redis_state(args), servicer.worker_id, role, servicer.address, transports,
+                              stats=lambda: servicer.loop.call(servicer.engine.stats, timeout=5)).start()
+    # The first line on stdout says where to connect (scripts and tests read it).
+    print(f"{role} worker {servicer.worker_id} serving on {servicer.address}", flush=True)
+    stop = _stop_event()
+    code = 0
     while not stop.wait(0.5):
         if not servicer.loop.alive:  # a dead engine must not keep answering SERVING
             log.error("engine loop died: %r; exiting so a supervisor restarts the worker", servicer.loop.error)
-            health.enter_graceful_shutdown()
-            server.stop(grace=1).wait()
-            return 1
+            code = 1
+            break
     health.enter_graceful_shutdown()
-    server.stop(grace=5).wait()
+    if heartbeat is not None:
+        heartbeat.stop()
+    server.stop(grace=5 if code == 0 else 1).wait()
     servicer.close()
-    return 0
+    return code
 
 
 def cmd_decode(args) -> int:
@@ -85,7 +109,8 @@ def cmd_decode(args) -> int:
     def register(server):
         worker_pb2_grpc.add_DecodeWorkerServicer_to_server(servicer, server)
         return ["splitserve.v1.DecodeWorker"]
-    return _serve(servicer, register, args, args.role)
+    return _serve(servicer, register, args, args.role,
+                  servicer.connector.transports if servicer.connector else [])
 
 
 def cmd_prefill(args) -> int:
@@ -99,7 +124,42 @@ def cmd_prefill(args) -> int:
     def register(server):
         worker_pb2_grpc.add_PrefillWorkerServicer_to_server(servicer, server)
         return ["splitserve.v1.PrefillWorker"]
-    return _serve(servicer, register, args, "prefill")
+    return _serve(servicer, register, args, "prefill", list(transports))
+
+
+def cmd_gateway(args) -> int:
+    from transformers import GenerationConfig
+
+    from engine.model_loader import load_config, load_tokenizer, resolve_model
+    from gateway.dispatch import Dispatcher
+    from gateway.servicer import GenerationServicer
+    from gateway.workers import WorkerDirectory
+    from splitserve.grpc_server import build_server
+    from splitserve.v1 import generation_pb2, generation_pb2_grpc
+    if not args.redis_url:
+        raise SystemExit("the gateway needs --redis-url (or SPLITSERVE_REDIS_URL)")
+    model_dir = resolve_model(args.model)
+    config = load_config(model_dir)
+    eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
+    model_info = generation_pb2.ModelInfo(
+        model=args.model, max_model_len=args.max_model_len or getattr(config, "max_position_embeddings", 2048),
+        vocab_size=config.vocab_size, eos_token_ids=[eos] if isinstance(eos, int) else list(eos or []),
+        block_size=args.block_size, dtype=args.dtype)
+    state = _redis_state(args, queue_limit=args.queue_limit)
+    dispatcher = Dispatcher(state, WorkerDirectory(state), args.gateway_id or f"gw-{uuid.uuid4().hex[:8]}").start()
+    servicer = GenerationServicer(state, dispatcher, load_tokenizer(model_dir), model_info)
+
+    def register(server):
+        generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
+        return ["splitserve.v1.Generation"]
+    server, health, port = build_server(register, f"{args.host}:{args.port}",
+                                        reflection_enabled=not args.no_reflection)
+    print(f"gateway {dispatcher.gateway_id} serving on {args.host}:{port}", flush=True)
+    _stop_event().wait()
+    health.enter_graceful_shutdown()
+    server.stop(grace=5).wait()
+    dispatcher.stop()
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -124,6 +184,26 @@ def build_parser() -> argparse.ArgumentParser:
     prefill.add_argument("--verify-checksum", action="store_true", default=_env("verify_checksum", "") == "1",
                          help="send a CRC32 of each request's pages for the decode side to verify")
     prefill.set_defaults(func=cmd_prefill)
+
+    gateway = sub.add_parser("gateway", help="run the public gRPC gateway")
+    gateway.add_argument("--model", default=_env("model", "smollm2-135m-instruct"),
+                         help="the model the workers serve (its tokenizer and limits)")
+    gateway.add_argument("--host", default=_env("host", "0.0.0.0"))
+    gateway.add_argument("--port", type=int, default=_env("port", 50051))
+    gateway.add_argument("--queue-limit", type=int, default=_env("queue_limit", 256),
+                         help="requests waiting in the queue before RESOURCE_EXHAUSTED")
+    gateway.add_argument("--max-model-len", type=int, default=_env("max_model_len", 0))
+    gateway.add_argument("--block-size", type=int, default=_env("block_size", 16))
+    gateway.add_argument("--dtype", default=_env("dtype", "auto"))
+    gateway.add_argument("--gateway-id", default=_env("gateway_id", ""))
+    gateway.add_argument("--no-reflection", action="store_true", default=_env("no_reflection", "") == "1")
+    _redis_flags(gateway)
+    gateway.set_defaults(func=cmd_gateway)
+
+    from splitserve.launcher import add_up_parser
+    from splitserve.client import add_generate_parser
+    add_up_parser(sub, _engine_flags)
+    add_generate_parser(sub)
     return parser
 
 

@@ -1,0 +1,1 @@
+"""The public gRPC gateway: admission, dispatch and the Redis-held request state."""

@@ -1,0 +1,201 @@
+"""The public ``splitserve.v1.Generation`` service.
+
+``Generate`` validates and tokenizes, admits the request into the Redis queue in one atomic
+step, hands it to the dispatcher and streams what comes back: token ids plus incrementally
+detokenized text, cut at stop strings, ``stream_interval`` tokens per message, then one
+``final`` message with the finish reason, usage and timeline. A client that goes away or
+whose deadline passes aborts the request on every worker.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import time
+import uuid
+
+import grpc
+import redis
+
+from gateway.detokenizer import IncrementalDetokenizer, StopMatcher
+from gateway.dispatch import Dispatcher, Finished, Job, Tokens
+from splitserve.api_convert import prompt_from_request, sampling_from_proto
+from splitserve.errors import InvalidArgument, NotFound, ResourceExhausted, Unavailable
+from splitserve.v1 import generation_pb2, generation_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+POLL_S = 0.25
+NO_DEADLINE_S = 10 * 365 * 86400
+RETRY_AFTER_S = 1.0
+
+
+def _redis_call(fn, *args, **kwargs):
+    """Redis down means the service cannot admit or track work: UNAVAILABLE at once, never a hang."""
+    try:
+        return fn(*args, **kwargs)
+    except (redis.exceptions.ConnectionError, redis.exceptions.TimeoutError) as e:
+        raise Unavailable(f"request store (Redis) unreachable: {e}") from e
+
+
+class GenerationServicer(generation_pb2_grpc.GenerationServicer):
+    def __init__(self, state, dispatcher: Dispatcher, tokenizer, model_info: generation_pb2.ModelInfo):
+        self.state = state
+        self.dispatcher = dispatcher
+        self.tokenizer = tokenizer
+        self.model_info = model_info
+
+    # ---- Generate ----------------------------------------------------------------------
+    def Generate(self, request, context):
+        token_ids = self._tokenize(request)
+        params = sampling_from_proto(request.sampling)  # validates every field
+        if len(token_ids) + 1 > self.model_info.max_model_len:
+            raise InvalidArgument(f"prompt has {len(token_ids)} tokens; max_model_len is "
+                                  f"{self.model_info.max_model_len}")
+        request_id = request.request_id or uuid.uuid4().hex
+        arrival = time.time()
+        result = _redis_call(self.state.admit, request_id, self.dispatcher.gateway_id, request.priority, arrival,
+                             {"prompt_tokens": len(token_ids)})
+        if result.status == "duplicate":
+            raise InvalidArgument(f"request_id {request_id!r} was already submitted (state: {result.detail}); "
+                                  "a retry with the same id does not run twice — use GetRequest")
+        if result.status == "full":
+            raise ResourceExhausted(f"queue full ({result.detail} requests waiting); retry later",
+                                    retry_after_s=RETRY_AFTER_S)
+        # No client deadline shows up as an infinite (or absurdly far) time remaining.
+        remaining = context.time_remaining()
+        has_deadline = remaining is not None and remaining < NO_DEADLINE_S
+        job = Job(request_id, token_ids, request.sampling, request.priority,
+                  deadline=time.monotonic() + remaining if has_deadline else None)
+        job.timeline["arrival"] = time.monotonic()
+        self.dispatcher.submit(job)
+        context.add_callback(lambda: self._on_rpc_end(job))
+        yield from self._stream(job, params, request.stream_interval or 1, context)
+
+    def _stream(self, job: Job, params, interval: int, context):
+        detok = IncrementalDetokenizer(self.tokenizer, job.prompt_token_ids)
+        stops = StopMatcher(params.stop)
+        pending_ids: list[int] = []
+        pending_lp: list = []
+        pending_text = ""
+        completion = 0
+        finished: Finished | None = None
+        matched = None
+        while finished is None:
+            event = self._next(job, context)
+            if isinstance(event, Tokens):
+                completion += len(event.token_ids)
+                text, matched = stops.feed(detok.add(event.token_ids))
+                pending_ids += event.token_ids
+                pending_lp += event.logprobs
+                pending_text += text
+                if matched is not None:
+                    finished = Finished("stop")
+                    self.dispatcher.cancel(job.request_id)  # the workers need not go on
+                elif len(pending_ids) >= interval:
+                    yield self._chunk(pending_ids, pending_text, pending_lp)
+                    pending_ids, pending_text, pending_lp = [], "", []
+            else:
+                finished = event
+        if matched is None and finished.status is None:
+            pending_text += stops.feed(detok.finish())[0] + stops.flush()
+        if pending_ids or pending_text:
+            yield self._chunk(pending_ids, pending_text, pending_lp)
+        self._record_end(job, finished, completion)
+        if finished.status is not None:
+            context.abort(finished.status, finished.message)
+        yield self._final(job, finished, matched, completion)
+
+    def _next(self, job: Job, context):
+        while True:
+            try:
+                return job.events.get(timeout=POLL_S)
+            except queue.Empty:
+                if job.deadline is not None and time.monotonic() > job.deadline:
+                    self.dispatcher.cancel(job.request_id)
+                    return Finished("deadline", grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded")
+                if not context.is_active():
+                    return Finished("aborted", grpc.StatusCode.CANCELLED, "client went away")
+
+    def _on_rpc_end(self, job: Job) -> None:
+        if job.request_id in self.dispatcher.jobs and "finished" not in job.timeline:
+            self.dispatcher.cancel(job.request_id)
+            try:
+                self.state.cancel_pending(job.request_id)
+                self.state.finish(job.request_id, None, "aborted", finish_reason="aborted")
+            except redis.exceptions.RedisError:
+                log.warning("could not record the abort of %s in Redis", job.request_id)
+        self.dispatcher.forget(job.request_id)
+
+    def _record_end(self, job: Job, finished: Finished, completion: int) -> None:
+        job.timeline.setdefault("finished", time.monotonic())
+        terminal = {"length": "finished", "eos": "finished", "stop": "finished", "aborted": "aborted",
+                    "deadline": "deadline"}.get(finished.finish_reason, "failed")
+        try:
+            self.state.finish(job.request_id, None, terminal, finish_reason=finished.finish_reason,
+                              error=finished.message, completion_tokens=completion)
+        except redis.exceptions.RedisError:
+            log.warning("could not record the end of %s in Redis", job.request_id)
+
+    # ---- messages ------------------------------------------------------------------------
+    @staticmethod
+    def _chunk(ids, text, logprobs) -> generation_pb2.GenerateResponse:
+        chunk = generation_pb2.Chunk(token_ids=ids, text=text)
+        chunk.logprobs.extend(logprobs)
+        return generation_pb2.GenerateResponse(chunk=chunk)
+
+    def _final(self, job: Job, finished: Finished, matched, completion) -> generation_pb2.GenerateResponse:
+        t = job.timeline
+        ms = lambda a, b: 1000 * (t[b] - t[a]) if a in t and b in t else 0.0  # noqa: E731
+        timeline = generation_pb2.Timeline(
+            queued_ms=ms("arrival", "dispatched"), prefill_ms=t.get("prefill_ms", 0.0),
+            first_token_ms=ms("arrival", "first_token"), decode_ms=ms("first_token", "finished"),
+            prefill_worker=job.prefill_worker.worker_id if job.prefill_worker else "",
+            decode_worker=job.decode_worker.worker_id if job.decode_worker else "")
+        final = generation_pb2.Final(
+            finish_reason=finished.finish_reason, matched_stop=matched or "",
+            usage=generation_pb2.Usage(prompt_tokens=len(job.prompt_token_ids), completion_tokens=completion,
+                                       cached_prompt_tokens=job.cached_prompt_tokens),
+            timeline=timeline, error=finished.message if finished.status else "")
+        return generation_pb2.GenerateResponse(final=final)
+
+    # ---- the other RPCs -------------------------------------------------------------------
+    def _tokenize(self, request) -> list[int]:
+        kind, prompt = prompt_from_request(request, vocab_size=self.model_info.vocab_size)
+        if kind == "token_ids":
+            return list(prompt)
+        if kind == "messages":
+            add_prompt = getattr(request, "add_generation_prompt", True) if isinstance(
+                request, generation_pb2.TokenizeRequest) else True
+            text = self.tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=add_prompt)
+            return self.tokenizer.encode(text, add_special_tokens=False)
+        return self.tokenizer.encode(prompt)
+
+    def Abort(self, request, context):
+        found = self.dispatcher.cancel(request.request_id)
+        found = _redis_call(self.state.cancel_pending, request.request_id) or found
+        return generation_pb2.AbortResponse(found=found)
+
+    def GetRequest(self, request, context):
+        info = _redis_call(self.state.get, request.request_id)
+        if info is None:
+            raise NotFound(f"no request {request.request_id!r} (finished requests are kept for a while, then expire)")
+        return generation_pb2.RequestInfo(request_id=request.request_id, state=str(info.get("state", "")),
+                                          priority=int(info.get("priority", 0)), attempt=int(info.get("attempt", 0)),
+                                          finish_reason=str(info.get("finish_reason", "")),
+                                          error=str(info.get("error", "")))
+
+    def Tokenize(self, request, context):
+        ids = self._tokenize(request)
+        return generation_pb2.TokenizeResponse(token_ids=ids, tokens=self.tokenizer.convert_ids_to_tokens(ids))
+
+    def GetModelInfo(self, request, context):
+        return self.model_info
+
+    def GetServerInfo(self, request, context):
+        info = generation_pb2.ServerInfo(queue_depth=_redis_call(self.state.queue_depth))
+        for w in self.dispatcher.directory.list():
+            info.workers.add(worker_id=w.worker_id, role=w.role, address=w.address, transports=w.transports,
+                             kv_blocks_total=w.kv_blocks_total, kv_blocks_free=w.kv_blocks_free,
+                             kv_blocks_cached=w.kv_blocks_cached, num_running=w.num_running,
+                             num_waiting=w.num_waiting, metrics_address=w.metrics_address)
+        return info

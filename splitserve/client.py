@@ -1,0 +1,144 @@
+"""A small client backend services import instead of writing their own (sync and asyncio).
+
+    from splitserve.client import Client
+    with Client("localhost:50051") as client:
+        for event in client.generate("Hello", max_tokens=16):
+            print(event.text, end="")
+        print(event.finish_reason)
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Iterator, Sequence
+
+import grpc
+
+from splitserve.v1 import generation_pb2, generation_pb2_grpc
+
+_SAMPLING_FIELDS = {f.name for f in generation_pb2.SamplingParams.DESCRIPTOR.fields}
+
+
+@dataclass
+class Event:
+    """One streamed message: new tokens and text, and on the last one the finish reason."""
+
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finished: bool = False
+    finish_reason: str = ""
+    matched_stop: str = ""
+    usage: generation_pb2.Usage | None = None
+    timeline: generation_pb2.Timeline | None = None
+
+
+def build_request(prompt: str | Sequence[int] | None = None, *, messages: Sequence[dict] | None = None,
+                  request_id: str = "", priority: int = 0, stream_interval: int = 0,
+                  **sampling) -> generation_pb2.GenerateRequest:
+    unknown = set(sampling) - _SAMPLING_FIELDS
+    if unknown:
+        raise TypeError(f"unknown sampling parameters: {sorted(unknown)}")
+    request = generation_pb2.GenerateRequest(request_id=request_id, priority=priority,
+                                             stream_interval=stream_interval,
+                                             sampling=generation_pb2.SamplingParams(**sampling))
+    if messages is not None:
+        request.messages.extend(generation_pb2.ChatMessage(**m) for m in messages)
+    elif isinstance(prompt, str):
+        request.text = prompt
+    elif prompt is not None:
+        request.token_ids.extend(prompt)
+    return request
+
+
+def _event(response: generation_pb2.GenerateResponse) -> Event:
+    if response.HasField("final"):
+        f = response.final
+        return Event(finished=True, finish_reason=f.finish_reason, matched_stop=f.matched_stop,
+                     usage=f.usage, timeline=f.timeline)
+    return Event(token_ids=list(response.chunk.token_ids), text=response.chunk.text)
+
+
+class Client:
+    def __init__(self, address: str = "localhost:50051", credentials: grpc.ChannelCredentials | None = None):
+        self.channel = (grpc.secure_channel(address, credentials) if credentials
+                        else grpc.insecure_channel(address))
+        self.stub = generation_pb2_grpc.GenerationStub(self.channel)
+
+    def generate(self, prompt=None, *, timeout: float | None = None, **kwargs) -> Iterator[Event]:
+        for response in self.stub.Generate(build_request(prompt, **kwargs), timeout=timeout):
+            yield _event(response)
+
+    def complete(self, prompt=None, **kwargs) -> tuple[str, Event]:
+        """The whole text and the final event."""
+        text, last = [], None
+        for event in self.generate(prompt, **kwargs):
+            text.append(event.text)
+            last = event
+        return "".join(text), last
+
+    def abort(self, request_id: str) -> bool:
+        return self.stub.Abort(generation_pb2.AbortRequest(request_id=request_id)).found
+
+    def server_info(self) -> generation_pb2.ServerInfo:
+        return self.stub.GetServerInfo(generation_pb2.GetServerInfoRequest())
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> "Client":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class AsyncClient:
+    def __init__(self, address: str = "localhost:50051", credentials: grpc.ChannelCredentials | None = None):
+        self.channel = (grpc.aio.secure_channel(address, credentials) if credentials
+                        else grpc.aio.insecure_channel(address))
+        self.stub = generation_pb2_grpc.GenerationStub(self.channel)
+
+    async def generate(self, prompt=None, *, timeout: float | None = None, **kwargs) -> AsyncIterator[Event]:
+        async for response in self.stub.Generate(build_request(prompt, **kwargs), timeout=timeout):
+            yield _event(response)
+
+    async def close(self) -> None:
+        await self.channel.close()
+
+
+def cmd_generate(args) -> int:
+    sampling = {"max_tokens": args.max_tokens, "temperature": args.temperature}
+    if args.top_p is not None:
+        sampling["top_p"] = args.top_p
+    if args.seed is not None:
+        sampling["seed"] = args.seed
+    kwargs = {"messages": [{"role": "user", "content": args.prompt}]} if args.chat else {}
+    prompt = None if args.chat else args.prompt
+    try:
+        with Client(args.address) as client:
+            for event in client.generate(prompt, timeout=args.timeout, **kwargs, **sampling):
+                if event.finished:
+                    print(f"\n[{event.finish_reason}; {event.usage.prompt_tokens} prompt + "
+                          f"{event.usage.completion_tokens} completion tokens; first token after "
+                          f"{event.timeline.first_token_ms:.0f} ms]", file=sys.stderr)
+                else:
+                    print(event.text, end="", flush=True)
+    except grpc.RpcError as e:
+        print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def add_generate_parser(sub) -> None:
+    gen = sub.add_parser("generate", help="stream a generation from a running gateway to the terminal")
+    gen.add_argument("prompt")
+    gen.add_argument("--address", default="localhost:50051")
+    gen.add_argument("--chat", action="store_true", help="send the prompt as a user message (chat template)")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=None)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--timeout", type=float, default=120.0)
+    gen.set_defaults(func=cmd_generate)
+
+

@@ -1,0 +1,125 @@
+"""``splitserve up``: Redis, a gateway, prefill and decode workers, all on this machine.
+
+Children get PR_SET_PDEATHSIG, so even a ``kill -9`` of ``up`` leaves no orphan behind; a
+child that dies takes the whole stack down (a half-running stack would only mislead).
+"""
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+BOOT_TIMEOUT_S = 300
+
+
+def _die_with_parent() -> None:
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawn(args: list[str]) -> subprocess.Popen:
+    return subprocess.Popen(args, stdout=subprocess.PIPE, text=True, preexec_fn=_die_with_parent)
+
+
+def _wait_line(proc: subprocess.Popen, marker: str, what: str) -> str:
+    result: list[str] = []
+
+    def read():
+        for line in proc.stdout:
+            if marker in line:
+                result.append(line.strip())
+                return
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    reader.join(BOOT_TIMEOUT_S)
+    if not result:
+        raise RuntimeError(f"{what} did not start within {BOOT_TIMEOUT_S} s (exit code {proc.poll()})")
+    return result[0]
+
+
+def start_redis(directory: str) -> tuple[subprocess.Popen, str]:
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise SystemExit("redis-server not found: install it (apt-get install redis-server) or pass --redis-url")
+    port = _free_port()
+    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", directory,
+                             "--save", "", "--appendonly", "yes"],
+                            stdout=subprocess.PIPE, text=True, preexec_fn=_die_with_parent)
+    _wait_line(proc, "Ready to accept connections", "redis-server")
+    return proc, f"redis://127.0.0.1:{port}/0"
+
+
+def cmd_up(args) -> int:
+    workdir = tempfile.mkdtemp(prefix="splitserve-up-")
+    procs: list[subprocess.Popen] = []
+    cli = [sys.executable, "-m", "splitserve.cli", "--log-level", args.child_log_level]
+    try:
+        redis_url = args.redis_url
+        if not redis_url:
+            proc, redis_url = start_redis(workdir)
+            procs.append(proc)
+        engine = ["--model", args.model, "--dtype", args.dtype, "--device", args.device,
+                  "--block-size", str(args.block_size), "--kv-cache-memory-gb", str(args.kv_cache_memory_gb),
+                  "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens",
+                  str(args.max_num_batched_tokens), "--redis-url", redis_url]
+        if args.num_gpu_blocks:
+            engine += ["--num-gpu-blocks", str(args.num_gpu_blocks)]
+        workers = [["decode", *engine] for _ in range(args.decode)]
+        workers += [["prefill", *engine] for _ in range(args.prefill)]
+        if args.decode == 0 and args.prefill == 0:
+            workers = [["decode", "--role", "both", *engine]]
+        for argv in workers:
+            procs.append(_spawn(cli + argv))
+        for proc, argv in zip(procs[-len(workers):], workers):
+            print(_wait_line(proc, "serving on", argv[0]), flush=True)
+        gateway = _spawn(cli + ["gateway", "--model", args.model, "--host", args.host, "--port", str(args.port),
+                                "--redis-url", redis_url, "--block-size", str(args.block_size)])
+        procs.append(gateway)
+        print(_wait_line(gateway, "serving on", "gateway"), flush=True)
+        print(f"splitserve is up: gRPC {args.host}:{args.port} (Redis {redis_url})", flush=True)
+        stop = threading.Event()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: stop.set())
+        while not stop.wait(0.5):
+            dead = [p for p in procs if p.poll() is not None]
+            if dead:
+                print(f"a process of the stack exited ({dead[0].args[3:5]}, code {dead[0].returncode}); "
+                      "stopping the rest", file=sys.stderr, flush=True)
+                return 1
+        return 0
+    finally:
+        for proc in reversed(procs):
+            if proc.poll() is None:
+                proc.terminate()
+        deadline = time.monotonic() + 15
+        for proc in procs:
+            try:
+                proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def add_up_parser(sub, engine_flags) -> None:
+    up = sub.add_parser("up", help="start Redis, a gateway, prefill and decode workers on this machine")
+    engine_flags(up)
+    up.set_defaults(host="127.0.0.1", port=int(os.environ.get("SPLITSERVE_PORT", 50051)))
+    up.add_argument("--prefill", type=int, default=1, help="prefill workers (0 with --decode 0: one 'both' worker)")
+    up.add_argument("--decode", type=int, default=1, help="decode workers")
+    up.add_argument("--child-log-level", default="WARNING", help="log level of the processes it starts")
+    up.set_defaults(func=cmd_up)

