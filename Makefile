@@ -32,8 +32,10 @@ redis:
 model: install
 	$(PY) -m engine.model_loader smollm2-135m-instruct
 
+# Brings the whole stack up (Redis, gateway, one prefill and one decode worker), asks one
+# question through it and shuts down. `$(VENV)/bin/splitserve up` keeps it serving.
 run: model redis
-	$(PY) -m engine.demo
+	$(VENV)/bin/splitserve up --demo "What is the capital of France? Answer in one sentence."
 
 test: install model redis
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -ra

@@ -92,6 +92,8 @@ def cmd_up(args) -> int:
         procs.append(gateway)
         print(_wait_line(gateway, "serving on", "gateway"), flush=True)
         print(f"splitserve is up: gRPC {args.host}:{args.port} (Redis {redis_url})", flush=True)
+        if args.demo:
+            return _demo(f"{args.host}:{args.port}", args.demo)
         stop = threading.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: stop.set())
@@ -115,11 +117,30 @@ def cmd_up(args) -> int:
         shutil.rmtree(workdir, ignore_errors=True)
 
 
+def _demo(address: str, question: str) -> int:
+    """One chat request through the running stack, streamed to the terminal."""
+    from splitserve.client import Client
+    print(f"\nQ: {question}\nA: ", end="", flush=True)
+    with Client(address) as client:
+        for event in client.generate(messages=[{"role": "user", "content": question}], max_tokens=64,
+                                     temperature=0.0, timeout=300):
+            if event.finished:
+                t = event.timeline
+                print(f"\n\n[{event.finish_reason}; {event.usage.completion_tokens} tokens; first token "
+                      f"{t.first_token_ms:.0f} ms; prefill on {t.prefill_worker}, decode on {t.decode_worker}]",
+                      flush=True)
+            else:
+                print(event.text, end="", flush=True)
+    return 0
+
+
 def add_up_parser(sub, engine_flags) -> None:
     up = sub.add_parser("up", help="start Redis, a gateway, prefill and decode workers on this machine")
     engine_flags(up)
     up.set_defaults(host="127.0.0.1", port=int(os.environ.get("SPLITSERVE_PORT", 50051)))
     up.add_argument("--prefill", type=int, default=1, help="prefill workers (0 with --decode 0: one 'both' worker)")
     up.add_argument("--decode", type=int, default=1, help="decode workers")
+    up.add_argument("--demo", metavar="QUESTION", default="",
+                    help="ask one question through the stack, print the answer, then shut down")
     up.add_argument("--child-log-level", default="WARNING", help="log level of the processes it starts")
     up.set_defaults(func=cmd_up)
