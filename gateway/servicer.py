@@ -118,12 +118,14 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     def _on_rpc_end(self, job: Job) -> None:
         if job.request_id in self.dispatcher.jobs and "finished" not in job.timeline:
+            # The RPC ended before the request did: the client went away or its deadline passed.
+            expired = job.deadline is not None and time.monotonic() >= job.deadline
+            reason = "deadline" if expired else "aborted"
             self.dispatcher.cancel(job.request_id)
-            try:
-                self.state.cancel_pending(job.request_id)
-                self.state.finish(job.request_id, None, "aborted", finish_reason="aborted")
+            try:  # finish also takes it out of the queue if it was still waiting
+                self.state.finish(job.request_id, None, reason, finish_reason=reason)
             except redis.exceptions.RedisError:
-                log.warning("could not record the abort of %s in Redis", job.request_id)
+                log.warning("could not record the end of %s in Redis", job.request_id)
         self.dispatcher.forget(job.request_id)
 
     def _record_end(self, job: Job, finished: Finished, completion: int) -> None:
