@@ -181,7 +181,7 @@ class Dispatcher:
         return None
 
     def _run_disaggregated(self, job: Job, decode: WorkerView, descriptor) -> None:
-        prefill = self.directory.pick_prefill()  # _place checked that one exists
+        prefill = self.directory.pick_prefill(job.prompt_token_ids)  # _place checked that one exists
         self._track(job, prefill, "prefill_worker")
         future = self.directory.prefill_stub(prefill).Prefill.future(
             worker_pb2.PrefillRequest(request_id=job.request_id, prompt_token_ids=job.prompt_token_ids,
@@ -190,6 +190,7 @@ class Dispatcher:
         job.calls.append(future)
         first = future.result()
         job.calls.remove(future)
+        self.directory.affinity.record(self.directory.affinity.hashes(job.prompt_token_ids), prefill.worker_id)
         job.timeline["first_token"] = time.monotonic()
         job.timeline["prefill_ms"] = first.prefill_ms
         job.cached_prompt_tokens = first.cached_prompt_tokens

@@ -3,14 +3,54 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import Sequence
 
 import grpc
 
+from engine.kv_cache_manager import prefix_block_hashes
 from splitserve.v1 import worker_pb2_grpc
 
 # How long a listing of the workers is reused before Redis is asked again.
 REFRESH_S = 0.5
+# A prefill worker holding a prompt's prefix is preferred while it has at most this many more
+# requests in flight than the least-loaded one: a cache hit beats a short wait, not a long one.
+AFFINITY_SLACK = 2
+# Leading blocks of a prompt that count for routing.
+AFFINITY_BLOCKS = 64
+
+
+class PrefixAffinity:
+    """Which prefill worker last computed each prompt prefix (chain hashes of full blocks), LRU."""
+
+    def __init__(self, block_size: int, max_entries: int = 200_000):
+        self.block_size = block_size
+        self.max_entries = max_entries
+        self._owner: OrderedDict[int, str] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def hashes(self, token_ids: Sequence[int]) -> list[int]:
+        return prefix_block_hashes(token_ids, self.block_size, AFFINITY_BLOCKS)
+
+    def overlap(self, hashes: list[int]) -> dict[str, int]:
+        """Blocks of the prefix each worker holds (the longest run from the start)."""
+        matched: dict[str, int] = {}
+        with self._lock:
+            for i, h in enumerate(hashes):
+                owner = self._owner.get(h)
+                if owner is None:
+                    break
+                matched[owner] = i + 1
+        return matched
+
+    def record(self, hashes: list[int], worker_id: str) -> None:
+        with self._lock:
+            for h in hashes:
+                self._owner[h] = worker_id
+                self._owner.move_to_end(h)
+            while len(self._owner) > self.max_entries:
+                self._owner.popitem(last=False)
 
 
 @dataclass
@@ -39,8 +79,9 @@ class WorkerView:
 
 
 class WorkerDirectory:
-    def __init__(self, state):
+    def __init__(self, state, block_size: int = 16):
         self.state = state
+        self.affinity = PrefixAffinity(block_size)
         self._lock = threading.Lock()
         self._channels: dict[str, grpc.Channel] = {}
         self._cached: list[WorkerView] = []
@@ -73,11 +114,20 @@ class WorkerDirectory:
         workers = [w for w in self.list() if w.role in ("decode", "both")]
         return sorted(workers, key=lambda w: (-w.kv_blocks_free, self.inflight.get(w.worker_id, 0)))
 
-    def pick_prefill(self) -> WorkerView | None:
+    def pick_prefill(self, prompt_token_ids: Sequence[int] = ()) -> WorkerView | None:
+        """The least-loaded prefill worker, unless one that holds the prompt's prefix is nearly as free."""
         workers = [w for w in self.list() if w.role == "prefill"]
         if not workers:
             return None
-        return min(workers, key=lambda w: (self.inflight.get(w.worker_id, 0), w.num_running + w.num_waiting))
+        load = lambda w: self.inflight.get(w.worker_id, 0)  # noqa: E731
+        least = min(workers, key=lambda w: (load(w), w.num_running + w.num_waiting))
+        overlap = self.affinity.overlap(self.affinity.hashes(prompt_token_ids)) if prompt_token_ids else {}
+        holders = [w for w in workers if overlap.get(w.worker_id)]
+        if holders:
+            best = max(holders, key=lambda w: (overlap[w.worker_id], -load(w)))
+            if load(best) <= load(least) + AFFINITY_SLACK:
+                return best
+        return least
 
     def track(self, worker_id: str, delta: int) -> None:
         with self._lock:

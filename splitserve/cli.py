@@ -146,7 +146,8 @@ def cmd_gateway(args) -> int:
         vocab_size=config.vocab_size, eos_token_ids=[eos] if isinstance(eos, int) else list(eos or []),
         block_size=args.block_size, dtype=args.dtype)
     state = _redis_state(args, queue_limit=args.queue_limit)
-    dispatcher = Dispatcher(state, WorkerDirectory(state), args.gateway_id or f"gw-{uuid.uuid4().hex[:8]}").start()
+    dispatcher = Dispatcher(state, WorkerDirectory(state, block_size=args.block_size),
+                            args.gateway_id or f"gw-{uuid.uuid4().hex[:8]}").start()
     servicer = GenerationServicer(state, dispatcher, load_tokenizer(model_dir), model_info)
 
     def register(server):

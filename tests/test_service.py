@@ -94,6 +94,7 @@ def test_text_prompt_streams_detokenized_text(stack):
 
 def test_32_concurrent_streams_with_priorities(stack, hf_reference):
     free0 = worker_info(stack["decode"]).kv_blocks_free
+    prefill0 = worker_info(stack["prefill"]).kv_blocks_free
     prompts = mixed_prompts(32, seed=82, lo=3, hi=70)
     lengths = [4 + (i * 7) % 13 for i in range(32)]
     results = {}
@@ -111,7 +112,7 @@ def test_32_concurrent_streams_with_priorities(stack, hf_reference):
         assert tokens == ref.greedy(prompts[i], lengths[i]), i
         assert final.finish_reason == "length"
     wait_for_free_blocks(stack["decode"], free0)
-    assert worker_info(stack["prefill"]).num_running == 0
+    wait_for_free_blocks(stack["prefill"], prefill0)
     assert live_request_keys(stack) == []
 
 
@@ -236,3 +237,53 @@ def test_grpcurl_lists_describes_and_streams(stack):
     assert sum(len(m.get("chunk", {}).get("token_ids", [])) for m in messages) == 5
     health = run("-d", "{}", stack["address"], "grpc.health.v1.Health/Check")
     assert '"SERVING"' in health.stdout
+
+
+def test_stop_string_cuts_the_text_and_ends_the_request(stack, hf_reference):
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(stack["model"])
+    prompt = mixed_prompts(1, seed=84, lo=10, hi=10)[0]
+    full = tokenizer.decode(hf_reference(stack["model"]).greedy(prompt, 16), skip_special_tokens=True)
+    stop = full[5:7]
+    assert stop and stop in full
+    _, text, final = collect(stack["client"], prompt, stop=[stop], **greedy(16))
+    assert final.finish_reason == "stop" and final.matched_stop == stop
+    assert text == full[:full.index(stop)]
+
+
+def test_async_client(stack, hf_reference):
+    import asyncio
+    from splitserve.client import AsyncClient
+    prompt = [4, 8, 15, 16, 23, 42]
+
+    async def main():
+        client = AsyncClient(stack["address"])
+        tokens, final = [], None
+        async for event in client.generate(prompt, timeout=60, **greedy(6)):
+            tokens += event.token_ids
+            final = event if event.finished else final
+        await client.close()
+        return tokens, final
+    tokens, final = asyncio.run(main())
+    assert tokens == hf_reference(stack["model"]).greedy(prompt, 6) and final.finish_reason == "length"
+
+
+def test_same_request_id_does_not_run_twice(stack):
+    request = generation_pb2.GenerateRequest(request_id="once", token_ids=[1, 2, 3],
+                                             sampling=generation_pb2.SamplingParams(**greedy(3)))
+    assert len(list(stack["stub"].Generate(request, timeout=30))) >= 2
+    with pytest.raises(grpc.RpcError) as err:
+        list(stack["stub"].Generate(request, timeout=30))
+    assert "already submitted" in err.value.details()
+
+
+def test_cancel_frees_pages_on_both_workers(stack):
+    decode0 = worker_info(stack["decode"]).kv_blocks_free
+    prefill0 = worker_info(stack["prefill"]).kv_blocks_free
+    prompt = mixed_prompts(1, seed=85, lo=100, hi=100)[0]
+    stream = stack["stub"].Generate(generation_pb2.GenerateRequest(
+        token_ids=prompt, sampling=generation_pb2.SamplingParams(**greedy(500))), timeout=60)
+    next(stream)
+    stream.cancel()
+    wait_for_free_blocks(stack["decode"], decode0)
+    wait_for_free_blocks(stack["prefill"], prefill0)
