@@ -77,10 +77,14 @@ class Dispatcher:
         self._thread.start()
         return self
 
-    def submit(self, job: Job) -> None:
+    def submit(self, job: Job) -> bool:
+        """Track a job before it is admitted; False if a job with that id is already here."""
         with self._lock:
+            if job.request_id in self.jobs:
+                return False
             self.jobs[job.request_id] = job
         self._wake.set()
+        return True
 
     def cancel(self, request_id: str) -> bool:
         """The client went away or asked to abort: stop the work and free every page."""

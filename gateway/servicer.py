@@ -52,22 +52,30 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             raise InvalidArgument(f"prompt has {len(token_ids)} tokens; max_model_len is "
                                   f"{self.model_info.max_model_len}")
         request_id = request.request_id or uuid.uuid4().hex
-        arrival = time.time()
-        result = _redis_call(self.state.admit, request_id, self.dispatcher.gateway_id, request.priority, arrival,
-                             {"prompt_tokens": len(token_ids)})
-        if result.status == "duplicate":
-            raise InvalidArgument(f"request_id {request_id!r} was already submitted (state: {result.detail}); "
-                                  "a retry with the same id does not run twice — use GetRequest")
-        if result.status == "full":
-            raise ResourceExhausted(f"queue full ({result.detail} requests waiting); retry later",
-                                    retry_after_s=RETRY_AFTER_S)
         # No client deadline shows up as an infinite (or absurdly far) time remaining.
         remaining = context.time_remaining()
         has_deadline = remaining is not None and remaining < NO_DEADLINE_S
         job = Job(request_id, token_ids, request.sampling, request.priority,
                   deadline=time.monotonic() + remaining if has_deadline else None)
         job.timeline["arrival"] = time.monotonic()
-        self.dispatcher.submit(job)
+        # Known to the dispatcher before Redis can hand it out: the claim loop may take it the
+        # moment it is admitted.
+        if not self.dispatcher.submit(job):
+            raise InvalidArgument(f"request_id {request_id!r} is already running; a retry with the same id "
+                                  "does not run twice — use GetRequest")
+        try:
+            result = _redis_call(self.state.admit, request_id, self.dispatcher.gateway_id, request.priority,
+                                 time.time(), {"prompt_tokens": len(token_ids)})
+        except BaseException:
+            self.dispatcher.forget(request_id)
+            raise
+        if not result.admitted:
+            self.dispatcher.forget(request_id)
+            if result.status == "duplicate":
+                raise InvalidArgument(f"request_id {request_id!r} was already submitted (state: {result.detail}); "
+                                      "a retry with the same id does not run twice — use GetRequest")
+            raise ResourceExhausted(f"queue full ({result.detail} requests waiting); retry later",
+                                    retry_after_s=RETRY_AFTER_S)
         context.add_callback(lambda: self._on_rpc_end(job))
         yield from self._stream(job, params, request.stream_interval or 1, context)
 
