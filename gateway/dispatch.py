@@ -197,6 +197,7 @@ class Dispatcher:
         self.directory.affinity.record(self.directory.affinity.hashes(job.prompt_token_ids), prefill.worker_id)
         job.timeline["first_token"] = time.monotonic()
         job.timeline["prefill_ms"] = first.prefill_ms
+        job.timeline["kv_transfer_ms"] = first.kv_transfer_ms
         job.cached_prompt_tokens = first.cached_prompt_tokens
         job.events.put(Tokens([first.first_token], [first.first_logprobs] if first.HasField("first_logprobs") else []))
         self.state.update(job.request_id, job.epoch, state="decoding", prefill_worker=prefill.worker_id)

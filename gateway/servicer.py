@@ -8,6 +8,7 @@ whose deadline passes aborts the request on every worker.
 """
 from __future__ import annotations
 
+import json
 import logging
 import queue
 import time
@@ -15,6 +16,7 @@ import uuid
 
 import grpc
 import redis
+from google.protobuf import json_format
 
 from gateway.detokenizer import IncrementalDetokenizer, StopMatcher
 from gateway.dispatch import Dispatcher, Finished, Job, Tokens
@@ -141,8 +143,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         terminal = {"length": "finished", "eos": "finished", "stop": "finished", "aborted": "aborted",
                     "deadline": "deadline"}.get(finished.finish_reason, "failed")
         try:
+            timeline = json_format.MessageToDict(self._timeline(job), preserving_proto_field_name=True)
             self.state.finish(job.request_id, None, terminal, finish_reason=finished.finish_reason,
-                              error=finished.message, completion_tokens=completion)
+                              error=finished.message, completion_tokens=completion, timeline=timeline)
         except redis.exceptions.RedisError:
             log.warning("could not record the end of %s in Redis", job.request_id)
 
@@ -153,14 +156,19 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         chunk.logprobs.extend(logprobs)
         return generation_pb2.GenerateResponse(chunk=chunk)
 
-    def _final(self, job: Job, finished: Finished, matched, completion) -> generation_pb2.GenerateResponse:
+    @staticmethod
+    def _timeline(job: Job) -> generation_pb2.Timeline:
         t = job.timeline
         ms = lambda a, b: 1000 * (t[b] - t[a]) if a in t and b in t else 0.0  # noqa: E731
-        timeline = generation_pb2.Timeline(
+        return generation_pb2.Timeline(
             queued_ms=ms("arrival", "dispatched"), prefill_ms=t.get("prefill_ms", 0.0),
+            kv_transfer_ms=t.get("kv_transfer_ms", 0.0),
             first_token_ms=ms("arrival", "first_token"), decode_ms=ms("first_token", "finished"),
             prefill_worker=job.prefill_worker.worker_id if job.prefill_worker else "",
             decode_worker=job.decode_worker.worker_id if job.decode_worker else "")
+
+    def _final(self, job: Job, finished: Finished, matched, completion) -> generation_pb2.GenerateResponse:
+        timeline = self._timeline(job)
         final = generation_pb2.Final(
             finish_reason=finished.finish_reason, matched_stop=matched or "",
             usage=generation_pb2.Usage(prompt_tokens=len(job.prompt_token_ids), completion_tokens=completion,
@@ -189,10 +197,14 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         info = _redis_call(self.state.get, request.request_id)
         if info is None:
             raise NotFound(f"no request {request.request_id!r} (finished requests are kept for a while, then expire)")
+        timeline = info.get("timeline")
+        if isinstance(timeline, str):
+            timeline = json.loads(timeline)
         return generation_pb2.RequestInfo(request_id=request.request_id, state=str(info.get("state", "")),
                                           priority=int(info.get("priority", 0)), attempt=int(info.get("attempt", 0)),
                                           finish_reason=str(info.get("finish_reason", "")),
-                                          error=str(info.get("error", "")))
+                                          error=str(info.get("error", "")),
+                                          timeline=json_format.ParseDict(timeline or {}, generation_pb2.Timeline()))
 
     def Tokenize(self, request, context):
         ids = self._tokenize(request)

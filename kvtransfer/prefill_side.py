@@ -12,6 +12,7 @@ import dataclasses
 import logging
 import queue
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -41,6 +42,8 @@ class PrefillResult:
     num_copies: int = 0
     # The transport that carried the pages.
     transport: str | None = None
+    # Seconds spent copying and flushing this request's pages (overlapping the prefill compute).
+    transfer_s: float = 0.0
 
 
 @dataclass
@@ -52,6 +55,7 @@ class _Transfer:
     first_chunk: bool = True
     checksum: int | None = None
     error: TransferError | None = field(default=None)
+    transfer_s: float = 0.0
 
 
 class PrefillConnector:
@@ -98,7 +102,9 @@ class PrefillConnector:
             try:
                 if transfer.error is not None:
                     raise transfer.error
+                flush_start = time.perf_counter()
                 transfer.sender.flush(transfer.desc)
+                transfer.transfer_s += time.perf_counter() - flush_start
                 result.first_token = out.token_ids[0]
                 result.first_logprobs = out.logprobs[0] if out.logprobs else None
                 result.checksum = transfer.checksum
@@ -106,6 +112,7 @@ class PrefillConnector:
                 result.error = e
             result.num_copies = transfer.sender.num_copies - transfer.copies_at_start
             result.transport = transfer.sender.name
+            result.transfer_s = transfer.transfer_s
             results.append(result)
         # Transfers refused mid-prefill stop computing at once.
         for request_id, transfer in list(self._transfers.items()):
@@ -170,7 +177,9 @@ class PrefillConnector:
             transfer, layer, runs = self._copies.get()
             try:
                 if transfer.error is None:
+                    start = time.perf_counter()
                     transfer.sender.write(transfer.desc, layer, runs)
+                    transfer.transfer_s += time.perf_counter() - start
             except TransferError as e:
                 transfer.error = e
             except Exception as e:  # a broken peer must fail this transfer, not the copier

@@ -59,7 +59,7 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
             response = worker_pb2.PrefillResponse(
                 request_id=rid, epoch=result.epoch, first_token=result.first_token,
                 transport=result.transport or "", num_copies=result.num_copies,
-                prefill_ms=1000 * (time.monotonic() - start))
+                prefill_ms=1000 * (time.monotonic() - start), kv_transfer_ms=1000 * result.transfer_s)
             if result.first_logprobs:
                 response.first_logprobs.CopyFrom(logprobs_to_proto(result.first_logprobs))
             if result.checksum is not None:

@@ -81,7 +81,7 @@ def test_greedy_through_the_stack_equals_transformers(stack, hf_reference):
     assert final.finish_reason == "length"
     assert final.usage.prompt_tokens == 40 and final.usage.completion_tokens == 12
     assert final.timeline.prefill_worker and final.timeline.decode_worker
-    assert final.timeline.first_token_ms > 0
+    assert final.timeline.first_token_ms > 0 and final.timeline.kv_transfer_ms > 0
 
 
 def test_text_prompt_streams_detokenized_text(stack):
@@ -135,6 +135,15 @@ def test_cancel_mid_stream(stack):
             break
         time.sleep(0.1)
     assert info.state == "aborted"
+
+
+def test_get_request_shows_a_finished_request(stack):
+    request = generation_pb2.GenerateRequest(request_id="look-me-up", token_ids=[3, 4, 5],
+                                             sampling=generation_pb2.SamplingParams(**greedy(4)))
+    list(stack["stub"].Generate(request, timeout=30))
+    info = stack["stub"].GetRequest(generation_pb2.GetRequestRequest(request_id="look-me-up"), timeout=5)
+    assert info.state == "finished" and info.finish_reason == "length" and info.attempt == 1
+    assert info.timeline.decode_worker and info.timeline.first_token_ms > 0
 
 
 def test_deadline_expiry(stack):
