@@ -17,6 +17,7 @@ from splitserve.api_convert import (descriptor_to_proto, logprobs_from_proto, lo
                                     sampling_from_proto)
 from splitserve.engine_loop import EngineDead, EngineLoop
 from splitserve.errors import InvalidArgument, ResourceExhausted
+from splitserve.metrics import EngineMetrics
 from splitserve.v1 import generation_pb2, worker_pb2, worker_pb2_grpc
 
 # How often a streaming handler wakes to notice a client that went away.
@@ -24,19 +25,29 @@ POLL_S = 0.5
 
 
 class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
-    def __init__(self, engine: LLMEngine, connector: DecodeConnector | None, worker_id: str):
+    def __init__(self, engine: LLMEngine, connector: DecodeConnector | None, worker_id: str,
+                 metrics: EngineMetrics | None = None):
         """``connector`` None: a ``both`` worker that prefills its own requests."""
         self.engine = engine
         self.connector = connector
         self.worker_id = worker_id
         self.role = "decode" if connector else "both"
         self.address = ""
-        self.loop = EngineLoop(self._step, self.engine.has_unfinished_requests,
-                               housekeeping=connector.reap_expired if connector else None,
+        self.metrics = metrics
+        self.loop = EngineLoop(self._step, self.engine.has_unfinished_requests, housekeeping=self._housekeeping,
                                name=f"{self.role}-engine").start()
 
     def _step(self):
-        return [(out.request_id, out) for out in self.engine.step()]
+        outputs = self.engine.step()
+        if self.metrics is not None:
+            self.metrics.generation_tokens.inc(len(outputs))  # one new token per output
+        return [(out.request_id, out) for out in outputs]
+
+    def _housekeeping(self) -> None:
+        if self.connector is not None:
+            self.connector.reap_expired()
+        if self.metrics is not None:
+            self.metrics.refresh(self.engine)
 
     # ---- RPCs ------------------------------------------------------------------------
     def Reserve(self, request, context):
@@ -71,6 +82,8 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
                 if self.role != "both":
                     raise InvalidArgument("epoch is required: this decode worker only continues prefilled requests")
                 self.loop.call(lambda: self.engine.add_request(rid, prompt, params, priority=request.priority))
+                if self.metrics is not None:
+                    self.metrics.prompt_tokens.inc(len(prompt))
                 sent, out = 0, None
             else:
                 first_lp = logprobs_from_proto(request.first_logprobs) if request.HasField("first_logprobs") else None

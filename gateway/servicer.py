@@ -22,6 +22,7 @@ from gateway.detokenizer import IncrementalDetokenizer, StopMatcher
 from gateway.dispatch import Dispatcher, Finished, Job, Tokens
 from splitserve.api_convert import prompt_from_request, sampling_from_proto
 from splitserve.errors import InvalidArgument, NotFound, ResourceExhausted, Unavailable
+from splitserve.metrics import GatewayMetrics
 from splitserve.v1 import generation_pb2, generation_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -40,11 +41,14 @@ def _redis_call(fn, *args, **kwargs):
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
-    def __init__(self, state, dispatcher: Dispatcher, tokenizer, model_info: generation_pb2.ModelInfo):
+    def __init__(self, state, dispatcher: Dispatcher, tokenizer, model_info: generation_pb2.ModelInfo,
+                 metrics: GatewayMetrics | None = None, metrics_address: str = ""):
         self.state = state
         self.dispatcher = dispatcher
         self.tokenizer = tokenizer
         self.model_info = model_info
+        self.metrics = metrics
+        self.metrics_address = metrics_address
 
     # ---- Generate ----------------------------------------------------------------------
     def Generate(self, request, context):
@@ -90,9 +94,12 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         completion = 0
         finished: Finished | None = None
         matched = None
+        token_times: list[float] = []
         while finished is None:
             event = self._next(job, context)
             if isinstance(event, Tokens):
+                now = time.monotonic()
+                token_times += [now] * len(event.token_ids)
                 completion += len(event.token_ids)
                 text, matched = stops.feed(detok.add(event.token_ids))
                 pending_ids += event.token_ids
@@ -111,6 +118,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         if pending_ids or pending_text:
             yield self._chunk(pending_ids, pending_text, pending_lp)
         self._record_end(job, finished, completion)
+        self._observe(job, finished, token_times)
         if finished.status is not None:
             context.abort(finished.status, finished.message)
         yield self._final(job, finished, matched, completion)
@@ -137,6 +145,30 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             except redis.exceptions.RedisError:
                 log.warning("could not record the end of %s in Redis", job.request_id)
         self.dispatcher.forget(job.request_id)
+
+    def _observe(self, job: Job, finished: Finished, token_times: list[float]) -> None:
+        """vLLM's definitions: TTFT, ITL (every gap), TPOT = (e2e - ttft) / (tokens - 1), e2e."""
+        m = self.metrics
+        if m is None:
+            return
+        t = job.timeline
+        arrival, end = t["arrival"], t.get("finished", time.monotonic())
+        m.prompt_tokens.inc(len(job.prompt_token_ids))
+        m.generation_tokens.inc(len(token_times))
+        m.success.labels(finished_reason=finished.finish_reason).inc()
+        m.e2e.observe(end - arrival)
+        if "dispatched" in t:
+            m.queue.observe(t["dispatched"] - arrival)
+        if not token_times:
+            return
+        ttft = token_times[0] - arrival
+        m.ttft.observe(ttft)
+        m.prefill.observe(ttft - (t["dispatched"] - arrival if "dispatched" in t else 0.0))
+        m.decode.observe(max(0.0, end - token_times[0]))
+        for a, b in zip(token_times, token_times[1:]):
+            m.itl.observe(b - a)
+        if len(token_times) > 1:
+            m.tpot.observe((token_times[-1] - token_times[0]) / (len(token_times) - 1))
 
     def _record_end(self, job: Job, finished: Finished, completion: int) -> None:
         job.timeline.setdefault("finished", time.monotonic())
@@ -215,6 +247,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     def GetServerInfo(self, request, context):
         info = generation_pb2.ServerInfo(queue_depth=_redis_call(self.state.queue_depth))
+        if self.metrics is not None:
+            self.metrics.queue_depth.set(info.queue_depth)
+        info.workers.add(worker_id=self.dispatcher.gateway_id, role="gateway", metrics_address=self.metrics_address)
         for w in self.dispatcher.directory.list():
             info.workers.add(worker_id=w.worker_id, role=w.role, address=w.address, transports=w.transports,
                              kv_blocks_total=w.kv_blocks_total, kv_blocks_free=w.kv_blocks_free,

@@ -40,6 +40,7 @@ class PrefillResult:
     # Set on failure: the transfer error; the request's prefill pages are already freed.
     error: TransferError | None = None
     num_copies: int = 0
+    bytes_sent: int = 0
     # The transport that carried the pages.
     transport: str | None = None
     # Seconds spent copying and flushing this request's pages (overlapping the prefill compute).
@@ -52,6 +53,7 @@ class _Transfer:
     sender: KVSender
     prompt_token_ids: list[int]
     copies_at_start: int
+    bytes_at_start: int
     first_chunk: bool = True
     checksum: int | None = None
     error: TransferError | None = field(default=None)
@@ -83,7 +85,8 @@ class PrefillConnector:
         sender = self._sender(desc)
         one_token = dataclasses.replace(params, max_tokens=1, min_tokens=0)
         self.engine.add_request(request_id, list(prompt_token_ids), one_token, priority=priority)
-        self._transfers[request_id] = _Transfer(desc, sender, list(prompt_token_ids), sender.num_copies)
+        self._transfers[request_id] = _Transfer(desc, sender, list(prompt_token_ids), sender.num_copies,
+                                                sender.bytes_sent)
 
     def abort(self, request_id: str) -> None:
         self._transfers.pop(request_id, None)
@@ -111,6 +114,7 @@ class PrefillConnector:
             except TransferError as e:
                 result.error = e
             result.num_copies = transfer.sender.num_copies - transfer.copies_at_start
+            result.bytes_sent = transfer.sender.bytes_sent - transfer.bytes_at_start
             result.transport = transfer.sender.name
             result.transfer_s = transfer.transfer_s
             results.append(result)

@@ -14,18 +14,23 @@ from kvtransfer.prefill_side import PrefillConnector, PrefillResult
 from splitserve.api_convert import descriptor_from_proto, logprobs_to_proto, sampling_from_proto
 from splitserve.engine_loop import EngineDead, EngineLoop
 from splitserve.errors import DeadlineExceeded, InvalidArgument
+from splitserve.metrics import EngineMetrics, TransferMetrics
 from splitserve.v1 import generation_pb2, worker_pb2, worker_pb2_grpc
 
 POLL_S = 0.5
 
 
 class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
-    def __init__(self, connector: PrefillConnector, worker_id: str):
+    def __init__(self, connector: PrefillConnector, worker_id: str, metrics: EngineMetrics | None = None,
+                 transfer_metrics: TransferMetrics | None = None):
         self.connector = connector
         self.engine = connector.engine
         self.worker_id = worker_id
         self.address = ""
-        self.loop = EngineLoop(self._step, connector.has_pending, name="prefill-engine").start()
+        self.metrics = metrics
+        self.transfer_metrics = transfer_metrics
+        self.loop = EngineLoop(self._step, connector.has_pending, name="prefill-engine",
+                               housekeeping=(lambda: metrics.refresh(self.engine)) if metrics else None).start()
 
     def _step(self):
         return [(result.request_id, result) for result in self.connector.step()]
@@ -54,6 +59,7 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
                                                         priority=request.priority))
             result = self._wait(events, context, desc.lease_deadline)
             done.set()
+            self._record(result, len(request.prompt_token_ids), time.monotonic() - start)
             if result.error is not None:
                 raise result.error
             response = worker_pb2.PrefillResponse(
@@ -67,6 +73,21 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
             return response
         finally:
             self.loop.unsubscribe(rid)
+
+    def _record(self, result: PrefillResult, prompt_tokens: int, seconds: float) -> None:
+        if self.metrics is not None:
+            self.metrics.prompt_tokens.inc(prompt_tokens)
+            if result.error is None:
+                self.metrics.generation_tokens.inc()  # the first token is sampled here
+        if self.transfer_metrics is None:
+            return
+        transport = result.transport or "none"
+        if result.error is not None:
+            self.transfer_metrics.failures.labels(transport=transport).inc()
+            return
+        self.transfer_metrics.bytes.labels(transport=transport).inc(result.bytes_sent)
+        self.transfer_metrics.seconds.labels(transport=transport).inc(result.transfer_s)
+        self.transfer_metrics.handoff.observe(seconds)
 
     def _wait(self, events: queue.Queue, context, lease_deadline: float) -> PrefillResult:
         # Past the lease (plus a margin) the decode side has freed the pages anyway.

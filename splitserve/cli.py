@@ -38,6 +38,8 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=_env("port", 0), help="gRPC port (0 picks a free one)")
     p.add_argument("--worker-id", default=_env("worker_id", ""))
     p.add_argument("--no-reflection", action="store_true", default=_env("no_reflection", "") == "1")
+    p.add_argument("--metrics-port", type=int, default=_env("metrics_port", 0),
+                   help="serve Prometheus metrics on this port (0: off)")
     _redis_flags(p)
 
 
@@ -66,7 +68,13 @@ def _stop_event() -> threading.Event:
     return stop
 
 
-def _serve(servicer, register, args, role: str, transports: list[str]) -> int:
+def _metrics(args):
+    from splitserve.metrics import serve
+    host = "0.0.0.0" if args.host in ("0.0.0.0", "") else args.host
+    return serve(args.metrics_port, host)
+
+
+def _serve(servicer, register, args, role: str, transports: list[str], metrics_address: str = "") -> int:
     from splitserve.grpc_server import build_server
     from splitserve.registration import Heartbeat
     server, health, port = build_server(register, f"{args.host}:{args.port}",
@@ -75,7 +83,8 @@ def _serve(servicer, register, args, role: str, transports: list[str]) -> int:
     heartbeat = None
     if args.redis_url:
         heartbeat = Heartbeat(_redis_state(args), servicer.worker_id, role, servicer.address, transports,
-                              stats=lambda: servicer.loop.call(servicer.engine.stats, timeout=5)).start()
+                              stats=lambda: {**servicer.loop.call(servicer.engine.stats, timeout=5),
+                                             "metrics_address": metrics_address}).start()
     # The first line on stdout says where to connect (scripts and tests read it).
     print(f"{role} worker {servicer.worker_id} serving on {servicer.address}", flush=True)
     stop = _stop_event()
@@ -98,19 +107,22 @@ def cmd_decode(args) -> int:
     from engine.llm_engine import LLMEngine
     from kvtransfer import build_decode
     from splitserve.v1 import worker_pb2_grpc
+    from splitserve.metrics import EngineMetrics
     worker_id = args.worker_id or f"{args.role}-{uuid.uuid4().hex[:8]}"
     config = _engine_config(args)
+    registry, metrics_address = _metrics(args)
+    metrics = EngineMetrics(registry, args.role)
     if args.role == "both":
-        servicer = DecodeWorkerServicer(LLMEngine(config), None, worker_id)
+        servicer = DecodeWorkerServicer(LLMEngine(config), None, worker_id, metrics)
     else:
         connector = build_decode(config, args.kv_transport, lease_ttl_s=args.lease_ttl_s, host=args.host)
-        servicer = DecodeWorkerServicer(connector.engine, connector, worker_id)
+        servicer = DecodeWorkerServicer(connector.engine, connector, worker_id, metrics)
 
     def register(server):
         worker_pb2_grpc.add_DecodeWorkerServicer_to_server(servicer, server)
         return ["splitserve.v1.DecodeWorker"]
     return _serve(servicer, register, args, args.role,
-                  servicer.connector.transports if servicer.connector else [])
+                  servicer.connector.transports if servicer.connector else [], metrics_address)
 
 
 def cmd_prefill(args) -> int:
@@ -118,13 +130,16 @@ def cmd_prefill(args) -> int:
     from prefill_worker.servicer import PrefillWorkerServicer
     from splitserve.v1 import worker_pb2_grpc
     transports = TRANSPORTS if args.kv_transport == "auto" else [t.strip() for t in args.kv_transport.split(",")]
+    from splitserve.metrics import EngineMetrics, TransferMetrics
     connector = build_prefill(_engine_config(args), transports, verify_checksum=args.verify_checksum)
-    servicer = PrefillWorkerServicer(connector, args.worker_id or f"prefill-{uuid.uuid4().hex[:8]}")
+    registry, metrics_address = _metrics(args)
+    servicer = PrefillWorkerServicer(connector, args.worker_id or f"prefill-{uuid.uuid4().hex[:8]}",
+                                     EngineMetrics(registry, "prefill"), TransferMetrics(registry))
 
     def register(server):
         worker_pb2_grpc.add_PrefillWorkerServicer_to_server(servicer, server)
         return ["splitserve.v1.PrefillWorker"]
-    return _serve(servicer, register, args, "prefill", list(transports))
+    return _serve(servicer, register, args, "prefill", list(transports), metrics_address)
 
 
 def cmd_gateway(args) -> int:
@@ -145,10 +160,13 @@ def cmd_gateway(args) -> int:
         model=args.model, max_model_len=args.max_model_len or getattr(config, "max_position_embeddings", 2048),
         vocab_size=config.vocab_size, eos_token_ids=[eos] if isinstance(eos, int) else list(eos or []),
         block_size=args.block_size, dtype=args.dtype)
+    from splitserve.metrics import GatewayMetrics
     state = _redis_state(args, queue_limit=args.queue_limit)
+    registry, metrics_address = _metrics(args)
     dispatcher = Dispatcher(state, WorkerDirectory(state, block_size=args.block_size),
                             args.gateway_id or f"gw-{uuid.uuid4().hex[:8]}").start()
-    servicer = GenerationServicer(state, dispatcher, load_tokenizer(model_dir), model_info)
+    servicer = GenerationServicer(state, dispatcher, load_tokenizer(model_dir), model_info,
+                                  metrics=GatewayMetrics(registry), metrics_address=metrics_address)
 
     def register(server):
         generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
@@ -198,6 +216,8 @@ def build_parser() -> argparse.ArgumentParser:
     gateway.add_argument("--dtype", default=_env("dtype", "auto"))
     gateway.add_argument("--gateway-id", default=_env("gateway_id", ""))
     gateway.add_argument("--no-reflection", action="store_true", default=_env("no_reflection", "") == "1")
+    gateway.add_argument("--metrics-port", type=int, default=_env("metrics_port", 0),
+                         help="serve Prometheus metrics on this port (0: off)")
     _redis_flags(gateway)
     gateway.set_defaults(func=cmd_gateway)
 

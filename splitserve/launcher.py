@@ -83,12 +83,16 @@ def cmd_up(args) -> int:
         workers += [["prefill", *engine] for _ in range(args.prefill)]
         if args.decode == 0 and args.prefill == 0:
             workers = [["decode", "--role", "both", *engine]]
+        if args.metrics_port:  # the gateway on the port given, workers on the ports after it
+            for i, argv in enumerate(workers, start=1):
+                argv += ["--metrics-port", str(args.metrics_port + i)]
         for argv in workers:
             procs.append(_spawn(cli + argv))
         for proc, argv in zip(procs[-len(workers):], workers):
             print(_wait_line(proc, "serving on", argv[0]), flush=True)
         gateway = _spawn(cli + ["gateway", "--model", args.model, "--host", args.host, "--port", str(args.port),
-                                "--redis-url", redis_url, "--block-size", str(args.block_size)])
+                                "--redis-url", redis_url, "--block-size", str(args.block_size),
+                                "--metrics-port", str(args.metrics_port)])
         procs.append(gateway)
         print(_wait_line(gateway, "serving on", "gateway"), flush=True)
         print(f"splitserve is up: gRPC {args.host}:{args.port} (Redis {redis_url})", flush=True)

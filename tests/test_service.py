@@ -26,20 +26,22 @@ def stack(tiny_model_dirs, tmp_path_factory):
     url = redis_server.url
     common = ["--model", model, "--dtype", "float32", "--block-size", "8", "--num-gpu-blocks", "256",
               "--max-num-batched-tokens", "128", "--redis-url", url]
+    metrics = {name: free_port() for name in ("decode", "prefill", "gateway")}
     procs = []
     try:
-        decode, decode_addr = start_worker(["decode", *common])
+        decode, decode_addr = start_worker(["decode", *common, "--metrics-port", str(metrics["decode"])])
         procs.append(decode)
-        prefill, prefill_addr = start_worker(["prefill", *common])
+        prefill, prefill_addr = start_worker(["prefill", *common, "--metrics-port", str(metrics["prefill"])])
         procs.append(prefill)
         gateway, gateway_addr = start_worker(["gateway", "--model", model, "--host", "127.0.0.1", "--port", "0",
-                                              "--redis-url", url, "--block-size", "8"])
+                                              "--redis-url", url, "--block-size", "8",
+                                              "--metrics-port", str(metrics["gateway"])])
         procs.append(gateway)
         client = Client(gateway_addr)
         deadline = time.monotonic() + 30
         while len(client.server_info().workers) < 2 and time.monotonic() < deadline:
             time.sleep(0.2)
-        yield {"model": model, "address": gateway_addr, "client": client, "redis": redis_server,
+        yield {"model": model, "address": gateway_addr, "client": client, "redis": redis_server, "metrics": metrics,
                "decode": worker_pb2_grpc.DecodeWorkerStub(grpc.insecure_channel(decode_addr)),
                "prefill": worker_pb2_grpc.PrefillWorkerStub(grpc.insecure_channel(prefill_addr)),
                "stub": generation_pb2_grpc.GenerationStub(grpc.insecure_channel(gateway_addr))}
@@ -52,6 +54,13 @@ def stack(tiny_model_dirs, tmp_path_factory):
             except subprocess.TimeoutExpired:
                 proc.kill()
         redis_server.stop()
+
+
+def free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def greedy(max_tokens, **kw):
@@ -203,7 +212,8 @@ def test_info_rpcs(stack):
     stub = stack["stub"]
     info = stub.GetServerInfo(generation_pb2.GetServerInfoRequest(), timeout=10)
     roles = sorted(w.role for w in info.workers)
-    assert roles == ["decode", "prefill"]
+    assert roles == ["decode", "gateway", "prefill"]
+    assert all(w.metrics_address for w in info.workers)
     decode = next(w for w in info.workers if w.role == "decode")
     assert decode.kv_blocks_total == 256 and "shm" in decode.transports
     model = stub.GetModelInfo(generation_pb2.GetModelInfoRequest(), timeout=10)
@@ -296,3 +306,44 @@ def test_cancel_frees_pages_on_both_workers(stack):
     stream.cancel()
     wait_for_free_blocks(stack["decode"], decode0)
     wait_for_free_blocks(stack["prefill"], prefill0)
+
+
+def scrape(port: int) -> dict[str, float]:
+    """Every sample of a process's /metrics, keyed by name{labels}."""
+    import urllib.request
+    from prometheus_client.parser import text_string_to_metric_families
+    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    samples = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()) if k != "le")
+            key = f"{sample.name}{{{labels}}}" if labels else sample.name
+            if "le" not in sample.labels:
+                samples[key] = sample.value
+    return samples
+
+
+def test_metrics_of_every_process_count_the_requests(stack):
+    ports = stack["metrics"]
+    before = {name: scrape(port) for name, port in ports.items()}
+    prompt = mixed_prompts(1, seed=86, lo=33, hi=33)[0]
+    for _ in range(3):
+        collect(stack["client"], prompt, **greedy(5))
+    time.sleep(1.5)  # engine gauges refresh on the engine thread every half second
+    after = {name: scrape(port) for name, port in ports.items()}
+    delta = lambda proc, key: after[proc].get(key, 0.0) - before[proc].get(key, 0.0)  # noqa: E731
+    gw = "gateway"
+    assert delta(gw, "vllm:time_to_first_token_seconds_count") == 3
+    assert delta(gw, "vllm:e2e_request_latency_seconds_count") == 3
+    assert delta(gw, "vllm:request_success_total{finished_reason=length}") == 3
+    assert delta(gw, "vllm:generation_tokens_total") == 15
+    assert delta(gw, "vllm:prompt_tokens_total") == 99
+    assert delta(gw, "vllm:inter_token_latency_seconds_count") == 12
+    assert 0 < after[gw]["vllm:time_to_first_token_seconds_sum"] < 60
+    assert delta("prefill", "vllm:prompt_tokens_total") == 99
+    assert delta("prefill", "splitserve:kv_handoff_latency_seconds_count") == 3
+    assert delta("prefill", "splitserve:kv_transfer_bytes_total{transport=shm}") > 0
+    assert delta("prefill", "vllm:prefix_cache_hits_total") > 0  # the same prompt, three times
+    assert delta("decode", "vllm:generation_tokens_total") == 12  # the first token of each came from prefill
+    assert after["decode"]["vllm:num_requests_running"] == 0
+    assert 0 <= after["decode"]["vllm:kv_cache_usage_perc"] <= 1

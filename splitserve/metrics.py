@@ -1,0 +1,98 @@
+"""Prometheus metrics of every splitserve process, under vLLM's names where one exists.
+
+Each process owns one registry and serves it on ``--metrics-port`` (0 = off). Gauges of the
+engine are refreshed on the engine-loop thread (the engine is not thread-safe), counters and
+histograms are updated where the events happen.
+"""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+# Seconds: from a 2-core CPU box to a GPU, first tokens land between milliseconds and seconds.
+LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                   40.0, 80.0)
+TOKEN_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
+
+
+class EngineMetrics:
+    """What a worker's engine reports (vLLM names)."""
+
+    def __init__(self, registry: CollectorRegistry, role: str):
+        labels = {"role": role}
+        self.running = Gauge("vllm:num_requests_running", "Requests in the running batch", registry=registry)
+        self.waiting = Gauge("vllm:num_requests_waiting", "Requests waiting in the engine", registry=registry)
+        self.kv_usage = Gauge("vllm:kv_cache_usage_perc", "Fraction of KV pages in use (0-1)", registry=registry)
+        self.preemptions = Counter("vllm:num_preemptions", "Preemptions", registry=registry)
+        self.prefix_queries = Counter("vllm:prefix_cache_queries", "Prompt tokens looked up in the prefix cache",
+                                      registry=registry)
+        self.prefix_hits = Counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache",
+                                   registry=registry)
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens processed", registry=registry)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Tokens generated", registry=registry)
+        self.role = Gauge("splitserve:worker_info", "Constant 1, labelled with the worker's role",
+                          list(labels), registry=registry)
+        self.role.labels(**labels).set(1)
+        self._seen = {"num_preemptions": 0, "prefix_queries": 0, "prefix_hits": 0}
+
+    def refresh(self, engine) -> None:
+        """Copy the engine's counters into the metrics; runs on the engine thread."""
+        stats = engine.stats()
+        self.running.set(stats["num_running"])
+        self.waiting.set(stats["num_waiting"])
+        self.kv_usage.set(stats["kv_usage"])
+        totals = {"num_preemptions": engine.scheduler.num_preemptions,
+                  "prefix_queries": engine.kv.prefix_stats.queries, "prefix_hits": engine.kv.prefix_stats.hits}
+        for name, counter in (("num_preemptions", self.preemptions), ("prefix_queries", self.prefix_queries),
+                              ("prefix_hits", self.prefix_hits)):
+            counter.inc(max(0, totals[name] - self._seen[name]))
+            self._seen[name] = totals[name]
+
+
+class TransferMetrics:
+    """KV handoffs on a prefill worker (splitserve's own)."""
+
+    def __init__(self, registry: CollectorRegistry):
+        self.bytes = Counter("splitserve:kv_transfer_bytes", "KV bytes written to decode workers", ["transport"],
+                             registry=registry)
+        self.seconds = Counter("splitserve:kv_transfer_seconds", "Seconds spent copying and flushing KV",
+                               ["transport"], registry=registry)
+        self.failures = Counter("splitserve:kv_transfer_failures", "KV handoffs that failed", ["transport"],
+                                registry=registry)
+        self.handoff = Histogram("splitserve:kv_handoff_latency_seconds",
+                                 "Prefill request received to KV flushed and first token sampled",
+                                 buckets=LATENCY_BUCKETS, registry=registry)
+
+
+class GatewayMetrics:
+    """Request latencies as the client sees them (vLLM names and definitions)."""
+
+    def __init__(self, registry: CollectorRegistry):
+        self.ttft = Histogram("vllm:time_to_first_token_seconds", "Request arrival to first token",
+                              buckets=LATENCY_BUCKETS, registry=registry)
+        self.itl = Histogram("vllm:inter_token_latency_seconds", "Gap between consecutive streamed tokens",
+                             buckets=TOKEN_LATENCY_BUCKETS, registry=registry)
+        self.tpot = Histogram("vllm:request_time_per_output_token_seconds",
+                              "Per request: (e2e - ttft) / (output tokens - 1)", buckets=TOKEN_LATENCY_BUCKETS,
+                              registry=registry)
+        self.e2e = Histogram("vllm:e2e_request_latency_seconds", "Request arrival to its end",
+                             buckets=LATENCY_BUCKETS, registry=registry)
+        self.queue = Histogram("vllm:request_queue_time_seconds", "Time waiting in the queue",
+                               buckets=LATENCY_BUCKETS, registry=registry)
+        self.prefill = Histogram("vllm:request_prefill_time_seconds", "Prefill (including KV handoff) time",
+                                 buckets=LATENCY_BUCKETS, registry=registry)
+        self.decode = Histogram("vllm:request_decode_time_seconds", "First token to the end",
+                                buckets=LATENCY_BUCKETS, registry=registry)
+        self.success = Counter("vllm:request_success", "Finished requests by finish reason", ["finished_reason"],
+                               registry=registry)
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens admitted", registry=registry)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Tokens streamed to clients", registry=registry)
+        self.queue_depth = Gauge("splitserve:queue_depth", "Requests waiting in the Redis queue", registry=registry)
+
+
+def serve(port: int, host: str = "0.0.0.0") -> tuple[CollectorRegistry, str]:
+    """A fresh registry served over HTTP on ``port`` (0 = not served). Returns (registry, address)."""
+    registry = CollectorRegistry()
+    if port <= 0:
+        return registry, ""
+    start_http_server(port, addr=host, registry=registry)
+    return registry, f"{host}:{port}"
