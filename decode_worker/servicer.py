@@ -7,6 +7,7 @@ completes the handoff with the epoch and streams every later token. On a ``both`
 """
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 
@@ -17,8 +18,11 @@ from splitserve.api_convert import (descriptor_to_proto, logprobs_from_proto, lo
                                     sampling_from_proto)
 from splitserve.engine_loop import EngineDead, EngineLoop
 from splitserve.errors import InvalidArgument, ResourceExhausted
+from splitserve.logs import request_id_var
 from splitserve.metrics import EngineMetrics
 from splitserve.v1 import generation_pb2, worker_pb2, worker_pb2_grpc
+
+log = logging.getLogger(__name__)
 
 # How often a streaming handler wakes to notice a client that went away.
 POLL_S = 0.5
@@ -65,8 +69,10 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
         rid = request.request_id
         if not rid:
             raise InvalidArgument("request_id is required")
+        request_id_var.set(rid)
         params = sampling_from_proto(request.sampling)
         prompt = list(request.prompt_token_ids)
+        log.info("decode of a %d-token prompt (epoch %d)", len(request.prompt_token_ids), request.epoch)
         events = self.loop.subscribe(rid)
         done = threading.Event()
 

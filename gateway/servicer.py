@@ -22,6 +22,7 @@ from gateway.detokenizer import IncrementalDetokenizer, StopMatcher
 from gateway.dispatch import Dispatcher, Finished, Job, Tokens
 from splitserve.api_convert import prompt_from_request, sampling_from_proto
 from splitserve.errors import InvalidArgument, NotFound, ResourceExhausted, Unavailable
+from splitserve.logs import request_id_var
 from splitserve.metrics import GatewayMetrics
 from splitserve.v1 import generation_pb2, generation_pb2_grpc
 
@@ -58,6 +59,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             raise InvalidArgument(f"prompt has {len(token_ids)} tokens; max_model_len is "
                                   f"{self.model_info.max_model_len}")
         request_id = request.request_id or uuid.uuid4().hex
+        request_id_var.set(request_id)
+        log.info("admitting %d prompt tokens, priority %d", len(token_ids), request.priority)
         # No client deadline shows up as an infinite (or absurdly far) time remaining.
         remaining = context.time_remaining()
         has_deadline = remaining is not None and remaining < NO_DEADLINE_S

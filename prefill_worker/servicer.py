@@ -6,6 +6,7 @@ the epoch the gateway passes on to ``DecodeWorker.Decode``.
 """
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
@@ -14,8 +15,11 @@ from kvtransfer.prefill_side import PrefillConnector, PrefillResult
 from splitserve.api_convert import descriptor_from_proto, logprobs_to_proto, sampling_from_proto
 from splitserve.engine_loop import EngineDead, EngineLoop
 from splitserve.errors import DeadlineExceeded, InvalidArgument
+from splitserve.logs import request_id_var
 from splitserve.metrics import EngineMetrics, TransferMetrics
 from splitserve.v1 import generation_pb2, worker_pb2, worker_pb2_grpc
+
+log = logging.getLogger(__name__)
 
 POLL_S = 0.5
 
@@ -41,8 +45,11 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
             raise InvalidArgument("request_id and prompt_token_ids are required")
         if not request.HasField("descriptor"):
             raise InvalidArgument("descriptor is required: reserve pages on a decode worker first")
+        request_id_var.set(rid)
         desc = descriptor_from_proto(request.descriptor)
         params = sampling_from_proto(request.sampling)
+        log.info("prefill of %d tokens into %d pages over %s", len(request.prompt_token_ids),
+                 len(desc.block_ids), desc.transport)
         events = self.loop.subscribe(rid)
         done = threading.Event()
 

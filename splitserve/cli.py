@@ -9,7 +9,6 @@ import argparse
 import logging
 import os
 import signal
-import sys
 import threading
 import uuid
 
@@ -184,6 +183,8 @@ def cmd_gateway(args) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="splitserve", description="LLM serving with disaggregated prefill and decode")
     parser.add_argument("--log-level", default=_env("log_level", "INFO"))
+    parser.add_argument("--log-format", default=_env("log_format", "text"), choices=["text", "json"],
+                        help="json: one object per line with the request id (joinable across processes)")
     sub = parser.add_subparsers(dest="command", required=True)
 
     decode = sub.add_parser("decode", help="run a decode worker (or a colocated prefill+decode worker)")
@@ -229,9 +230,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from splitserve.logs import configure
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    configure(args.log_level, args.log_format, args.command)
     return args.func(args)
 
 

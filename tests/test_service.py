@@ -27,21 +27,26 @@ def stack(tiny_model_dirs, tmp_path_factory):
     common = ["--model", model, "--dtype", "float32", "--block-size", "8", "--num-gpu-blocks", "256",
               "--max-num-batched-tokens", "128", "--redis-url", url]
     metrics = {name: free_port() for name in ("decode", "prefill", "gateway")}
+    log_dir = tmp_path_factory.mktemp("logs")
+    logs = {name: open(log_dir / f"{name}.log", "w") for name in ("decode", "prefill", "gateway")}
     procs = []
     try:
-        decode, decode_addr = start_worker(["decode", *common, "--metrics-port", str(metrics["decode"])])
+        decode, decode_addr = start_worker(["decode", *common, "--metrics-port", str(metrics["decode"])],
+                                           logs["decode"])
         procs.append(decode)
-        prefill, prefill_addr = start_worker(["prefill", *common, "--metrics-port", str(metrics["prefill"])])
+        prefill, prefill_addr = start_worker(["prefill", *common, "--metrics-port", str(metrics["prefill"])],
+                                             logs["prefill"])
         procs.append(prefill)
         gateway, gateway_addr = start_worker(["gateway", "--model", model, "--host", "127.0.0.1", "--port", "0",
                                               "--redis-url", url, "--block-size", "8",
-                                              "--metrics-port", str(metrics["gateway"])])
+                                              "--metrics-port", str(metrics["gateway"])], logs["gateway"])
         procs.append(gateway)
         client = Client(gateway_addr)
         deadline = time.monotonic() + 30
         while len(client.server_info().workers) < 2 and time.monotonic() < deadline:
             time.sleep(0.2)
         yield {"model": model, "address": gateway_addr, "client": client, "redis": redis_server, "metrics": metrics,
+               "log_dir": log_dir,
                "decode": worker_pb2_grpc.DecodeWorkerStub(grpc.insecure_channel(decode_addr)),
                "prefill": worker_pb2_grpc.PrefillWorkerStub(grpc.insecure_channel(prefill_addr)),
                "stub": generation_pb2_grpc.GenerationStub(grpc.insecure_channel(gateway_addr))}
@@ -53,6 +58,8 @@ def stack(tiny_model_dirs, tmp_path_factory):
                 proc.wait(timeout=20)
             except subprocess.TimeoutExpired:
                 proc.kill()
+        for f in logs.values():
+            f.close()
         redis_server.stop()
 
 
@@ -347,3 +354,16 @@ def test_metrics_of_every_process_count_the_requests(stack):
     assert delta("decode", "vllm:generation_tokens_total") == 12  # the first token of each came from prefill
     assert after["decode"]["vllm:num_requests_running"] == 0
     assert 0 <= after["decode"]["vllm:kv_cache_usage_perc"] <= 1
+
+
+def test_json_logs_carry_the_request_id_across_processes(stack):
+    request = generation_pb2.GenerateRequest(request_id="follow-me", token_ids=[7, 7, 7],
+                                             sampling=generation_pb2.SamplingParams(**greedy(3)))
+    list(stack["stub"].Generate(request, timeout=30))
+    time.sleep(0.5)
+    for process in ("gateway", "prefill", "decode"):
+        lines = [json.loads(line) for line in (stack["log_dir"] / f"{process}.log").read_text().splitlines()
+                 if line.startswith("{")]
+        mine = [entry for entry in lines if entry.get("request_id") == "follow-me"]
+        assert mine, f"no JSON log line of {process} names the request"
+        assert all({"ts", "level", "process", "message"} <= entry.keys() for entry in mine)

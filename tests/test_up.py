@@ -47,7 +47,7 @@ def test_grpcurl_against_splitserve_up(up):
     assert '"finish_reason": "length"' in streamed.stdout
     assert '"SERVING"' in run("-d", "{}", address, "grpc.health.v1.Health/Check").stdout
     info = json.loads(run("-d", "{}", address, "splitserve.v1.Generation/GetServerInfo").stdout)
-    assert sorted(w["role"] for w in info["workers"]) == ["decode", "prefill"]
+    assert sorted(w["role"] for w in info["workers"]) == ["decode", "gateway", "prefill"]
 
 
 def test_kill_9_of_up_leaves_no_orphan(up):

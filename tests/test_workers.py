@@ -19,9 +19,11 @@ from tests.test_engine_correctness import mixed_prompts
 BOOT_TIMEOUT_S = 120
 
 
-def start_worker(args: list[str]) -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen([sys.executable, "-m", "splitserve.cli", "--log-level", "WARNING", *args],
-                            stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
+def start_worker(args: list[str], log_file=None) -> tuple[subprocess.Popen, str]:
+    """Start a splitserve process; with ``log_file``, INFO logs go there as JSON lines."""
+    logging = ["--log-level", "INFO", "--log-format", "json"] if log_file else ["--log-level", "WARNING"]
+    proc = subprocess.Popen([sys.executable, "-m", "splitserve.cli", *logging, *args], stdout=subprocess.PIPE,
+                            stderr=log_file, text=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
     deadline = time.monotonic() + BOOT_TIMEOUT_S
     line = proc.stdout.readline()
     if "serving on" not in line or time.monotonic() > deadline:
