@@ -36,7 +36,3 @@ def build_server(register: Callable[[grpc.Server], Iterable[str]], address: str,
         raise OSError(f"cannot listen on {address}")
     server.start()
     return server, health_servicer, port
-
-
-def mark_not_serving(health_servicer: health.HealthServicer) -> None:
-    health_servicer.enter_graceful_shutdown()

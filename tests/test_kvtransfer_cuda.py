@@ -8,7 +8,7 @@ import textwrap
 import pytest
 import torch
 
-from kvtransfer.base import KVLayout, TransferDescriptor, coalesce
+from kvtransfer.base import KVLayout, TransferDescriptor
 
 pytestmark = pytest.mark.gpu
 
