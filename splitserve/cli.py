@@ -39,6 +39,8 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-reflection", action="store_true", default=_env("no_reflection", "") == "1")
     p.add_argument("--metrics-port", type=int, default=_env("metrics_port", 0),
                    help="serve Prometheus metrics on this port (0: off)")
+    p.add_argument("--num-threads", type=int, default=_env("num_threads", 0),
+                   help="torch CPU threads of the engine (0: torch's default, one per core)")
     _redis_flags(p)
 
 
@@ -54,7 +56,11 @@ def _redis_state(args, **kwargs):
 
 
 def _engine_config(args):
+    import torch
+
     from engine.config import EngineConfig
+    if args.num_threads > 0:
+        torch.set_num_threads(args.num_threads)
     return EngineConfig(model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
                         num_gpu_blocks=args.num_gpu_blocks or None, kv_cache_memory_gb=args.kv_cache_memory_gb,
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)

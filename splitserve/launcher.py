@@ -79,6 +79,11 @@ def cmd_up(args) -> int:
                   str(args.max_num_batched_tokens), "--redis-url", redis_url]
         if args.num_gpu_blocks:
             engine += ["--num-gpu-blocks", str(args.num_gpu_blocks)]
+        num_workers = max(1, args.decode + args.prefill)
+        # Worker processes share the cores: with more threads than cores they only contend
+        # (measured: 1 thread each for prefill + decode on 2 cores halved TTFT at 2 req/s).
+        threads = args.num_threads or max(1, (os.cpu_count() or 1) // num_workers)
+        engine += ["--num-threads", str(threads)]
         workers = [["decode", *engine] for _ in range(args.decode)]
         workers += [["prefill", *engine] for _ in range(args.prefill)]
         if args.decode == 0 and args.prefill == 0:
