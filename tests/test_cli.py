@@ -37,3 +37,16 @@ def test_environment_supplies_defaults(monkeypatch):
 def test_bad_flag_value_is_refused():
     with pytest.raises(SystemExit):
         build_parser().parse_args(["decode", "--dtype", "int3"])
+
+
+def test_num_threads_sets_the_engine_threads():
+    import torch
+
+    from splitserve.cli import _engine_config
+    before = torch.get_num_threads()
+    try:
+        _engine_config(build_parser().parse_args(["decode", "--num-threads", "1"]))
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+
