@@ -8,24 +8,19 @@ completes the handoff with the epoch and streams every later token. On a ``both`
 from __future__ import annotations
 
 import logging
-import queue
-import threading
 
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from kvtransfer.decode_side import DecodeConnector
 from splitserve.api_convert import (descriptor_to_proto, logprobs_from_proto, logprobs_to_proto,
-                                    sampling_from_proto)
-from splitserve.engine_loop import EngineDead, EngineLoop
+                                    sampling_from_proto, worker_info_to_proto)
+from splitserve.engine_loop import EngineLoop, abort_when_rpc_ends, wait_event
 from splitserve.errors import InvalidArgument, ResourceExhausted
 from splitserve.logs import request_id_var
 from splitserve.metrics import EngineMetrics
-from splitserve.v1 import generation_pb2, worker_pb2, worker_pb2_grpc
+from splitserve.v1 import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
-
-# How often a streaming handler wakes to notice a client that went away.
-POLL_S = 0.5
 
 
 class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
@@ -74,15 +69,7 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
         prompt = list(request.prompt_token_ids)
         log.info("decode of a %d-token prompt (epoch %d)", len(request.prompt_token_ids), request.epoch)
         events = self.loop.subscribe(rid)
-        done = threading.Event()
-
-        def on_rpc_end():  # client cancelled, deadline passed or stream ended
-            if not done.is_set():
-                try:
-                    self.loop.call(lambda: self._abort(rid), timeout=10)
-                except EngineDead:
-                    pass
-        context.add_callback(on_rpc_end)
+        done = abort_when_rpc_ends(context, self.loop, lambda: self._abort(rid))
         try:
             if request.epoch == 0:
                 if self.role != "both":
@@ -107,8 +94,8 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
                         yield chunk
                         return
                     yield chunk
-                out = self._next_event(events, context)
-                if out is None:
+                out = wait_event(events, context)
+                if out is None:  # the caller went away; the RPC-end callback aborts the request
                     return
         finally:
             self.loop.unsubscribe(rid)
@@ -118,31 +105,15 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
         return worker_pb2.WorkerAbortResponse(found=bool(found))
 
     def GetWorkerInfo(self, request, context):
-        stats = self.loop.call(self.engine.stats)
-        return generation_pb2.WorkerInfo(
-            worker_id=self.worker_id, role=self.role, address=self.address,
-            transports=self.connector.transports if self.connector else [],
-            kv_blocks_total=int(stats["kv_blocks_total"]), kv_blocks_free=int(stats["kv_blocks_free"]),
-            kv_blocks_cached=int(stats["kv_blocks_cached"]), num_running=int(stats["num_running"]),
-            num_waiting=int(stats["num_waiting"]))
+        return worker_info_to_proto(self.worker_id, self.role, self.address,
+                                    self.connector.transports if self.connector else [],
+                                    self.loop.call(self.engine.stats))
 
     # ---- helpers -----------------------------------------------------------------------
     def _abort(self, request_id: str) -> bool:
         if self.connector is not None:
             return self.connector.abort(request_id)
         return self.engine.abort_request(request_id) is not None
-
-    @staticmethod
-    def _next_event(events: queue.Queue, context) -> RequestOutput | None:
-        while context.is_active():
-            try:
-                event = events.get(timeout=POLL_S)
-            except queue.Empty:
-                continue
-            if isinstance(event, BaseException):
-                raise event
-            return event
-        return None
 
     @staticmethod
     def _chunk(out: RequestOutput, sent: int) -> worker_pb2.DecodeChunk:

@@ -57,6 +57,11 @@ class Job:
     cached_prompt_tokens: int = 0
     calls: list = field(default_factory=list)  # in-flight gRPC calls, cancelled with the job
 
+    def deadline_passed(self, slack_s: float = 0.25) -> bool:
+        """True at (or just before) the deadline: the handler's clock starts a little after
+        gRPC's, so an RPC that gRPC ends for its deadline can look a few ms early here."""
+        return self.deadline is not None and time.monotonic() >= self.deadline - slack_s
+
     def remaining(self) -> float | None:
         return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
 

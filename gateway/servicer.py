@@ -135,13 +135,14 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                     self.dispatcher.cancel(job.request_id)
                     return Finished("deadline", grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded")
                 if not context.is_active():
+                    if job.deadline_passed():
+                        return Finished("deadline", grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded")
                     return Finished("aborted", grpc.StatusCode.CANCELLED, "client went away")
 
     def _on_rpc_end(self, job: Job) -> None:
         if job.request_id in self.dispatcher.jobs and "finished" not in job.timeline:
             # The RPC ended before the request did: the client went away or its deadline passed.
-            expired = job.deadline is not None and time.monotonic() >= job.deadline
-            reason = "deadline" if expired else "aborted"
+            reason = "deadline" if job.deadline_passed() else "aborted"
             self.dispatcher.cancel(job.request_id)
             try:  # finish also takes it out of the queue if it was still waiting
                 self.state.finish(job.request_id, None, reason, finish_reason=reason)

@@ -88,9 +88,10 @@ class PrefillConnector:
         self._transfers[request_id] = _Transfer(desc, sender, list(prompt_token_ids), sender.num_copies,
                                                 sender.bytes_sent)
 
-    def abort(self, request_id: str) -> None:
-        self._transfers.pop(request_id, None)
-        self.engine.abort_request(request_id)
+    def abort(self, request_id: str) -> bool:
+        """Stop a request's prefill and transfer; True if it was here."""
+        had_transfer = self._transfers.pop(request_id, None) is not None
+        return self.engine.abort_request(request_id) is not None or had_transfer
 
     def step(self) -> list[PrefillResult]:
         """One engine step; returns the transfers that ended (flushed or failed)."""

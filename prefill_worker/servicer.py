@@ -8,20 +8,18 @@ from __future__ import annotations
 
 import logging
 import queue
-import threading
 import time
 
 from kvtransfer.prefill_side import PrefillConnector, PrefillResult
-from splitserve.api_convert import descriptor_from_proto, logprobs_to_proto, sampling_from_proto
-from splitserve.engine_loop import EngineDead, EngineLoop
+from splitserve.api_convert import (descriptor_from_proto, logprobs_to_proto, sampling_from_proto,
+                                    worker_info_to_proto)
+from splitserve.engine_loop import EngineLoop, abort_when_rpc_ends, wait_event
 from splitserve.errors import DeadlineExceeded, InvalidArgument
 from splitserve.logs import request_id_var
 from splitserve.metrics import EngineMetrics, TransferMetrics
-from splitserve.v1 import generation_pb2, worker_pb2, worker_pb2_grpc
+from splitserve.v1 import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
-
-POLL_S = 0.5
 
 
 class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
@@ -51,15 +49,7 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
         log.info("prefill of %d tokens into %d pages over %s", len(request.prompt_token_ids),
                  len(desc.block_ids), desc.transport)
         events = self.loop.subscribe(rid)
-        done = threading.Event()
-
-        def on_rpc_end():
-            if not done.is_set():
-                try:
-                    self.loop.call(lambda: self.connector.abort(rid), timeout=10)
-                except EngineDead:
-                    pass
-        context.add_callback(on_rpc_end)
+        done = abort_when_rpc_ends(context, self.loop, lambda: self.connector.abort(rid))
         start = time.monotonic()
         try:
             self.loop.call(lambda: self.connector.start(rid, list(request.prompt_token_ids), params, desc,
@@ -96,33 +86,21 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
         self.transfer_metrics.seconds.labels(transport=transport).inc(result.transfer_s)
         self.transfer_metrics.handoff.observe(seconds)
 
-    def _wait(self, events: queue.Queue, context, lease_deadline: float) -> PrefillResult:
+    @staticmethod
+    def _wait(events: queue.Queue, context, lease_deadline: float) -> PrefillResult:
         # Past the lease (plus a margin) the decode side has freed the pages anyway.
-        give_up = time.monotonic() + max(1.0, lease_deadline - time.time()) + 5.0
-        while context.is_active():
-            if time.monotonic() > give_up:
-                raise DeadlineExceeded("prefill did not finish within the decode worker's lease")
-            try:
-                event = events.get(timeout=POLL_S)
-            except queue.Empty:
-                continue
-            if isinstance(event, BaseException):
-                raise event
-            return event
-        raise DeadlineExceeded("the caller went away")
+        result = wait_event(events, context, give_up_at=time.monotonic() + max(1.0, lease_deadline - time.time()) + 5)
+        if result is None:
+            raise DeadlineExceeded("prefill did not finish within the decode worker's lease, or the caller went away")
+        return result
 
     def Abort(self, request, context):
-        self.loop.call(lambda: self.connector.abort(request.request_id))
-        return worker_pb2.WorkerAbortResponse(found=True)
+        found = self.loop.call(lambda: self.connector.abort(request.request_id))
+        return worker_pb2.WorkerAbortResponse(found=found)
 
     def GetWorkerInfo(self, request, context):
-        stats = self.loop.call(self.engine.stats)
-        return generation_pb2.WorkerInfo(
-            worker_id=self.worker_id, role="prefill", address=self.address,
-            transports=sorted(self.connector.sender_factories),
-            kv_blocks_total=int(stats["kv_blocks_total"]), kv_blocks_free=int(stats["kv_blocks_free"]),
-            kv_blocks_cached=int(stats["kv_blocks_cached"]), num_running=int(stats["num_running"]),
-            num_waiting=int(stats["num_waiting"]))
+        return worker_info_to_proto(self.worker_id, "prefill", self.address, sorted(self.connector.sender_factories),
+                                    self.loop.call(self.engine.stats))
 
     def close(self) -> None:
         self.loop.stop()

@@ -169,3 +169,13 @@ def logprobs_from_proto(msg: generation_pb2.TokenLogprobs | None) -> list[tuple[
     if msg is None:
         return None
     return [(msg.token_id, msg.logprob)] + [(t.token_id, t.logprob) for t in msg.top]
+
+
+def worker_info_to_proto(worker_id: str, role: str, address: str, transports, stats: dict,
+                         metrics_address: str = "") -> generation_pb2.WorkerInfo:
+    """A worker's public description from its engine's ``stats()``."""
+    return generation_pb2.WorkerInfo(
+        worker_id=worker_id, role=role, address=address, transports=list(transports),
+        kv_blocks_total=int(stats.get("kv_blocks_total", 0)), kv_blocks_free=int(stats.get("kv_blocks_free", 0)),
+        kv_blocks_cached=int(stats.get("kv_blocks_cached", 0)), num_running=int(stats.get("num_running", 0)),
+        num_waiting=int(stats.get("num_waiting", 0)), metrics_address=metrics_address)

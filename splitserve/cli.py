@@ -33,14 +33,19 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-cache-memory-gb", type=float, default=_env("kv_cache_memory_gb", 1.0))
     p.add_argument("--max-num-seqs", type=int, default=_env("max_num_seqs", 64))
     p.add_argument("--max-num-batched-tokens", type=int, default=_env("max_num_batched_tokens", 2048))
-    p.add_argument("--host", default=_env("host", "127.0.0.1"))
-    p.add_argument("--port", type=int, default=_env("port", 0), help="gRPC port (0 picks a free one)")
+    _server_flags(p, host="127.0.0.1", port=0)
     p.add_argument("--worker-id", default=_env("worker_id", ""))
-    p.add_argument("--no-reflection", action="store_true", default=_env("no_reflection", "") == "1")
-    p.add_argument("--metrics-port", type=int, default=_env("metrics_port", 0),
-                   help="serve Prometheus metrics on this port (0: off)")
     p.add_argument("--num-threads", type=int, default=_env("num_threads", 0),
                    help="torch CPU threads of the engine (0: torch's default, one per core)")
+
+
+def _server_flags(p: argparse.ArgumentParser, host: str, port: int) -> None:
+    """What every gRPC process takes: where to listen, reflection, metrics, Redis."""
+    p.add_argument("--host", default=_env("host", host))
+    p.add_argument("--port", type=int, default=_env("port", port), help="gRPC port (0 picks a free one)")
+    p.add_argument("--no-reflection", action="store_true", default=_env("no_reflection", "") == "1")
+    p.add_argument("--metrics-port", type=int, default=_env("metrics_port", -1),
+                   help="serve Prometheus metrics on this port (-1: off; 0: a free port, listed by GetServerInfo)")
     _redis_flags(p)
 
 
@@ -214,18 +219,13 @@ def build_parser() -> argparse.ArgumentParser:
     gateway = sub.add_parser("gateway", help="run the public gRPC gateway")
     gateway.add_argument("--model", default=_env("model", "smollm2-135m-instruct"),
                          help="the model the workers serve (its tokenizer and limits)")
-    gateway.add_argument("--host", default=_env("host", "0.0.0.0"))
-    gateway.add_argument("--port", type=int, default=_env("port", 50051))
+    _server_flags(gateway, host="0.0.0.0", port=50051)
     gateway.add_argument("--queue-limit", type=int, default=_env("queue_limit", 256),
                          help="requests waiting in the queue before RESOURCE_EXHAUSTED")
     gateway.add_argument("--max-model-len", type=int, default=_env("max_model_len", 0))
     gateway.add_argument("--block-size", type=int, default=_env("block_size", 16))
     gateway.add_argument("--dtype", default=_env("dtype", "auto"))
     gateway.add_argument("--gateway-id", default=_env("gateway_id", ""))
-    gateway.add_argument("--no-reflection", action="store_true", default=_env("no_reflection", "") == "1")
-    gateway.add_argument("--metrics-port", type=int, default=_env("metrics_port", 0),
-                         help="serve Prometheus metrics on this port (0: off)")
-    _redis_flags(gateway)
     gateway.set_defaults(func=cmd_gateway)
 
     from splitserve.launcher import add_up_parser

@@ -19,6 +19,10 @@ log = logging.getLogger(__name__)
 Step = Callable[[], list[tuple[str, Any]]]  # one engine step -> (request_id, event) pairs
 
 
+# How often a handler waiting for engine events wakes to notice a caller that went away.
+POLL_S = 0.5
+
+
 class EngineDead(RuntimeError):
     """The engine loop stopped after a failed step; the worker must be restarted."""
 
@@ -123,3 +127,35 @@ class EngineLoop:
                 return
             if item is not None:
                 item[1].set_exception(dead)
+
+
+def wait_event(events: queue.Queue, context, give_up_at: float | None = None) -> Any:
+    """The next event for a handler; None once its caller went away or ``give_up_at`` (monotonic) passed.
+
+    An exception published by the loop (the engine died) is raised here.
+    """
+    while context.is_active():
+        if give_up_at is not None and time.monotonic() > give_up_at:
+            return None
+        try:
+            event = events.get(timeout=POLL_S)
+        except queue.Empty:
+            continue
+        if isinstance(event, BaseException):
+            raise event
+        return event
+    return None
+
+
+def abort_when_rpc_ends(context, loop: EngineLoop, abort: Callable[[], Any]) -> threading.Event:
+    """Run ``abort`` on the loop if the RPC ends (cancel, deadline, error) before the returned event is set."""
+    done = threading.Event()
+
+    def on_rpc_end():
+        if not done.is_set():
+            try:
+                loop.call(abort, timeout=10)
+            except EngineDead:
+                pass
+    context.add_callback(on_rpc_end)
+    return done

@@ -88,9 +88,12 @@ def cmd_up(args) -> int:
         workers += [["prefill", *engine] for _ in range(args.prefill)]
         if args.decode == 0 and args.prefill == 0:
             workers = [["decode", "--role", "both", *engine]]
-        if args.metrics_port:  # the gateway on the port given, workers on the ports after it
+        if args.metrics_port > 0:  # the gateway on the port given, workers on the ports after it
             for i, argv in enumerate(workers, start=1):
                 argv += ["--metrics-port", str(args.metrics_port + i)]
+        elif args.metrics_port == 0:
+            for argv in workers:
+                argv += ["--metrics-port", "0"]
         for argv in workers:
             procs.append(_spawn(cli + argv))
         for proc, argv in zip(procs[-len(workers):], workers):

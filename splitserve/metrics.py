@@ -1,6 +1,7 @@
 """Prometheus metrics of every splitserve process, under vLLM's names where one exists.
 
-Each process owns one registry and serves it on ``--metrics-port`` (0 = off). Gauges of the
+Each process owns one registry and serves it on ``--metrics-port`` (-1 = off, 0 = a free
+port, reported through GetServerInfo). Gauges of the
 engine are refreshed on the engine-loop thread (the engine is not thread-safe), counters and
 histograms are updated where the events happen.
 """
@@ -90,9 +91,12 @@ class GatewayMetrics:
 
 
 def serve(port: int, host: str = "0.0.0.0") -> tuple[CollectorRegistry, str]:
-    """A fresh registry served over HTTP on ``port`` (0 = not served). Returns (registry, address)."""
+    """A fresh registry served over HTTP on ``port`` (-1: not served; 0: any free port).
+
+    Returns (registry, address actually listened on).
+    """
     registry = CollectorRegistry()
-    if port <= 0:
+    if port < 0:
         return registry, ""
-    start_http_server(port, addr=host, registry=registry)
-    return registry, f"{host}:{port}"
+    server, _ = start_http_server(port, addr=host, registry=registry)
+    return registry, f"{host}:{server.server_port}"

@@ -12,7 +12,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from splitserve.client import Client
-from splitserve.v1 import generation_pb2, generation_pb2_grpc, worker_pb2, worker_pb2_grpc
+from splitserve.v1 import generation_pb2, generation_pb2_grpc, worker_pb2_grpc
 from tests.redis_util import RedisServer
 from tests.test_engine_correctness import mixed_prompts
 from tests.test_workers import start_worker, wait_for_free_blocks, worker_info
@@ -26,25 +26,27 @@ def stack(tiny_model_dirs, tmp_path_factory):
     url = redis_server.url
     common = ["--model", model, "--dtype", "float32", "--block-size", "8", "--num-gpu-blocks", "256",
               "--max-num-batched-tokens", "128", "--redis-url", url]
-    metrics = {name: free_port() for name in ("decode", "prefill", "gateway")}
     log_dir = tmp_path_factory.mktemp("logs")
     logs = {name: open(log_dir / f"{name}.log", "w") for name in ("decode", "prefill", "gateway")}
     procs = []
     try:
-        decode, decode_addr = start_worker(["decode", *common, "--metrics-port", str(metrics["decode"])],
+        decode, decode_addr = start_worker(["decode", *common, "--metrics-port", "0"],
                                            logs["decode"])
         procs.append(decode)
-        prefill, prefill_addr = start_worker(["prefill", *common, "--metrics-port", str(metrics["prefill"])],
+        prefill, prefill_addr = start_worker(["prefill", *common, "--metrics-port", "0"],
                                              logs["prefill"])
         procs.append(prefill)
         gateway, gateway_addr = start_worker(["gateway", "--model", model, "--host", "127.0.0.1", "--port", "0",
                                               "--redis-url", url, "--block-size", "8",
-                                              "--metrics-port", str(metrics["gateway"])], logs["gateway"])
+                                              "--metrics-port", "0"], logs["gateway"])
         procs.append(gateway)
         client = Client(gateway_addr)
         deadline = time.monotonic() + 30
-        while len(client.server_info().workers) < 2 and time.monotonic() < deadline:
+        while {w.role for w in client.server_info().workers} != {"gateway", "decode", "prefill"} \
+                and time.monotonic() < deadline:
             time.sleep(0.2)
+        # Each process picked a free metrics port; GetServerInfo tells which.
+        metrics = {w.role: int(w.metrics_address.rsplit(":", 1)[1]) for w in client.server_info().workers}
         yield {"model": model, "address": gateway_addr, "client": client, "redis": redis_server, "metrics": metrics,
                "log_dir": log_dir,
                "decode": worker_pb2_grpc.DecodeWorkerStub(grpc.insecure_channel(decode_addr)),
@@ -61,13 +63,6 @@ def stack(tiny_model_dirs, tmp_path_factory):
         for f in logs.values():
             f.close()
         redis_server.stop()
-
-
-def free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def greedy(max_tokens, **kw):
@@ -332,6 +327,15 @@ def scrape(port: int) -> dict[str, float]:
 
 def test_metrics_of_every_process_count_the_requests(stack):
     ports = stack["metrics"]
+    # Streams cancelled by earlier tests end on the gateway a poll later: wait until it is quiet.
+    key = "vllm:e2e_request_latency_seconds_count"
+    previous, deadline = None, time.monotonic() + 10
+    while time.monotonic() < deadline:
+        current = scrape(ports["gateway"]).get(key)
+        if current == previous:
+            break
+        previous = current
+        time.sleep(1.0)
     before = {name: scrape(port) for name, port in ports.items()}
     prompt = mixed_prompts(1, seed=86, lo=33, hi=33)[0]
     for _ in range(3):
