@@ -37,12 +37,28 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--worker-id", default=_env("worker_id", ""))
     p.add_argument("--num-threads", type=int, default=_env("num_threads", 0),
                    help="torch CPU threads of the engine (0: torch's default, one per core)")
+    p.add_argument("--scheduling-policy", default=_env("scheduling_policy", "fcfs"), choices=["fcfs", "priority"],
+                   help="order of waiting requests: arrival, or the request's priority (lower first) with aging")
+    p.add_argument("--batching", default=_env("batching", "continuous"), choices=["continuous", "static"],
+                   help="static: the baseline that runs fixed batches to the end (for comparisons)")
+    p.add_argument("--static-batch-size", type=int, default=_env("static_batch_size", 8))
+
+
+def advertised(args, port: int) -> str:
+    """The address other processes reach this one at."""
+    host = args.advertise_host or args.host
+    return f"{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{port}"
 
 
 def _server_flags(p: argparse.ArgumentParser, host: str, port: int) -> None:
     """What every gRPC process takes: where to listen, reflection, metrics, Redis."""
     p.add_argument("--host", default=_env("host", host))
     p.add_argument("--port", type=int, default=_env("port", port), help="gRPC port (0 picks a free one)")
+    p.add_argument("--advertise-host", default=_env("advertise_host", ""),
+                   help="host name others use to reach this process (default: --host); e.g. the compose service "
+                        "name when listening on 0.0.0.0")
+    p.add_argument("--drain-timeout-s", type=float, default=_env("drain_timeout_s", 30.0),
+                   help="on SIGTERM: stop taking work, let in-flight requests finish for up to this long, then stop")
     p.add_argument("--no-reflection", action="store_true", default=_env("no_reflection", "") == "1")
     p.add_argument("--metrics-port", type=int, default=_env("metrics_port", -1),
                    help="serve Prometheus metrics on this port (-1: off; 0: a free port, listed by GetServerInfo)")
@@ -68,7 +84,9 @@ def _engine_config(args):
         torch.set_num_threads(args.num_threads)
     return EngineConfig(model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
                         num_gpu_blocks=args.num_gpu_blocks or None, kv_cache_memory_gb=args.kv_cache_memory_gb,
-                        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens)
+                        max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                        scheduling_policy=args.scheduling_policy, batching=args.batching,
+                        static_batch_size=args.static_batch_size)
 
 
 def _stop_event() -> threading.Event:
@@ -89,7 +107,7 @@ def _serve(servicer, register, args, role: str, transports: list[str], metrics_a
     from splitserve.registration import Heartbeat
     server, health, port = build_server(register, f"{args.host}:{args.port}",
                                         reflection_enabled=not args.no_reflection)
-    servicer.address = f"{args.host}:{port}"
+    servicer.address = advertised(args, port)
     heartbeat = None
     if args.redis_url:
         heartbeat = Heartbeat(_redis_state(args), servicer.worker_id, role, servicer.address, transports,
@@ -226,6 +244,8 @@ def build_parser() -> argparse.ArgumentParser:
     gateway.add_argument("--block-size", type=int, default=_env("block_size", 16))
     gateway.add_argument("--dtype", default=_env("dtype", "auto"))
     gateway.add_argument("--gateway-id", default=_env("gateway_id", ""))
+    gateway.add_argument("--max-attempts", type=int, default=_env("max_attempts", 3),
+                         help="tries per request when a worker dies under it; then UNAVAILABLE")
     gateway.set_defaults(func=cmd_gateway)
 
     from splitserve.launcher import add_up_parser
