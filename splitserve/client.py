@@ -5,15 +5,21 @@
         for event in client.generate("Hello", max_tokens=16):
             print(event.text, end="")
         print(event.finish_reason)
+
+Against a secured gateway (see README, Security): ``Client(address, ca="ca.pem")`` for TLS,
+plus ``cert="client.pem", key="client.key"`` for mutual TLS, and ``token=...`` for the bearer
+token; ``tls=True`` alone verifies the server against the system's roots.
 """
 from __future__ import annotations
 
+import os
 import sys
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Iterator, Sequence
 
 import grpc
 
+from splitserve.security import DEFAULT_MAX_MESSAGE_MB, Security
 from splitserve.v1 import generation_pb2, generation_pb2_grpc
 
 _SAMPLING_FIELDS = {f.name for f in generation_pb2.SamplingParams.DESCRIPTOR.fields}
@@ -58,10 +64,20 @@ def _event(response: generation_pb2.GenerateResponse) -> Event:
     return Event(token_ids=list(response.chunk.token_ids), text=response.chunk.text)
 
 
+def client_security(tls: bool = False, ca=None, cert=None, key=None, token: str | None = None,
+                    max_message_mb: float = DEFAULT_MAX_MESSAGE_MB) -> Security:
+    """The client side of ``Security``: ``ca``/``cert``/``key`` are PEM paths or PEM bytes."""
+    return Security.load(cert, key, ca, token or "", tls=tls, max_message_mb=max_message_mb)
+
+
 class Client:
-    def __init__(self, address: str = "localhost:50051", credentials: grpc.ChannelCredentials | None = None):
-        self.channel = (grpc.secure_channel(address, credentials) if credentials
-                        else grpc.insecure_channel(address))
+    """``tls``/``ca``/``cert``/``key``/``token``: see the module docstring; ``credentials`` overrides the TLS part."""
+
+    def __init__(self, address: str = "localhost:50051", credentials: grpc.ChannelCredentials | None = None, *,
+                 tls: bool = False, ca=None, cert=None, key=None, token: str | None = None,
+                 max_message_mb: float = DEFAULT_MAX_MESSAGE_MB):
+        security = client_security(tls, ca, cert, key, token, max_message_mb)
+        self.channel = security.channel(address, credentials)
         self.stub = generation_pb2_grpc.GenerationStub(self.channel)
 
     def generate(self, prompt=None, *, timeout: float | None = None, **kwargs) -> Iterator[Event]:
@@ -93,14 +109,19 @@ class Client:
 
 
 class AsyncClient:
-    def __init__(self, address: str = "localhost:50051", credentials: grpc.ChannelCredentials | None = None):
-        self.channel = (grpc.aio.secure_channel(address, credentials) if credentials
-                        else grpc.aio.insecure_channel(address))
+    def __init__(self, address: str = "localhost:50051", credentials: grpc.ChannelCredentials | None = None, *,
+                 tls: bool = False, ca=None, cert=None, key=None, token: str | None = None,
+                 max_message_mb: float = DEFAULT_MAX_MESSAGE_MB):
+        security = client_security(tls, ca, cert, key, token, max_message_mb)
+        self.channel = security.aio_channel(address, credentials)
         self.stub = generation_pb2_grpc.GenerationStub(self.channel)
 
     async def generate(self, prompt=None, *, timeout: float | None = None, **kwargs) -> AsyncIterator[Event]:
         async for response in self.stub.Generate(build_request(prompt, **kwargs), timeout=timeout):
             yield _event(response)
+
+    async def server_info(self) -> generation_pb2.ServerInfo:
+        return await self.stub.GetServerInfo(generation_pb2.GetServerInfoRequest())
 
     async def close(self) -> None:
         await self.channel.close()
@@ -115,7 +136,13 @@ def cmd_generate(args) -> int:
     kwargs = {"messages": [{"role": "user", "content": args.prompt}]} if args.chat else {}
     prompt = None if args.chat else args.prompt
     try:
-        with Client(args.address) as client:
+        client = Client(args.address, tls=args.tls, ca=args.tls_ca or None, cert=args.tls_cert or None,
+                        key=args.tls_key or None, token=args.auth_token or None)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    try:
+        with client:
             for event in client.generate(prompt, timeout=args.timeout, **kwargs, **sampling):
                 if event.finished:
                     print(f"\n[{event.finish_reason}; {event.usage.prompt_tokens} prompt + "
@@ -139,6 +166,13 @@ def add_generate_parser(sub) -> None:
     gen.add_argument("--top-p", type=float, default=None)
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--timeout", type=float, default=120.0)
+    env = lambda name: os.environ.get(f"SPLITSERVE_{name.upper()}", "")  # noqa: E731
+    gen.add_argument("--tls", action="store_true", help="TLS, verifying the gateway against the system's roots")
+    gen.add_argument("--tls-ca", default=env("tls_ca"), help="PEM CA bundle to verify the gateway with (implies TLS)")
+    gen.add_argument("--tls-cert", default=env("tls_cert"), help="PEM client certificate (mutual TLS)")
+    gen.add_argument("--tls-key", default=env("tls_key"), help="PEM private key of --tls-cert")
+    gen.add_argument("--auth-token", default=env("auth_token"),
+                     help="bearer token of a gateway run with --auth-token (prefer SPLITSERVE_AUTH_TOKEN)")
     gen.set_defaults(func=cmd_generate)
 
 

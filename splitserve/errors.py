@@ -29,7 +29,7 @@ log = logging.getLogger(__name__)
 
 __all__ = [
     "SplitserveError", "InvalidArgument", "ResourceExhausted", "NotFound", "Cancelled",
-    "DeadlineExceeded", "Unavailable", "status_for", "ErrorMappingInterceptor",
+    "DeadlineExceeded", "Unavailable", "Unauthenticated", "status_for", "ErrorMappingInterceptor",
     "RETRY_AFTER_METADATA_KEY", "INTERNAL_MESSAGE",
 ]
 
@@ -93,6 +93,12 @@ class Unavailable(SplitserveError):
     """A worker or dependency cannot serve now (dead worker, Redis down); safe to retry."""
 
     code = grpc.StatusCode.UNAVAILABLE
+
+
+class Unauthenticated(SplitserveError):
+    """The call lacks valid credentials (the bearer token of ``--auth-token``)."""
+
+    code = grpc.StatusCode.UNAUTHENTICATED
 
 
 def _kvtransfer_status(exc: BaseException) -> tuple[grpc.StatusCode, str] | None:

@@ -1,0 +1,307 @@
+"""Transport security and authentication of every gRPC port, in one place.
+
+One ``Security`` per process, built from its flags (``Security.from_args``):
+
+* ``cert`` + ``key`` (``--tls-cert``/``--tls-key``): the port serves TLS only.
+* ``ca`` (``--tls-ca``): on a server with a cert, client certificates are *required* and
+  verified against it (mutual TLS); on the client side (the gateway's calls to workers,
+  ``splitserve generate``, ``Client``) it is the root that server certificates must chain to.
+  Where a cert and key are given, the client side presents them too, so one cert/key/CA per
+  deployment secures every internal hop. Such a cert needs ``subjectAltName`` entries for
+  every name and IP the workers advertise (``--advertise-host``/``--host``) and, for mutual
+  TLS, an extended key usage of both ``serverAuth`` and ``clientAuth`` (or none at all).
+* ``token`` (``--auth-token``): every call must carry ``authorization: Bearer <token>``
+  metadata, or it fails with ``UNAUTHENTICATED``. ``grpc.health.v1.Health`` stays open so
+  load balancers and orchestrators can probe; reflection needs the token like the rest.
+  The client side attaches the token to every call it makes.
+* ``max_message_bytes`` (``--max-message-mb``): the largest message a port accepts or sends.
+
+No bytes that arrive from the network are ever unpickled anywhere in splitserve (protobuf,
+JSON and fixed binary headers only); ``tests/test_security.py`` guards that.
+"""
+from __future__ import annotations
+
+import hmac
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Callable, NamedTuple, Sequence
+
+import grpc
+
+from splitserve.errors import Unauthenticated
+
+log = logging.getLogger(__name__)
+
+# Metadata key (gRPC keys are lower case) and scheme of the token.
+AUTH_METADATA_KEY = "authorization"
+AUTH_SCHEME = "Bearer "
+# Services callable without a token: health probes must work from orchestrators.
+OPEN_SERVICES = ("/grpc.health.v1.Health/",)
+DEFAULT_MAX_MESSAGE_MB = 16
+
+
+def _read(path: str | os.PathLike | bytes | None, flag: str) -> bytes | None:
+    """PEM bytes from a path (bytes pass through); None for ''/None."""
+    if path is None or path == "":
+        return None
+    if isinstance(path, bytes):
+        return path
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise ValueError(f"cannot read {flag} {os.fspath(path)!r}: {e.strerror}") from None
+    if b"-----BEGIN" not in data:
+        raise ValueError(f"{flag} {os.fspath(path)!r} is not a PEM file (no '-----BEGIN' line)")
+    return data
+
+
+@dataclass(frozen=True)
+class Security:
+    """How one process secures its port and the calls it makes. The default is plaintext, open."""
+
+    # PEM certificate chain this process serves with (and presents as a client, for mutual TLS).
+    cert: bytes | None = field(default=None, repr=False)
+    # PEM private key of ``cert``.
+    key: bytes | None = field(default=None, repr=False)
+    # PEM CA bundle: a server requires client certs signed by it; a client verifies servers with it.
+    ca: bytes | None = field(default=None, repr=False)
+    # Bearer token required by the server and sent by the client; '' for none.
+    token: str = field(default="", repr=False)
+    # Client side only: use TLS (system roots) even without ``ca`` or ``cert``.
+    tls: bool = False
+    # Largest message accepted or sent, in bytes.
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_MB * 2**20
+
+    def __post_init__(self) -> None:
+        if (self.cert is None) != (self.key is None):
+            raise ValueError("--tls-cert and --tls-key go together: give both (TLS) or neither (plaintext)")
+        if self.token and not (self.token.isascii() and self.token.isprintable() and self.token.strip() == self.token):
+            raise ValueError("--auth-token must be printable ASCII without surrounding spaces "
+                             "(it travels as a gRPC metadata value)")
+        if self.max_message_bytes < 2**10:
+            raise ValueError(f"--max-message-mb must be at least 1 (got {self.max_message_bytes} bytes)")
+
+    # ---- construction
+
+    @classmethod
+    def load(cls, cert=None, key=None, ca=None, token: str = "", tls: bool = False,
+             max_message_mb: float = DEFAULT_MAX_MESSAGE_MB) -> "Security":
+        """From PEM file paths (or PEM bytes); raises ValueError naming the flag at fault."""
+        if not max_message_mb > 0:
+            raise ValueError(f"--max-message-mb must be positive, got {max_message_mb!r}")
+        return cls(cert=_read(cert, "--tls-cert"), key=_read(key, "--tls-key"), ca=_read(ca, "--tls-ca"),
+                   token=token or "", tls=tls, max_message_bytes=int(max_message_mb * 2**20))
+
+    @classmethod
+    def from_args(cls, args) -> "Security":
+        """From the CLI flags of ``splitserve.cli._server_flags``; a bad flag exits with its message."""
+        try:
+            return cls.load(args.tls_cert, args.tls_key, args.tls_ca, args.auth_token,
+                            max_message_mb=args.max_message_mb)
+        except ValueError as e:
+            raise SystemExit(f"splitserve: {e}") from None
+
+    # ---- server side
+
+    @property
+    def server_tls(self) -> bool:
+        return self.cert is not None
+
+    @property
+    def mutual_tls(self) -> bool:
+        return self.cert is not None and self.ca is not None
+
+    def server_credentials(self) -> grpc.ServerCredentials | None:
+        """TLS credentials of the port (client certificates required when a CA is given); None: plaintext."""
+        if self.cert is None:
+            return None
+        return grpc.ssl_server_credentials([(self.key, self.cert)], root_certificates=self.ca,
+                                           require_client_auth=self.ca is not None)
+
+    def server_interceptors(self) -> list[grpc.ServerInterceptor]:
+        return [TokenAuthInterceptor(self.token)] if self.token else []
+
+    def message_options(self) -> list[tuple[str, int]]:
+        return [("grpc.max_receive_message_length", self.max_message_bytes),
+                ("grpc.max_send_message_length", self.max_message_bytes)]
+
+    # ---- client side
+
+    @property
+    def client_tls(self) -> bool:
+        return self.tls or self.ca is not None or self.cert is not None
+
+    def channel_credentials(self) -> grpc.ChannelCredentials | None:
+        """TLS credentials for calls (verifying with ``ca``, presenting cert/key); None: plaintext."""
+        if not self.client_tls:
+            return None
+        return grpc.ssl_channel_credentials(root_certificates=self.ca, private_key=self.key,
+                                            certificate_chain=self.cert)
+
+    def channel(self, address: str, credentials: grpc.ChannelCredentials | None = None) -> grpc.Channel:
+        """A channel to ``address`` as configured: TLS or plaintext, the token on every call."""
+        credentials = credentials or self.channel_credentials()
+        options = self.message_options()
+        channel = (grpc.secure_channel(address, credentials, options=options) if credentials
+                   else grpc.insecure_channel(address, options=options))
+        if self.token:
+            channel = grpc.intercept_channel(channel, _TokenClientInterceptor(self.token))
+        return channel
+
+    def aio_channel(self, address: str, credentials: grpc.ChannelCredentials | None = None) -> grpc.aio.Channel:
+        """The asyncio counterpart of ``channel``."""
+        credentials = credentials or self.channel_credentials()
+        options = self.message_options()
+        interceptors = _aio_token_interceptors(self.token) if self.token else None
+        if credentials:
+            return grpc.aio.secure_channel(address, credentials, options=options, interceptors=interceptors)
+        return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
+
+
+def add_security_flags(p, env: Callable[[str, object], object]) -> None:
+    """The flags of ``Security.from_args`` (``env(name, default)`` reads ``SPLITSERVE_<NAME>``)."""
+    p.add_argument("--tls-cert", default=env("tls_cert", ""),
+                   help="PEM certificate chain: the gRPC port serves TLS only (also presented to other "
+                        "splitserve processes when --tls-ca is set); needs SANs for the advertised names/IPs")
+    p.add_argument("--tls-key", default=env("tls_key", ""), help="PEM private key of --tls-cert")
+    p.add_argument("--tls-ca", default=env("tls_ca", ""),
+                   help="PEM CA bundle: with --tls-cert, clients must present a certificate it signed "
+                        "(mutual TLS); for calls this process makes, the root that servers are verified with")
+    p.add_argument("--auth-token", default=env("auth_token", ""),
+                   help="require 'authorization: Bearer <token>' on every call (health checks stay open); "
+                        "prefer SPLITSERVE_AUTH_TOKEN, a command line is visible to every local user")
+    p.add_argument("--max-message-mb", type=float, default=env("max_message_mb", float(DEFAULT_MAX_MESSAGE_MB)),
+                   help="largest gRPC message accepted or sent, in MiB")
+
+
+def security_argv(args) -> tuple[list[str], dict[str, str]]:
+    """Flags and environment that hand this process's security settings to a child process.
+
+    The token goes through the environment, never the command line (``ps`` shows command lines).
+    """
+    argv: list[str] = []
+    for flag, value in (("--tls-cert", args.tls_cert), ("--tls-key", args.tls_key), ("--tls-ca", args.tls_ca)):
+        if value:
+            argv += [flag, os.path.abspath(value)]
+    argv += ["--max-message-mb", str(args.max_message_mb)]
+    env = {"SPLITSERVE_AUTH_TOKEN": args.auth_token} if args.auth_token else {}
+    return argv, env
+
+
+# ---- the token, server side
+
+
+class TokenAuthInterceptor(grpc.ServerInterceptor):
+    """Refuses every call without ``authorization: Bearer <token>`` (constant-time comparison).
+
+    The refusal raises ``splitserve.errors.Unauthenticated`` from a handler of the method's own
+    kind, so the error-mapping interceptor (placed before this one) turns it into
+    ``UNAUTHENTICATED`` with its message. Health checks pass without a token.
+    """
+
+    def __init__(self, token: str) -> None:
+        if not token:
+            raise ValueError("TokenAuthInterceptor needs a non-empty token")
+        self._expected = (AUTH_SCHEME + token).encode()
+
+    def _check(self, metadata: Sequence[tuple[str, str | bytes]] | None) -> str | None:
+        """None if authorized, else why not."""
+        values = [v for k, v in (metadata or ()) if k == AUTH_METADATA_KEY]
+        if not values:
+            return ("missing credentials: this server requires the metadata 'authorization: Bearer <token>' "
+                    "(the token of its --auth-token)")
+        value = values[0] if isinstance(values[0], bytes) else values[0].encode()
+        if len(values) > 1 or not hmac.compare_digest(value, self._expected):
+            return "invalid credentials: the 'authorization' bearer token is not accepted"
+        return None
+
+    def intercept_service(self, continuation, handler_call_details: grpc.HandlerCallDetails):
+        method = handler_call_details.method or ""
+        if method.startswith(OPEN_SERVICES):
+            return continuation(handler_call_details)
+        reason = self._check(handler_call_details.invocation_metadata)
+        if reason is None:
+            return continuation(handler_call_details)
+        log.info("refused %s: %s", method, reason.split(":")[0])
+        # Answer with a handler of the method's own kind (a unary handler would wait for a
+        # request a bidi client may never send first); unknown methods get the same answer.
+        handler = continuation(handler_call_details)
+
+        def refuse(request, context):
+            raise Unauthenticated(reason)
+        if handler is None or not (handler.request_streaming or handler.response_streaming):
+            return grpc.unary_unary_rpc_method_handler(refuse)
+        make = {(False, True): grpc.unary_stream_rpc_method_handler,
+                (True, False): grpc.stream_unary_rpc_method_handler,
+                (True, True): grpc.stream_stream_rpc_method_handler}[
+            (handler.request_streaming, handler.response_streaming)]
+        return make(refuse)
+
+
+# ---- the token, client side
+
+
+class _CallDetails(NamedTuple):
+    method: str
+    timeout: float | None
+    metadata: Sequence[tuple[str, str]] | None
+    credentials: grpc.CallCredentials | None
+    wait_for_ready: bool | None
+    compression: grpc.Compression | None
+
+
+class _ClientCallDetails(_CallDetails, grpc.ClientCallDetails):
+    pass
+
+
+class _TokenClientInterceptor(grpc.UnaryUnaryClientInterceptor, grpc.UnaryStreamClientInterceptor,
+                              grpc.StreamUnaryClientInterceptor, grpc.StreamStreamClientInterceptor):
+    """Adds ``authorization: Bearer <token>`` to every call of a sync channel."""
+
+    def __init__(self, token: str) -> None:
+        self._pair = (AUTH_METADATA_KEY, AUTH_SCHEME + token)
+
+    def _details(self, d: grpc.ClientCallDetails) -> grpc.ClientCallDetails:
+        metadata = [m for m in (d.metadata or ()) if m[0] != AUTH_METADATA_KEY] + [self._pair]
+        return _ClientCallDetails(d.method, d.timeout, metadata, d.credentials, getattr(d, "wait_for_ready", None),
+                                  getattr(d, "compression", None))
+
+    def intercept_unary_unary(self, continuation, client_call_details, request):
+        return continuation(self._details(client_call_details), request)
+
+    def intercept_unary_stream(self, continuation, client_call_details, request):
+        return continuation(self._details(client_call_details), request)
+
+    def intercept_stream_unary(self, continuation, client_call_details, request_iterator):
+        return continuation(self._details(client_call_details), request_iterator)
+
+    def intercept_stream_stream(self, continuation, client_call_details, request_iterator):
+        return continuation(self._details(client_call_details), request_iterator)
+
+
+def _aio_token_interceptors(token: str) -> list:
+    pair = (AUTH_METADATA_KEY, AUTH_SCHEME + token)
+
+    def details(d):
+        metadata = grpc.aio.Metadata(*[m for m in (d.metadata or ()) if m[0] != AUTH_METADATA_KEY], pair)
+        return grpc.aio.ClientCallDetails(d.method, d.timeout, metadata, d.credentials, d.wait_for_ready)
+
+    class UnaryUnary(grpc.aio.UnaryUnaryClientInterceptor):
+        async def intercept_unary_unary(self, continuation, client_call_details, request):
+            return await continuation(details(client_call_details), request)
+
+    class UnaryStream(grpc.aio.UnaryStreamClientInterceptor):
+        async def intercept_unary_stream(self, continuation, client_call_details, request):
+            return await continuation(details(client_call_details), request)
+
+    class StreamUnary(grpc.aio.StreamUnaryClientInterceptor):
+        async def intercept_stream_unary(self, continuation, client_call_details, request_iterator):
+            return await continuation(details(client_call_details), request_iterator)
+
+    class StreamStream(grpc.aio.StreamStreamClientInterceptor):
+        async def intercept_stream_stream(self, continuation, client_call_details, request_iterator):
+            return await continuation(details(client_call_details), request_iterator)
+
+    return [UnaryUnary(), UnaryStream(), StreamUnary(), StreamStream()]
