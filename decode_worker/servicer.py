@@ -15,7 +15,7 @@ from kvtransfer.decode_side import DecodeConnector
 from splitserve.api_convert import (descriptor_to_proto, logprobs_from_proto, logprobs_to_proto,
                                     sampling_from_proto, worker_info_to_proto)
 from splitserve.engine_loop import EngineLoop, abort_when_rpc_ends, wait_event
-from splitserve.errors import InvalidArgument, ResourceExhausted
+from splitserve.errors import InvalidArgument, ResourceExhausted, Unavailable
 from splitserve.logs import request_id_var
 from splitserve.metrics import EngineMetrics
 from splitserve.v1 import worker_pb2, worker_pb2_grpc
@@ -33,6 +33,7 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
         self.role = "decode" if connector else "both"
         self.address = ""
         self.metrics = metrics
+        self.draining = False  # SIGTERM: finish what is here, take nothing new
         self.loop = EngineLoop(self._step, self.engine.has_unfinished_requests, housekeeping=self._housekeeping,
                                name=f"{self.role}-engine").start()
 
@@ -44,7 +45,9 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
 
     def _housekeeping(self) -> None:
         if self.connector is not None:
-            self.connector.reap_expired()
+            expired = self.connector.reap_expired()
+            if expired and self.metrics is not None:
+                self.metrics.lease_expiries.inc(len(expired))
         if self.metrics is not None:
             self.metrics.refresh(self.engine)
 
@@ -54,6 +57,7 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
             raise InvalidArgument("this worker runs prefill and decode itself (role both): call Decode with epoch 0")
         if not request.request_id or request.num_prompt_tokens < 1:
             raise InvalidArgument("request_id and num_prompt_tokens >= 1 are required")
+        self._refuse_if_draining()
         desc = self.loop.call(lambda: self.connector.reserve(request.request_id, request.num_prompt_tokens))
         if desc is None:
             raise ResourceExhausted(f"no free KV pages for {request.num_prompt_tokens} tokens on {self.worker_id}",
@@ -74,6 +78,7 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
             if request.epoch == 0:
                 if self.role != "both":
                     raise InvalidArgument("epoch is required: this decode worker only continues prefilled requests")
+                self._refuse_if_draining()
                 self.loop.call(lambda: self.engine.add_request(rid, prompt, params, priority=request.priority))
                 if self.metrics is not None:
                     self.metrics.prompt_tokens.inc(len(prompt))
@@ -108,6 +113,16 @@ class DecodeWorkerServicer(worker_pb2_grpc.DecodeWorkerServicer):
         return worker_info_to_proto(self.worker_id, self.role, self.address,
                                     self.connector.transports if self.connector else [],
                                     self.loop.call(self.engine.stats))
+
+    # ---- draining ----------------------------------------------------------------------
+    def _refuse_if_draining(self) -> None:
+        if self.draining:
+            raise Unavailable(f"worker {self.worker_id} is shutting down; it only finishes what it has")
+
+    def idle(self) -> bool:
+        """Nothing running, waiting, or reserved for a handoff still on its way."""
+        return self.loop.call(lambda: not self.engine.has_unfinished_requests() and
+                              (self.connector is None or len(self.connector.leases) == 0), timeout=10)
 
     # ---- helpers -----------------------------------------------------------------------
     def _abort(self, request_id: str) -> bool:

@@ -8,18 +8,18 @@ orders are documented where each script is called.
 # compared as strings (the epoch field is always written by HINCRBY, i.e. a plain integer).
 TERMINAL_LUA = "local TERMINAL = {finished=true, aborted=true, failed=true, deadline=true}\n"
 
-# KEYS: req, pending. ARGV: id, gateway, priority, arrival, score, payload, limit, token.
-# Returns {status, depth, state}.
+# KEYS: req, pending, inflight. ARGV: id, gateway, priority, arrival, score, payload, limit, token.
+# Returns {status, depth, state}; depth counts every unfinished request (queued or in flight).
 ADMIT = """
 if redis.call('EXISTS', KEYS[1]) == 1 then
   local cur = redis.call('HMGET', KEYS[1], 'state', 'admit_token')
-  local depth = redis.call('ZCARD', KEYS[2])
+  local depth = redis.call('ZCARD', KEYS[2]) + redis.call('ZCARD', KEYS[3])
   if cur[2] == ARGV[8] then
     return {'admitted', depth, cur[1]}  -- a retry of this very call
   end
   return {'duplicate', depth, cur[1]}
 end
-local depth = redis.call('ZCARD', KEYS[2])
+local depth = redis.call('ZCARD', KEYS[2]) + redis.call('ZCARD', KEYS[3])
 if depth >= tonumber(ARGV[7]) then
   return {'full', depth, false}
 end

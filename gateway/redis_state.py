@@ -15,8 +15,8 @@ key                           type    holds
 ============================  ======  ======================================================
 ``{ss}:q:pending``            ZSET    ids of requests in state ``queued``; score =
                                       ``queue_score(priority, arrival)`` (lower first: by
-                                      priority, then by arrival). ZCARD is the queue depth
-                                      that ``queue_limit`` caps.
+                                      priority, then by arrival). ZCARD is the queue depth;
+                                      ``queue_limit`` caps it plus the in-flight ZCARD.
 ``{ss}:q:inflight``           ZSET    ids of claimed requests (any non-terminal state after
                                       ``queued``); score = lease deadline, Unix seconds.
 ``{ss}:req:<request id>``     HASH    ``state``, ``priority``, ``gateway`` (the admitting
@@ -47,7 +47,7 @@ writes with ``update`` (``prefilling``, ``decoding``...) -> one terminal state o
 
 Scripts
 -------
-``ADMIT``       duplicate check, capacity check (ZCARD pending < queue_limit), HSET + ZADD.
+``ADMIT``       duplicate check, capacity check (pending + in flight < queue_limit), HSET + ZADD.
 ``CLAIM``       first of the first ``claim_scan`` pending ids (score order) admitted by this
                 gateway -> inflight with a lease; ``attempt`` and ``epoch`` +1.
 ``REQUEUE``     inflight -> pending with the request's original score, state ``queued``.
@@ -238,10 +238,11 @@ class RedisState:
     def admit(self, request_id: str, gateway_id: str, priority: int, arrival_s: float,
               payload: dict) -> AdmitResult:
         """Queue a new request atomically: a duplicate id writes nothing and reports the
-        existing state; a full queue (depth >= queue_limit) writes nothing."""
+        existing state; when ``queue_limit`` requests are unfinished (queued or in flight, over all
+        gateways) it writes nothing and reports "full"."""
         token = uuid.uuid4().hex  # same for redis-py's own retries of this call
         status, depth, state = self._admit(
-            keys=[self.request_key(request_id), self.pending_key],
+            keys=[self.request_key(request_id), self.pending_key, self.inflight_key],
             args=[request_id, _check_id(gateway_id), int(priority), _float_arg(arrival_s),
                   queue_score(priority, arrival_s), json.dumps(payload, separators=(",", ":")),
                   self.queue_limit, token])

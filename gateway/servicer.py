@@ -50,9 +50,15 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self.model_info = model_info
         self.metrics = metrics
         self.metrics_address = metrics_address
+        self.draining = False  # SIGTERM: in-flight requests finish, new ones are refused
+        self.health = None  # the GatewayHealth monitor, once the server runs
 
     # ---- Generate ----------------------------------------------------------------------
     def Generate(self, request, context):
+        if self.draining:
+            raise Unavailable("the gateway is shutting down; send the request to another one")
+        if self.health is not None and self.health.no_workers:
+            raise Unavailable(f"this gateway cannot serve now: {self.health.reason}")
         token_ids = self._tokenize(request)
         params = sampling_from_proto(request.sampling)  # validates every field
         if len(token_ids) + 1 > self.model_info.max_model_len:

@@ -5,9 +5,10 @@ import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Callable, Sequence
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from engine.kv_cache_manager import prefix_block_hashes
 from splitserve.v1 import worker_pb2_grpc
@@ -19,6 +20,8 @@ REFRESH_S = 0.5
 AFFINITY_SLACK = 2
 # Leading blocks of a prompt that count for routing.
 AFFINITY_BLOCKS = 64
+# A live worker answers a health check within this; a frozen (SIGSTOPped) one never does.
+PROBE_TIMEOUT_S = 1.0
 
 
 class PrefixAffinity:
@@ -79,8 +82,11 @@ class WorkerView:
 
 
 class WorkerDirectory:
-    def __init__(self, state, block_size: int = 16):
+    def __init__(self, state, block_size: int = 16,
+                 channel_factory: Callable[[str], grpc.Channel] = grpc.insecure_channel):
+        """``channel_factory(address)`` opens a channel to a worker (``Security.channel``: TLS, token)."""
         self.state = state
+        self.channel_factory = channel_factory
         self.affinity = PrefixAffinity(block_size)
         self._lock = threading.Lock()
         self._channels: dict[str, grpc.Channel] = {}
@@ -88,6 +94,8 @@ class WorkerDirectory:
         self._cached_at = 0.0
         # Requests this gateway has in flight per worker: fresher than heartbeats.
         self.inflight: dict[str, int] = {}
+        # Workers that just failed a request, skipped until the given monotonic time.
+        self._suspects: dict[str, float] = {}
 
     def list(self) -> list[WorkerView]:
         now = time.monotonic()
@@ -100,7 +108,7 @@ class WorkerDirectory:
     def channel(self, address: str) -> grpc.Channel:
         with self._lock:
             if address not in self._channels:
-                self._channels[address] = grpc.insecure_channel(address)
+                self._channels[address] = self.channel_factory(address)
             return self._channels[address]
 
     def decode_stub(self, worker: WorkerView) -> worker_pb2_grpc.DecodeWorkerStub:
@@ -109,14 +117,40 @@ class WorkerDirectory:
     def prefill_stub(self, worker: WorkerView) -> worker_pb2_grpc.PrefillWorkerStub:
         return worker_pb2_grpc.PrefillWorkerStub(self.channel(worker.address))
 
+    def usable(self) -> list[WorkerView]:
+        """Registered workers not suspected of having died."""
+        now = time.monotonic()
+        with self._lock:
+            self._suspects = {w: t for w, t in self._suspects.items() if t > now}
+            suspects = set(self._suspects)
+        return [w for w in self.list() if w.worker_id not in suspects]
+
+    def suspect(self, worker_id: str, seconds: float) -> None:
+        """Pick ``worker_id`` for nothing for ``seconds`` (it failed a request and a probe)."""
+        with self._lock:
+            self._suspects[worker_id] = time.monotonic() + seconds
+
+    def probe(self, worker: WorkerView) -> bool | None:
+        """Ask the worker itself: True serving, False alive but not serving (draining, engine
+        dead), None no answer (dead, frozen or unreachable)."""
+        try:
+            reply = health_pb2_grpc.HealthStub(self.channel(worker.address)).Check(
+                health_pb2.HealthCheckRequest(service=""), timeout=PROBE_TIMEOUT_S)
+        except grpc.RpcError:
+            return None
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+    def responsive(self, worker: WorkerView) -> bool:
+        return bool(self.probe(worker))
+
     def decode_candidates(self) -> list[WorkerView]:
         """Decode-capable workers, most free KV first, then fewest requests in flight from here."""
-        workers = [w for w in self.list() if w.role in ("decode", "both")]
+        workers = [w for w in self.usable() if w.role in ("decode", "both")]
         return sorted(workers, key=lambda w: (-w.kv_blocks_free, self.inflight.get(w.worker_id, 0)))
 
     def pick_prefill(self, prompt_token_ids: Sequence[int] = ()) -> WorkerView | None:
         """The least-loaded prefill worker, unless one that holds the prompt's prefix is nearly as free."""
-        workers = [w for w in self.list() if w.role == "prefill"]
+        workers = [w for w in self.usable() if w.role == "prefill"]
         if not workers:
             return None
         load = lambda w: self.inflight.get(w.worker_id, 0)  # noqa: E731

@@ -44,8 +44,10 @@ def choose_transports(requested: str, device_type: str) -> list[str]:
 
 
 def build_decode(config, transport: str = "auto", lease_ttl_s: float = 30.0,
-                 clock: Callable[[], float] = time.time, host: str = "127.0.0.1"):
-    """A decode engine whose pool accepts KV over ``transport``; returns its DecodeConnector."""
+                 clock: Callable[[], float] = time.time, host: str = "127.0.0.1", advertise_host: str | None = None):
+    """A decode engine whose pool accepts KV over ``transport``; returns its DecodeConnector.
+
+    Network receivers listen on ``host`` and tell prefill workers to dial ``advertise_host``."""
     from engine.llm_engine import LLMEngine
     from engine.model_runner import default_pool, resolve_device
     from kvtransfer.decode_side import DecodeConnector
@@ -79,10 +81,10 @@ def build_decode(config, transport: str = "auto", lease_ttl_s: float = 30.0,
             receivers.append(ShmReceiver(pool, leases, Path(shared["directory"])))
         elif name == "tcp":
             from kvtransfer.transports.tcp import TcpReceiver
-            receivers.append(TcpReceiver(pool, leases, host=host))
+            receivers.append(TcpReceiver(pool, leases, host=host, advertise_host=advertise_host))
         elif name == "nccl":
             from kvtransfer.transports.nccl import NcclReceiver
-            receivers.append(NcclReceiver(pool, leases, host=host))
+            receivers.append(NcclReceiver(pool, leases, host=host, advertise_host=advertise_host))
     receivers.sort(key=lambda r: names.index(r.name))
     log.info("decode KV transports (fastest first): %s", ", ".join(f"{r.name}@{r.address}" for r in receivers))
     return DecodeConnector(engine, receivers, leases)

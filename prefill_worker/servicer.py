@@ -14,7 +14,7 @@ from kvtransfer.prefill_side import PrefillConnector, PrefillResult
 from splitserve.api_convert import (descriptor_from_proto, logprobs_to_proto, sampling_from_proto,
                                     worker_info_to_proto)
 from splitserve.engine_loop import EngineLoop, abort_when_rpc_ends, wait_event
-from splitserve.errors import DeadlineExceeded, InvalidArgument
+from splitserve.errors import DeadlineExceeded, InvalidArgument, Unavailable
 from splitserve.logs import request_id_var
 from splitserve.metrics import EngineMetrics, TransferMetrics
 from splitserve.v1 import worker_pb2, worker_pb2_grpc
@@ -31,6 +31,7 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
         self.address = ""
         self.metrics = metrics
         self.transfer_metrics = transfer_metrics
+        self.draining = False  # SIGTERM: finish what is here, take nothing new
         self.loop = EngineLoop(self._step, connector.has_pending, name="prefill-engine",
                                housekeeping=(lambda: metrics.refresh(self.engine)) if metrics else None).start()
 
@@ -43,6 +44,8 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
             raise InvalidArgument("request_id and prompt_token_ids are required")
         if not request.HasField("descriptor"):
             raise InvalidArgument("descriptor is required: reserve pages on a decode worker first")
+        if self.draining:
+            raise Unavailable(f"worker {self.worker_id} is shutting down; it only finishes what it has")
         request_id_var.set(rid)
         desc = descriptor_from_proto(request.descriptor)
         params = sampling_from_proto(request.sampling)
@@ -93,6 +96,9 @@ class PrefillWorkerServicer(worker_pb2_grpc.PrefillWorkerServicer):
         if result is None:
             raise DeadlineExceeded("prefill did not finish within the decode worker's lease, or the caller went away")
         return result
+
+    def idle(self) -> bool:
+        return self.loop.call(lambda: not self.connector.has_pending(), timeout=10)
 
     def Abort(self, request, context):
         found = self.loop.call(lambda: self.connector.abort(request.request_id))

@@ -10,6 +10,7 @@ import logging
 import os
 import signal
 import threading
+import time
 import uuid
 
 log = logging.getLogger("splitserve")
@@ -62,6 +63,8 @@ def _server_flags(p: argparse.ArgumentParser, host: str, port: int) -> None:
     p.add_argument("--no-reflection", action="store_true", default=_env("no_reflection", "") == "1")
     p.add_argument("--metrics-port", type=int, default=_env("metrics_port", -1),
                    help="serve Prometheus metrics on this port (-1: off; 0: a free port, listed by GetServerInfo)")
+    from splitserve.security import add_security_flags  # --tls-cert/-key/-ca, --auth-token, --max-message-mb
+    add_security_flags(p, _env)
     _redis_flags(p)
 
 
@@ -105,8 +108,10 @@ def _metrics(args):
 def _serve(servicer, register, args, role: str, transports: list[str], metrics_address: str = "") -> int:
     from splitserve.grpc_server import build_server
     from splitserve.registration import Heartbeat
+    from splitserve.security import Security
     server, health, port = build_server(register, f"{args.host}:{args.port}",
-                                        reflection_enabled=not args.no_reflection)
+                                        reflection_enabled=not args.no_reflection,
+                                        security=Security.from_args(args))
     servicer.address = advertised(args, port)
     heartbeat = None
     if args.redis_url:
@@ -124,10 +129,25 @@ def _serve(servicer, register, args, role: str, transports: list[str], metrics_a
             break
     health.enter_graceful_shutdown()
     if heartbeat is not None:
-        heartbeat.stop()
-    server.stop(grace=5 if code == 0 else 1).wait()
+        heartbeat.stop()  # out of the registry: gateways route nothing new here
+    if code == 0:
+        _drain(servicer, args.drain_timeout_s)
+    server.stop(grace=1).wait()
     servicer.close()
     return code
+
+
+def _drain(servicer, timeout_s: float) -> None:
+    """SIGTERM: refuse new work, let what is here finish (bounded), then stop."""
+    servicer.draining = True
+    give_up = time.monotonic() + timeout_s
+    log.info("draining: finishing in-flight work for up to %.0f s", timeout_s)
+    while time.monotonic() < give_up and servicer.loop.alive:
+        if servicer.idle():
+            log.info("drained")
+            return
+        time.sleep(0.2)
+    log.warning("drain timeout: stopping with work still in flight")
 
 
 def cmd_decode(args) -> int:
@@ -143,7 +163,8 @@ def cmd_decode(args) -> int:
     if args.role == "both":
         servicer = DecodeWorkerServicer(LLMEngine(config), None, worker_id, metrics)
     else:
-        connector = build_decode(config, args.kv_transport, lease_ttl_s=args.lease_ttl_s, host=args.host)
+        connector = build_decode(config, args.kv_transport, lease_ttl_s=args.lease_ttl_s, host=args.host,
+                                 advertise_host=args.advertise_host or None)
         servicer = DecodeWorkerServicer(connector.engine, connector, worker_id, metrics)
 
     def register(server):
@@ -191,20 +212,32 @@ def cmd_gateway(args) -> int:
     from splitserve.metrics import GatewayMetrics
     state = _redis_state(args, queue_limit=args.queue_limit)
     registry, metrics_address = _metrics(args)
-    dispatcher = Dispatcher(state, WorkerDirectory(state, block_size=args.block_size),
-                            args.gateway_id or f"gw-{uuid.uuid4().hex[:8]}").start()
+    from splitserve.security import Security
+    security = Security.from_args(args)  # the public port, and the calls to the workers
+    metrics = GatewayMetrics(registry)
+    dispatcher = Dispatcher(state, WorkerDirectory(state, block_size=args.block_size,
+                                                   channel_factory=security.channel),
+                            args.gateway_id or f"gw-{uuid.uuid4().hex[:8]}", max_attempts=args.max_attempts,
+                            on_retry=lambda reason: metrics.retries.inc()).start()
     servicer = GenerationServicer(state, dispatcher, load_tokenizer(model_dir), model_info,
-                                  metrics=GatewayMetrics(registry), metrics_address=metrics_address)
+                                  metrics=metrics, metrics_address=metrics_address)
 
     def register(server):
         generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
         return ["splitserve.v1.Generation"]
     server, health, port = build_server(register, f"{args.host}:{args.port}",
-                                        reflection_enabled=not args.no_reflection)
+                                        reflection_enabled=not args.no_reflection, security=security)
+    from gateway.health_monitor import GatewayHealth
+    monitor = GatewayHealth(health, ["splitserve.v1.Generation"], state, dispatcher.directory).start()
+    servicer.health = monitor
     print(f"gateway {dispatcher.gateway_id} serving on {args.host}:{port}", flush=True)
     _stop_event().wait()
-    health.enter_graceful_shutdown()
-    server.stop(grace=5).wait()
+    # Drain: NOT_SERVING and no new requests; in-flight ones get the grace period to finish.
+    monitor.drain()
+    servicer.draining = True
+    dispatcher.drain(args.drain_timeout_s)
+    monitor.stop()
+    server.stop(grace=2).wait()
     dispatcher.stop()
     return 0
 
@@ -239,7 +272,7 @@ def build_parser() -> argparse.ArgumentParser:
                          help="the model the workers serve (its tokenizer and limits)")
     _server_flags(gateway, host="0.0.0.0", port=50051)
     gateway.add_argument("--queue-limit", type=int, default=_env("queue_limit", 256),
-                         help="requests waiting in the queue before RESOURCE_EXHAUSTED")
+                         help="unfinished requests (queued or running, all gateways) before RESOURCE_EXHAUSTED")
     gateway.add_argument("--max-model-len", type=int, default=_env("max_model_len", 0))
     gateway.add_argument("--block-size", type=int, default=_env("block_size", 16))
     gateway.add_argument("--dtype", default=_env("dtype", "auto"))

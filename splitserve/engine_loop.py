@@ -8,11 +8,14 @@ sleeps on its command queue, so an idle worker burns no CPU.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
 import time
 from concurrent.futures import Future
 from typing import Any, Callable
+
+from splitserve.errors import Unavailable
 
 log = logging.getLogger(__name__)
 
@@ -21,16 +24,20 @@ Step = Callable[[], list[tuple[str, Any]]]  # one engine step -> (request_id, ev
 
 # How often a handler waiting for engine events wakes to notice a caller that went away.
 POLL_S = 0.5
+# Fault injection for the reliability tests: the N-th engine step raises (0: never).
+FAIL_STEP_ENV = "SPLITSERVE_FAULT_FAIL_STEP"
 
 
-class EngineDead(RuntimeError):
-    """The engine loop stopped after a failed step; the worker must be restarted."""
+class EngineDead(Unavailable):
+    """The engine loop stopped after a failed step; the worker must be restarted (its callers
+    get UNAVAILABLE, so a gateway retries the request on another worker)."""
 
 
 class EngineLoop:
     def __init__(self, step: Step, has_work: Callable[[], bool], housekeeping: Callable[[], None] | None = None,
                  housekeeping_interval_s: float = 0.5, name: str = "engine-loop"):
-        self._step = step
+        fail_at = int(os.environ.get(FAIL_STEP_ENV, "0") or 0)
+        self._step = _failing_at(step, fail_at) if fail_at > 0 else step
         self._has_work = has_work
         self._housekeeping = housekeeping
         self._interval = housekeeping_interval_s
@@ -127,6 +134,18 @@ class EngineLoop:
                 return
             if item is not None:
                 item[1].set_exception(dead)
+
+
+def _failing_at(step: Step, n: int) -> Step:
+    count = 0
+
+    def failing() -> list[tuple[str, Any]]:
+        nonlocal count
+        count += 1
+        if count >= n:
+            raise RuntimeError(f"injected fault: engine step {count} fails ({FAIL_STEP_ENV}={n})")
+        return step()
+    return failing
 
 
 def wait_event(events: queue.Queue, context, give_up_at: float | None = None) -> Any:

@@ -32,8 +32,9 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _spawn(args: list[str]) -> subprocess.Popen:
-    return subprocess.Popen(args, stdout=subprocess.PIPE, text=True, preexec_fn=_die_with_parent)
+def _spawn(args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
+    return subprocess.Popen(args, stdout=subprocess.PIPE, text=True, preexec_fn=_die_with_parent,
+                            env={**os.environ, **env} if env else None)
 
 
 def _wait_line(proc: subprocess.Popen, marker: str, what: str) -> str:
@@ -68,6 +69,14 @@ def cmd_up(args) -> int:
     workdir = tempfile.mkdtemp(prefix="splitserve-up-")
     procs: list[subprocess.Popen] = []
     cli = [sys.executable, "-m", "splitserve.cli", "--log-level", args.child_log_level]
+    from splitserve.security import Security, security_argv
+    Security.from_args(args)  # a bad --tls-* flag stops here, before anything starts
+    # TLS/token flags go to every child; secrets (token, Redis password) through the environment.
+    secure, child_env = security_argv(args)
+    if args.no_reflection:
+        secure.append("--no-reflection")
+    if args.redis_url and args.redis_password:
+        child_env["SPLITSERVE_REDIS_PASSWORD"] = args.redis_password
     try:
         redis_url = args.redis_url
         if not redis_url:
@@ -76,7 +85,9 @@ def cmd_up(args) -> int:
         engine = ["--model", args.model, "--dtype", args.dtype, "--device", args.device,
                   "--block-size", str(args.block_size), "--kv-cache-memory-gb", str(args.kv_cache_memory_gb),
                   "--max-num-seqs", str(args.max_num_seqs), "--max-num-batched-tokens",
-                  str(args.max_num_batched_tokens), "--redis-url", redis_url]
+                  str(args.max_num_batched_tokens), "--redis-url", redis_url, *secure,
+                  "--scheduling-policy", args.scheduling_policy, "--batching", args.batching,
+                  "--static-batch-size", str(args.static_batch_size)]
         if args.num_gpu_blocks:
             engine += ["--num-gpu-blocks", str(args.num_gpu_blocks)]
         num_workers = max(1, args.decode + args.prefill)
@@ -95,17 +106,18 @@ def cmd_up(args) -> int:
             for argv in workers:
                 argv += ["--metrics-port", "0"]
         for argv in workers:
-            procs.append(_spawn(cli + argv))
+            procs.append(_spawn(cli + argv, child_env))
         for proc, argv in zip(procs[-len(workers):], workers):
             print(_wait_line(proc, "serving on", argv[0]), flush=True)
         gateway = _spawn(cli + ["gateway", "--model", args.model, "--host", args.host, "--port", str(args.port),
                                 "--redis-url", redis_url, "--block-size", str(args.block_size),
-                                "--metrics-port", str(args.metrics_port)])
+                                "--metrics-port", str(args.metrics_port), *secure], child_env)
         procs.append(gateway)
         print(_wait_line(gateway, "serving on", "gateway"), flush=True)
+        _wait_serving(f"{args.host}:{args.port}", args)
         print(f"splitserve is up: gRPC {args.host}:{args.port} (Redis {redis_url})", flush=True)
         if args.demo:
-            return _demo(f"{args.host}:{args.port}", args.demo)
+            return _demo(f"{args.host}:{args.port}", args.demo, args)
         stop = threading.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: stop.set())
@@ -129,11 +141,32 @@ def cmd_up(args) -> int:
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-def _demo(address: str, question: str) -> int:
+def _wait_serving(address: str, args) -> None:
+    """Until the gateway's health says SERVING (it sees a usable set of workers in Redis)."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from splitserve.security import Security
+    import grpc
+    with Security.from_args(args).channel(address.replace("0.0.0.0", "127.0.0.1")) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        give_up = time.monotonic() + BOOT_TIMEOUT_S
+        while time.monotonic() < give_up:
+            try:
+                if stub.Check(health_pb2.HealthCheckRequest(), timeout=5).status == \
+                        health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.2)
+    raise RuntimeError(f"the gateway did not report SERVING within {BOOT_TIMEOUT_S} s")
+
+
+def _demo(address: str, question: str, args) -> int:
     """One chat request through the running stack, streamed to the terminal."""
     from splitserve.client import Client
     print(f"\nQ: {question}\nA: ", end="", flush=True)
-    with Client(address) as client:
+    with Client(address, ca=args.tls_ca or None, cert=args.tls_cert or None, key=args.tls_key or None,
+                token=args.auth_token or None, max_message_mb=args.max_message_mb) as client:
         for event in client.generate(messages=[{"role": "user", "content": question}], max_tokens=64,
                                      temperature=0.0, timeout=300):
             if event.finished:

@@ -30,6 +30,9 @@ class EngineMetrics:
                                    registry=registry)
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens processed", registry=registry)
         self.generation_tokens = Counter("vllm:generation_tokens", "Tokens generated", registry=registry)
+        self.lease_expiries = Counter("splitserve:kv_lease_expiries",
+                                      "Reservations freed because their KV did not arrive in time (decode)",
+                                      registry=registry)
         self.role = Gauge("splitserve:worker_info", "Constant 1, labelled with the worker's role",
                           list(labels), registry=registry)
         self.role.labels(**labels).set(1)
@@ -88,6 +91,9 @@ class GatewayMetrics:
         self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens admitted", registry=registry)
         self.generation_tokens = Counter("vllm:generation_tokens", "Tokens streamed to clients", registry=registry)
         self.queue_depth = Gauge("splitserve:queue_depth", "Requests waiting in the Redis queue", registry=registry)
+        self.retries = Counter("splitserve:request_retries", "Attempts that failed because a worker died, froze "
+                               "or voided its handoff (the request went back to the queue or gave up)",
+                               registry=registry)
 
 
 def serve(port: int, host: str = "0.0.0.0") -> tuple[CollectorRegistry, str]:

@@ -3,6 +3,10 @@ import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The tests spawn processes (subprocess with a preexec_fn forks) from a process that runs gRPC.
+# With gRPC's fork support on, its poller thread restarts in the forked child and can abort it
+# on the parent's closed epoll fd before exec (grpc/grpc#43055); the child needs none of it.
+os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
 from pathlib import Path  # noqa: E402
 

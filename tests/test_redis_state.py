@@ -58,10 +58,13 @@ def test_admit_duplicate_full(state):
     assert full == AdmitResult("full", 8, None) and full.detail == 8 and dup.detail == "queued"
     assert state.get("late") is None and state.queue_depth() == 8
 
-    # A claimed request no longer counts against the limit; a duplicate of it reports its state.
-    assert state.claim("g1", 30, T0, request_id="a") == "a"
-    assert admit(state, "late").admitted
+    # A claimed request still counts against the limit; a duplicate of it reports its state.
+    claimed = state.claim("g1", 30, T0, request_id="a")
+    assert claimed == "a"
+    assert admit(state, "late").status == "full"
     assert admit(state, "a") == AdmitResult("duplicate", 8, "dispatching")
+    assert state.finish("a", claimed.epoch, "finished")
+    assert admit(state, "late").admitted
 
 
 def test_a_retried_admit_call_is_not_a_duplicate(state, monkeypatch):
@@ -143,6 +146,16 @@ def test_claim_bumps_attempt_and_epoch_and_requeue_keeps_the_place(state):
     assert state.claim("g2", 30, T0, request_id="y") is None
     assert state.claim("g1", 30, T0, request_id="y") == "y"
     assert state.claim("g1", 30, T0, request_id="y") is None
+
+
+def test_claimed_requests_count_against_the_limit_until_they_finish(client):
+    st = RedisState(client, queue_limit=2)
+    assert admit(st, "a").admitted and admit(st, "b").admitted
+    a = st.claim("g1", 30, T0)
+    assert a == "a" and st.queue_depth() == 1
+    assert admit(st, "c").status == "full"  # "a" is running: still unfinished
+    assert st.finish("a", a.epoch, "finished")
+    assert admit(st, "c").admitted
 
 
 def test_claim_scans_a_bounded_window(client):

@@ -11,58 +11,24 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from splitserve.client import Client
-from splitserve.v1 import generation_pb2, generation_pb2_grpc, worker_pb2_grpc
-from tests.redis_util import RedisServer
+from splitserve.v1 import generation_pb2, generation_pb2_grpc
+from tests import stack_util
+from tests.stack_util import start_stack
 from tests.test_engine_correctness import mixed_prompts
 from tests.test_workers import start_worker, wait_for_free_blocks, worker_info
 
 
 @pytest.fixture(scope="module")
 def stack(tiny_model_dirs, tmp_path_factory):
-    model = str(tiny_model_dirs["llama"])
-    redis_server = RedisServer(appendonly=True, dir=tmp_path_factory.mktemp("redis"))
-    redis_server.start()
-    url = redis_server.url
-    common = ["--model", model, "--dtype", "float32", "--block-size", "8", "--num-gpu-blocks", "256",
-              "--max-num-batched-tokens", "128", "--redis-url", url]
-    log_dir = tmp_path_factory.mktemp("logs")
-    logs = {name: open(log_dir / f"{name}.log", "w") for name in ("decode", "prefill", "gateway")}
-    procs = []
+    running = start_stack(tiny_model_dirs["llama"], tmp_path_factory, prefill=1, decode=1)
     try:
-        decode, decode_addr = start_worker(["decode", *common, "--metrics-port", "0"],
-                                           logs["decode"])
-        procs.append(decode)
-        prefill, prefill_addr = start_worker(["prefill", *common, "--metrics-port", "0"],
-                                             logs["prefill"])
-        procs.append(prefill)
-        gateway, gateway_addr = start_worker(["gateway", "--model", model, "--host", "127.0.0.1", "--port", "0",
-                                              "--redis-url", url, "--block-size", "8",
-                                              "--metrics-port", "0"], logs["gateway"])
-        procs.append(gateway)
-        client = Client(gateway_addr)
-        deadline = time.monotonic() + 30
-        while {w.role for w in client.server_info().workers} != {"gateway", "decode", "prefill"} \
-                and time.monotonic() < deadline:
-            time.sleep(0.2)
-        # Each process picked a free metrics port; GetServerInfo tells which.
-        metrics = {w.role: int(w.metrics_address.rsplit(":", 1)[1]) for w in client.server_info().workers}
-        yield {"model": model, "address": gateway_addr, "client": client, "redis": redis_server, "metrics": metrics,
-               "log_dir": log_dir,
-               "decode": worker_pb2_grpc.DecodeWorkerStub(grpc.insecure_channel(decode_addr)),
-               "prefill": worker_pb2_grpc.PrefillWorkerStub(grpc.insecure_channel(prefill_addr)),
-               "stub": generation_pb2_grpc.GenerationStub(grpc.insecure_channel(gateway_addr))}
+        yield {"model": running.model, "address": running.gateway_address, "client": running.client,
+               "redis": running.redis, "metrics": running.metrics_ports, "log_dir": running.log_dir,
+               "decode": running.worker_stub("decode"), "prefill": running.worker_stub("prefill"),
+               "stub": generation_pb2_grpc.GenerationStub(grpc.insecure_channel(running.gateway_address)),
+               "stack": running}
     finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-        for f in logs.values():
-            f.close()
-        redis_server.stop()
+        running.close()
 
 
 def greedy(max_tokens, **kw):
@@ -81,8 +47,7 @@ def collect(client, prompt, **kw):
 
 
 def live_request_keys(stack):
-    redis = stack["redis"].client()
-    return [k for k in redis.scan_iter("*req:*") if redis.ttl(k) == -1]
+    return stack_util.live_request_keys(stack["redis"])
 
 
 def test_greedy_through_the_stack_equals_transformers(stack, hf_reference):

@@ -90,13 +90,14 @@ class NcclReceiver(KVReceiver):
     name = "nccl"
 
     def __init__(self, pool: torch.Tensor, leases: LeaseTable, host: str = "127.0.0.1", port: int = 0,
-                 timeout_s: float = 30.0):
+                 timeout_s: float = 30.0, advertise_host: str | None = None):
         super().__init__(pool, leases)
         if not pool.is_contiguous():
             raise ValueError("the decode pool must be contiguous: runs are received in place")
         self.host, self.timeout = host, timedelta(seconds=timeout_s)
         self._store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=self.timeout)
         self._port = self._store.port
+        self._advertised = advertise_host or host  # what senders dial (the store listens on ``host``)
         self._closed, self._lock = threading.Event(), threading.Lock()
         self._bells: dict[int, str] = {}  # live pair -> the doorbell key it waits on
         self._threads: list[threading.Thread] = []
@@ -106,7 +107,7 @@ class NcclReceiver(KVReceiver):
 
     @property
     def address(self) -> str:
-        return f"{self.host}:{self._port}"
+        return f"{self._advertised}:{self._port}"
 
     @property
     def peers(self) -> int:

@@ -128,7 +128,9 @@ class TcpReceiver(KVReceiver):
     name = "tcp"
 
     def __init__(self, pool: torch.Tensor, leases: LeaseTable, host: str = "127.0.0.1", port: int = 0,
-                 timeout_s: float = 10.0, max_frame_bytes: int = 64 << 20):
+                 timeout_s: float = 10.0, max_frame_bytes: int = 64 << 20, advertise_host: str | None = None):
+        """Listens on ``host``; descriptors name ``advertise_host`` (default ``host``), the name
+        senders reach it by (e.g. a container's service name when listening on 0.0.0.0)."""
         super().__init__(pool, leases)
         self.timeout_s = timeout_s  # a frame that stalls this long mid-payload drops its connection
         self.max_frame_bytes = max_frame_bytes
@@ -140,7 +142,7 @@ class TcpReceiver(KVReceiver):
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
         self._listener = socket.create_server((host, port), family=family)
         self._listener.settimeout(0.2)
-        self._host, self._port = host, self._listener.getsockname()[1]
+        self._host, self._port = advertise_host or host, self._listener.getsockname()[1]
         self._accept_thread = threading.Thread(target=self._accept_loop, name="tcp-kv-accept", daemon=True)
         self._accept_thread.start()
 

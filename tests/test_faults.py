@@ -1,0 +1,224 @@
+"""Worker faults under load, with real processes: kill -9 and SIGSTOP of prefill and decode
+workers mid-request, an engine step that fails, and the retry limit.
+
+Every affected request must either finish with exactly the tokens transformers produces
+(nothing lost, nothing repeated after a retry) or end with UNAVAILABLE once its attempts are
+spent; pages on every live worker return to their baseline. Every wait is bounded.
+"""
+import signal
+import threading
+import time
+
+import grpc
+import pytest
+
+from splitserve.client import Client
+from splitserve.v1 import generation_pb2
+from tests.stack_util import start_process, start_stack, wait_pages_at_baseline, worker_info
+from tests.test_engine_correctness import mixed_prompts
+
+STREAM_TIMEOUT_S = 120.0
+
+
+class Stream(threading.Thread):
+    """One greedy request streamed on its own thread: tokens as they come, then the outcome."""
+
+    def __init__(self, client, request_id: str, prompt: list[int], max_tokens: int):
+        super().__init__(daemon=True)
+        self.client, self.request_id, self.prompt, self.max_tokens = client, request_id, prompt, max_tokens
+        self.tokens: list[int] = []
+        self.final = None
+        self.code = None
+        self.error = ""
+        self.retry_after_ms = None
+
+    def run(self):
+        try:
+            for event in self.client.generate(self.prompt, request_id=self.request_id, timeout=STREAM_TIMEOUT_S,
+                                                    max_tokens=self.max_tokens, temperature=0.0, ignore_eos=True):
+                if event.finished:
+                    self.final = event
+                else:
+                    self.tokens += event.token_ids
+        except grpc.RpcError as e:
+            self.code, self.error = e.code(), e.details()
+            self.retry_after_ms = dict(e.trailing_metadata() or ()).get("retry-after-ms")
+
+    def attempts(self) -> int:
+        info = self.client.stub.GetRequest(generation_pb2.GetRequestRequest(request_id=self.request_id), timeout=5)
+        return info.attempt
+
+
+def run_streams(stack, tag: str, prompts, max_tokens: int, client=None) -> list[Stream]:
+    streams = [Stream(client or stack.client, f"{tag}-{i}", p, max_tokens) for i, p in enumerate(prompts)]
+    for s in streams:
+        s.start()
+    return streams
+
+
+def join_all(streams, timeout_s: float = STREAM_TIMEOUT_S) -> None:
+    give_up = time.monotonic() + timeout_s
+    for s in streams:
+        s.join(max(0.0, give_up - time.monotonic()))
+    hung = [s.request_id for s in streams if s.is_alive()]
+    assert not hung, f"requests still running after {timeout_s:.0f} s: {hung}"
+
+
+def assert_all_match(streams, reference) -> None:
+    for s in streams:
+        assert s.code is None, f"{s.request_id}: {s.code} {s.error}"
+        assert s.tokens == reference.greedy(s.prompt, s.max_tokens), f"{s.request_id} differs from transformers"
+        assert s.final.finish_reason == "length"
+
+
+def wait_until(predicate, timeout_s: float, what: str) -> None:
+    give_up = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < give_up, f"timed out after {timeout_s:.0f} s waiting for {what}"
+        time.sleep(0.02)
+
+
+def log_mentions(stack, name: str, text: str) -> bool:
+    return text in stack.log_paths[name].read_text()
+
+
+def busy(stack, name: str) -> bool:
+    info = worker_info(stack.worker_stub(name))
+    return info.num_running + info.num_waiting > 0
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_model_dirs, tmp_path_factory):
+    # Small prefill chunks make a long prompt take many steps: a kill lands mid-transfer.
+    st = start_stack(tiny_model_dirs["llama"], tmp_path_factory, prefill=2, decode=2,
+                     worker_args=["--max-num-batched-tokens", "16"])
+    try:
+        yield st
+    finally:
+        st.close()
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dirs, hf_reference):
+    return hf_reference(tiny_model_dirs["llama"])
+
+
+@pytest.fixture
+def baseline(stack):
+    return stack.free_pages()
+
+
+def test_prefill_killed_mid_transfer(stack, reference, baseline):
+    prompts = mixed_prompts(10, seed=11, lo=120, hi=200)
+    streams = run_streams(stack, "prefill-kill", prompts, max_tokens=6)
+    victim = stack.names("prefill")[0]
+    wait_until(lambda: busy(stack, victim), 60, f"{victim} to start prefilling")
+    stack.kill(victim)
+    join_all(streams)
+    assert_all_match(streams, reference)
+    assert max(s.attempts() for s in streams) >= 2, "the kill hit no request in flight"
+    survivors = [n for n in baseline if n != victim]
+    wait_pages_at_baseline(stack, {n: baseline[n] for n in survivors}, names=survivors)
+    stack.restart(victim)
+
+
+def test_decode_killed_mid_stream(stack, reference, baseline):
+    prompts = mixed_prompts(8, seed=12, lo=5, hi=40)
+    streams = run_streams(stack, "decode-kill", prompts, max_tokens=300)
+    wait_until(lambda: all(len(s.tokens) >= 3 for s in streams), 60, "every stream to be decoding")
+    victim = stack.names("decode")[0]
+    stack.kill(victim)
+    join_all(streams)
+    assert_all_match(streams, reference)
+    assert max(s.attempts() for s in streams) >= 2, "no request was decoding on the killed worker"
+    survivors = [n for n in baseline if n != victim]
+    wait_pages_at_baseline(stack, {n: baseline[n] for n in survivors}, names=survivors)
+    stack.restart(victim)
+
+
+def test_decode_frozen_past_its_lease_then_resumed(stack, reference, baseline):
+    """SIGSTOP: the heartbeat stops and the worker ignores the probe, so its requests move on;
+    after SIGCONT its late tokens go nowhere (nothing duplicated) and its pages come back."""
+    prompts = mixed_prompts(6, seed=13, lo=5, hi=40)
+    streams = run_streams(stack, "decode-stop", prompts, max_tokens=400)
+    wait_until(lambda: all(len(s.tokens) >= 3 for s in streams), 60, "every stream to be decoding")
+    victim = stack.names("decode")[1]
+    stack.procs[victim].send_signal(signal.SIGSTOP)
+    try:
+        join_all(streams)
+    finally:
+        stack.procs[victim].send_signal(signal.SIGCONT)
+    assert_all_match(streams, reference)
+    assert max(s.attempts() for s in streams) >= 2, "no request was decoding on the frozen worker"
+    wait_pages_at_baseline(stack, baseline)  # the resumed worker freed what it held too
+
+
+def test_prefill_frozen_mid_transfer_then_resumed(stack, reference, baseline):
+    """The frozen prefill worker's requests are prefilled again elsewhere; once resumed, its
+    writes into pages it no longer owns are refused by the epoch fence."""
+    prompts = mixed_prompts(10, seed=14, lo=150, hi=220)
+    victim = stack.names("prefill")[1]
+    streams = run_streams(stack, "prefill-stop", prompts, max_tokens=6)
+    wait_until(lambda: busy(stack, victim), 60, f"{victim} to start prefilling")
+    stack.procs[victim].send_signal(signal.SIGSTOP)
+    try:
+        join_all(streams)
+    finally:
+        stack.procs[victim].send_signal(signal.SIGCONT)
+    assert_all_match(streams, reference)
+    assert max(s.attempts() for s in streams) >= 2, "no request was prefilling on the frozen worker"
+    wait_pages_at_baseline(stack, baseline)
+
+
+def test_failed_engine_step_fails_over_and_the_worker_exits_nonzero(stack, reference, baseline, monkeypatch):
+    """A worker whose engine step raises answers its requests with UNAVAILABLE (the gateway
+    retries them elsewhere), reports NOT_SERVING and exits non-zero for its supervisor."""
+    monkeypatch.setenv("SPLITSERVE_FAULT_FAIL_STEP", "40")
+    argv = [a if a != stack.argv["decode0"][stack.argv["decode0"].index("--worker-id") + 1] else "faulty-decode"
+            for a in stack.argv["decode0"]]
+    faulty, _ = start_process(argv, stack.log_dir / "faulty-decode.log")
+    monkeypatch.delenv("SPLITSERVE_FAULT_FAIL_STEP")
+    try:
+        wait_until(lambda: any(w.worker_id == "faulty-decode" for w in stack.client.server_info().workers),
+                   30, "the faulty worker to register")
+        streams = run_streams(stack, "engine-fault", mixed_prompts(8, seed=15, lo=5, hi=40), max_tokens=60)
+        join_all(streams)
+        assert faulty.wait(30) == 1
+    finally:
+        if faulty.poll() is None:
+            faulty.kill()
+    assert_all_match(streams, reference)
+    assert "injected fault" in (stack.log_dir / "faulty-decode.log").read_text()
+    assert max(s.attempts() for s in streams) >= 2, "no request ran on the faulty worker"
+    wait_pages_at_baseline(stack, baseline)
+
+
+def test_gives_up_with_unavailable_after_the_retry_limit(stack, reference, baseline):
+    """A second gateway on the same workers allows one attempt: the requests that were decoding
+    on a killed worker end with UNAVAILABLE and the reason (no hang, no INTERNAL); the rest finish."""
+    gateway, address = start_process([*stack.argv["gateway"], "--max-attempts", "1"],
+                                     stack.log_dir / "gateway-one-attempt.log")
+    client = Client(address)
+    try:
+        wait_until(lambda: len(client.server_info().workers) == 1 + len(stack.roles), 30,
+                   "the second gateway to see every worker")
+        streams = run_streams(stack, "limit", mixed_prompts(6, seed=16, lo=5, hi=20), max_tokens=300,
+                              client=client)
+        wait_until(lambda: all(len(s.tokens) >= 3 for s in streams), 60, "every stream to be decoding")
+        victim = stack.names("decode")[0]
+        stack.kill(victim)
+        join_all(streams)
+        failed = [s for s in streams if s.code is not None]
+        assert failed, "no request was decoding on the killed worker"
+        for s in failed:
+            assert s.code == grpc.StatusCode.UNAVAILABLE, (s.request_id, s.code, s.error)
+            assert "gave up after 1 attempts" in s.error
+            assert s.attempts() == 1
+        assert_all_match([s for s in streams if s.code is None], reference)
+        survivors = [n for n in baseline if n != victim]
+        wait_pages_at_baseline(stack, {n: baseline[n] for n in survivors}, names=survivors)
+        stack.restart(victim)
+    finally:
+        client.close()
+        gateway.terminate()
+        gateway.wait(30)
