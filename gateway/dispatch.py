@@ -377,18 +377,19 @@ class Dispatcher:
                 return worker, None
             if self.directory.pick_prefill() is None:
                 continue  # a decode-only worker needs a prefill worker beside it
+            self._track(job, worker, "decode_worker")  # counted before the call: concurrent picks spread out
             try:
                 response = self.directory.decode_stub(worker).Reserve(
                     worker_pb2.ReserveRequest(request_id=job.request_id,
                                               num_prompt_tokens=num_prompt_tokens),
                     timeout=self._timeout(job, 10.0))
             except grpc.RpcError as e:
+                self._untrack_last(job)
                 if e.code() == grpc.StatusCode.UNAVAILABLE and not self.directory.responsive(worker):
                     self.directory.suspect(worker.worker_id, SUSPECT_S)
                 if e.code() in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE):
                     continue
                 raise
-            self._track(job, worker, "decode_worker")
             return worker, response.descriptor
         return None
 
@@ -457,6 +458,9 @@ class Dispatcher:
         setattr(job, attr, worker)
         job.tracked.append(worker.worker_id)
         self.directory.track(worker.worker_id, +1)
+
+    def _untrack_last(self, job: Job) -> None:
+        self.directory.track(job.tracked.pop(), -1)
 
     def _untrack(self, job: Job) -> None:
         while job.tracked:

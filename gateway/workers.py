@@ -144,9 +144,12 @@ class WorkerDirectory:
         return bool(self.probe(worker))
 
     def decode_candidates(self) -> list[WorkerView]:
-        """Decode-capable workers, most free KV first, then fewest requests in flight from here."""
+        """Decode-capable workers, least loaded first: fewest requests in flight from this gateway
+        (counted from the moment a reservation is asked for, so a burst spreads out), then fewest
+        running and waiting as last heartbeated, then most free KV pages."""
         workers = [w for w in self.usable() if w.role in ("decode", "both")]
-        return sorted(workers, key=lambda w: (-w.kv_blocks_free, self.inflight.get(w.worker_id, 0)))
+        return sorted(workers, key=lambda w: (self.inflight.get(w.worker_id, 0), w.num_running + w.num_waiting,
+                                              -w.kv_blocks_free))
 
     def pick_prefill(self, prompt_token_ids: Sequence[int] = ()) -> WorkerView | None:
         """The least-loaded prefill worker, unless one that holds the prompt's prefix is nearly as free."""

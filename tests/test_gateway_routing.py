@@ -42,3 +42,11 @@ def test_decode_candidates_most_free_pages_first():
     directory = WorkerDirectory(FakeState([entry("d1", "decode", free=10), entry("d2", "decode", free=50),
                                            entry("b1", "both", free=30), entry("p1", "prefill")]))
     assert [w.worker_id for w in directory.decode_candidates()] == ["d2", "b1", "d1"]
+
+
+def test_decode_candidates_spread_requests_in_flight_first():
+    directory = WorkerDirectory(FakeState([entry("d1", "decode", free=10), entry("d2", "decode", free=50)]))
+    directory.track("d2", +1)
+    assert [w.worker_id for w in directory.decode_candidates()] == ["d1", "d2"]
+    directory.track("d1", +2)
+    assert [w.worker_id for w in directory.decode_candidates()] == ["d2", "d1"]
