@@ -19,7 +19,8 @@ import redis
 from google.protobuf import json_format
 
 from gateway.detokenizer import IncrementalDetokenizer, StopMatcher
-from gateway.dispatch import Dispatcher, Finished, Job, Tokens
+from gateway.dispatch import Dispatcher
+from gateway.job import Finished, Job, Tokens
 from splitserve.api_convert import prompt_from_request, sampling_from_proto
 from splitserve.errors import InvalidArgument, NotFound, ResourceExhausted, Unavailable
 from splitserve.logs import request_id_var

@@ -186,6 +186,8 @@ class PrefillConnector:
                     transfer.sender.write(transfer.desc, layer, runs)
                     transfer.transfer_s += time.perf_counter() - start
             except TransferError as e:
+                # A fenced page (stale epoch, expired lease) says this worker fell behind: loud.
+                log.warning("KV transfer of %s refused: %s", transfer.desc.request_id, e)
                 transfer.error = e
             except Exception as e:  # a broken peer must fail this transfer, not the copier
                 log.exception("KV copy failed")

@@ -73,6 +73,12 @@ class HFReference:
 
 
 @pytest.fixture(scope="session")
+def llama_reference(tiny_model_dirs, hf_reference):
+    """transformers' greedy output on the tiny Llama the service tests serve."""
+    return hf_reference(tiny_model_dirs["llama"])
+
+
+@pytest.fixture(scope="session")
 def hf_reference():
     refs: dict[str, HFReference] = {}
 

@@ -124,7 +124,7 @@ def start_process(args: Sequence[str], log_path: Path | None = None,
     return _spawn(args, log_path).wait(timeout_s)
 
 
-@dataclass
+@dataclass(repr=False)
 class Stack:
     """A running stack. Fields are plain data; the methods are the only helpers tests need."""
 
@@ -140,6 +140,12 @@ class Stack:
     metrics_ports: dict[str, int] = field(default_factory=dict)  # name -> Prometheus port (if enabled)
     argv: dict[str, list[str]] = field(default_factory=dict)     # name -> CLI arguments it was started with
     _channels: dict[str, grpc.Channel] = field(default_factory=dict, repr=False)
+
+    def __repr__(self) -> str:
+        return f"Stack(gateway={self.gateway_address}, workers={self.addresses}, redis={self.redis.url})"
+
+    def _repr_pretty_(self, p, cycle) -> None:  # hypothesis/IPython print this, not every field
+        p.text(repr(self))
 
     # ---- looking things up
 
@@ -188,6 +194,12 @@ class Stack:
         return address
 
     # ---- shutdown
+
+    def __enter__(self) -> "Stack":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def close(self, timeout_s: float = 20.0) -> None:
         """SIGTERM every process (gateway first), SIGKILL what is left after ``timeout_s``, stop Redis."""

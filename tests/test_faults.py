@@ -5,6 +5,7 @@ Every affected request must either finish with exactly the tokens transformers p
 (nothing lost, nothing repeated after a retry) or end with UNAVAILABLE once its attempts are
 spent; pages on every live worker return to their baseline. Every wait is bounded.
 """
+import contextlib
 import signal
 import socket
 import threading
@@ -85,6 +86,16 @@ def log_mentions(stack, name: str, text: str) -> bool:
     return text in stack.log_paths[name].read_text()
 
 
+@contextlib.contextmanager
+def frozen(proc):
+    """SIGSTOP ``proc`` for the block: alive, holding its sockets, answering nothing."""
+    proc.send_signal(signal.SIGSTOP)
+    try:
+        yield proc
+    finally:
+        proc.send_signal(signal.SIGCONT)
+
+
 def busy(stack, name: str) -> bool:
     info = worker_info(stack.worker_stub(name))
     return info.num_running + info.num_waiting > 0
@@ -93,17 +104,14 @@ def busy(stack, name: str) -> bool:
 @pytest.fixture(scope="module")
 def stack(tiny_model_dirs, tmp_path_factory):
     # Small prefill chunks make a long prompt take many steps: a kill lands mid-transfer.
-    st = start_stack(tiny_model_dirs["llama"], tmp_path_factory, prefill=2, decode=2,
-                     worker_args=["--max-num-batched-tokens", "16"])
-    try:
+    with start_stack(tiny_model_dirs["llama"], tmp_path_factory, prefill=2, decode=2,
+                     worker_args=["--max-num-batched-tokens", "16"]) as st:
         yield st
-    finally:
-        st.close()
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_model_dirs, hf_reference):
-    return hf_reference(tiny_model_dirs["llama"])
+def reference(llama_reference):
+    return llama_reference
 
 
 @pytest.fixture
@@ -152,31 +160,30 @@ def test_decode_frozen_past_its_lease_then_resumed(stack, reference, baseline):
     prompts = mixed_prompts(6, seed=13, lo=5, hi=40)
     streams = run_streams(stack, "decode-stop", prompts, max_tokens=400)
     wait_until(lambda: all(len(s.tokens) >= 3 for s in streams), 60, "every stream to be decoding")
-    victim = stack.names("decode")[1]
-    stack.procs[victim].send_signal(signal.SIGSTOP)
-    try:
+    with frozen(stack.procs[stack.names("decode")[1]]):
         join_all(streams)
-    finally:
-        stack.procs[victim].send_signal(signal.SIGCONT)
     assert_all_match(streams, reference)
     assert max(s.attempts() for s in streams) >= 2, "no request was decoding on the frozen worker"
     wait_pages_at_baseline(stack, baseline)  # the resumed worker freed what it held too
 
 
 def test_prefill_frozen_mid_transfer_then_resumed(stack, reference, baseline):
-    """The frozen prefill worker's requests are prefilled again elsewhere; once resumed, its
-    writes into pages it no longer owns are refused by the epoch fence."""
+    """The frozen prefill worker's requests are prefilled again elsewhere. Once resumed, the
+    copies it still had queued hit pages fenced with a newer epoch and are refused (logged as
+    "KV transfer of ... refused" when the freeze landed mid-step): requests served after it
+    are still exact, so no late write landed in anyone's pages."""
     prompts = mixed_prompts(10, seed=14, lo=150, hi=220)
     victim = stack.names("prefill")[1]
     streams = run_streams(stack, "prefill-stop", prompts, max_tokens=6)
     wait_until(lambda: busy(stack, victim), 60, f"{victim} to start prefilling")
-    stack.procs[victim].send_signal(signal.SIGSTOP)
-    try:
+    with frozen(stack.procs[victim]):
         join_all(streams)
-    finally:
-        stack.procs[victim].send_signal(signal.SIGCONT)
     assert_all_match(streams, reference)
     assert max(s.attempts() for s in streams) >= 2, "no request was prefilling on the frozen worker"
+    wait_pages_at_baseline(stack, baseline)
+    after = run_streams(stack, "after-thaw", mixed_prompts(8, seed=17, lo=5, hi=60), max_tokens=16)
+    join_all(after)
+    assert_all_match(after, reference)
     wait_pages_at_baseline(stack, baseline)
 
 

@@ -3,7 +3,6 @@ import signal
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2
 
 from tests.stack_util import start_stack, wait_pages_at_baseline
 from tests.test_engine_correctness import mixed_prompts
@@ -13,17 +12,14 @@ from tests.test_redis_faults import NOT_SERVING, SERVING, gateway_health
 
 @pytest.fixture(scope="module")
 def stack(tiny_model_dirs, tmp_path_factory):
-    st = start_stack(tiny_model_dirs["llama"], tmp_path_factory, prefill=1, decode=2,
-                     worker_args=["--drain-timeout-s", "120"], gateway_args=["--drain-timeout-s", "120"])
-    try:
+    with start_stack(tiny_model_dirs["llama"], tmp_path_factory, prefill=1, decode=2,
+                     worker_args=["--drain-timeout-s", "120"], gateway_args=["--drain-timeout-s", "120"]) as st:
         yield st
-    finally:
-        st.close()
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_model_dirs, hf_reference):
-    return hf_reference(tiny_model_dirs["llama"])
+def reference(llama_reference):
+    return llama_reference
 
 
 def test_gateway_is_not_serving_without_a_usable_set_of_workers(stack, reference):

@@ -4,7 +4,6 @@ While Redis is down the gateway answers UNAVAILABLE at once and reports NOT_SERV
 recovers on its own when Redis is back; requests waiting in the queue survive the restart
 (append-only file, fsync always) and finish with the right tokens.
 """
-import signal
 import time
 
 import grpc
@@ -15,7 +14,7 @@ from splitserve.client import Client
 from tests.stack_util import (live_request_keys, queued_request_ids, start_process, start_stack,
                               wait_pages_at_baseline)
 from tests.test_engine_correctness import mixed_prompts
-from tests.test_faults import assert_all_match, join_all, run_streams, wait_until
+from tests.test_faults import assert_all_match, frozen, join_all, run_streams, wait_until
 
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
@@ -24,19 +23,16 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 @pytest.fixture(scope="module")
 def stack(tiny_model_dirs, tmp_path_factory):
     # 12 pages of 8 tokens: one 60-token prompt at a time fits, so the others wait in the queue.
-    st = start_stack(tiny_model_dirs["llama"], tmp_path_factory, prefill=1, decode=1,
+    with start_stack(tiny_model_dirs["llama"], tmp_path_factory, prefill=1, decode=1,
                      worker_args=["--num-gpu-blocks", "12"],
                      redis_kwargs={"appendonly": True, "appendfsync": "always",
-                                   "dir": tmp_path_factory.mktemp("redis-data")})
-    try:
+                                   "dir": tmp_path_factory.mktemp("redis-data")}) as st:
         yield st
-    finally:
-        st.close()
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_model_dirs, hf_reference):
-    return hf_reference(tiny_model_dirs["llama"])
+def reference(llama_reference):
+    return llama_reference
 
 
 def gateway_health(stack):
@@ -90,14 +86,11 @@ def test_a_burst_past_the_limit_admits_exactly_the_limit(stack, reference):
     try:
         wait_until(lambda: len(client.server_info().workers) == 1 + len(stack.roles), 30,
                    "the second gateway to see every worker")
-        decode.send_signal(signal.SIGSTOP)
-        try:
+        with frozen(decode):
             streams = run_streams(stack, "burst", mixed_prompts(12, seed=23, lo=3, hi=20), max_tokens=8,
                                   client=client)
             wait_until(lambda: sum(s.code == grpc.StatusCode.RESOURCE_EXHAUSTED for s in streams) == 8, 30,
                        "8 refusals")
-        finally:
-            decode.send_signal(signal.SIGCONT)
         join_all(streams, timeout_s=60)
         refused = [s for s in streams if s.code is not None]
         assert len(refused) == 8
