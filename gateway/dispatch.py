@@ -34,6 +34,7 @@ CLAIM_LEASE_S = 30.0
 # Pause before claiming again when no decode worker had room, or no worker at all.
 NO_ROOM_BACKOFF_S = 0.05
 NO_WORKER_BACKOFF_S = 0.5
+NO_ROOM_RECHECK_S = 0.25
 # How often in-flight requests' workers are checked, and claim leases renewed.
 WATCH_INTERVAL_S = 1.0
 # A worker that failed a request is not picked again for this long (or until it answers a probe).
@@ -44,6 +45,8 @@ RETRY_BACKOFF_S = 0.2
 ABORT_TIMEOUT_S = 1.0
 # How long an admitted request waits for a usable set of workers to (re)appear before failing.
 NO_WORKER_WAIT_S = 10.0
+# How long a terminal state that Redis could not take is kept for another try.
+UNRECORDED_KEEP_S = 600.0
 # While Redis is away, how long a request waits to get back into the queue before failing.
 REDIS_WAIT_S = 30.0
 
@@ -59,8 +62,15 @@ class Dispatcher:
         self.max_attempts = max_attempts
         self.on_retry = on_retry  # called with the reason of each retry (metrics)
         self.jobs: dict[str, Job] = {}
+        # Terminal states not yet written because Redis was away: id -> (state, fields, since).
+        self._unrecorded: dict[str, tuple[str, dict, float]] = {}
         self._lock = threading.Lock()
         self._wake = threading.Event()
+        # Cleared when no decode worker had room; set when a request ends (pages come free).
+        # Until then the claim loop only looks again every NO_ROOM_RECHECK_S, so requests
+        # that cannot be placed wait in the queue instead of cycling through it.
+        self._room = threading.Event()
+        self._room.set()
         self._stop = threading.Event()
         self._pool = ThreadPoolExecutor(max_workers=max_concurrency, thread_name_prefix="dispatch")
         self._thread = threading.Thread(target=self._claim_loop, name="claim-loop", daemon=True)
@@ -118,6 +128,7 @@ class Dispatcher:
     # ---- claiming --------------------------------------------------------------------
     def _claim_loop(self) -> None:
         while not self._stop.is_set():
+            self._room.wait(NO_ROOM_RECHECK_S)
             try:
                 request_id = self.state.claim(self.gateway_id, CLAIM_LEASE_S, time.time())
                 if request_id is None:
@@ -127,8 +138,8 @@ class Dispatcher:
                 with self._lock:
                     job = self.jobs.get(request_id)
                 if job is None:  # its handler is gone (the client left, or an earlier life of this gateway)
-                    self.state.finish(request_id, None, "aborted", finish_reason="aborted",
-                                      error="nobody is waiting for this request any more")
+                    self.record_end(request_id, "aborted", finish_reason="aborted",
+                                    error="nobody is waiting for this request any more")
                     continue
             except redis.exceptions.RedisError as e:  # Redis down: keep trying; new requests get UNAVAILABLE
                 log.warning("claim failed: %s", e)
@@ -142,6 +153,7 @@ class Dispatcher:
         last_renewal = time.monotonic()
         while not self._stop.wait(WATCH_INTERVAL_S):
             try:
+                self._record_pending_ends()
                 self._check_workers()
                 if time.monotonic() - last_renewal > CLAIM_LEASE_S / 3:
                     self._renew_claims()
@@ -210,6 +222,7 @@ class Dispatcher:
         if isinstance(outcome, Retry):
             self._retry(job, outcome.reason)
         elif outcome == "requeue":
+            self._room.clear()
             self._requeue(job)
 
     def _attempt(self, job: Job):
@@ -366,6 +379,7 @@ class Dispatcher:
     def _end(self, job: Job, finished: Finished) -> None:
         job.timeline["finished"] = time.monotonic()
         job.events.put(finished)
+        self._room.set()
 
     def _update(self, job: Job, **fields) -> None:
         """Progress notes in Redis are for GetRequest only: an outage must not fail the request."""
@@ -402,6 +416,27 @@ class Dispatcher:
                 stub(worker).Abort(worker_pb2.WorkerAbortRequest(request_id=job.request_id), timeout=timeout)
             except grpc.RpcError as e:
                 log.warning("abort of %s on %s failed: %s", job.request_id, worker.worker_id, e.code())
+
+    def record_end(self, request_id: str, state: str, **fields) -> None:
+        """Write a request's terminal state; while Redis is away, keep it and write it once Redis
+        is back (the watchdog retries), so no record is left live and no slot stays taken."""
+        try:
+            self.state.finish(request_id, None, state, **fields)
+        except redis.exceptions.RedisError as e:
+            log.warning("could not record the end of %s in Redis yet (%s); will retry", request_id, e)
+            with self._lock:
+                self._unrecorded[request_id] = (state, fields, time.monotonic())
+
+    def _record_pending_ends(self) -> None:
+        with self._lock:
+            pending = list(self._unrecorded.items())
+        for request_id, (state, fields, since) in pending:
+            if time.monotonic() - since > UNRECORDED_KEEP_S:
+                log.error("gave up recording the end of %s in Redis", request_id)
+            else:
+                self.state.finish(request_id, None, state, **fields)  # raises while Redis is still away
+            with self._lock:
+                self._unrecorded.pop(request_id, None)
 
     def forget(self, request_id: str) -> None:
         with self._lock:

@@ -151,10 +151,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             # The RPC ended before the request did: the client went away or its deadline passed.
             reason = "deadline" if job.deadline_passed() else "aborted"
             self.dispatcher.cancel(job.request_id)
-            try:  # finish also takes it out of the queue if it was still waiting
-                self.state.finish(job.request_id, None, reason, finish_reason=reason)
-            except redis.exceptions.RedisError:
-                log.warning("could not record the end of %s in Redis", job.request_id)
+            # Also takes it out of the queue if it was still waiting.
+            self.dispatcher.record_end(job.request_id, reason, finish_reason=reason)
         self.dispatcher.forget(job.request_id)
 
     def _observe(self, job: Job, finished: Finished, token_times: list[float]) -> None:
@@ -185,12 +183,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         job.timeline.setdefault("finished", time.monotonic())
         terminal = {"length": "finished", "eos": "finished", "stop": "finished", "aborted": "aborted",
                     "deadline": "deadline"}.get(finished.finish_reason, "failed")
-        try:
-            timeline = json_format.MessageToDict(self._timeline(job), preserving_proto_field_name=True)
-            self.state.finish(job.request_id, None, terminal, finish_reason=finished.finish_reason,
-                              error=finished.message, completion_tokens=completion, timeline=timeline)
-        except redis.exceptions.RedisError:
-            log.warning("could not record the end of %s in Redis", job.request_id)
+        timeline = json_format.MessageToDict(self._timeline(job), preserving_proto_field_name=True)
+        self.dispatcher.record_end(job.request_id, terminal, finish_reason=finished.finish_reason,
+                                   error=finished.message, completion_tokens=completion, timeline=timeline)
 
     # ---- messages ------------------------------------------------------------------------
     @staticmethod

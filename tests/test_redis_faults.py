@@ -64,7 +64,7 @@ def test_redis_down_means_unavailable_at_once_then_recovery(stack, reference):
 
 def test_queued_requests_survive_a_redis_restart(stack, reference):
     baseline = stack.free_pages()
-    streams = run_streams(stack, "survivor", mixed_prompts(5, seed=22, lo=56, hi=60), max_tokens=24)
+    streams = run_streams(stack, "survivor", mixed_prompts(6, seed=22, lo=56, hi=60), max_tokens=24)
     wait_until(lambda: len(queued_request_ids(stack.redis)["pending"]) >= 3, 60, "requests to queue up")
     stack.redis.kill()
     time.sleep(1.0)  # requests in flight keep going; the queue is out of reach meanwhile
