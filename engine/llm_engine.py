@@ -54,8 +54,9 @@ class LLMEngine:
         if len(token_ids) >= self.max_model_len:
             raise ValueError(f"prompt has {len(token_ids)} tokens; max_model_len is {self.max_model_len}")
         if self.kv.blocks_needed(min(total, self.max_model_len)) > self.kv.num_total_blocks:
-            raise ValueError(f"prompt + max_tokens ({total} tokens) cannot fit the KV cache of "
-                             f"{self.kv.num_total_blocks * self.config.block_size} tokens; lower max_tokens")
+            raise ValueError(f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) cannot fit the "
+                             f"KV cache of {self.kv.num_total_blocks * self.config.block_size} tokens on this "
+                             "engine; shorten the prompt or lower max_tokens")
         request = Request(request_id, token_ids, params, eos_token_ids=self.runner.eos_token_ids,
                           priority=priority, arrival_time=self.clock() if arrival_time is None else arrival_time,
                           prompt=text)

@@ -99,6 +99,9 @@ class Dispatcher:
         job.cancelled.set()
         for call in list(job.calls):
             call.cancel()
+        # Ends the client's stream even if the request never left the queue (the handler takes
+        # the first Finished it sees, so one already on its way wins).
+        self._end(job, Finished("aborted", grpc.StatusCode.CANCELLED, "aborted"))
         self._abort_on_workers(job)
         return True
 
@@ -216,6 +219,11 @@ class Dispatcher:
             outcome = self._attempt(job)
         except Exception as e:
             outcome = self._outcome_of(job, e)
+            if not isinstance(outcome, Retry):
+                # Ended here (error, cancel, deadline) after its workers took it on: free what
+                # they hold now rather than at the lease's end. Aborts sent while a call was
+                # still on its way may have missed; this one comes after every call returned.
+                self._abort_on_workers(job, timeout=ABORT_TIMEOUT_S)
         finally:
             self._untrack(job)
         # Only after the workers are untracked: a requeued job may be claimed again at once.
@@ -248,6 +256,9 @@ class Dispatcher:
         if placed is None:
             return "requeue"
         worker, descriptor = placed
+        if job.cancelled.is_set():  # cancelled while Reserve was on its way: its abort may have missed
+            self._abort_on_workers(job, timeout=ABORT_TIMEOUT_S)
+            return self._end(job, Finished("aborted", grpc.StatusCode.CANCELLED, "cancelled"))
         job.timeline.setdefault("dispatched", time.monotonic())
         self._update(job, state="prefilling", decode_worker=worker.worker_id)
         if worker.role == "both":
@@ -416,6 +427,12 @@ class Dispatcher:
                 stub(worker).Abort(worker_pb2.WorkerAbortRequest(request_id=job.request_id), timeout=timeout)
             except grpc.RpcError as e:
                 log.warning("abort of %s on %s failed: %s", job.request_id, worker.worker_id, e.code())
+
+    def record_job_end(self, job: Job, state: str, **fields) -> None:
+        """The one terminal write per job (the handler and the RPC-end callback may both try)."""
+        if not job.recorded:
+            job.recorded = True
+            self.record_end(job.request_id, state, **fields)
 
     def record_end(self, request_id: str, state: str, **fields) -> None:
         """Write a request's terminal state; while Redis is away, keep it and write it once Redis

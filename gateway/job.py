@@ -53,6 +53,7 @@ class Job:
     generated: list[int] = field(default_factory=list)  # tokens handed to the client so far
     lost: str | None = None  # set by the watchdog when the current attempt's worker stopped answering
     tracked: list[str] = field(default_factory=list)  # worker ids counted in the directory's load
+    recorded: bool = False  # its terminal state went to Redis (or is queued to)
     timeline: dict = field(default_factory=dict)
     prefill_worker: WorkerView | None = None
     decode_worker: WorkerView | None = None

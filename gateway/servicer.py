@@ -15,6 +15,7 @@ import time
 import uuid
 
 import grpc
+import jinja2
 import redis
 from google.protobuf import json_format
 
@@ -147,12 +148,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                     return Finished("aborted", grpc.StatusCode.CANCELLED, "client went away")
 
     def _on_rpc_end(self, job: Job) -> None:
-        if job.request_id in self.dispatcher.jobs and "finished" not in job.timeline:
-            # The RPC ended before the request did: the client went away or its deadline passed.
+        if not job.recorded:
+            # The RPC ended before the handler wrote the request's end: the client went away, its
+            # deadline passed, or it left while the last messages were on their way.
             reason = "deadline" if job.deadline_passed() else "aborted"
             self.dispatcher.cancel(job.request_id)
             # Also takes it out of the queue if it was still waiting.
-            self.dispatcher.record_end(job.request_id, reason, finish_reason=reason)
+            self.dispatcher.record_job_end(job, reason, finish_reason=reason)
         self.dispatcher.forget(job.request_id)
 
     def _observe(self, job: Job, finished: Finished, token_times: list[float]) -> None:
@@ -184,8 +186,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         terminal = {"length": "finished", "eos": "finished", "stop": "finished", "aborted": "aborted",
                     "deadline": "deadline"}.get(finished.finish_reason, "failed")
         timeline = json_format.MessageToDict(self._timeline(job), preserving_proto_field_name=True)
-        self.dispatcher.record_end(job.request_id, terminal, finish_reason=finished.finish_reason,
-                                   error=finished.message, completion_tokens=completion, timeline=timeline)
+        self.dispatcher.record_job_end(job, terminal, finish_reason=finished.finish_reason,
+                                       error=finished.message, completion_tokens=completion, timeline=timeline)
 
     # ---- messages ------------------------------------------------------------------------
     @staticmethod
@@ -222,7 +224,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         if kind == "messages":
             add_prompt = getattr(request, "add_generation_prompt", True) if isinstance(
                 request, generation_pb2.TokenizeRequest) else True
-            text = self.tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=add_prompt)
+            try:
+                text = self.tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=add_prompt)
+            except jinja2.TemplateError as e:  # the model's template refuses this conversation
+                raise InvalidArgument(f"messages: the model's chat template refused them: {e}") from e
             return self.tokenizer.encode(text, add_special_tokens=False)
         return self.tokenizer.encode(prompt)
 

@@ -76,8 +76,14 @@ def prompt_from_request(req, vocab_size: int | None = None) -> tuple[str, object
     with dicts ``{"role": ..., "content": ...}``. Raises ``InvalidArgument`` when none or
     several of the forms are set (an empty string or list counts as unset: proto3 cannot tell
     them apart), for a message without a role, and, when ``vocab_size`` is given, for a token
-    id outside ``[0, vocab_size)``.
+    id outside ``[0, vocab_size)`` -- in the prompt, or among a GenerateRequest's
+    ``sampling.stop_token_ids`` (checked here, at the edge: a worker would refuse it only after
+    pages were reserved for the request).
     """
+    if vocab_size is not None and "sampling" in req.DESCRIPTOR.fields_by_name:
+        for i, tok in enumerate(req.sampling.stop_token_ids):
+            if tok >= vocab_size:
+                raise InvalidArgument(f"sampling.stop_token_ids[{i}] is {tok}, must be < vocab_size ({vocab_size})")
     present = [name for name in PROMPT_FIELDS if name in req.DESCRIPTOR.fields_by_name]
     chosen = [name for name in present if len(getattr(req, name)) > 0]
     if len(chosen) != 1:

@@ -127,6 +127,7 @@ def _serve(servicer, register, args, role: str, transports: list[str], metrics_a
             log.error("engine loop died: %r; exiting so a supervisor restarts the worker", servicer.loop.error)
             code = 1
             break
+    servicer.draining = True  # refuse new work first: NOT_SERVING below promises it
     health.enter_graceful_shutdown()
     if heartbeat is not None:
         heartbeat.stop()  # out of the registry: gateways route nothing new here
@@ -138,8 +139,7 @@ def _serve(servicer, register, args, role: str, transports: list[str], metrics_a
 
 
 def _drain(servicer, timeout_s: float) -> None:
-    """SIGTERM: refuse new work, let what is here finish (bounded), then stop."""
-    servicer.draining = True
+    """SIGTERM: with new work refused, let what is here finish (bounded), then stop."""
     give_up = time.monotonic() + timeout_s
     log.info("draining: finishing in-flight work for up to %.0f s", timeout_s)
     while time.monotonic() < give_up and servicer.loop.alive:

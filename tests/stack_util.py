@@ -7,6 +7,7 @@
             ...
         stack.kill("decode1")                         # SIGKILL one worker (fault injection)
         wait_pages_at_baseline(stack, baseline, names=["prefill", "decode0"])
+        stack.restart("decode1")                      # same arguments, new port, registered again
         assert live_request_keys(stack.redis) == []
     finally:
         stack.close()
@@ -16,6 +17,9 @@ Process names: ``"gateway"``; workers are named after their role (``"prefill"``,
 when there are several. ``stack.names(role)`` lists them in order. Each process writes INFO
 logs as JSON lines to ``stack.log_paths[name]`` (``<log_dir>/<name>.log``); Redis logs to
 ``stack.redis.log_path``.
+
+``kill(name, sig)`` also freezes (SIGSTOP) and thaws (SIGCONT) a process; ``role_args`` gives
+one role different flags (``{"decode": ["--lease-ttl-s", "5"]}``).
 
 Every wait is bounded (boot, registration, page checks, shutdown), children die with the
 thread that started them (Linux parent-death signal), and ``close()`` stops everything it
@@ -42,7 +46,7 @@ from splitserve.v1 import generation_pb2, generation_pb2_grpc, worker_pb2, worke
 from tests.redis_util import RedisServer
 
 __all__ = ["Stack", "start_stack", "start_process", "worker_info", "kv_free_blocks", "wait_pages_at_baseline",
-           "live_request_keys", "queued_request_ids", "DEFAULT_WORKER_ARGS", "BOOT_TIMEOUT_S"]
+           "live_request_keys", "queued_request_ids", "health", "DEFAULT_WORKER_ARGS", "BOOT_TIMEOUT_S"]
 
 # Seconds a process may take from spawn to its "serving on" line (torch import + model load
 # on a busy 2-core box).
@@ -174,16 +178,19 @@ class Stack:
 
     # ---- fault injection
 
-    def kill(self, name: str, sig: int = signal.SIGKILL, timeout_s: float = 20.0) -> int:
-        """Send ``sig`` to process ``name`` and wait (bounded) until it exits; its exit code."""
+    def kill(self, name: str, sig: int = signal.SIGKILL, timeout_s: float = 20.0) -> int | None:
+        """Send ``sig`` to process ``name``. A terminating signal waits (bounded) for the exit and
+        returns the exit code; SIGSTOP/SIGCONT (freeze/thaw a process) return None at once."""
         proc = self.procs[name]
         if proc.poll() is None:
             proc.send_signal(sig)
+        if sig in (signal.SIGSTOP, signal.SIGCONT):
+            return None
         return proc.wait(timeout_s)
 
     def restart(self, name: str) -> str:
         """Start process ``name`` again with its original arguments (after ``kill``); a worker
-        gets a new port and registers again. Returns its new address."""
+        gets a new port, and this returns once the gateway lists it. Returns its new address."""
         if self.procs[name].poll() is None:
             raise RuntimeError(f"{name} is still running: kill it first")
         self._channels.pop(name, None)
@@ -191,6 +198,14 @@ class Stack:
         self.procs[name] = proc
         if name in self.roles:
             self.addresses[name] = address
+            info = _wait_listed(self, {address})
+            for w in info.workers:
+                if w.address == address and w.metrics_address:
+                    self.metrics_ports[name] = int(w.metrics_address.rsplit(":", 1)[1])
+        else:
+            self.gateway_address = address
+            self.client.close()
+            self.client = Client(address)
         return address
 
     # ---- shutdown
@@ -213,6 +228,7 @@ class Stack:
         for name in order:
             if name in self.procs and self.procs[name].poll() is None:
                 self.procs[name].terminate()
+                self.procs[name].send_signal(signal.SIGCONT)  # a frozen process must see the SIGTERM
         deadline = time.monotonic() + timeout_s
         for name in order:
             proc = self.procs.get(name)
@@ -306,9 +322,8 @@ def _flag_value(argv: Sequence[str], flag: str, default: str) -> str:
     return value
 
 
-def _wait_registered(stack: Stack, metrics: bool) -> None:
-    """Until GetServerInfo lists every worker by address (and, with metrics, every metrics port)."""
-    wanted = set(stack.addresses.values())
+def _wait_listed(stack: Stack, wanted: set[str]) -> generation_pb2.ServerInfo:
+    """Until GetServerInfo lists every worker address in ``wanted`` (bounded)."""
     deadline = time.monotonic() + REGISTER_TIMEOUT_S
     info = None
     while time.monotonic() < deadline:
@@ -317,12 +332,16 @@ def _wait_registered(stack: Stack, metrics: bool) -> None:
         except grpc.RpcError:
             info = None
         if info is not None and wanted <= {w.address for w in info.workers if w.role != "gateway"}:
-            break
+            return info
         time.sleep(0.2)
-    else:
-        seen = sorted(w.address for w in info.workers) if info is not None else "no answer"
-        raise RuntimeError(f"the gateway did not list every worker within {REGISTER_TIMEOUT_S:.0f} s: "
-                           f"want {sorted(wanted)}, saw {seen}")
+    seen = sorted(w.address for w in info.workers) if info is not None else "no answer"
+    raise RuntimeError(f"the gateway did not list every worker within {REGISTER_TIMEOUT_S:.0f} s: "
+                       f"want {sorted(wanted)}, saw {seen}")
+
+
+def _wait_registered(stack: Stack, metrics: bool) -> None:
+    """Until the gateway lists every worker; then note every process's metrics port."""
+    info = _wait_listed(stack, set(stack.addresses.values()))
     if metrics:
         by_address = {address: name for name, address in stack.addresses.items()}
         for w in info.workers:
@@ -375,6 +394,20 @@ def wait_pages_at_baseline(stack: Stack, baseline: dict[str, int], timeout_s: fl
                                f"running {i.num_running}, waiting {i.num_waiting}" for n, i in off.items())
             raise AssertionError(f"KV pages not back at baseline after {timeout_s:.0f} s: {detail}")
         time.sleep(0.1)
+
+
+def health(target, timeout_s: float = 5.0):
+    """grpc.health.v1 status of a server (its ``host:port`` or a channel to it), or the status
+    code of the failed check (UNAVAILABLE when nothing answers)."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    channel = grpc.insecure_channel(target) if isinstance(target, str) else target
+    try:
+        return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout_s).status
+    except grpc.RpcError as e:
+        return e.code()
+    finally:
+        if isinstance(target, str):
+            channel.close()
 
 
 # ---- Redis ----------------------------------------------------------------------------------

@@ -4,7 +4,7 @@ import signal
 import grpc
 import pytest
 
-from tests.stack_util import start_stack, wait_pages_at_baseline
+from tests.stack_util import health, start_stack, wait_pages_at_baseline
 from tests.test_engine_correctness import mixed_prompts
 from tests.test_faults import assert_all_match, join_all, run_streams, wait_until
 from tests.test_redis_faults import NOT_SERVING, SERVING, gateway_health
@@ -42,6 +42,7 @@ def test_worker_drains_in_flight_requests_on_sigterm(stack, reference):
     wait_until(lambda: all(len(s.tokens) >= 3 for s in streams), 60, "every stream to be decoding")
     victim = stack.names("decode")[0]
     stack.procs[victim].send_signal(signal.SIGTERM)
+    wait_until(lambda: health(stack.addresses[victim]) != SERVING, 10, f"{victim} to stop reporting SERVING")
     late = run_streams(stack, "after-sigterm", mixed_prompts(2, seed=32, lo=5, hi=30), max_tokens=8)
     join_all(streams + late)
     assert stack.procs[victim].wait(120) == 0

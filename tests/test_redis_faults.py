@@ -8,10 +8,10 @@ import time
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 
 from splitserve.client import Client
-from tests.stack_util import (live_request_keys, queued_request_ids, start_process, start_stack,
+from tests.stack_util import (health, live_request_keys, queued_request_ids, start_process, start_stack,
                               wait_pages_at_baseline)
 from tests.test_engine_correctness import mixed_prompts
 from tests.test_faults import assert_all_match, frozen, join_all, run_streams, wait_until
@@ -36,11 +36,7 @@ def reference(llama_reference):
 
 
 def gateway_health(stack):
-    try:
-        return health_pb2_grpc.HealthStub(stack.client.channel).Check(health_pb2.HealthCheckRequest(),
-                                                                       timeout=5).status
-    except grpc.RpcError as e:
-        return e.code()
+    return health(stack.client.channel)
 
 
 def test_redis_down_means_unavailable_at_once_then_recovery(stack, reference):
