@@ -6,6 +6,7 @@ import os
 import platform
 import statistics
 import subprocess
+import threading
 from pathlib import Path
 
 
@@ -49,3 +50,30 @@ def write_json(path: str | Path, payload: dict) -> None:
     payload = {**payload, "machine": machine(), "commit": git_commit()}
     path.write_text(json.dumps(payload, indent=2) + "\n")
     print(f"wrote {path}")
+
+
+class LoadSampler:
+    """The machine's 1-minute load average every few seconds: how shared the cores were."""
+
+    def __init__(self, interval_s: float = 5.0):
+        self.samples: list[float] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(interval_s,), daemon=True)
+
+    def _run(self, interval_s: float) -> None:
+        while True:
+            self.samples.append(os.getloadavg()[0])
+            if self._stop.wait(interval_s):
+                return
+
+    def start(self) -> "LoadSampler":
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def summary(self) -> dict:
+        s = self.samples or [float("nan")]
+        return {"loadavg_1min_mean": sum(s) / len(s), "loadavg_1min_max": max(s), "cores": os.cpu_count(),
+                "note": "other jobs shared these cores; load above the core count means they waited"}

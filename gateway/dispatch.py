@@ -87,11 +87,15 @@ class Dispatcher:
             if job.request_id in self.jobs:
                 return False
             self.jobs[job.request_id] = job
-        self._wake.set()
         return True
 
-    def cancel(self, request_id: str) -> bool:
-        """The client went away or asked to abort: stop the work and free every page."""
+    def wake(self) -> None:
+        """A request was admitted: claim now rather than at the next poll."""
+        self._wake.set()
+
+    def cancel(self, request_id: str, finished: Finished | None = None) -> bool:
+        """The client went away, its deadline passed or it asked to abort: stop the work, free
+        every page, and end the stream with ``finished`` (default: aborted)."""
         with self._lock:
             job = self.jobs.get(request_id)
         if job is None or job.cancelled.is_set():
@@ -101,7 +105,7 @@ class Dispatcher:
             call.cancel()
         # Ends the client's stream even if the request never left the queue (the handler takes
         # the first Finished it sees, so one already on its way wins).
-        self._end(job, Finished("aborted", grpc.StatusCode.CANCELLED, "aborted"))
+        self._end(job, finished or Finished("aborted", grpc.StatusCode.CANCELLED, "aborted"))
         self._abort_on_workers(job)
         return True
 
@@ -133,10 +137,10 @@ class Dispatcher:
         while not self._stop.is_set():
             self._room.wait(NO_ROOM_RECHECK_S)
             try:
+                self._wake.clear()  # before the claim: a request admitted from here on sets it again
                 request_id = self.state.claim(self.gateway_id, CLAIM_LEASE_S, time.time())
                 if request_id is None:
                     self._wake.wait(0.05)
-                    self._wake.clear()
                     continue
                 with self._lock:
                     job = self.jobs.get(request_id)

@@ -91,9 +91,12 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             if result.status == "duplicate":
                 raise InvalidArgument(f"request_id {request_id!r} was already submitted (state: {result.detail}); "
                                       "a retry with the same id does not run twice — use GetRequest")
-            raise ResourceExhausted(f"queue full ({result.detail} requests waiting); retry later",
+            raise ResourceExhausted(f"queue full ({result.detail} requests unfinished); retry later",
                                     retry_after_s=RETRY_AFTER_S)
-        context.add_callback(lambda: self._on_rpc_end(job))
+        self.dispatcher.wake()
+        if not context.add_callback(lambda: self._on_rpc_end(job)):
+            self._on_rpc_end(job)  # the RPC already ended: clean up now
+            return
         yield from self._stream(job, params, request.stream_interval or 1, context)
 
     def _stream(self, job: Job, params, interval: int, context):
@@ -140,8 +143,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 return job.events.get(timeout=POLL_S)
             except queue.Empty:
                 if job.deadline is not None and time.monotonic() > job.deadline:
-                    self.dispatcher.cancel(job.request_id)
-                    return Finished("deadline", grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded")
+                    finished = Finished("deadline", grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded")
+                    self.dispatcher.cancel(job.request_id, finished)
+                    return finished
                 if not context.is_active():
                     if job.deadline_passed():
                         return Finished("deadline", grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded")
@@ -151,10 +155,15 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         if not job.recorded:
             # The RPC ended before the handler wrote the request's end: the client went away, its
             # deadline passed, or it left while the last messages were on their way.
-            reason = "deadline" if job.deadline_passed() else "aborted"
-            self.dispatcher.cancel(job.request_id)
+            if job.deadline_passed():
+                reason, finished = "deadline", Finished("deadline", grpc.StatusCode.DEADLINE_EXCEEDED,
+                                                        "deadline exceeded")
+            else:
+                reason, finished = "aborted", Finished("aborted", grpc.StatusCode.CANCELLED, "client went away")
+            # Recorded before the cancel: the handler, woken by the cancel, would record its own.
             # Also takes it out of the queue if it was still waiting.
             self.dispatcher.record_job_end(job, reason, finish_reason=reason)
+            self.dispatcher.cancel(job.request_id, finished)
         self.dispatcher.forget(job.request_id)
 
     def _observe(self, job: Job, finished: Finished, token_times: list[float]) -> None:

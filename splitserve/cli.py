@@ -6,6 +6,7 @@ Every flag can also come from the environment (``SPLITSERVE_<FLAG>``, e.g.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import logging
 import os
 import signal
@@ -116,8 +117,7 @@ def _serve(servicer, register, args, role: str, transports: list[str], metrics_a
     heartbeat = None
     if args.redis_url:
         heartbeat = Heartbeat(_redis_state(args), servicer.worker_id, role, servicer.address, transports,
-                              stats=lambda: {**servicer.loop.call(servicer.engine.stats, timeout=5),
-                                             "metrics_address": metrics_address}).start()
+                              stats=_stats_for_heartbeat(servicer, metrics_address)).start()
     # The first line on stdout says where to connect (scripts and tests read it).
     print(f"{role} worker {servicer.worker_id} serving on {servicer.address}", flush=True)
     stop = _stop_event()
@@ -136,6 +136,20 @@ def _serve(servicer, register, args, role: str, transports: list[str], metrics_a
     server.stop(grace=1).wait()
     servicer.close()
     return code
+
+
+def _stats_for_heartbeat(servicer, metrics_address: str):
+    """Engine stats for the heartbeat without waiting out a long engine step: a multi-second
+    prefill must not make a healthy worker miss its beat and drop out of the registry."""
+    last: dict = {}
+
+    def stats() -> dict:
+        try:
+            last.update(servicer.loop.call(servicer.engine.stats, timeout=0.5))
+        except concurrent.futures.TimeoutError:
+            pass  # mid-step: beat with the numbers from before it
+        return {**last, "metrics_address": metrics_address}
+    return stats
 
 
 def _drain(servicer, timeout_s: float) -> None:

@@ -2,6 +2,7 @@
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -50,3 +51,40 @@ def test_num_threads_sets_the_engine_threads():
     finally:
         torch.set_num_threads(before)
 
+
+
+def test_heartbeat_stats_do_not_wait_out_a_long_engine_step():
+    """A worker mid-way through a multi-second step still beats, with its last numbers."""
+    import threading
+
+    from splitserve.cli import _stats_for_heartbeat
+    from splitserve.engine_loop import EngineLoop
+
+    go, busy, release = threading.Event(), threading.Event(), threading.Event()
+    state = {"steps": 0}
+
+    def long_step():
+        state["steps"] += 1
+        busy.set()
+        release.wait(10)
+        return []
+
+    class Servicer:
+        loop = EngineLoop(long_step, lambda: go.is_set() and state["steps"] < 1)
+        engine = type("Engine", (), {"stats": staticmethod(lambda: {"steps": state["steps"]})})
+
+    Servicer.loop.start()
+    try:
+        stats = _stats_for_heartbeat(Servicer, "127.0.0.1:9")
+        assert stats() == {"steps": 0, "metrics_address": "127.0.0.1:9"}  # idle: fresh numbers
+        go.set()
+        assert busy.wait(10)
+        assert stats() == {"steps": 0, "metrics_address": "127.0.0.1:9"}  # mid-step: the last ones, no wait
+        release.set()
+        deadline = time.monotonic() + 10
+        while stats()["steps"] != 1 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert stats()["steps"] == 1  # fresh again once the step is over
+    finally:
+        release.set()
+        Servicer.loop.stop()
