@@ -18,7 +18,7 @@ $(PY):
 $(STAMP): pyproject.toml Makefile | $(PY)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q "$(TORCH_SPEC)"
-	$(PIP) install -q -e ".[triton,test]"
+	$(PIP) install -q -e ".[triton,test,bench]"
 	touch $(STAMP)
 
 install: $(STAMP)
