@@ -134,19 +134,14 @@ def main(argv=None) -> int:
         wall = time.monotonic() - start
         checks["healthy_at_end"] = healthy(channel)
         if stack is not None:
-            from tests.stack_util import live_request_keys, queued_request_ids, wait_pages_at_baseline
+            from tests.stack_util import wait_pages_at_baseline, wait_redis_clean
             try:
                 wait_pages_at_baseline(stack, baseline, timeout_s=60)
                 checks["pages_at_baseline"] = True
             except AssertionError as e:
                 checks["pages_at_baseline"] = str(e)
             checks["pages"] = {"baseline": baseline, "end": stack.free_pages()}
-            give_up = time.monotonic() + 60
-            while time.monotonic() < give_up:
-                live, queues = live_request_keys(stack.redis), queued_request_ids(stack.redis)
-                if not live and not any(queues.values()):
-                    break
-                time.sleep(0.5)
+            live, queues = wait_redis_clean(stack.redis, 60)
             checks["live_request_keys"] = live
             checks["queued"] = queues
             checks["log_errors"] = log_errors(stack.log_paths)

@@ -340,13 +340,8 @@ def main(argv=None) -> int:
         checks["pages_at_baseline"] = all(end_infos[n].get("free") == baseline[n] for n in workers)
         checks["settle_s"] = round(time.monotonic() - t0 - traffic_s, 1)
         if stack is not None:
-            from tests.stack_util import live_request_keys, queued_request_ids
-            deadline = time.monotonic() + 60
-            while time.monotonic() < deadline:
-                live, queues = live_request_keys(stack.redis), queued_request_ids(stack.redis)
-                if not live and not any(queues.values()):
-                    break
-                time.sleep(0.5)
+            from tests.stack_util import wait_redis_clean
+            live, queues = wait_redis_clean(stack.redis, 60)
             checks["live_request_keys"] = live
             checks["queued"] = queues
             checks["dead_processes"] = {n: pr.returncode for n, pr in stack.procs.items() if pr.poll() is not None}

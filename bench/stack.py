@@ -9,11 +9,8 @@ the same load generator measures both (the cost of gRPC + Redis + gateway is the
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import itertools
 import os
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -22,22 +19,12 @@ from pathlib import Path
 from typing import Iterator, Sequence
 
 from bench.workloads import BenchRequest
+from splitserve.launcher import die_with_parent, free_port
 
 REPO = Path(__file__).resolve().parent.parent
 BOOT_TIMEOUT_S = 300
 
 
-def _die_with_parent() -> None:
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Stack:
@@ -59,7 +46,7 @@ class Stack:
         argv = [sys.executable, "-m", "splitserve.cli", "up", "--port", str(self.port), *self.up_args]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
         self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, text=True, cwd=REPO, env=env,
-                                     preexec_fn=_die_with_parent)
+                                     preexec_fn=die_with_parent)
         return self
 
     def log_tail(self, lines: int = 30) -> str:

@@ -19,21 +19,22 @@ import time
 BOOT_TIMEOUT_S = 300
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
+    """preexec_fn: the child gets SIGTERM when the thread that spawned it dies."""
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
     except OSError:
         pass
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
 def _spawn(args: list[str], env: dict[str, str] | None = None) -> subprocess.Popen:
-    return subprocess.Popen(args, stdout=subprocess.PIPE, text=True, preexec_fn=_die_with_parent,
+    return subprocess.Popen(args, stdout=subprocess.PIPE, text=True, preexec_fn=die_with_parent,
                             env={**os.environ, **env} if env else None)
 
 
@@ -57,10 +58,10 @@ def start_redis(directory: str) -> tuple[subprocess.Popen, str]:
     binary = shutil.which("redis-server")
     if binary is None:
         raise SystemExit("redis-server not found: install it (apt-get install redis-server) or pass --redis-url")
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", directory,
                              "--save", "", "--appendonly", "yes"],
-                            stdout=subprocess.PIPE, text=True, preexec_fn=_die_with_parent)
+                            stdout=subprocess.PIPE, text=True, preexec_fn=die_with_parent)
     _wait_line(proc, "Ready to accept connections", "redis-server")
     return proc, f"redis://127.0.0.1:{port}/0"
 

@@ -46,7 +46,7 @@ from splitserve.v1 import generation_pb2, generation_pb2_grpc, worker_pb2, worke
 from tests.redis_util import RedisServer
 
 __all__ = ["Stack", "start_stack", "start_process", "worker_info", "kv_free_blocks", "wait_pages_at_baseline",
-           "live_request_keys", "queued_request_ids", "health", "DEFAULT_WORKER_ARGS", "BOOT_TIMEOUT_S"]
+           "live_request_keys", "queued_request_ids", "wait_redis_clean", "health", "DEFAULT_WORKER_ARGS", "BOOT_TIMEOUT_S"]
 
 # Seconds a process may take from spawn to its "serving on" line (torch import + model load
 # on a busy 2-core box).
@@ -421,6 +421,17 @@ def live_request_keys(redis_or_server, prefix: str = "ss") -> list[str]:
     (gateway/redis_state.py expires a request's hash once it is terminal)."""
     r = _redis_client(redis_or_server)
     return sorted(k for k in r.scan_iter(f"{{{prefix}}}:req:*", count=1000) if r.ttl(k) == -1)
+
+
+def wait_redis_clean(redis_or_server, timeout_s: float = 60.0) -> tuple[list[str], dict[str, list[str]]]:
+    """Until Redis holds no live request and both queues are empty, or ``timeout_s`` passed;
+    returns what is left (live request keys, queue contents)."""
+    give_up = time.monotonic() + timeout_s
+    while True:
+        live, queues = live_request_keys(redis_or_server), queued_request_ids(redis_or_server)
+        if (not live and not any(queues.values())) or time.monotonic() > give_up:
+            return live, queues
+        time.sleep(0.5)
 
 
 def queued_request_ids(redis_or_server, prefix: str = "ss") -> dict[str, list[str]]:
