@@ -44,6 +44,9 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batching", default=_env("batching", "continuous"), choices=["continuous", "static"],
                    help="static: the baseline that runs fixed batches to the end (for comparisons)")
     p.add_argument("--static-batch-size", type=int, default=_env("static_batch_size", 8))
+    p.add_argument("--enforce-eager", action="store_true",
+                   default=_env("enforce_eager", "").lower() in ("1", "true", "yes"),
+                   help="run the model op by op instead of compiling the step into one graph at start-up")
 
 
 def advertised(args, port: int) -> str:
@@ -90,7 +93,7 @@ def _engine_config(args):
                         num_gpu_blocks=args.num_gpu_blocks or None, kv_cache_memory_gb=args.kv_cache_memory_gb,
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                         scheduling_policy=args.scheduling_policy, batching=args.batching,
-                        static_batch_size=args.static_batch_size)
+                        static_batch_size=args.static_batch_size, enforce_eager=args.enforce_eager)
 
 
 def _stop_event() -> threading.Event:
