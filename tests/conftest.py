@@ -11,6 +11,8 @@ os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 # says nothing about serving; the engine tests compile it where it is what they check.
 os.environ.setdefault("SPLITSERVE_ENFORCE_EAGER", "1")
 
+import engine  # noqa: E402,F401  -- before torch: OpenMP threads wait passively (engine/openmp.py)
+
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
