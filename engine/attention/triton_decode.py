@@ -1,53 +1,54 @@
-"""Split-KV paged decode for Triton: small batches at long contexts keep the GPU busy.
+"""Paged decode attention for Triton (one new token per sequence), whole or split-KV.
 
-The plain decode kernel runs one program per (sequence, KV head): a batch of 2 with 8 KV
-heads is 16 programs on a GPU with 132 multiprocessors, each walking the whole context. Here
-the context of each sequence is cut into ``split_len``-token partitions, one program per
-(sequence, KV head, partition), each leaving its unnormalised partial result (running max,
-sum of exponentials, weighted V) in a float32 scratch buffer; a second kernel merges the
-partitions of every (sequence, query head) with the usual log-sum-exp rescaling
-(flash-decoding). Same semantics and arguments as ``triton_kernels.paged_attention`` for a
-pure-decode batch (one new token per sequence).
+One program per (sequence, KV head) handles the GQA group of query heads that share the KV
+head, with an online softmax over the block table. With one partition it normalises and
+writes the output itself. A batch of 2 with 8 KV heads is only 16 programs on a GPU with 132
+multiprocessors, each walking the whole context: for small batches at long contexts each
+context is cut into ``split_len``-token partitions, one program per (sequence, KV head,
+partition), each leaving its unnormalised partial result (running max, sum of exponentials,
+weighted V) in a float32 scratch buffer; a second kernel merges the partitions of every
+(sequence, query head) with the usual log-sum-exp rescaling (flash-decoding). Same semantics
+as ``triton_kernels.paged_attention`` for a pure-decode batch.
 """
 from __future__ import annotations
 
 import torch
 
-from engine.attention import triton_kernels
-from engine.attention.triton_kernels import _LOG2E, _next_pow2
+from engine.attention.triton_common import (_BLOCK_N, _INTERPRETED, _LOG2E, TRITON_AVAILABLE, _dot, _next_pow2,
+                                           _require_triton, tl, triton)
 
-# Context positions per inner-loop step, and per partition by default.
-_BLOCK_N = 64
+# Context positions per partition of a split context.
 SPLIT_LEN = 512
 
-if triton_kernels.TRITON_AVAILABLE:
-    import triton
-    import triton.language as tl
-
-    from engine.attention.triton_kernels import _dot
+if TRITON_AVAILABLE:
 
     @triton.jit
-    def _split_decode_kernel(
-        part_acc_ptr,  # [B, Hq, S, BLOCK_D] float32
+    def _decode_kernel(
+        out_ptr,  # [T, Hq, D]: written directly when DIRECT
+        part_acc_ptr,  # [B, Hq, S, BLOCK_D] float32 partials otherwise
         part_ml_ptr,  # [B, Hq, S, 2] float32: running max (log2 domain) and sum of exponentials
         q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
         scale_log2,
-        stride_qt, stride_qh,
+        stride_qt, stride_qh, stride_ot, stride_oh,
         stride_kc_blk, stride_kc_off, stride_kc_h,
         stride_vc_blk, stride_vc_off, stride_vc_h,
         stride_bt,
         num_splits,
         GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr,
         BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_LEN: tl.constexpr,
-        DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+        DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr, DIRECT: tl.constexpr,
     ):
         b = tl.program_id(0).to(tl.int64)
         kvh = tl.program_id(1).to(tl.int64)
         split = tl.program_id(2)
         row = tl.load(query_start_loc_ptr + b).to(tl.int64)
         ctx_len = tl.load(seq_lens_ptr + b)
-        start = split * SPLIT_LEN
-        end = tl.minimum(start + SPLIT_LEN, ctx_len)
+        if DIRECT:
+            start = 0
+            end = ctx_len
+        else:
+            start = split * SPLIT_LEN
+            end = tl.minimum(start + SPLIT_LEN, ctx_len)
 
         g = tl.arange(0, BLOCK_G)
         d = tl.arange(0, BLOCK_D)
@@ -82,11 +83,16 @@ if triton_kernels.TRITON_AVAILABLE:
             acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION, UPCAST_DOT)
             m_i = m_new
 
-        # A partition past the context leaves max -1e30 and sum 0: it weighs nothing in the merge.
-        slot = (b * (GROUP * tl.num_programs(1)) + heads) * num_splits + split
-        tl.store(part_acc_ptr + slot[:, None] * BLOCK_D + d[None, :], acc, mask=g_mask[:, None])
-        tl.store(part_ml_ptr + slot * 2, m_i, mask=g_mask)
-        tl.store(part_ml_ptr + slot * 2 + 1, l_i, mask=g_mask)
+        if DIRECT:
+            l_i = tl.where(l_i == 0.0, 1.0, l_i)
+            tl.store(out_ptr + row * stride_ot + heads[:, None] * stride_oh + d[None, :],
+                     (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=q_mask)
+        else:
+            # A partition past the context leaves max -1e30 and sum 0: it weighs nothing in the merge.
+            slot = (b * (GROUP * tl.num_programs(1)) + heads) * num_splits + split
+            tl.store(part_acc_ptr + slot[:, None] * BLOCK_D + d[None, :], acc, mask=g_mask[:, None])
+            tl.store(part_ml_ptr + slot * 2, m_i, mask=g_mask)
+            tl.store(part_ml_ptr + slot * 2 + 1, l_i, mask=g_mask)
 
     @triton.jit
     def _merge_kernel(
@@ -122,12 +128,13 @@ def num_splits_for(num_seqs: int, num_kv_heads: int, max_seq_len: int, target_pr
     return max(1, min(-(-max_seq_len // split_len), -(-target_programs // busy)))
 
 
-def paged_decode_split_kv(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                          block_tables: torch.Tensor, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
-                          scale: float, num_splits: int, split_len: int = SPLIT_LEN) -> torch.Tensor:
-    """Decode attention (one new token per sequence) with each context cut into ``num_splits``
-    partitions of ``split_len`` positions; ``num_splits * split_len`` must cover the longest context."""
-    triton_kernels._require_triton()
+def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                 query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float, num_splits: int = 1,
+                 split_len: int = SPLIT_LEN) -> torch.Tensor:
+    """Decode attention (one new token per sequence); with ``num_splits`` > 1 each context is cut
+    into partitions of ``split_len`` positions, and ``num_splits * split_len`` must cover the
+    longest context."""
+    _require_triton()
     if split_len % _BLOCK_N:
         raise ValueError(f"split_len must be a multiple of {_BLOCK_N}, got {split_len}")
     num_seqs = seq_lens.shape[0]
@@ -138,14 +145,16 @@ def paged_decode_split_kv(query: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     out = torch.empty_like(query, memory_format=torch.contiguous_format)
     if num_seqs == 0:
         return out
-    part_acc = torch.empty((num_seqs, num_q_heads, num_splits, block_d), dtype=torch.float32, device=query.device)
-    part_ml = torch.empty((num_seqs, num_q_heads, num_splits, 2), dtype=torch.float32, device=query.device)
     if query.stride(-1) != 1:
         query = query.contiguous()
-    _split_decode_kernel[(num_seqs, num_kv_heads, num_splits)](
-        part_acc, part_ml, query, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
+    direct = num_splits == 1
+    shape = (num_seqs, num_q_heads, num_splits)
+    part_acc = out if direct else torch.empty((*shape, block_d), dtype=torch.float32, device=query.device)
+    part_ml = out if direct else torch.empty((*shape, 2), dtype=torch.float32, device=query.device)
+    _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
+        out, part_acc, part_ml, query, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
         float(scale) * _LOG2E,
-        query.stride(0), query.stride(1),
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
@@ -153,10 +162,11 @@ def paged_decode_split_kv(query: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         GROUP=group, BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=head_dim, BLOCK_G=max(16, _next_pow2(group)),
         BLOCK_D=block_d, BLOCK_N=_BLOCK_N, SPLIT_LEN=split_len,
         DOT_PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32",
-        UPCAST_DOT=triton_kernels._INTERPRETED,
+        UPCAST_DOT=_INTERPRETED, DIRECT=direct,
     )
-    _merge_kernel[(num_seqs, num_q_heads)](
-        out, part_acc, part_ml, query_start_loc, out.stride(0), out.stride(1), num_q_heads, num_splits,
-        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=max(2, _next_pow2(num_splits)),
-    )
+    if not direct:
+        _merge_kernel[(num_seqs, num_q_heads)](
+            out, part_acc, part_ml, query_start_loc, out.stride(0), out.stride(1), num_q_heads, num_splits,
+            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_S=max(2, _next_pow2(num_splits)),
+        )
     return out
