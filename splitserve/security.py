@@ -120,7 +120,7 @@ class Security:
         return grpc.ssl_server_credentials([(self.key, self.cert)], root_certificates=self.ca,
                                            require_client_auth=self.ca is not None)
 
-    def server_interceptors(self) -> list[grpc.ServerInterceptor]:
+    def server_interceptors(self) -> list[grpc.aio.ServerInterceptor]:
         return [TokenAuthInterceptor(self.token)] if self.token else []
 
     def message_options(self) -> list[tuple[str, int]]:
@@ -193,7 +193,7 @@ def security_argv(args) -> tuple[list[str], dict[str, str]]:
 # ---- the token, server side
 
 
-class TokenAuthInterceptor(grpc.ServerInterceptor):
+class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
     """Refuses every call without ``authorization: Bearer <token>`` (constant-time comparison).
 
     The refusal raises ``splitserve.errors.Unauthenticated`` from a handler of the method's own
@@ -217,27 +217,32 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
             return "invalid credentials: the 'authorization' bearer token is not accepted"
         return None
 
-    def intercept_service(self, continuation, handler_call_details: grpc.HandlerCallDetails):
+    async def intercept_service(self, continuation, handler_call_details: grpc.HandlerCallDetails):
         method = handler_call_details.method or ""
         if method.startswith(OPEN_SERVICES):
-            return continuation(handler_call_details)
+            return await continuation(handler_call_details)
         reason = self._check(handler_call_details.invocation_metadata)
         if reason is None:
-            return continuation(handler_call_details)
+            return await continuation(handler_call_details)
         log.info("refused %s: %s", method, reason.split(":")[0])
         # Answer with a handler of the method's own kind (a unary handler would wait for a
         # request a bidi client may never send first); unknown methods get the same answer.
-        handler = continuation(handler_call_details)
+        handler = await continuation(handler_call_details)
 
-        def refuse(request, context):
+        async def refuse(request, context):
             raise Unauthenticated(reason)
+
+        async def refuse_stream(request, context):
+            raise Unauthenticated(reason)
+            yield  # an async generator, as streaming handlers are
+
         if handler is None or not (handler.request_streaming or handler.response_streaming):
             return grpc.unary_unary_rpc_method_handler(refuse)
         make = {(False, True): grpc.unary_stream_rpc_method_handler,
                 (True, False): grpc.stream_unary_rpc_method_handler,
                 (True, True): grpc.stream_stream_rpc_method_handler}[
             (handler.request_streaming, handler.response_streaming)]
-        return make(refuse)
+        return make(refuse_stream if handler.response_streaming else refuse)
 
 
 # ---- the token, client side

@@ -1,9 +1,10 @@
 """Proto <-> domain conversion and the error -> gRPC status mapping (no model needed)."""
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
-from concurrent import futures
+import threading
 
 import grpc
 import pytest
@@ -189,28 +190,39 @@ def test_resource_exhausted_retry_after_validated():
         errors.ResourceExhausted("x", retry_after_s=-1)
 
 
-# ---- interceptor on a real server ------------------------------------------------------
+# ---- interceptor on a real (asyncio) server ---------------------------------------------
 
 def _raise(exc):
-    def handler(request, context):
+    async def handler(request, context):
         raise exc
     return handler
 
 
-def _stream_then_raise(request, context):
+def _raise_streaming(exc):
+    async def handler(request, context):
+        raise exc
+        yield  # an async generator, as streaming handlers are
+    return handler
+
+
+async def _echo(request, context):
+    return request
+
+
+async def _stream_then_raise(request, context):
     yield b"one"
     yield b"two"
     raise errors.Unavailable("decode worker went away")
 
 
-def _abort_itself(request, context):
-    context.abort(grpc.StatusCode.PERMISSION_DENIED, "handler chose this")
+async def _abort_itself(request, context):
+    await context.abort(grpc.StatusCode.PERMISSION_DENIED, "handler chose this")
 
 
 @pytest.fixture(scope="module")
 def channel():
     handlers = {
-        "Echo": grpc.unary_unary_rpc_method_handler(lambda request, context: request),
+        "Echo": grpc.unary_unary_rpc_method_handler(_echo),
         "Invalid": grpc.unary_unary_rpc_method_handler(_raise(errors.InvalidArgument("sampling.top_p must be in (0, 1]"))),
         "Full": grpc.unary_unary_rpc_method_handler(_raise(errors.ResourceExhausted("queue full", retry_after_s=1.5))),
         "FullNoHint": grpc.unary_unary_rpc_method_handler(_raise(errors.ResourceExhausted("queue full"))),
@@ -219,16 +231,27 @@ def channel():
         "Bug": grpc.unary_unary_rpc_method_handler(_raise(ZeroDivisionError("secret-internal-detail"))),
         "Aborts": grpc.unary_unary_rpc_method_handler(_abort_itself),
         "Stream": grpc.unary_stream_rpc_method_handler(_stream_then_raise),
-        "StreamNotFound": grpc.unary_stream_rpc_method_handler(_raise(errors.NotFound("no request r1"))),
+        "StreamNotFound": grpc.unary_stream_rpc_method_handler(_raise_streaming(errors.NotFound("no request r1"))),
     }
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=4),
-                         interceptors=[errors.ErrorMappingInterceptor()])
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("test.Errors", handlers),))
-    port = server.add_insecure_port("127.0.0.1:0")
-    server.start()
-    with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+    started, port = threading.Event(), []
+    loop = asyncio.new_event_loop()
+    stop = asyncio.Event()
+
+    async def serve():
+        server = grpc.aio.server(interceptors=[errors.ErrorMappingInterceptor()])
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler("test.Errors", handlers),))
+        port.append(server.add_insecure_port("127.0.0.1:0"))
+        await server.start()
+        started.set()
+        await stop.wait()
+        await server.stop(grace=None)
+    thread = threading.Thread(target=loop.run_until_complete, args=(serve(),), daemon=True)
+    thread.start()
+    assert started.wait(30)
+    with grpc.insecure_channel(f"127.0.0.1:{port[0]}") as ch:
         yield ch
-    server.stop(grace=None)
+    loop.call_soon_threadsafe(stop.set)
+    thread.join(10)
 
 
 def _call(channel, method) -> grpc.RpcError:

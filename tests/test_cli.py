@@ -43,22 +43,22 @@ def test_bad_flag_value_is_refused():
 def test_num_threads_sets_the_engine_threads():
     import torch
 
-    from splitserve.cli import _engine_config
+    from worker_runtime.serve import engine_config
     before = torch.get_num_threads()
     try:
-        _engine_config(build_parser().parse_args(["decode", "--num-threads", "1"]))
+        engine_config(build_parser().parse_args(["decode", "--num-threads", "1"]))
         assert torch.get_num_threads() == 1
     finally:
         torch.set_num_threads(before)
 
 
-
 def test_heartbeat_stats_do_not_wait_out_a_long_engine_step():
     """A worker mid-way through a multi-second step still beats, with its last numbers."""
+    import asyncio
     import threading
 
-    from splitserve.cli import _stats_for_heartbeat
-    from splitserve.engine_loop import EngineLoop
+    from worker_runtime.engine_loop import EngineLoop
+    from worker_runtime.heartbeat import engine_stats
 
     go, busy, release = threading.Event(), threading.Event(), threading.Event()
     state = {"steps": 0}
@@ -69,22 +69,23 @@ def test_heartbeat_stats_do_not_wait_out_a_long_engine_step():
         release.wait(10)
         return []
 
-    class Servicer:
-        loop = EngineLoop(long_step, lambda: go.is_set() and state["steps"] < 1)
-        engine = type("Engine", (), {"stats": staticmethod(lambda: {"steps": state["steps"]})})
+    loop = EngineLoop(long_step, lambda: go.is_set() and state["steps"] < 1).start()
 
-    Servicer.loop.start()
-    try:
-        stats = _stats_for_heartbeat(Servicer, "127.0.0.1:9")
-        assert stats() == {"steps": 0, "metrics_address": "127.0.0.1:9"}  # idle: fresh numbers
+    async def main():
+        stats = engine_stats(loop, lambda: {"steps": state["steps"]}, {"metrics_address": "127.0.0.1:9"})
+        assert await stats() == {"steps": 0, "metrics_address": "127.0.0.1:9"}  # idle: fresh numbers
         go.set()
-        assert busy.wait(10)
-        assert stats() == {"steps": 0, "metrics_address": "127.0.0.1:9"}  # mid-step: the last ones, no wait
+        loop.submit(lambda: None)  # wakes the loop, which now has work
+        assert await asyncio.to_thread(busy.wait, 10)
+        # Mid-step: the last numbers (waiting out the step would have read steps == 1).
+        assert await stats() == {"steps": 0, "metrics_address": "127.0.0.1:9"}
         release.set()
         deadline = time.monotonic() + 10
-        while stats()["steps"] != 1 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert stats()["steps"] == 1  # fresh again once the step is over
+        while (await stats())["steps"] != 1 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert (await stats())["steps"] == 1  # fresh again once the step is over
+    try:
+        asyncio.run(main())
     finally:
         release.set()
-        Servicer.loop.stop()
+        loop.stop()

@@ -61,6 +61,10 @@ def test_redis_down_means_unavailable_at_once_then_recovery(stack, reference):
 def test_queued_requests_survive_a_redis_restart(stack, reference):
     baseline = stack.free_pages()
     streams = run_streams(stack, "survivor", mixed_prompts(6, seed=22, lo=56, hi=60), max_tokens=24)
+    # Every request admitted (a kill before its admission would refuse it), some still queued.
+    redis = stack.redis.client()
+    wait_until(lambda: all(redis.exists(f"{{ss}}:req:{s.request_id}") for s in streams), 60,
+               "every request to be admitted")
     wait_until(lambda: len(queued_request_ids(stack.redis)["pending"]) >= 3, 60, "requests to queue up")
     stack.redis.kill()
     time.sleep(1.0)  # requests in flight keep going; the queue is out of reach meanwhile

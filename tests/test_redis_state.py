@@ -29,7 +29,18 @@ def client(server):
 
 @pytest.fixture
 def state(client):
-    return RedisState(client, queue_limit=8, terminal_ttl_s=60)
+    st = RedisState(client, queue_limit=8, terminal_ttl_s=60)
+    for gateway in ("g1", "g2"):
+        st.gateway_beat(gateway, 600)
+    return st
+
+
+def claim_placed(state, gateway="g1", lease_s=30, now=T0):
+    """Claim, and at once report the placement decided (as a dispatcher does)."""
+    c = state.claim(gateway, lease_s, now)
+    if c is not None:
+        state.placed(c)
+    return c
 
 
 def admit(state, rid, gateway="g1", priority=0, arrival=T0, **payload):
@@ -59,11 +70,11 @@ def test_admit_duplicate_full(state):
     assert state.get("late") is None and state.queue_depth() == 8
 
     # A claimed request still counts against the limit; a duplicate of it reports its state.
-    claimed = state.claim("g1", 30, T0, request_id="a")
-    assert claimed == "a"
+    claimed = state.claim("g1", 30, T0)
+    assert claimed == "r0"  # priority 0 before a's 3
     assert admit(state, "late").status == "full"
-    assert admit(state, "a") == AdmitResult("duplicate", 8, "dispatching")
-    assert state.finish("a", claimed.epoch, "finished")
+    assert admit(state, "r0") == AdmitResult("duplicate", 8, "dispatching")
+    assert state.finish("r0", claimed.epoch, "finished")
     assert admit(state, "late").admitted
 
 
@@ -99,37 +110,94 @@ def test_concurrent_burst_admits_exactly_the_limit(client):
     assert {k.removeprefix("{ss}:req:") for k in client.scan_iter("{ss}:req:*")} == admitted
 
 
-def test_queue_score_orders_priority_then_arrival():
-    assert queue_score(0, T0) < queue_score(0, T0 + 0.001) < queue_score(1, T0 - 1e6)
-    assert queue_score(-5, T0 + 1e6) < queue_score(0, T0)
-    assert queue_score(PRIORITY_MAX, 4e9) <= 2 ** 53 - 1 and queue_score(PRIORITY_MIN, 0) >= -(2 ** 53)
-    assert queue_score(2 ** 31 - 1, T0) == queue_score(PRIORITY_MAX, T0)  # clamped
-    assert float(queue_score(7, T0 + 0.123)) == queue_score(7, T0 + 0.123)  # exact in a double
+def test_queue_score_without_aging_orders_priority_then_arrival():
+    score = lambda p, t: queue_score(p, t, aging_per_s=0)  # noqa: E731
+    assert score(0, T0) < score(0, T0 + 0.001) < score(1, T0 - 1e6)
+    assert score(-5, T0 + 1e6) < score(0, T0)
+    assert score(PRIORITY_MAX, 4e9) <= 2 ** 53 - 1 and score(PRIORITY_MIN, 0) >= -(2 ** 53)
+    assert score(2 ** 31 - 1, T0) == score(PRIORITY_MAX, T0)  # clamped
+    assert float(score(7, T0 + 0.123)) == score(7, T0 + 0.123)  # exact in a double
 
 
-# ---- claiming
+def test_queue_score_with_aging_is_the_engine_rule():
+    """A priority point is worth 1/aging seconds of waiting: the order engine.priority gives."""
+    from engine.priority import priority_key
+    assert queue_score(10, T0, aging_per_s=1.0) < queue_score(0, T0 + 10.5, aging_per_s=1.0)  # waited long enough
+    assert queue_score(10, T0, aging_per_s=1.0) > queue_score(0, T0 + 9.5, aging_per_s=1.0)
+    assert queue_score(10, T0, aging_per_s=0.5) > queue_score(0, T0 + 10.5, aging_per_s=0.5)  # slower aging
+    # (No two virtual arrivals tie here: Redis breaks a tie by request id, the engine by arrival.)
+    requests = [(p, T0 + t) for p, t in [(3, 0.0), (0, 2.5), (1, 1.0), (-2, 4.2), (3, 0.5), (0, 3.25)]]
+    for aging in (0.0, 0.5, 1.0, 3.0):
+        by_score = sorted(requests, key=lambda r: queue_score(*r, aging_per_s=aging))
+        by_engine = sorted(requests, key=lambda r: priority_key(r[0], r[1], aging))
+        assert by_score == by_engine, aging
 
 
-def test_claim_order_priority_then_arrival_and_own_gateway_only(state):
-    admit(state, "low-early", priority=5, arrival=T0)
-    admit(state, "high-late", priority=1, arrival=T0 + 10)
-    admit(state, "high-early", priority=1, arrival=T0 + 5)
-    admit(state, "other-gw", gateway="g2", priority=0, arrival=T0)
-    admit(state, "urgent", priority=-3, arrival=T0 + 20)
+# ---- claiming: one global order
 
+
+def test_claims_follow_one_global_order_across_gateways(client):
+    st = RedisState(client, queue_limit=100, priority_aging_per_s=0)
+    st.gateway_beat("A", 600)
+    st.gateway_beat("B", 600)
+    admit(st, "a-low-early", gateway="A", priority=5, arrival=T0)
+    admit(st, "a-high", gateway="A", priority=1, arrival=T0 + 5)
+    admit(st, "b-urgent", gateway="B", priority=0, arrival=T0 + 10)
+    admit(st, "b-low-late", gateway="B", priority=5, arrival=T0 + 20)
     order = []
-    while (c := state.claim("g1", 30, T0 + 100)) is not None:
-        order.append(c)
-    assert order == ["urgent", "high-early", "high-late", "low-early"]
-    assert state.get("other-gw")["state"] == "queued" and state.queue_depth() == 1
-    assert state.claim("g2", 30, T0 + 100) == "other-gw"
-    assert state.claim("g2", 30, T0 + 100) is None
+    for _ in range(10):  # both gateways keep trying; only the head's own gateway gets it
+        for gateway in ("A", "B"):
+            c = claim_placed(st, gateway)
+            if c is not None:
+                order.append((gateway, str(c)))
+    assert order == [("B", "b-urgent"), ("A", "a-high"), ("A", "a-low-early"), ("B", "b-low-late")]
+
+
+def test_nobody_claims_while_a_placement_is_open(state):
+    admit(state, "x", arrival=T0)
+    admit(state, "y", arrival=T0 + 1)
+    x = state.claim("g1", 30, T0)
+    assert x == "x"
+    assert state.claim("g1", 30, T0) is None  # x is being placed: y may not pass it
+    assert state.requeue("x", epoch=x.epoch)  # no room: back at the head, the gate opens
+    x = state.claim("g1", 30, T0)
+    assert x == "x" and x.epoch == 2
+    assert state.placed("x")
+    assert state.claim("g1", 30, T0) == "y"
+    admit(state, "z", arrival=T0 + 2)
+    assert state.claim("g1", 30, T0 + 1) is None  # y's placement is open...
+    assert state.claim("g1", 30, T0 + 6) == "z"  # ... until its deadline (5 s) passes
+
+
+def test_a_dead_gateways_queued_requests_fail_at_the_head(state, client):
+    admit(state, "orphan", gateway="gone", priority=0, arrival=T0)
+    admit(state, "mine", gateway="g1", priority=1, arrival=T0)
+    with client.pubsub(ignore_subscribe_messages=True) as sub:
+        sub.subscribe(state.wake_channel)
+        assert claim_placed(state, "g1") == "mine"
+        messages, deadline = [], time.monotonic() + 10
+        while not {"end orphan", "placed"} <= set(messages) and time.monotonic() < deadline:
+            m = sub.get_message(timeout=1.0)
+            if m is not None:
+                messages.append(m["data"])
+    got = state.get("orphan")
+    assert got["state"] == "failed" and "gateway" in got["error"] and 0 < client.ttl(state.request_key("orphan"))
+    assert "end orphan" in messages and "placed" in messages
+
+
+def test_a_live_gateways_head_waits_for_it(state):
+    admit(state, "theirs", gateway="g2", priority=0, arrival=T0)
+    admit(state, "mine", gateway="g1", priority=0, arrival=T0 + 1)
+    assert state.claim("g1", 30, T0) is None
+    assert state.get("theirs")["state"] == "queued"
+    state.gateway_leave("g2")  # it stopped: its request can never be streamed
+    assert claim_placed(state, "g1") == "mine" and state.get("theirs")["state"] == "failed"
 
 
 def test_claim_bumps_attempt_and_epoch_and_requeue_keeps_the_place(state):
     admit(state, "x", priority=2, arrival=T0)
     admit(state, "y", priority=2, arrival=T0 + 1)
-    c = state.claim("g1", 30, T0)
+    c = claim_placed(state)
     assert c == "x" and (c.epoch, c.attempt) == (1, 1)
     got = state.get("x")
     assert got["state"] == "dispatching" and got["epoch"] == 1 and got["attempt"] == 1
@@ -138,20 +206,16 @@ def test_claim_bumps_attempt_and_epoch_and_requeue_keeps_the_place(state):
     assert state.requeue("x", epoch=c.epoch)
     assert state.get("x")["state"] == "queued" and state.queue_depth() == 2
     assert state.requeue("x")  # already queued: idempotent
-    c2 = state.claim("g1", 30, T0)
+    c2 = claim_placed(state)
     assert c2 == "x" and (c2.epoch, c2.attempt) == (2, 2)  # same score: still ahead of y
     assert not state.requeue("x", epoch=1)  # a stale attempt cannot requeue
-
-    # A dispatcher may claim a specific request (its own, still queued).
-    assert state.claim("g2", 30, T0, request_id="y") is None
-    assert state.claim("g1", 30, T0, request_id="y") == "y"
-    assert state.claim("g1", 30, T0, request_id="y") is None
 
 
 def test_claimed_requests_count_against_the_limit_until_they_finish(client):
     st = RedisState(client, queue_limit=2)
+    st.gateway_beat("g1", 600)
     assert admit(st, "a").admitted and admit(st, "b").admitted
-    a = st.claim("g1", 30, T0)
+    a = claim_placed(st)
     assert a == "a" and st.queue_depth() == 1
     assert admit(st, "c").status == "full"  # "a" is running: still unfinished
     assert st.finish("a", a.epoch, "finished")
@@ -160,12 +224,13 @@ def test_claimed_requests_count_against_the_limit_until_they_finish(client):
 
 def test_claim_scans_a_bounded_window(client):
     st = RedisState(client, queue_limit=100, claim_scan=4)
+    st.gateway_beat("g1", 600)
     for i in range(4):
-        admit(st, f"other{i}", gateway="g2", arrival=T0 + i)
+        admit(st, f"stray{i}", gateway="dead", arrival=T0 + i)
     admit(st, "mine", gateway="g1", arrival=T0 + 10)
-    assert st.claim("g1", 30, T0) is None  # documented limitation
-    assert st.claim("g2", 30, T0) == "other0"
-    assert st.claim("g1", 30, T0) == "mine"
+    assert st.claim("g1", 30, T0) is None  # the window held only a dead gateway's requests...
+    assert claim_placed(st, "g1") == "mine"  # ... failed on the way: the next claim sees further
+    assert all(st.get(f"stray{i}")["state"] == "failed" for i in range(4))
 
 
 # ---- fencing, finish, cancel
@@ -173,14 +238,14 @@ def test_claim_scans_a_bounded_window(client):
 
 def test_update_refuses_a_stale_epoch(state):
     admit(state, "x")
-    first = state.claim("g1", 30, T0)
+    first = claim_placed(state)
     assert state.update("x", first.epoch, state="prefilling", prefill_worker="p1", t_first=T0 + 0.5)
     got = state.get("x")
     assert got["state"] == "prefilling" and got["prefill_worker"] == "p1" and float(got["t_first"]) == T0 + 0.5
 
     assert state.requeue("x")
     assert not state.update("x", first.epoch, state="decoding")  # queued: nobody owns it
-    second = state.claim("g1", 30, T0 + 1)
+    second = claim_placed(state, now=T0 + 1)
     assert not state.update("x", first.epoch, state="decoding", decode_worker="stale")
     assert not state.extend_lease("x", first.epoch, 30, T0 + 2)
     got = state.get("x")
@@ -200,6 +265,7 @@ def test_finish_removes_from_queues_and_expires(state, client):
     c = state.claim("g1", 30, T0)
     assert c == "x"
     assert not state.finish("x", c.epoch + 1, "finished")  # stale attempt refused
+    assert client.zscore(state.placing_key, "x") is not None
     assert state.finish("x", c.epoch, "finished", n_tokens=7, t_done=T0 + 3)
     assert state.finish("x", c.epoch, "finished")  # idempotent
     assert not state.finish("x", None, "failed")  # already terminal in another state
@@ -207,6 +273,7 @@ def test_finish_removes_from_queues_and_expires(state, client):
     got = state.get("x")
     assert got["state"] == "finished" and got["n_tokens"] == "7"
     assert client.zscore(state.inflight_key, "x") is None
+    assert client.zscore(state.placing_key, "x") is None  # the end also opens the placement gate
     assert 0 < client.ttl(state.request_key("x")) <= 60
 
     assert state.finish("q", None, "deadline", error="deadline exceeded in queue")
@@ -225,7 +292,7 @@ def test_cancel_pending(state, client):
     got = state.get("a")
     assert got["state"] == "aborted" and got["error"] and 0 < client.ttl(state.request_key("a")) <= 60
     assert state.queue_depth() == 1
-    assert state.claim("g1", 30, T0) == "b"
+    assert claim_placed(state) == "b"
     assert not state.cancel_pending("b")  # already dispatched: cancel it on its workers
     assert not state.cancel_pending("missing")
 
@@ -233,9 +300,9 @@ def test_cancel_pending(state, client):
 def test_inflight_expired_and_reaper_requeue(state):
     for i, rid in enumerate(["a", "b", "c"]):
         admit(state, rid, arrival=T0 + i)
-    a = state.claim("g1", 10, T0)
-    b = state.claim("g1", 20, T0)
-    state.claim("g1", 30, T0)
+    a = claim_placed(state, lease_s=10)
+    b = claim_placed(state, lease_s=20)
+    claim_placed(state, lease_s=30)
     assert state.inflight_expired(T0 + 5) == []
     assert state.inflight_expired(T0 + 10) == []  # deadline not passed yet at T0+10
     assert state.inflight_expired(T0 + 15) == ["a"]
@@ -289,7 +356,7 @@ def test_every_key_carries_the_hash_tag(state, client):
     admit(state, "a")
     admit(state, "b", arrival=T0 + 1)
     admit(state, "c", arrival=T0 + 2)
-    c = state.claim("g1", 30, T0)
+    c = claim_placed(state)
     state.update("a", c.epoch, state="decoding", decode_worker="d1")
     state.finish("b", None, "aborted")
     state.register_worker("d1", "decode", "h:1", ["tcp"], {}, ttl_s=5)
@@ -299,6 +366,7 @@ def test_every_key_carries_the_hash_tag(state, client):
     assert len({key_slot(k.encode()) for k in keys}) == 1  # one Cluster slot: multi-key scripts work
 
     other = RedisState(client, prefix="tenant2")
+    other.gateway_beat("g1", 60)
     admit(other, "a")
     assert other.get("a") is not None and other.queue_depth() == 1 and state.queue_depth() == 1
     assert all(k.startswith(("{ss}:", "{tenant2}:")) for k in client.scan_iter("*"))
@@ -311,7 +379,8 @@ def test_every_key_carries_the_hash_tag(state, client):
 
 def test_append_only_state_survives_restart():
     with RedisServer(appendonly=True) as srv:
-        st = RedisState(make_client(srv.url), queue_limit=8)
+        st = RedisState(make_client(srv.url), queue_limit=8, priority_aging_per_s=0)
+        st.gateway_beat("g1", 600)
         admit(st, "a", priority=1)
         admit(st, "b", priority=0, arrival=T0 + 1)
         st.register_worker("d1", "decode", "h:1", ["tcp"], {}, ttl_s=60)
@@ -326,6 +395,7 @@ def test_append_only_state_survives_restart():
         srv.start()
         fresh = RedisState(make_client(srv.url))
         assert fresh.get("b")["state"] == "dispatching" and fresh.pending_ids() == ["a"]
+        assert fresh.claim("g1", 30, T0 + 1) is None  # b's placement gate survived too (until T0 + 5)
 
 
 def test_errors_propagate_when_redis_is_down():

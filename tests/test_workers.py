@@ -13,7 +13,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from splitserve.v1 import generation_pb2, worker_pb2, worker_pb2_grpc
+from engine.sampling_params import SamplingParams
+from splitserve.api_convert import sampling_to_worker
+from splitserve.v1 import worker_pb2, worker_pb2_grpc
 from tests.test_engine_correctness import mixed_prompts
 
 BOOT_TIMEOUT_S = 120
@@ -62,7 +64,8 @@ def workers(tiny_model_dirs):
 
 
 def sampling(max_tokens=8, **kw):
-    return generation_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kw)
+    """Resolved sampling, as the gateway sends it (every field set)."""
+    return sampling_to_worker(SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, **kw))
 
 
 def disaggregated(w, rid, prompt, params):
@@ -168,9 +171,10 @@ def test_bad_input_is_invalid_argument(workers):
         lambda: workers["prefill"].Prefill(worker_pb2.PrefillRequest(request_id="x", prompt_token_ids=[1]), timeout=10),
         lambda: workers["decode"].Reserve(worker_pb2.ReserveRequest(request_id="x"), timeout=10),
         lambda: list(workers["both"].Decode(worker_pb2.DecodeRequest(
-            request_id="x", prompt_token_ids=[1], sampling=generation_pb2.SamplingParams(temperature=-1)), timeout=10)),
-        lambda: list(workers["both"].Decode(worker_pb2.DecodeRequest(request_id="y", prompt_token_ids=[10_000]),
-                                            timeout=10)),
+            request_id="x", prompt_token_ids=[1], sampling=worker_pb2.ResolvedSampling(
+                max_tokens=4, temperature=-1, top_p=1, repetition_penalty=1)), timeout=10)),
+        lambda: list(workers["both"].Decode(worker_pb2.DecodeRequest(request_id="y", prompt_token_ids=[10_000],
+                                                                     sampling=sampling(4)), timeout=10)),
     ]
     for case in cases:
         with pytest.raises(grpc.RpcError) as err:

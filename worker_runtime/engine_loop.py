@@ -1,12 +1,15 @@
-"""One thread owns a worker's engine; gRPC handler threads talk to it through this loop.
+"""One thread owns a worker's engine; the asyncio gRPC handlers talk to it through this loop.
 
-The engine and the kvtransfer connectors are not thread-safe. Handlers submit closures with
-``call`` (run on the loop thread between steps, result or exception handed back) and read
-per-request events from ``subscribe``. The loop steps while there is work and otherwise
-sleeps on its command queue, so an idle worker burns no CPU.
+The engine and the kvtransfer connectors are not thread-safe, and an engine step blocks for
+milliseconds to seconds, so it cannot run on the event loop either. Handlers hand closures to
+the loop thread (``await loop.run(fn)``: run between steps, result or exception handed back;
+``loop.submit(fn)``: fire and forget) and read per-request events from ``subscribe``, an
+``asyncio.Queue`` the loop thread fills with ``call_soon_threadsafe``. The loop steps while
+there is work and otherwise sleeps on its command queue, so an idle worker burns no CPU.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import queue
@@ -21,9 +24,6 @@ log = logging.getLogger(__name__)
 
 Step = Callable[[], list[tuple[str, Any]]]  # one engine step -> (request_id, event) pairs
 
-
-# How often a handler waiting for engine events wakes to notice a caller that went away.
-POLL_S = 0.5
 # Fault injection for the reliability tests: the N-th engine step raises (0: never).
 FAIL_STEP_ENV = "SPLITSERVE_FAULT_FAIL_STEP"
 
@@ -42,7 +42,8 @@ class EngineLoop:
         self._housekeeping = housekeeping
         self._interval = housekeeping_interval_s
         self._commands: queue.Queue = queue.Queue()
-        self._subscribers: dict[str, queue.Queue] = {}
+        # request id -> how to hand it an event (put on a queue.Queue, or onto an event loop).
+        self._subscribers: dict[str, Callable[[Any], None]] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self.error: BaseException | None = None
@@ -56,20 +57,44 @@ class EngineLoop:
     def alive(self) -> bool:
         return self._thread.is_alive() and self.error is None
 
-    def call(self, fn: Callable[[], Any], timeout: float | None = 60.0) -> Any:
-        """Run ``fn`` on the loop thread and return its result (or raise its exception)."""
+    def submit(self, fn: Callable[[], Any]) -> Future:
+        """Queue ``fn`` for the loop thread; returns a concurrent future of its result."""
         if not self.alive:
             raise EngineDead(f"the engine loop has stopped: {self.error!r}")
         future: Future = Future()
         self._commands.put((fn, future))
-        return future.result(timeout=timeout)
+        return future
 
-    def subscribe(self, request_id: str) -> queue.Queue:
-        """Events for ``request_id`` from now on; call before the request can produce any."""
-        q: queue.Queue = queue.Queue()
+    def call(self, fn: Callable[[], Any], timeout: float | None = 60.0) -> Any:
+        """Run ``fn`` on the loop thread and wait for its result (from a thread, not the event loop)."""
+        return self.submit(fn).result(timeout=timeout)
+
+    async def run(self, fn: Callable[[], Any], timeout: float | None = 60.0) -> Any:
+        """Run ``fn`` on the loop thread and await its result. A caller cancelled (or timed out)
+        before the loop thread got to ``fn`` cancels it: it never runs."""
+        return await asyncio.wait_for(asyncio.wrap_future(self.submit(fn)), timeout)
+
+    def subscribe(self, request_id: str) -> asyncio.Queue:
+        """Events for ``request_id`` from now on, on the calling event loop; call before the
+        request can produce any."""
+        events: asyncio.Queue = asyncio.Queue()
+        aloop = asyncio.get_running_loop()
+
+        def put(event: Any) -> None:
+            try:
+                aloop.call_soon_threadsafe(events.put_nowait, event)
+            except RuntimeError:  # the event loop closed under us: nobody is listening
+                pass
         with self._lock:
-            self._subscribers[request_id] = q
-        return q
+            self._subscribers[request_id] = put
+        return events
+
+    def subscribe_sync(self, request_id: str) -> queue.Queue:
+        """``subscribe`` for a caller on a plain thread (benchmarks drive the engine that way)."""
+        events: queue.Queue = queue.Queue()
+        with self._lock:
+            self._subscribers[request_id] = events.put
+        return events
 
     def unsubscribe(self, request_id: str) -> None:
         with self._lock:
@@ -118,21 +143,21 @@ class EngineLoop:
     def _publish(self, events: list[tuple[str, Any]]) -> None:
         with self._lock:
             for request_id, event in events:
-                q = self._subscribers.get(request_id)
-                if q is not None:
-                    q.put(event)
+                put = self._subscribers.get(request_id)
+                if put is not None:
+                    put(event)
 
     def _fail_everyone(self, error: BaseException) -> None:
         dead = EngineDead(f"the engine loop has stopped: {error!r}")
         with self._lock:
-            for q in self._subscribers.values():
-                q.put(dead)
+            for put in self._subscribers.values():
+                put(dead)
         while True:
             try:
                 item = self._commands.get_nowait()
             except queue.Empty:
                 return
-            if item is not None:
+            if item is not None and item[1].set_running_or_notify_cancel():
                 item[1].set_exception(dead)
 
 
@@ -148,33 +173,11 @@ def _failing_at(step: Step, n: int) -> Step:
     return failing
 
 
-def wait_event(events: queue.Queue, context, give_up_at: float | None = None) -> Any:
-    """The next event for a handler; None once its caller went away or ``give_up_at`` (monotonic) passed.
-
-    An exception published by the loop (the engine died) is raised here.
-    """
-    while context.is_active():
-        if give_up_at is not None and time.monotonic() > give_up_at:
-            return None
-        try:
-            event = events.get(timeout=POLL_S)
-        except queue.Empty:
-            continue
-        if isinstance(event, BaseException):
-            raise event
-        return event
-    return None
-
-
-def abort_when_rpc_ends(context, loop: EngineLoop, abort: Callable[[], Any]) -> threading.Event:
-    """Run ``abort`` on the loop if the RPC ends (cancel, deadline, error) before the returned event is set."""
-    done = threading.Event()
-
-    def on_rpc_end():
-        if not done.is_set():
-            try:
-                loop.call(abort, timeout=10)
-            except EngineDead:
-                pass
-    context.add_callback(on_rpc_end)
-    return done
+async def next_event(events: asyncio.Queue, timeout: float | None = None) -> Any:
+    """The next event of a subscription; an exception published by the loop (the engine died)
+    is raised here. ``asyncio.TimeoutError`` after ``timeout`` seconds. No polling: a caller
+    that goes away cancels the awaiting handler task."""
+    event = await asyncio.wait_for(events.get(), timeout)
+    if isinstance(event, BaseException):
+        raise event
+    return event
