@@ -24,8 +24,8 @@ import grpc
 import pytest
 
 from splitserve.v1 import generation_pb2
-from tests.stack_util import live_request_keys, queued_request_ids, start_stack, wait_pages_at_baseline
-from tests.test_engine_correctness import mixed_prompts
+from splitserve.testing.stack import live_request_keys, queued_request_ids, start_stack, wait_pages_at_baseline
+from splitserve.testing.prompts import mixed_prompts
 
 SEED = 20240611
 NUM_REQUESTS = 100

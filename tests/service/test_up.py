@@ -10,7 +10,7 @@ import time
 import psutil
 import pytest
 
-from tests.test_service import _grpcurl
+from splitserve.testing.tools import grpcurl as _grpcurl
 
 
 def free_port() -> int:

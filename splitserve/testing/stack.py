@@ -40,14 +40,19 @@ from pathlib import Path
 from typing import Iterable, Sequence
 
 import grpc
+from grpc_health.v1 import health_pb2
 
 from splitserve.client import Client
 from splitserve.v1 import generation_pb2, generation_pb2_grpc, worker_pb2, worker_pb2_grpc
-from tests.redis_util import RedisServer
+from splitserve.testing.redis_server import RedisServer
 
-__all__ = ["Stack", "start_stack", "start_process", "worker_info", "kv_free_blocks", "wait_pages_at_baseline",
-           "live_request_keys", "queued_request_ids", "wait_redis_clean", "health", "DEFAULT_WORKER_ARGS", "BOOT_TIMEOUT_S"]
+__all__ = ["Stack", "start_stack", "start_process", "worker_info", "kv_free_blocks", "wait_free_pages",
+           "wait_pages_at_baseline",
+           "live_request_keys", "queued_request_ids", "wait_redis_clean", "health", "gateway_health", "SERVING",
+           "NOT_SERVING", "DEFAULT_WORKER_ARGS", "BOOT_TIMEOUT_S"]
 
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 # Seconds a process may take from spawn to its "serving on" line (torch import + model load
 # on a busy 2-core box).
 BOOT_TIMEOUT_S = 180.0
@@ -57,7 +62,7 @@ REGISTER_TIMEOUT_S = 60.0
 DEFAULT_WORKER_ARGS = ("--dtype", "float32", "--block-size", "8", "--num-gpu-blocks", "256",
                        "--max-num-batched-tokens", "128")
 _ROLES = ("prefill", "decode", "both")
-_REPO_ROOT = Path(__file__).resolve().parent.parent
+_REPO_ROOT = Path(__file__).resolve().parents[2]
 _libc = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None
 
 
@@ -371,6 +376,20 @@ def worker_info(target, timeout_s: float = 10.0) -> generation_pb2.WorkerInfo:
     raise RuntimeError(f"{target} serves neither worker service")
 
 
+def wait_free_pages(target, expected: int, timeout_s: float = 15.0) -> generation_pb2.WorkerInfo:
+    """Until a worker (stub or ``host:port``) has ``expected`` free pages and nothing running;
+    AssertionError after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        info = worker_info(target)
+        if info.kv_blocks_free == expected and info.num_running == 0:
+            return info
+        if time.monotonic() > deadline:
+            raise AssertionError(f"free pages {info.kv_blocks_free} (running {info.num_running}) never returned "
+                                 f"to {expected} within {timeout_s:.0f} s")
+        time.sleep(0.1)
+
+
 def kv_free_blocks(target) -> int:
     """Free KV pages (prefix-cached ones count as free) of a worker: stub or ``host:port``."""
     return worker_info(target).kv_blocks_free
@@ -396,10 +415,15 @@ def wait_pages_at_baseline(stack: Stack, baseline: dict[str, int], timeout_s: fl
         time.sleep(0.1)
 
 
+def gateway_health(stack: Stack, timeout_s: float = 5.0):
+    """grpc.health.v1 status of the stack's gateway (or the code of the failed check)."""
+    return health(stack.client.channel, timeout_s)
+
+
 def health(target, timeout_s: float = 5.0):
     """grpc.health.v1 status of a server (its ``host:port`` or a channel to it), or the status
     code of the failed check (UNAVAILABLE when nothing answers)."""
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from grpc_health.v1 import health_pb2_grpc
     channel = grpc.insecure_channel(target) if isinstance(target, str) else target
     try:
         return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout_s).status

@@ -30,9 +30,9 @@ import yaml
 
 from splitserve.client import Client
 from splitserve.sizing import load_shape, pages_for
-from tests.redis_util import RedisServer, _die_with_parent
+from splitserve.testing.redis_server import RedisServer, _die_with_parent
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "compose.yaml"
 BIN = Path(sys.executable).parent
 BOOT_TIMEOUT_S = 180

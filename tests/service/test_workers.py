@@ -3,9 +3,7 @@
 The test plays the gateway's part of the protocol: Reserve on the decode worker, Prefill on
 the prefill worker (KV goes straight into the reserved pages), Decode to stream the rest.
 """
-import os
 import subprocess
-import sys
 import threading
 import time
 
@@ -16,23 +14,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from engine.sampling_params import SamplingParams
 from splitserve.api_convert import sampling_to_worker
 from splitserve.v1 import worker_pb2, worker_pb2_grpc
-from tests.test_engine_correctness import mixed_prompts
-
-BOOT_TIMEOUT_S = 120
-
-
-def start_worker(args: list[str], log_file=None) -> tuple[subprocess.Popen, str]:
-    """Start a splitserve process; with ``log_file``, INFO logs go there as JSON lines."""
-    logging = ["--log-level", "INFO", "--log-format", "json"] if log_file else ["--log-level", "WARNING"]
-    proc = subprocess.Popen([sys.executable, "-m", "splitserve.cli", *logging, *args], stdout=subprocess.PIPE,
-                            stderr=log_file, text=True, env={**os.environ, "PYTHONPATH": os.getcwd()})
-    deadline = time.monotonic() + BOOT_TIMEOUT_S
-    line = proc.stdout.readline()
-    if "serving on" not in line or time.monotonic() > deadline:
-        proc.kill()
-        raise RuntimeError(f"worker did not start: {line!r}")
-    return proc, line.rsplit(" ", 1)[-1].strip()
-
+from splitserve.testing.prompts import mixed_prompts
+from splitserve.testing.stack import start_process, wait_free_pages, worker_info
 
 @pytest.fixture(scope="module")
 def workers(tiny_model_dirs):
@@ -41,9 +24,9 @@ def workers(tiny_model_dirs):
               "--max-num-batched-tokens", "64"]
     procs = {}
     try:
-        procs["decode"] = start_worker(["decode", *common, "--kv-transport", "auto", "--lease-ttl-s", "20"])
-        procs["prefill"] = start_worker(["prefill", *common, "--verify-checksum"])
-        procs["both"] = start_worker(["decode", "--role", "both", *common])
+        procs["decode"] = start_process(["decode", *common, "--kv-transport", "auto", "--lease-ttl-s", "20"])
+        procs["prefill"] = start_process(["prefill", *common, "--verify-checksum"])
+        procs["both"] = start_process(["decode", "--role", "both", *common])
         channels = {name: grpc.insecure_channel(addr) for name, (_, addr) in procs.items()}
         yield {
             "model": model,
@@ -85,20 +68,6 @@ def disaggregated(w, rid, prompt, params):
     return tokens, reason, pre
 
 
-def worker_info(stub):
-    return stub.GetWorkerInfo(worker_pb2.WorkerInfoRequest(), timeout=10)
-
-
-def wait_for_free_blocks(stub, expected, timeout=15.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        info = worker_info(stub)
-        if info.kv_blocks_free == expected and info.num_running == 0:
-            return info
-        time.sleep(0.1)
-    raise AssertionError(f"free blocks {worker_info(stub).kv_blocks_free} never returned to {expected}")
-
-
 def test_every_worker_reports_serving(workers):
     for name, channel in workers["channels"].items():
         health = health_pb2_grpc.HealthStub(channel)
@@ -124,7 +93,7 @@ def test_disaggregated_requests_equal_transformers(workers, hf_reference):
         assert tokens == ref.greedy(prompt, 8)
         assert reason == "length"
         assert pre.transport == "shm"  # same host: the fastest offer wins
-    wait_for_free_blocks(workers["decode"], baseline)
+    wait_free_pages(workers["decode"], baseline)
 
 
 def test_colocated_worker_equals_transformers(workers, hf_reference):
@@ -151,7 +120,7 @@ def test_cancel_mid_stream_frees_pages(workers):
     next(stream)
     assert worker_info(stub).kv_blocks_free < baseline
     stream.cancel()
-    wait_for_free_blocks(stub, baseline)
+    wait_free_pages(stub, baseline)
 
 
 def test_deadline_mid_stream_frees_pages(workers):
@@ -162,7 +131,7 @@ def test_deadline_mid_stream_frees_pages(workers):
                                                       sampling=sampling(100)), timeout=0.3):
             time.sleep(0.2)
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    wait_for_free_blocks(stub, baseline)
+    wait_free_pages(stub, baseline)
 
 
 def test_bad_input_is_invalid_argument(workers):
@@ -199,4 +168,4 @@ def test_stale_epoch_is_refused_and_pages_are_freed(workers):
         list(stub.Decode(worker_pb2.DecodeRequest(request_id="s1", epoch=desc.epoch, prompt_token_ids=list(range(10)),
                                                   sampling=sampling(4), first_token=1), timeout=10))
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "stale" in err.value.details()
-    wait_for_free_blocks(stub, baseline)
+    wait_free_pages(stub, baseline)

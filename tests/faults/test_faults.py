@@ -5,100 +5,18 @@ Every affected request must either finish with exactly the tokens transformers p
 (nothing lost, nothing repeated after a retry) or end with UNAVAILABLE once its attempts are
 spent; pages on every live worker return to their baseline. Every wait is bounded.
 """
-import contextlib
-import signal
 import socket
-import threading
-import time
 
 import grpc
 import pytest
 
 from splitserve.client import Client
-from splitserve.v1 import generation_pb2, worker_pb2, worker_pb2_grpc
-from tests.stack_util import (DEFAULT_WORKER_ARGS, start_process, start_stack, wait_pages_at_baseline,
-                              worker_info)
-from tests.test_engine_correctness import mixed_prompts
-from tests.test_service import scrape
-
-STREAM_TIMEOUT_S = 120.0
-
-
-class Stream(threading.Thread):
-    """One greedy request streamed on its own thread: tokens as they come, then the outcome."""
-
-    def __init__(self, client, request_id: str, prompt: list[int], max_tokens: int):
-        super().__init__(daemon=True)
-        self.client, self.request_id, self.prompt, self.max_tokens = client, request_id, prompt, max_tokens
-        self.tokens: list[int] = []
-        self.final = None
-        self.code = None
-        self.error = ""
-        self.retry_after_ms = None
-
-    def run(self):
-        try:
-            for event in self.client.generate(self.prompt, request_id=self.request_id, timeout=STREAM_TIMEOUT_S,
-                                                    max_tokens=self.max_tokens, temperature=0.0, ignore_eos=True):
-                if event.finished:
-                    self.final = event
-                else:
-                    self.tokens += event.token_ids
-        except grpc.RpcError as e:
-            self.code, self.error = e.code(), e.details()
-            self.retry_after_ms = dict(e.trailing_metadata() or ()).get("retry-after-ms")
-
-    def attempts(self) -> int:
-        info = self.client.stub.GetRequest(generation_pb2.GetRequestRequest(request_id=self.request_id), timeout=5)
-        return info.attempt
-
-
-def run_streams(stack, tag: str, prompts, max_tokens: int, client=None) -> list[Stream]:
-    streams = [Stream(client or stack.client, f"{tag}-{i}", p, max_tokens) for i, p in enumerate(prompts)]
-    for s in streams:
-        s.start()
-    return streams
-
-
-def join_all(streams, timeout_s: float = STREAM_TIMEOUT_S) -> None:
-    give_up = time.monotonic() + timeout_s
-    for s in streams:
-        s.join(max(0.0, give_up - time.monotonic()))
-    hung = [s.request_id for s in streams if s.is_alive()]
-    assert not hung, f"requests still running after {timeout_s:.0f} s: {hung}"
-
-
-def assert_all_match(streams, reference) -> None:
-    for s in streams:
-        assert s.code is None, f"{s.request_id}: {s.code} {s.error}"
-        assert s.tokens == reference.greedy(s.prompt, s.max_tokens), f"{s.request_id} differs from transformers"
-        assert s.final.finish_reason == "length"
-
-
-def wait_until(predicate, timeout_s: float, what: str) -> None:
-    give_up = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < give_up, f"timed out after {timeout_s:.0f} s waiting for {what}"
-        time.sleep(0.02)
-
-
-def log_mentions(stack, name: str, text: str) -> bool:
-    return text in stack.log_paths[name].read_text()
-
-
-@contextlib.contextmanager
-def frozen(proc):
-    """SIGSTOP ``proc`` for the block: alive, holding its sockets, answering nothing."""
-    proc.send_signal(signal.SIGSTOP)
-    try:
-        yield proc
-    finally:
-        proc.send_signal(signal.SIGCONT)
-
-
-def busy(stack, name: str) -> bool:
-    info = worker_info(stack.worker_stub(name))
-    return info.num_running + info.num_waiting > 0
+from splitserve.testing.prompts import mixed_prompts
+from splitserve.testing.stack import (DEFAULT_WORKER_ARGS, start_process, start_stack, wait_pages_at_baseline,
+                                      worker_info)
+from splitserve.testing.streams import assert_all_match, busy, frozen, join_all, run_streams, wait_until
+from splitserve.testing.tools import scrape
+from splitserve.v1 import worker_pb2, worker_pb2_grpc
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ from redis.crc import key_slot
 
 from gateway.redis_state import (PRIORITY_MAX, PRIORITY_MIN, AdmitResult, RedisState, make_client,
                                  queue_score)
-from tests.redis_util import RedisServer
+from splitserve.testing.redis_server import RedisServer
 
 T0 = 1_750_000_000.0  # Unix seconds; arrival order holds for times after 2020
 

@@ -11,7 +11,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from gateway.detokenizer import IncrementalDetokenizer, StopMatcher
-from tests.tiny_models import VOCAB_SIZE, byte_tokenizer
+from splitserve.testing.tiny_models import VOCAB_SIZE, byte_tokenizer
 
 SMOLLM2 = Path(os.path.expanduser("~/.cache/splitserve/models/smollm2-135m-instruct"))
 FFFD = "\ufffd"

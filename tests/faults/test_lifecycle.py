@@ -4,10 +4,9 @@ import signal
 import grpc
 import pytest
 
-from tests.stack_util import health, start_stack, wait_pages_at_baseline
-from tests.test_engine_correctness import mixed_prompts
-from tests.test_faults import assert_all_match, join_all, run_streams, wait_until
-from tests.test_redis_faults import NOT_SERVING, SERVING, gateway_health
+from splitserve.testing.stack import NOT_SERVING, SERVING, gateway_health, health, start_stack, wait_pages_at_baseline
+from splitserve.testing.prompts import mixed_prompts
+from splitserve.testing.streams import assert_all_match, join_all, run_streams, wait_until
 
 
 @pytest.fixture(scope="module")

