@@ -263,7 +263,7 @@ class _Attempt:
     async def abort_on_workers(self) -> None:
         """Free whatever the request holds on the attempt's workers (bounded: one may be frozen)."""
         async def abort(worker: WorkerView) -> None:
-            stub = self.directory.prefill_stub(worker) if worker.role == "prefill" else self.directory.decode_stub(worker)
+            stub = (self.directory.prefill_stub if worker.role == "prefill" else self.directory.decode_stub)(worker)
             try:
                 await stub.Abort(worker_pb2.WorkerAbortRequest(request_id=self.job.request_id), timeout=ABORT_TIMEOUT_S)
             except grpc.RpcError as e:

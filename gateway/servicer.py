@@ -158,7 +158,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             finish_reason=finished.finish_reason, matched_stop=matched or "",
             usage=generation_pb2.Usage(prompt_tokens=len(job.prompt_token_ids), completion_tokens=len(job.generated),
                                        cached_prompt_tokens=job.cached_prompt_tokens),
-            timeline=generation_pb2.Timeline(**job.timeline_fields()), error=finished.message if finished.status else "")
+            timeline=generation_pb2.Timeline(**job.timeline_fields()),
+            error=finished.message if finished.status else "")
         return generation_pb2.GenerateResponse(final=final)
 
     # ---- the other RPCs -------------------------------------------------------------------
