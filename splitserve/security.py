@@ -25,7 +25,7 @@ import hmac
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import Callable, NamedTuple, Sequence
+from typing import NamedTuple, Sequence
 
 import grpc
 
@@ -158,36 +158,6 @@ class Security:
         if credentials:
             return grpc.aio.secure_channel(address, credentials, options=options, interceptors=interceptors)
         return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
-
-
-def add_security_flags(p, env: Callable[[str, object], object]) -> None:
-    """The flags of ``Security.from_args`` (``env(name, default)`` reads ``SPLITSERVE_<NAME>``)."""
-    p.add_argument("--tls-cert", default=env("tls_cert", ""),
-                   help="PEM certificate chain: the gRPC port serves TLS only (also presented to other "
-                        "splitserve processes when --tls-ca is set); needs SANs for the advertised names/IPs")
-    p.add_argument("--tls-key", default=env("tls_key", ""), help="PEM private key of --tls-cert")
-    p.add_argument("--tls-ca", default=env("tls_ca", ""),
-                   help="PEM CA bundle: with --tls-cert, clients must present a certificate it signed "
-                        "(mutual TLS); for calls this process makes, the root that servers are verified with")
-    p.add_argument("--auth-token", default=env("auth_token", ""),
-                   help="require 'authorization: Bearer <token>' on every call (health checks stay open); "
-                        "prefer SPLITSERVE_AUTH_TOKEN, a command line is visible to every local user")
-    p.add_argument("--max-message-mb", type=float, default=env("max_message_mb", float(DEFAULT_MAX_MESSAGE_MB)),
-                   help="largest gRPC message accepted or sent, in MiB")
-
-
-def security_argv(args) -> tuple[list[str], dict[str, str]]:
-    """Flags and environment that hand this process's security settings to a child process.
-
-    The token goes through the environment, never the command line (``ps`` shows command lines).
-    """
-    argv: list[str] = []
-    for flag, value in (("--tls-cert", args.tls_cert), ("--tls-key", args.tls_key), ("--tls-ca", args.tls_ca)):
-        if value:
-            argv += [flag, os.path.abspath(value)]
-    argv += ["--max-message-mb", str(args.max_message_mb)]
-    env = {"SPLITSERVE_AUTH_TOKEN": args.auth_token} if args.auth_token else {}
-    return argv, env
 
 
 # ---- the token, server side

@@ -178,30 +178,6 @@ def test_every_comparison_parses():
     assert parse_rates("1,inf") == [1.0, float("inf")]
 
 
-def test_up_forwards_batching_flags_to_workers(monkeypatch):
-    """The batching comparison starts `up --batching static`: the flag must reach the worker."""
-    from splitserve import cli, launcher
-    spawned = []
-
-    def fake_spawn(argv, *_, **__):
-        spawned.append(argv)
-        return types.SimpleNamespace(poll=lambda: 0, wait=lambda timeout=None: 0, args=argv)
-
-    def stop(*_):
-        raise RuntimeError("stop after the workers were spawned")
-
-    monkeypatch.setattr(launcher, "_spawn", fake_spawn)
-    monkeypatch.setattr(launcher, "_wait_line", stop)
-    args = cli.build_parser().parse_args(["up", "--prefill", "0", "--decode", "0", "--redis-url", "redis://x:1/0",
-                                          "--batching", "static", "--static-batch-size", "4"])
-    with pytest.raises(RuntimeError):
-        args.func(args)
-    [worker] = spawned
-    assert worker[worker.index("--batching") + 1] == "static"
-    assert worker[worker.index("--static-batch-size") + 1] == "4"
-    assert "both" in worker
-
-
 def test_overhead_comparison_quick_end_to_end(tiny_model_dirs, tmp_path):
     """`python -m bench.compare overhead --quick` on the tiny model: a stack and the in-process
     engine, interleaved; every request completes, JSON + PNG written, no process left behind."""

@@ -27,7 +27,7 @@ from redis.retry import Retry
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from splitserve.client import Client, AsyncClient
-from splitserve.security import Security, security_argv
+from splitserve.security import Security
 from splitserve.v1 import worker_pb2, worker_pb2_grpc
 from splitserve.testing.redis_server import RedisServer
 from splitserve.testing.prompts import mixed_prompts
@@ -383,20 +383,23 @@ def test_security_refuses_half_or_bad_configuration(pki, tmp_path):
 
 
 def test_flags_and_environment_reach_every_process_and_up_passes_them_on(monkeypatch, pki):
-    from splitserve.cli import build_parser
+    from splitserve.cli import parse
+    from splitserve.flags import forward
     monkeypatch.setenv("SPLITSERVE_TLS_CERT", pki["node"])
     monkeypatch.setenv("SPLITSERVE_TLS_KEY", pki["node_key"])
     monkeypatch.setenv("SPLITSERVE_TLS_CA", pki["ca"])
     monkeypatch.setenv("SPLITSERVE_AUTH_TOKEN", "tok")
     monkeypatch.setenv("SPLITSERVE_MAX_MESSAGE_MB", "4")
     for command in ("gateway", "prefill", "decode", "up"):
-        args = build_parser().parse_args([command])
+        args = parse([command])
         security = Security.from_args(args)
         assert security.mutual_tls and security.token == "tok" and security.max_message_bytes == 4 * 2**20, command
-    argv, env = security_argv(build_parser().parse_args(["up"]))
-    assert argv == ["--tls-cert", pki["node"], "--tls-key", pki["node_key"], "--tls-ca", pki["ca"],
-                    "--max-message-mb", "4.0"]
-    assert env == {"SPLITSERVE_AUTH_TOKEN": "tok"}  # never on a command line
+    for kind in ("gateway", "prefill", "decode"):
+        argv, env = forward(parse(["up"]), kind)
+        for flag, value in (("--tls-cert", pki["node"]), ("--tls-key", pki["node_key"]), ("--tls-ca", pki["ca"]),
+                            ("--max-message-mb", "4.0")):
+            assert argv[argv.index(flag) + 1] == value, (kind, flag)
+        assert env == {"SPLITSERVE_AUTH_TOKEN": "tok"} and "tok" not in argv  # never on a command line
 
 
 # ---- nothing unpickled from the network
