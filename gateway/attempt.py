@@ -78,10 +78,12 @@ async def run_attempt(job: Job, directory: WorkerDirectory, ledger: Ledger, deci
             raise
         except BaseException:
             decide(decided, True)
-            spawn(ledger.placed(job.request_id))
+            if job.gated:
+                spawn(ledger.placed(job.request_id))
             raise
         try:
-            await ledger.placed(job.request_id)
+            if job.gated:
+                await ledger.placed(job.request_id)
         finally:
             decide(decided, True)
         if not placed_ok:
@@ -147,6 +149,8 @@ class _Attempt:
         self.prompt, params = inputs
         self.sampling = sampling_to_worker(params)
         candidates = await self.directory.decode_candidates()
+        if not job.gated:  # claimed without the gate: only a placement that takes no capacity
+            candidates = [w for w in candidates if w.role == "both"]
         has_prefill = await self.directory.pick_prefill() is not None
         if not any(w.role == "both" for w in candidates) and not (candidates and has_prefill):
             raise _NoWorkers()
@@ -184,12 +188,13 @@ class _Attempt:
         job = self.job
         job.timeline.setdefault("dispatched", time.monotonic())
         decode = job.decode_worker
-        await self.ledger.note(job.request_id, job.epoch, state="prefilling", decode_worker=decode.worker_id)
-        if decode.role == "both":
+        colocated = decode.role == "both"
+        await self.ledger.note(job.request_id, job.epoch, state="decoding" if colocated else "prefilling",
+                               decode_worker=decode.worker_id)
+        if colocated:
             request = worker_pb2.DecodeRequest(request_id=job.request_id, prompt_token_ids=self.prompt,
                                                sampling=self.sampling, priority=job.priority,
                                                arrival_time=job.arrival_s)
-            await self.ledger.note(job.request_id, job.epoch, state="decoding")
             return await self._relay(self.directory.decode_stub(decode).Decode(request, timeout=job.timeout(None)))
         prefill = await self.directory.pick_prefill(self.prompt)
         if prefill is None:

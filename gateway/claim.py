@@ -6,6 +6,10 @@ another gateway's request is at the head, or any request is being placed on work
 claims (see ``gateway/redis_scripts.py``). So requests take free capacity in queue order,
 whichever gateway they came through.
 
+Placements that take no capacity (every usable decode-capable worker is colocated: its engine
+queues the request itself, in the same order) need no gate, and then up to ``BATCH`` consecutive
+heads of this gateway are claimed at once: one Redis call for a burst, not one per request.
+
 The loop sleeps until something may have changed: a message on the Redis wake channel
 (an admission, a placement decided, a requeue, a request ending anywhere), a local admission,
 or a short recheck interval (a lost message costs at most that). After a placement that found
@@ -16,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Callable
+from typing import Awaitable, Callable
 
 from gateway.ledger import OUTAGE
 
@@ -32,16 +36,21 @@ RECHECK_S = 0.25
 NO_ROOM_RECHECK_S = 0.25
 # Pause after a claim failed because Redis is away.
 OUTAGE_PAUSE_S = 0.5
+# Most requests one claim takes when no placement gate is needed.
+BATCH = 64
 
 
 class ClaimLoop:
-    def __init__(self, state, gateway_id: str, start_attempt: Callable, on_end_elsewhere: Callable[[str], None]):
-        """``start_attempt(request_id, claimed)`` runs a claimed request and returns a future that
-        says, once its placement is decided, whether to claim on (False: no room, pause);
-        ``on_end_elsewhere(request_id)`` hears every request that ended (in Redis)."""
+    def __init__(self, state, gateway_id: str, start_attempt: Callable, on_end_elsewhere: Callable[[str], None],
+                 needs_gate: Callable[[], Awaitable[bool]]):
+        """``start_attempt(claimed, gated)`` runs a claimed request and returns a future that says,
+        once its placement is decided, whether to claim on (False: no room, pause);
+        ``on_end_elsewhere(request_id)`` hears every request that ended (in Redis);
+        ``needs_gate()`` says whether placements may take capacity (a decode-only worker is there)."""
         self.state = state
         self.gateway_id = gateway_id
         self.start_attempt = start_attempt
+        self.needs_gate = needs_gate
         self.on_end_elsewhere = on_end_elsewhere
         self._wake = asyncio.Event()
         self._room = asyncio.Event()
@@ -76,7 +85,9 @@ class ClaimLoop:
                 self._room.set()
             self._wake.clear()  # before the claim: a message from here on sets it again
             try:
-                claimed = await self.state.claim(self.gateway_id, CLAIM_LEASE_S, time.time(), PLACE_LEASE_S)
+                gated = await self.needs_gate()
+                claimed = await self.state.claim_many(self.gateway_id, CLAIM_LEASE_S, time.time(), PLACE_LEASE_S,
+                                                      limit=1 if gated else BATCH, gate=gated)
             except OUTAGE as e:  # Redis down: new requests get UNAVAILABLE meanwhile
                 log.warning("claim failed: %s", e)
                 await asyncio.sleep(OUTAGE_PAUSE_S)
@@ -85,15 +96,12 @@ class ClaimLoop:
                 log.exception("claim failed")
                 await asyncio.sleep(OUTAGE_PAUSE_S)
                 continue
-            if claimed is None:
+            if not claimed:
                 await _wait(self._wake, RECHECK_S)
                 continue
-            decided = self.start_attempt(claimed)
-            try:
-                claim_on = await asyncio.wait_for(asyncio.shield(decided), PLACE_LEASE_S + 1)
-            except asyncio.TimeoutError:
-                claim_on = True
-            if not claim_on:
+            decided = [self.start_attempt(c, gated) for c in claimed]
+            done, _ = await asyncio.wait(decided, timeout=PLACE_LEASE_S + 1)
+            if any(not f.result() for f in done):
                 self._room.clear()
 
     async def _listen(self) -> None:

@@ -48,7 +48,8 @@ class Dispatcher:
         self.on_retry = on_retry  # called with the reason of each retry (metrics)
         self.ledger = Ledger(state)
         self.jobs: dict[str, Job] = {}
-        self.claims = ClaimLoop(state, gateway_id, self._start_attempt, self._ended_in_redis)
+        self.claims = ClaimLoop(state, gateway_id, self._start_attempt, self._ended_in_redis,
+                                needs_gate=self._needs_gate)
         self.watchdog = Watchdog(state, directory, gateway_id, lambda: list(self.jobs.values()))
 
     async def start(self) -> "Dispatcher":
@@ -82,6 +83,9 @@ class Dispatcher:
         """``Job.finish`` fired: the one terminal write, the slot freed, capacity may be free."""
         if self.jobs.get(job.request_id) is job:
             del self.jobs[job.request_id]
+        outcome = job.outcome
+        log.log(logging.WARNING if outcome.status else logging.INFO, "%s: %s%s", job.request_id,
+                outcome.finish_reason, f" ({outcome.status.name}: {outcome.message})" if outcome.status else "")
         self.ledger.record_end(job.request_id, job.outcome.terminal_state, **job.terminal_fields())
         self.claims.room()
 
@@ -99,7 +103,11 @@ class Dispatcher:
         job.finish(ended_elsewhere(record))
 
     # ---- attempts -------------------------------------------------------------------------
-    def _start_attempt(self, claimed) -> asyncio.Future:
+    async def _needs_gate(self) -> bool:
+        """Placements take capacity (a Reserve) when any usable decode-capable worker is decode-only."""
+        return any(w.role == "decode" for w in await self.directory.usable())
+
+    def _start_attempt(self, claimed, gated: bool) -> asyncio.Future:
         """The claim loop took ``claimed``: run it; the future says whether to claim on."""
         decided = asyncio.get_running_loop().create_future()
         job = self.jobs.get(claimed)
@@ -111,7 +119,7 @@ class Dispatcher:
         if job.finished:  # its end, on its way to Redis, takes it out of the queues
             decided.set_result(True)
             return decided
-        job.epoch, job.attempt, job.lost = claimed.epoch, claimed.attempt, None
+        job.epoch, job.attempt, job.lost, job.gated = claimed.epoch, claimed.attempt, None, gated
         job.state = JobState.PLACING
         job.task = spawn(self._run(job, decided), name=f"attempt-{job.request_id}")
         return decided

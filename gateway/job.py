@@ -89,6 +89,7 @@ class Job:
         self.events: asyncio.Queue = asyncio.Queue()
         self.epoch = 0  # of the current claim (fences the Redis writes of stale attempts)
         self.attempt = 0
+        self.gated = True  # the current claim holds the placement gate (placing may take capacity)
         self.generated: list[int] = []  # tokens handed to the client so far
         self.lost: str | None = None  # set by the watchdog when the attempt's worker stopped answering
         self.task: asyncio.Task | None = None  # the attempt running on workers

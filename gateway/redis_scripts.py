@@ -59,7 +59,8 @@ Scripts
 ``ADMIT``         duplicate check, capacity check (pending + in flight < queue_limit), HSET + ZADD.
 ``CLAIM``         the head of the global queue, if the calling gateway admitted it and no
                   placement is open -> inflight with a lease, placement gate taken; ``attempt``
-                  and ``epoch`` +1. Heads of dead gateways are failed on the way.
+                  and ``epoch`` +1. Heads of dead gateways are failed on the way. Without the
+                  gate (colocated workers only), several consecutive heads at once.
 ``PLACED``        the placement gate opens.
 ``GATEWAY_BEAT``  the gateway's alive key.
 ``REQUEUE``       inflight -> pending with the request's original score, state ``queued``.
@@ -115,16 +116,22 @@ return {'admitted', depth + 1, 'queued'}
 """
 
 # KEYS: pending, inflight, placing, wake channel.
-# ARGV: gateway, lease deadline, scan, req key prefix, gateway alive-key prefix, now, placement deadline, ttl_s.
+# ARGV: gateway, lease deadline, scan, req key prefix, gateway alive-key prefix, now, placement deadline,
+# ttl_s, max claims, gate ('1': the claimed request holds the placement gate).
 # One global order: only the head of the queue may be claimed, and only by the gateway that
 # admitted it (it holds the client's stream); while another live gateway's request is at the
 # head, or any request is still being placed, nobody claims. Requests whose gateway is gone
-# (no alive key) are failed on the way: nobody could stream their tokens.
-# Returns {'claimed', id, epoch, attempt}, {'wait', why} or {'empty'}.
+# (no alive key) are failed on the way: nobody could stream their tokens. Without the gate
+# (placements that take no capacity, e.g. colocated workers that queue requests themselves),
+# up to `max claims` consecutive heads of the caller go at once.
+# Returns {'claimed', id, epoch, attempt, id, epoch, attempt, ...}, {'wait', why} or {'empty'}.
 CLAIM = """
 redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', ARGV[6])
 local placing = redis.call('ZRANGE', KEYS[3], 0, 0)
 if #placing > 0 then return {'wait', 'placing ' .. placing[1]} end
+local gate = ARGV[10] == '1'
+local limit = gate and 1 or tonumber(ARGV[9])
+local out = {'claimed'}
 local ids = redis.call('ZRANGE', KEYS[1], 0, tonumber(ARGV[3]) - 1)
 for _, id in ipairs(ids) do
   local key = ARGV[4] .. id
@@ -132,14 +139,18 @@ for _, id in ipairs(ids) do
   if gateway == ARGV[1] then
     redis.call('ZREM', KEYS[1], id)
     redis.call('ZADD', KEYS[2], ARGV[2], id)
-    redis.call('ZADD', KEYS[3], ARGV[7], id)
+    if gate then redis.call('ZADD', KEYS[3], ARGV[7], id) end
     redis.call('HSET', key, 'state', 'dispatching')
     local attempt = redis.call('HINCRBY', key, 'attempt', 1)
     local epoch = redis.call('HINCRBY', key, 'epoch', 1)
-    return {'claimed', id, epoch, attempt}
+    table.insert(out, id)
+    table.insert(out, epoch)
+    table.insert(out, attempt)
+    if #out > 3 * limit then return out end
   elseif not gateway then
     redis.call('ZREM', KEYS[1], id)  -- no hash behind it: drop the stray id
   elseif redis.call('EXISTS', ARGV[5] .. gateway .. ':alive') == 1 then
+    if #out > 1 then return out end
     return {'wait', 'head ' .. id .. ' of gateway ' .. gateway}
   else
     redis.call('ZREM', KEYS[1], id)
@@ -149,6 +160,7 @@ for _, id in ipairs(ids) do
     redis.call('PUBLISH', KEYS[4], 'end ' .. id)
   end
 end
+if #out > 1 then return out end
 return {'empty'}
 """
 

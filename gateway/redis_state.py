@@ -27,12 +27,10 @@ import uuid
 from dataclasses import dataclass
 from typing import Any, Callable, Literal
 
-import redis
-import redis.asyncio
-from redis.backoff import ExponentialWithJitterBackoff
 
 from engine.priority import priority_key
 from gateway import redis_scripts as scripts
+from gateway.redis_client import make_async_client, make_client  # noqa: F401  (the clients this class takes)
 
 __all__ = [
     "AdmitResult", "Claimed", "RedisState", "make_client", "make_async_client", "queue_score",
@@ -56,29 +54,6 @@ _RESERVED_FIELDS = frozenset({"epoch", "attempt", "gateway", "priority", "arriva
                               "payload", "admit_token"})
 _INT_FIELDS = ("attempt", "epoch", "priority")
 _FLOAT_FIELDS = ("arrival", "score")
-
-def _client_kwargs(password: str | None, retry) -> dict[str, Any]:
-    kwargs: dict[str, Any] = dict(socket_timeout=2, socket_connect_timeout=2, health_check_interval=5,
-                                  decode_responses=True,
-                                  retry=retry(ExponentialWithJitterBackoff(base=0.01, cap=0.1), retries=1))
-    if password is not None:
-        kwargs["password"] = password
-    return kwargs
-
-
-def make_client(url: str, password: str | None = None) -> redis.Redis:
-    """A client with bounded waits: 2 s socket and connect timeouts, a PING before reusing a
-    connection idle for 5 s, and one quick retry (a pooled connection broken by a Redis
-    restart reconnects) instead of redis-py's default ten."""
-    from redis.retry import Retry
-    return redis.Redis.from_url(url, **_client_kwargs(password, Retry))
-
-
-def make_async_client(url: str, password: str | None = None) -> redis.asyncio.Redis:
-    """``make_client`` for an event loop (same timeouts and retry)."""
-    from redis.asyncio.retry import Retry
-    return redis.asyncio.Redis.from_url(url, **_client_kwargs(password, Retry))
-
 
 def _then(reply: Any, decode: Callable[[Any], Any]) -> Any:
     """``decode(reply)``, or an awaitable of it when ``reply`` is one (an asyncio client)."""
@@ -238,11 +213,20 @@ class RedisState:
         placed, so requests take free capacity in queue order. None while another live
         gateway's request is at the head (it claims it), while a placement is open, or when the
         queue is empty. Requests of gateways that are no longer alive are failed on the way."""
+        claimed = self.claim_many(gateway_id, lease_s, now_s, place_s, limit=1, gate=True)
+        return _then(claimed, lambda c: c[0] if c else None)
+
+    def claim_many(self, gateway_id: str, lease_s: float, now_s: float, place_s: float = 5.0,
+                   limit: int = 1, gate: bool = True):
+        """``claim``, of up to ``limit`` consecutive heads of ``gateway_id`` when ``gate`` is False
+        (placements that take no capacity: a colocated worker queues the request itself, in the
+        same order); one, holding the placement gate, when True. -> list of ``Claimed``."""
         reply = self._claim(
             keys=[self.pending_key, self.inflight_key, self.placing_key, self.wake_channel],
             args=[_check_id(gateway_id), _float_arg(now_s + lease_s), self.claim_scan, self._req_prefix,
-                  self._gw_prefix, _float_arg(now_s), _float_arg(now_s + place_s), self.terminal_ttl_s])
-        return _then(reply, lambda r: Claimed(_s(r[1]), int(r[2]), int(r[3])) if _s(r[0]) == "claimed" else None)
+                  self._gw_prefix, _float_arg(now_s), _float_arg(now_s + place_s), self.terminal_ttl_s,
+                  int(limit), "1" if gate else "0"])
+        return _then(reply, _claimed)
 
     def placed(self, request_id: str):
         """The claimed request has its workers: release the placement gate (and wake claimers)."""
@@ -363,6 +347,12 @@ class RedisState:
 
     def ping(self):
         return _then(self.client.ping(), bool)
+
+
+def _claimed(reply: list) -> list[Claimed]:
+    if _s(reply[0]) != "claimed":
+        return []
+    return [Claimed(_s(reply[i]), int(reply[i + 1]), int(reply[i + 2])) for i in range(1, len(reply), 3)]
 
 
 def _request_fields(raw: dict) -> dict[str, Any] | None:

@@ -21,6 +21,16 @@ from splitserve.security import Security
 
 log = logging.getLogger(__name__)
 
+# gRPC core cancels calls that arrived but that the (Python) server has not picked up yet: once
+# more than 1,000 wait (randomly, all past 3,000), and any that waited 30 s, answering CANCELLED
+# with no reason. The aio server picks up one call per event-loop turn, so a burst of 2,000
+# streams on a busy gateway lost 10-20 % that way (bench/health_under_load.py found it).
+# Admission control is the gateway's queue limit, which answers RESOURCE_EXHAUSTED with a retry
+# hint, and every wait of a request has its own bound: the transport lets a burst through.
+BACKLOG_OPTIONS = [("grpc.server.max_pending_requests", 20_000),
+                   ("grpc.server.max_pending_requests_hard_limit", 50_000),
+                   ("grpc.server_max_unrequested_time_in_server", 600)]
+
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
@@ -37,7 +47,7 @@ async def start_server(register: Callable[[grpc.aio.Server], Iterable[str]], add
     """
     security = security or Security()
     server = grpc.aio.server(interceptors=[ErrorMappingInterceptor(), *security.server_interceptors()],
-                             options=security.message_options())
+                             options=security.message_options() + BACKLOG_OPTIONS)
     names = list(register(server))
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

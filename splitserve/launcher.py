@@ -257,17 +257,23 @@ def _wait_serving(address: str, args) -> None:
 
 def _demo(address: str, question: str, args) -> int:
     """One chat request through the running stack, streamed to the terminal."""
+    import grpc
+
     from splitserve.client import Client
     print(f"\nQ: {question}\nA: ", end="", flush=True)
     with Client(address, ca=args.tls_ca or None, cert=args.tls_cert or None, key=args.tls_key or None,
                 token=args.auth_token or None, max_message_mb=args.max_message_mb) as client:
-        for event in client.generate(messages=[{"role": "user", "content": question}], max_tokens=64,
-                                     temperature=0.0, timeout=300):
-            if event.finished:
-                t = event.timeline
-                print(f"\n\n[{event.finish_reason}; {event.usage.completion_tokens} tokens; first token "
-                      f"{t.first_token_ms:.0f} ms; prefill on {t.prefill_worker}, decode on {t.decode_worker}]",
-                      flush=True)
-            else:
-                print(event.text, end="", flush=True)
+        try:
+            for event in client.generate(messages=[{"role": "user", "content": question}], max_tokens=64,
+                                         temperature=0.0, timeout=300):
+                if event.finished:
+                    t = event.timeline
+                    print(f"\n\n[{event.finish_reason}; {event.usage.completion_tokens} tokens; first token "
+                          f"{t.first_token_ms:.0f} ms; prefill on {t.prefill_worker}, decode on {t.decode_worker}]",
+                          flush=True)
+                else:
+                    print(event.text, end="", flush=True)
+        except grpc.RpcError as e:
+            print(f"\nerror: {e.code().name}: {e.details()}", file=sys.stderr, flush=True)
+            return 1
     return 0
