@@ -169,6 +169,21 @@ def test_nobody_claims_while_a_placement_is_open(state):
     assert state.claim("g1", 30, T0 + 6) == "z"  # ... until its deadline (5 s) passes
 
 
+def test_without_the_gate_a_claim_takes_consecutive_heads_up_to_another_gateways(state, client):
+    for i in range(4):
+        admit(state, f"mine{i}", arrival=T0 + i)
+    admit(state, "theirs", gateway="g2", arrival=T0 + 10)
+    admit(state, "mine-late", arrival=T0 + 20)
+    got = state.claim_many("g1", 30, T0, limit=3, gate=False)
+    assert got == ["mine0", "mine1", "mine2"] and [c.epoch for c in got] == [1, 1, 1]
+    assert client.zcard(state.placing_key) == 0  # no gate held: the next claim goes on at once
+    assert state.claim_many("g1", 30, T0, limit=8, gate=False) == ["mine3"]  # stops at g2's head
+    assert state.claim_many("g1", 30, T0, limit=8, gate=False) == []
+    assert state.claim_many("g2", 30, T0, limit=8, gate=True) == ["theirs"]  # gated: one, gate held
+    assert state.claim_many("g1", 30, T0, limit=8, gate=False) == []
+    assert state.placed("theirs") and state.claim_many("g1", 30, T0, limit=8, gate=False) == ["mine-late"]
+
+
 def test_a_dead_gateways_queued_requests_fail_at_the_head(state, client):
     admit(state, "orphan", gateway="gone", priority=0, arrival=T0)
     admit(state, "mine", gateway="g1", priority=1, arrival=T0)
