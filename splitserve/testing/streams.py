@@ -22,10 +22,12 @@ STREAM_TIMEOUT_S = 120.0
 class Stream(threading.Thread):
     """One greedy request streamed on its own thread: tokens as they come, then the outcome."""
 
-    def __init__(self, client, request_id: str, prompt: list[int], max_tokens: int):
+    def __init__(self, client, request_id: str, prompt: list[int], max_tokens: int, priority: int = 0):
         super().__init__(daemon=True)
         self.client, self.request_id, self.prompt, self.max_tokens = client, request_id, prompt, max_tokens
+        self.priority = priority
         self.tokens: list[int] = []
+        self.first_token_at: float | None = None  # time.monotonic() when the first token arrived
         self.final = None
         self.code = None
         self.error = ""
@@ -34,10 +36,13 @@ class Stream(threading.Thread):
     def run(self):
         try:
             for event in self.client.generate(self.prompt, request_id=self.request_id, timeout=STREAM_TIMEOUT_S,
-                                                    max_tokens=self.max_tokens, temperature=0.0, ignore_eos=True):
+                                              priority=self.priority, max_tokens=self.max_tokens, temperature=0.0,
+                                              ignore_eos=True):
                 if event.finished:
                     self.final = event
                 else:
+                    if self.first_token_at is None and event.token_ids:
+                        self.first_token_at = time.monotonic()
                     self.tokens += event.token_ids
         except grpc.RpcError as e:
             self.code, self.error = e.code(), e.details()
