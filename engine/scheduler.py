@@ -253,6 +253,8 @@ class Scheduler:
             if reason is not None:
                 self.finish(request, reason)
             changed.append(request)
+        if self.config.batching == "static" and self.running and all(r.is_finished for r in self.running):
+            self._release_static_batch()  # the batch is over: its pages go now, not at the next step
         return changed
 
     def finish(self, request: Request, reason: FinishReason) -> None:
