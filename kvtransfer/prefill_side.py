@@ -41,6 +41,8 @@ class PrefillResult:
     # The seeded generator's state after the first token (None without a seed): the decode
     # side continues the same random stream.
     sampler_state: bytes | None = None
+    # Prompt tokens whose KV came from this side's prefix cache.
+    num_cached_tokens: int = 0
     # Set on failure: the transfer error; the request's prefill pages are already freed.
     error: TransferError | None = None
     num_copies: int = 0
@@ -124,6 +126,7 @@ class PrefillConnector:
                 result.first_logprobs = out.logprobs[0] if out.logprobs else None
                 result.checksum = transfer.checksum
                 result.sampler_state = transfer.request.sampler_state()
+                result.num_cached_tokens = out.num_cached_tokens
             except TransferError as e:
                 result.error = e
             result.num_copies = transfer.sender.num_copies - transfer.copies_at_start
