@@ -106,6 +106,8 @@ class DecodeWorkerServicer(WorkerServicer, worker_pb2_grpc.DecodeWorkerServicer)
             while True:
                 if out is not None and (len(out.token_ids) > sent or out.finished):
                     chunk = self._chunk(out, sent)
+                    if request.epoch == 0 and sent == 0:
+                        chunk.cached_prompt_tokens = out.num_cached_tokens
                     sent = len(out.token_ids)
                     finished = out.finished
                     yield chunk

@@ -224,6 +224,8 @@ class _Attempt:
     async def _relay(self, call) -> None:
         try:
             async for chunk in call:
+                if chunk.cached_prompt_tokens and not self.job.generated:
+                    self.job.cached_prompt_tokens = chunk.cached_prompt_tokens
                 if chunk.token_ids:
                     self.job.emit(list(chunk.token_ids), list(chunk.logprobs))
                 if chunk.HasField("finish_reason"):

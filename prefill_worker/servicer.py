@@ -82,7 +82,7 @@ class PrefillWorkerServicer(WorkerServicer, worker_pb2_grpc.PrefillWorkerService
                 request_id=rid, epoch=result.epoch, first_token=result.first_token,
                 transport=result.transport or "", num_copies=result.num_copies,
                 prefill_ms=1000 * (time.monotonic() - start), kv_transfer_ms=1000 * result.transfer_s,
-                sampler_state=result.sampler_state or b"")
+                sampler_state=result.sampler_state or b"", cached_prompt_tokens=result.num_cached_tokens)
             if result.first_logprobs:
                 response.first_logprobs.CopyFrom(logprobs_to_proto(result.first_logprobs))
             if result.checksum is not None:

@@ -162,14 +162,16 @@ class DecodeRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., epoch: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[ResolvedSampling, _Mapping]] = ..., priority: _Optional[int] = ..., first_token: _Optional[int] = ..., first_logprobs: _Optional[_Union[_generation_pb2.TokenLogprobs, _Mapping]] = ..., checksum: _Optional[int] = ..., arrival_time: _Optional[float] = ..., sampler_state: _Optional[bytes] = ...) -> None: ...
 
 class DecodeChunk(_message.Message):
-    __slots__ = ("token_ids", "logprobs", "finish_reason")
+    __slots__ = ("token_ids", "logprobs", "finish_reason", "cached_prompt_tokens")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedCompositeFieldContainer[_generation_pb2.TokenLogprobs]
     finish_reason: str
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprobs, _Mapping]]] = ..., finish_reason: _Optional[str] = ...) -> None: ...
+    cached_prompt_tokens: int
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprobs, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class WorkerAbortRequest(_message.Message):
     __slots__ = ("request_id",)
