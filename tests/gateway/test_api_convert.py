@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import math
 import threading
@@ -70,6 +71,47 @@ def test_sampling_invalid_names_field(fields, field_path):
     assert str(info.value).startswith(field_path + " "), str(info.value)
     assert isinstance(info.value.__cause__, ValueError)
     assert errors.status_for(info.value)[0] == grpc.StatusCode.INVALID_ARGUMENT
+
+
+# ---- resolved once at the edge -----------------------------------------------------------
+
+def test_resolve_sampling_checks_prompt_plus_max_tokens_against_the_model():
+    ok = api_convert.resolve_sampling(pb.SamplingParams(max_tokens=24), num_prompt_tokens=1000, max_model_len=1024)
+    assert ok.max_tokens == 24
+    with pytest.raises(errors.InvalidArgument) as info:
+        api_convert.resolve_sampling(pb.SamplingParams(max_tokens=25), num_prompt_tokens=1000, max_model_len=1024)
+    assert str(info.value).startswith("sampling.max_tokens") and "max_model_len (1024)" in str(info.value)
+    assert "at most 24" in str(info.value)
+    with pytest.raises(errors.InvalidArgument, match="max_model_len is 1024"):
+        api_convert.resolve_sampling(pb.SamplingParams(), num_prompt_tokens=1024, max_model_len=1024)
+    # Unset: the default, or the room the prompt leaves if that is less.
+    assert api_convert.resolve_sampling(pb.SamplingParams(), 10, 1024).max_tokens == api_convert.DEFAULT_MAX_TOKENS
+    assert api_convert.resolve_sampling(pb.SamplingParams(), 1000, 1024).max_tokens == 24
+    with pytest.raises(errors.InvalidArgument, match="sampling.min_tokens"):
+        api_convert.resolve_sampling(pb.SamplingParams(min_tokens=30), 1000, 1024)
+
+
+@pytest.mark.parametrize("params", [
+    SamplingParams(),
+    SamplingParams(max_tokens=7, min_tokens=2, temperature=0.7, top_p=0.9, top_k=5, min_p=0.05, seed=2**64 - 1,
+                   repetition_penalty=1.3, frequency_penalty=-0.5, presence_penalty=0.25, ignore_eos=True,
+                   stop_token_ids=[3, 9], logprobs=0),
+    SamplingParams(seed=0, logprobs=20, stop=["ignored by workers"]),
+])
+def test_resolved_sampling_reaches_workers_unchanged(params):
+    """Every field crosses to the worker as the gateway resolved it (stop strings stay at the
+    gateway); a worker applies no default of its own."""
+    msg = worker_pb2.ResolvedSampling.FromString(api_convert.sampling_to_worker(params).SerializeToString())
+    back = api_convert.sampling_from_worker(msg)
+    for field in dataclasses.fields(SamplingParams):
+        if field.name != "stop":
+            assert getattr(back, field.name) == getattr(params, field.name), field.name
+    assert back.stop == []
+
+
+def test_a_worker_refuses_unresolved_sampling_instead_of_defaulting():
+    with pytest.raises(errors.InvalidArgument, match="max_tokens must be >= 1"):
+        api_convert.sampling_from_worker(worker_pb2.ResolvedSampling())  # nothing set: max_tokens 0
 
 
 # ---- prompt ----------------------------------------------------------------------------

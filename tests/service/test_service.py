@@ -145,6 +145,8 @@ def test_deadline_expiry(stack):
     ({"text": "hi", "sampling": {"top_p": 0.0}}, "top_p"),
     ({"token_ids": [100000]}, "token"),
     ({"token_ids": list(range(200)) * 6}, "max_model_len"),
+    ({"token_ids": list(range(200)) * 5, "sampling": {"max_tokens": 100}}, "max_model_len (1024)"),  # 1000 + 100
+    ({"text": "hi", "priority": 5000}, "priority"),
     ({"messages": [{"role": "", "content": "x"}]}, "role"),
 ])
 def test_bad_input_is_invalid_argument(stack, request_kwargs, field):
