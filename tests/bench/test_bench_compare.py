@@ -9,7 +9,8 @@ import psutil
 import pytest
 
 from bench import compare
-from bench.serve import metric_values, parse_rates, run_load, summarize, summarize_rounds, timeline_breakdown
+from bench.metrics import metric_values
+from bench.serve import parse_rates, run_load, summarize, summarize_rounds, timeline_breakdown
 from bench.workloads import BenchRequest, fresh_tokens, interference, mixed, poisson_offsets, prefix_probe
 
 
