@@ -23,6 +23,7 @@ import time
 from typing import Awaitable, Callable
 
 from gateway.ledger import OUTAGE
+from splitserve.aio import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -64,9 +65,7 @@ class ClaimLoop:
         return self
 
     async def stop(self) -> None:
-        for task in self._tasks:
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await cancel_and_wait(*self._tasks)
 
     def wake(self) -> None:
         """Something may be claimable now (a local admission)."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
+from splitserve.aio import cancel_and_wait
 from splitserve.grpc_server import set_health
 
 log = logging.getLogger(__name__)
@@ -35,9 +36,7 @@ class GatewayHealth:
         return self
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        await cancel_and_wait(self._task)
 
     @property
     def no_workers(self) -> bool:

@@ -27,6 +27,7 @@ from gateway.claim import CLAIM_LEASE_S
 from gateway.job import Finished, Job, JobState, cancelled, unavailable
 from gateway.ledger import OUTAGE
 from gateway.workers import WorkerDirectory
+from splitserve.aio import cancel_and_wait
 
 log = logging.getLogger(__name__)
 
@@ -60,9 +61,7 @@ class Watchdog:
         return self
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        await cancel_and_wait(self._task)
 
     async def beat(self) -> None:
         await self.state.gateway_beat(self.gateway_id, GATEWAY_TTL_S)

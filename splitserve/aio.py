@@ -23,3 +23,11 @@ def _done(task: asyncio.Task) -> None:
     _background.discard(task)
     if not task.cancelled() and task.exception() is not None:
         log.error("background task %s failed", task.get_name(), exc_info=task.exception())
+
+
+async def cancel_and_wait(*tasks: asyncio.Task | None) -> None:
+    """Cancel a component's own tasks and wait until they have ended (their ``finally`` ran)."""
+    running = [t for t in tasks if t is not None]
+    for task in running:
+        task.cancel()
+    await asyncio.gather(*running, return_exceptions=True)

@@ -11,6 +11,8 @@ import asyncio
 import logging
 from typing import Awaitable, Callable
 
+from splitserve.aio import cancel_and_wait
+
 log = logging.getLogger(__name__)
 
 # How long a beat waits for fresh engine stats before it reuses the last ones.
@@ -57,9 +59,7 @@ class Heartbeat:
 
     async def stop(self) -> None:
         """Stop beating and leave the registry at once (graceful shutdown)."""
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        await cancel_and_wait(self._task)
         try:
             await asyncio.wait_for(self.state.deregister(self.worker_id), 5)
         except Exception as e:
