@@ -195,7 +195,8 @@ def forward(args, kind: str, skip: frozenset = frozenset()) -> tuple[list[str], 
         if not flag.up or flag.name in skip or kind not in (flag.up_to or flag.kinds):
             continue
         value = getattr(args, flag.name)
-        if value is None or value == "":  # unset (every text flag's empty value means "none")
+        # Empty text is passed on too: the child's own SPLITSERVE_* variables must not win over it.
+        if value is None or (flag.secret and value == ""):
             continue
         if flag.secret:
             env[flag.envvar] = str(value)
