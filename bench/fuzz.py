@@ -1,4 +1,4 @@
-"""Long fuzz of the public API: hypothesis-built requests (the strategies of tests/test_fuzz_api.py)
+"""Long fuzz of the public API: hypothesis-built requests (the strategies of splitserve/testing/fuzz_api.py)
 against a real stack, counting answers per RPC and status code instead of stopping at the first bad one.
 
 Starts its own stack (Redis + gateway + prefill + decode on loopback; by default the tiny

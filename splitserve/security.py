@@ -17,7 +17,7 @@ One ``Security`` per process, built from its flags (``Security.from_args``):
 * ``max_message_bytes`` (``--max-message-mb``): the largest message a port accepts or sends.
 
 No bytes that arrive from the network are ever unpickled anywhere in splitserve (protobuf,
-JSON and fixed binary headers only); ``tests/test_security.py`` guards that.
+JSON and fixed binary headers only); ``tests/service/test_security.py`` guards that.
 """
 from __future__ import annotations
 
