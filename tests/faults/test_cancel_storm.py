@@ -7,10 +7,9 @@ and every token any client received is the greedy reference's (a cut-short strea
 of it). The plan (prompts, kinds, delays) is seeded by ``SEED``; the interleaving is not, so
 a race may show in one run and not the next -- every problem found is listed at once.
 
-Known failures (product bugs in gateway/, not in this test): a request aborted by id
-while still queued keeps its client's stream open until the client's own deadline; a stream
-cut by its client just as its request ends on the workers gets no terminal state from the
-gateway (a watchdog later marks it "failed").
+Every one of those endings goes through the request's one ``Job.finish`` (gateway/job.py):
+whichever comes first (the workers' end, the client's cancel, the Abort, the deadline) is the
+one its client sees and Redis records.
 """
 from __future__ import annotations
 
