@@ -26,7 +26,7 @@ from gateway.attempt import NO_ROOM_BACKOFF_S, NO_WORKER_BACKOFF_S, Retry, decid
 from gateway.claim import ClaimLoop
 from gateway.job import Finished, Job, JobState, cancelled, unavailable
 from gateway.ledger import Ledger
-from gateway.watchdog import Watchdog
+from gateway.watchdog import Watchdog, end_if_ended_elsewhere
 from gateway.workers import WorkerDirectory
 from splitserve.aio import spawn
 from splitserve.errors import Unavailable
@@ -69,6 +69,13 @@ class Dispatcher:
         self.jobs[request_id] = job
         return job
 
+    def admitted(self, job: Job) -> None:
+        """Redis took the job's request: it waits in the queue (unless something already ended
+        it, or the claim loop already took it)."""
+        if job.state is JobState.ADMITTING:
+            job.state = JobState.QUEUED
+        self.claims.wake()
+
     def forget(self, job: Job) -> None:
         """A job whose admission was refused: it never existed."""
         if self.jobs.get(job.request_id) is job:
@@ -93,14 +100,7 @@ class Dispatcher:
         """Someone ended ``request_id`` in Redis; if this gateway still waits on it, end it here too."""
         job = self.jobs.get(request_id)
         if job is not None and job.state is JobState.QUEUED and not job.finished:
-            spawn(self._end_as_recorded(job))
-
-    async def _end_as_recorded(self, job: Job) -> None:
-        from gateway.watchdog import ended_elsewhere
-        record = await self.state.get(job.request_id)
-        if record is not None and record.get("state") in ("queued", "dispatching", "prefilling", "decoding"):
-            return  # our own requeue or claim raced the message: nothing ended
-        job.finish(ended_elsewhere(record))
+            spawn(end_if_ended_elsewhere(self.state, job))
 
     # ---- attempts -------------------------------------------------------------------------
     async def _needs_gate(self) -> bool:

@@ -2,11 +2,11 @@
 
 A ``Job`` is a small state machine with a single owner of its end::
 
-    QUEUED --claim--> PLACING --workers chosen--> RUNNING --+--> FINISHED
-      ^                  |                          |       |
-      +----- requeue ----+------ retry (a worker ---+       |
-                                  died or froze)            |
-    any state ------------- finish(outcome) ----------------+
+    ADMITTING --admitted--> QUEUED --claim--> PLACING --workers chosen--> RUNNING --+--> FINISHED
+                            ^                  |                          |       |
+                            +----- requeue ----+------ retry (a worker ---+       |
+                                                        died or froze)            |
+    any state ---------------------------------- finish(outcome) -----------------+
 
 ``finish()`` is the only way a request ends, whoever ends it (its workers' stream reaching a
 finish reason, a stop string, the client leaving or cancelling, its deadline, Abort, the retry
@@ -34,6 +34,7 @@ from engine.sampling_params import SamplingParams
 
 
 class JobState(str, enum.Enum):
+    ADMITTING = "admitting"  # known here, not in Redis yet (the admission may still be refused)
     QUEUED = "queued"  # admitted, waiting in the Redis queue (also between two attempts)
     PLACING = "placing"  # claimed: workers being chosen, pages reserved
     RUNNING = "running"  # on its workers: prefilling, then decoding
@@ -84,7 +85,7 @@ class Job:
         self.deadline = deadline  # time.monotonic() seconds, from the client's gRPC deadline
         self._on_finish = on_finish
         self.text = text
-        self.state = JobState.QUEUED
+        self.state = JobState.ADMITTING
         self.outcome: Finished | None = None
         self.events: asyncio.Queue = asyncio.Queue()
         self.epoch = 0  # of the current claim (fences the Redis writes of stale attempts)

@@ -82,7 +82,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                                       "a retry with the same id does not run twice — use GetRequest")
             raise ResourceExhausted(f"queue full ({result.detail} requests unfinished); retry later",
                                     retry_after_s=RETRY_AFTER_S)
-        self.dispatcher.claims.wake()
+        self.dispatcher.admitted(job)
         # However the RPC ends (cancelled, deadline, the stream done), the job has ended by then.
         context.add_done_callback(lambda _: job.finish(self._rpc_gone(job)))
         try:

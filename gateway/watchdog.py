@@ -36,6 +36,8 @@ WATCH_INTERVAL_S = 1.0
 GATEWAY_TTL_S = 5.0
 RENEW_S = CLAIM_LEASE_S / 3
 QUEUED_CHECK_S = 2.0
+# What a queued request's Redis state says when someone else ended it (None: its record is gone).
+TERMINAL = ("finished", "aborted", "failed", "deadline", None)
 
 
 def ended_elsewhere(record: dict | None) -> Finished:
@@ -46,6 +48,14 @@ def ended_elsewhere(record: dict | None) -> Finished:
     if state == "aborted":
         return cancelled(error or "aborted")
     return unavailable(error or f"the request ended elsewhere ({state})")
+
+
+async def end_if_ended_elsewhere(state, job: Job) -> None:
+    """A queued job whose Redis record says someone else ended it (or is gone) ends here too; a
+    record still live (our own requeue or claim raced the news) leaves it alone."""
+    record = await state.get(job.request_id)
+    if (record is None or record.get("state") in TERMINAL) and job.state is JobState.QUEUED:
+        job.finish(ended_elsewhere(record))
 
 
 class Watchdog:
@@ -120,7 +130,5 @@ class Watchdog:
             return
         states = await self.state.states([j.request_id for j in queued])
         for job, state in zip(queued, states):
-            if state == "queued" or job.finished or job.state is not JobState.QUEUED:
-                continue
-            if state is None or state in ("finished", "aborted", "failed", "deadline"):
-                job.finish(ended_elsewhere(await self.state.get(job.request_id)))
+            if state in TERMINAL and not job.finished and job.state is JobState.QUEUED:
+                await end_if_ended_elsewhere(self.state, job)

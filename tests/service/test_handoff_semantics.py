@@ -32,6 +32,21 @@ def tokens(stack, prompt, **sampling):
     return out, final
 
 
+def settled(port: int, keys, quiet_s: float = 1.5, timeout_s: float = 20.0) -> dict:
+    """The metrics once ``keys`` stopped moving for ``quiet_s`` (counters are copied from the
+    engine every half second, so a request that just ended may not be counted yet)."""
+    give_up = time.monotonic() + timeout_s
+    last, since = None, time.monotonic()
+    while True:
+        now = scrape(port)
+        values = [now.get(k, 0.0) for k in keys]
+        if values != last:
+            last, since = values, time.monotonic()
+        elif time.monotonic() - since >= quiet_s or time.monotonic() > give_up:
+            return now
+        time.sleep(0.25)
+
+
 def test_seeded_sampling_continues_the_same_random_stream_after_the_handoff(stacks):
     prompts = mixed_prompts(4, seed=141, lo=8, hi=40)
     sampling = dict(temperature=1.0, max_tokens=12, ignore_eos=True)
@@ -57,7 +72,7 @@ def test_prefix_cache_counters_equal_the_cached_tokens_clients_are_told(stacks):
     stack = stacks["disaggregated"]
     port = stack.metrics_ports["prefill"]
     keys = ("vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total")
-    before = scrape(port)
+    before = settled(port, keys)  # the earlier tests' requests counted
     prompt = mixed_prompts(1, seed=143, lo=41, hi=41)[0]  # block size 8: 5 full blocks before the last token
     cached = [tokens(stack, prompt, max_tokens=2, temperature=0.0)[1].usage.cached_prompt_tokens for _ in range(3)]
     assert cached == [0, 40, 40]
