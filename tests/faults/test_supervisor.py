@@ -5,7 +5,6 @@ succeed at once), and the dead process comes back by itself, registers and takes
 """
 import os
 import signal
-import time
 
 import grpc
 import pytest
