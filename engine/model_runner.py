@@ -2,7 +2,9 @@
 
 One forward per step over a flattened batch: all new tokens of all scheduled sequences in
 one row, decodes first, with per-token positions and cache slots. The model is the plain
-`transformers` definition with the paged attention function plugged in.
+`transformers` definition with the paged attention op plugged in, compiled into one graph
+(``engine.compiled_forward``) unless ``enforce_eager`` is set; on CUDA, decode steps replay
+graphs captured at start-up for padded batch sizes (``engine.cuda_graphs``).
 """
 from __future__ import annotations
 
@@ -13,11 +15,14 @@ from typing import Callable
 import torch
 
 from engine.attention import StepLayout, select_backend
-from engine.attention.hf_integration import ATTN_IMPLEMENTATION, PagedForward
+from engine.attention.hf_integration import ATTN_IMPLEMENTATION, StepContext, step_context
+from engine.compiled_forward import build_forward
 from engine.config import EngineConfig
+from engine.cuda_graphs import DecodeGraphs, capture_sizes
 from engine.model_loader import load_model
 from engine.sampler import Sampler, SamplingRow
 from engine.scheduler import SampledToken, SchedulerOutput
+from engine.step_inputs import InputBuffers
 
 log = logging.getLogger(__name__)
 
@@ -30,9 +35,15 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def resolve_dtype(name: str) -> torch.dtype:
-    # bf16 serves faster than fp32 on both AVX-512/AMX CPUs and GPUs; correctness checks ask for fp32.
-    return torch.bfloat16 if name == "auto" else _DTYPES[name]
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """``auto``: bf16 on GPUs and on CPUs whose oneDNN computes in bf16 natively (AVX-512 BF16, AMX);
+    fp32 on other CPUs, where bf16 linear layers are emulated (8x slower than fp32 on an AVX2
+    Zen 3 at 64 rows: 16 vs 130 GF/s). Correctness checks ask for fp32 explicitly."""
+    if name != "auto":
+        return _DTYPES[name]
+    if device.type == "cpu" and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+        return torch.float32
+    return torch.bfloat16
 
 
 # Makes the device KV pool: (shape, dtype, device) -> tensor. The shm transport passes one
@@ -45,17 +56,19 @@ def default_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devic
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig, model_dir: Path, pool_factory: PoolFactory = default_pool):
+    def __init__(self, config: EngineConfig, model_dir: Path, pool_factory: PoolFactory = default_pool,
+                 max_model_len: int | None = None):
         self.config = config
         self.device = resolve_device(config.device)
-        self.dtype = resolve_dtype(config.dtype)
+        self.dtype = resolve_dtype(config.dtype, self.device)
         self.model = load_model(model_dir, self.dtype, self.device, attn_implementation=ATTN_IMPLEMENTATION)
         hf = self.model.config
+        self.max_model_len = max_model_len or config.max_model_len or getattr(hf, "max_position_embeddings", 2048)
         self.num_layers = hf.num_hidden_layers
         self.num_kv_heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
         self.head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
         self.block_size = config.block_size
-        self.backend = select_backend(config.attention_backend, self.device.type)
+        self.backend = select_backend(config.attention_backend, self.device.type, self.head_dim)
         self.num_blocks = config.num_gpu_blocks or self._blocks_for(config.kv_cache_memory_gb)
         shape = (self.num_layers, 2, self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         self.kv_cache = pool_factory(shape, self.dtype, self.device)
@@ -67,11 +80,23 @@ class ModelRunner:
         eos = self.model.generation_config.eos_token_id
         self.eos_token_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
         self.sampler = Sampler(self.eos_token_ids)
+        max_tokens = max(config.max_num_batched_tokens, config.max_num_seqs)
+        self.inputs = InputBuffers(max_tokens, config.max_num_seqs, -(-self.max_model_len // self.block_size),
+                                   self.block_size, self.device)
         # Called as (plan, layer) once a layer's K/V of the step are in the pool: the prefill
         # side of kvtransfer ships each layer while the next one computes.
         self.layer_hook: Callable[[SchedulerOutput, int], None] | None = None
-        log.info("model runner: %s on %s in %s, attention %s, %d KV blocks of %d tokens",
-                 model_dir.name, self.device, self.dtype, self.backend.name, self.num_blocks, self.block_size)
+        self.forward = build_forward(self.model.model, config, self.device, self.dtype)
+        if hasattr(self.forward, "warm_up"):
+            self.forward.warm_up(self._dummy_forward)
+        self.graphs: DecodeGraphs | None = None
+        if self.device.type == "cuda" and not config.enforce_eager:
+            self.graphs = DecodeGraphs(self.forward, self.backend, self.kv_caches, self.inputs, self.max_model_len,
+                                       capture_sizes(config.max_num_seqs))
+            self.graphs.capture()
+        log.info("model runner: %s on %s in %s, attention %s, %s, %d KV blocks of %d tokens",
+                 model_dir.name, self.device, self.dtype, self.backend.name, self.forward.describe(),
+                 self.num_blocks, self.block_size)
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -88,68 +113,43 @@ class ModelRunner:
         self._swap(plan)
         if plan.is_empty:
             return {}
-        input_ids, layout, sample_rows = self._build_inputs(plan)
-        positions = torch.tensor(self._positions(plan), dtype=torch.int64)
         hook = self.layer_hook
-        step = PagedForward(self.backend, layout, self.backend.prepare(layout), self.kv_caches,
-                            on_layer_written=(lambda layer: hook(plan, layer)) if hook else None)
-        hidden = self.model.model(input_ids=input_ids.to(self.device)[None],
-                                  position_ids=positions.to(self.device)[None],
-                                  use_cache=False, splitserve=step).last_hidden_state[0]
-        if not sample_rows:
+        num_seqs = len(plan.chunks)
+        graph_size = None
+        if self.graphs is not None and hook is None and all(c.is_decode for c in plan.chunks):
+            graph_size = self.graphs.padded_size(num_seqs)
+        step = self.inputs.build(plan.chunks, plan.block_tables, pad_to=graph_size)
+        if graph_size is not None:
+            hidden = self.graphs.replay(num_seqs, graph_size)
+        else:
+            ctx = StepContext(self.backend, step.layout, self.backend.prepare(step.layout), self.kv_caches,
+                              on_layer_written=(lambda layer: hook(plan, layer)) if hook else None)
+            with step_context(ctx):
+                hidden = self.forward(step.input_ids, step.positions)
+        if not step.sample_chunks:
             return {}
-        index = torch.tensor([i for i, _ in sample_rows], device=self.device)
-        logits = self.model.lm_head(hidden[index])
-        requests = [chunk.request for _, chunk in sample_rows]
+        logits = self.model.lm_head(hidden[step.sample_index])
+        requests = [chunk.request for chunk in step.sample_chunks]
         rows = [SamplingRow(r.sampling_params, r.prompt_token_ids, r.output_token_ids, r.generator)
                 for r in requests]
         out = self.sampler(logits, rows)
         logprobs = out.logprobs or [None] * len(requests)
         return {r.request_id: SampledToken(t, lp) for r, t, lp in zip(requests, out.token_ids, logprobs)}
 
-    @staticmethod
-    def _positions(plan: SchedulerOutput) -> list[int]:
-        positions: list[int] = []
-        for chunk in plan.chunks:
-            positions.extend(range(chunk.start, chunk.start + chunk.num_tokens))
-        return positions
-
-    def _build_inputs(self, plan: SchedulerOutput):
-        bs = self.block_size
-        token_ids: list[int] = []
-        slots: list[int] = []
-        query_start = [0]
-        seq_lens: list[int] = []
-        tables: list[list[int]] = []
-        sample_rows = []
-        for chunk in plan.chunks:
-            request = chunk.request
-            table = plan.block_tables[request.request_id]
-            end = chunk.start + chunk.num_tokens
-            if chunk.padding:  # static batching: keep the row busy with its last token
-                token_ids.append(request.all_token_ids[-1])
-            else:
-                token_ids.extend(request.all_token_ids[chunk.start:end])
-            slots.extend(table[p // bs] * bs + p % bs for p in range(chunk.start, end))
-            query_start.append(query_start[-1] + chunk.num_tokens)
-            seq_lens.append(end)
-            tables.append(table)
-            if chunk.samples:
-                sample_rows.append((query_start[-1] - 1, chunk))
-        width = max(len(t) for t in tables)
-        padded = [t + [0] * (width - len(t)) for t in tables]
+    @torch.inference_mode()
+    def _dummy_forward(self) -> None:
+        """One prefill of a block's worth of tokens into page 0, which no request holds yet
+        (the runner is built before the cache manager hands out pages)."""
+        n = self.block_size
         dev = self.device
-        layout = StepLayout(
-            slot_mapping=torch.tensor(slots, dtype=torch.int64, device=dev),
-            query_start_loc=torch.tensor(query_start, dtype=torch.int32, device=dev),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
-            block_tables=torch.tensor(padded, dtype=torch.int32, device=dev),
-            num_decodes=sum(1 for c in plan.chunks if c.is_decode),
-            query_lens_list=[c.num_tokens for c in plan.chunks],
-            seq_lens_list=seq_lens,
-            block_size=bs,
-        )
-        return torch.tensor(token_ids, dtype=torch.int64), layout, sample_rows
+        layout = StepLayout(slot_mapping=torch.arange(n, device=dev),
+                            query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=dev),
+                            seq_lens=torch.tensor([n], dtype=torch.int32, device=dev),
+                            block_tables=torch.zeros((1, 1), dtype=torch.int32, device=dev),
+                            num_decodes=0, query_lens_list=[n], seq_lens_list=[n], block_size=n)
+        with step_context(StepContext(self.backend, layout, self.backend.prepare(layout), self.kv_caches)):
+            self.forward(torch.zeros(n, dtype=torch.int64, device=dev), torch.arange(n, device=dev))
+        self.kv_cache[:, :, 0].zero_()
 
     def _swap(self, plan: SchedulerOutput) -> None:
         # Out before in: a block swapped out this step may be the target of a swap-in.

@@ -7,6 +7,11 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # With gRPC's fork support on, its poller thread restarts in the forked child and can abort it
 # on the parent's closed epoll fd before exec (grpc/grpc#43055); the child needs none of it.
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
+# Worker processes the tests start run eager: compiling the step takes seconds per process and
+# says nothing about serving; the engine tests compile it where it is what they check.
+os.environ.setdefault("SPLITSERVE_ENFORCE_EAGER", "1")
+
+import engine  # noqa: E402,F401  -- before torch: OpenMP threads wait passively (engine/openmp.py)
 
 from pathlib import Path  # noqa: E402
 
@@ -31,6 +36,12 @@ def tiny_model_dirs(tmp_path_factory) -> dict[str, Path]:
     return {arch: make_tiny_model(root / arch, arch=arch) for arch in ("llama", "qwen2", "mistral")}
 
 
+@pytest.fixture(params=["eager", "compiled"])
+def step_mode(request) -> dict:
+    """Engine arguments for each way a step can run: op by op, and as one compiled graph."""
+    return {"enforce_eager": request.param == "eager"}
+
+
 @pytest.fixture
 def make_llm():
     """Builds LLMs and, after the test, checks each is idle: no request left, every page free or cached."""
@@ -39,6 +50,7 @@ def make_llm():
 
     def factory(model, **kwargs):
         kwargs.setdefault("dtype", "float32")
+        kwargs.setdefault("enforce_eager", True)
         llm = LLM(model=str(model), **kwargs)
         made.append(llm)
         return llm

@@ -19,7 +19,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from engine.attention import reference  # noqa: E402
-from engine.attention import triton_kernels  # noqa: E402
+from engine.attention import triton_kernels, triton_split_kv  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -299,6 +299,46 @@ def test_write_kv_triton_cpu_bf16():
 @cpu_interpret
 def test_decode_loop_triton_cpu():
     _check_decode_loop("cpu")
+
+
+# Long decodes, each context cut into 64-token partitions; one sequence is shorter than the
+# later partitions, which then hold nothing.
+SPLIT_KV_CASES = [
+    ([(150, 1), (70, 1), (201, 1)], 16, (9, 3), 64, torch.float32, 4),
+    ([(150, 1), (5, 1)], 8, (4, 4), 64, torch.float32, 3),
+    ([(130, 1), (64, 1)], 16, (6, 2), 80, torch.bfloat16, 3),
+]
+
+
+def _check_split_kv(case, device):
+    scenario, block_size, (hq, hkv), head_dim, dtype, splits = case
+    batch = Batch(scenario, block_size, hq, hkv, head_dim, dtype, device, fragmented=True)
+    expected = reference.paged_attention(*batch.attention_args())
+    out = triton_split_kv.paged_decode_split_kv(*batch.attention_args(), num_splits=splits, split_len=64)
+    assert not torch.isnan(out.float()).any(), "kernel read a slot outside some sequence's context"
+    torch.testing.assert_close(out, expected, **_tolerance(dtype))
+
+
+def test_num_splits_fill_the_device_only_when_the_batch_cannot():
+    assert triton_split_kv.num_splits_for(64, 8, 8192, target_programs=264) == 1
+    assert triton_split_kv.num_splits_for(2, 8, 8192, target_programs=264) == 16  # capped by the context
+    assert triton_split_kv.num_splits_for(2, 8, 100, target_programs=264) == 1
+    assert triton_split_kv.num_splits_for(1, 4, 4096, target_programs=16, split_len=512) == 4
+
+
+@needs_triton
+@cpu_interpret
+@pytest.mark.parametrize("case", SPLIT_KV_CASES, ids=lambda c: f"splits{c[-1]}-{str(c[4])[6:]}")
+def test_split_kv_decode_triton_cpu(case):
+    _check_split_kv(case, "cpu")
+
+
+@needs_triton
+@pytest.mark.parametrize("case", SPLIT_KV_CASES, ids=lambda c: f"splits{c[-1]}-{str(c[4])[6:]}")
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+def test_split_kv_decode_triton_cuda(case):
+    _check_split_kv(case, "cuda")
 
 
 @needs_triton

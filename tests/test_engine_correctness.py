@@ -1,4 +1,5 @@
-"""Greedy output of the engine equals transformers `generate(do_sample=False)`, token for token (fp32)."""
+"""Greedy output of the engine equals transformers `generate(do_sample=False)`, token for token (fp32),
+with the step compiled into one graph and op by op (``step_mode``)."""
 import random
 
 import pytest
@@ -26,25 +27,25 @@ def arch(request):
 
 
 @pytest.mark.parametrize("block_size", [8, 16, 32])
-def test_mixed_batch_matches_transformers(arch, block_size, tiny_model_dirs, make_llm, hf_reference):
+def test_mixed_batch_matches_transformers(arch, block_size, tiny_model_dirs, make_llm, hf_reference, step_mode):
     model = tiny_model_dirs[arch]
     prompts = mixed_prompts(18, seed=block_size)
-    llm = make_llm(model, block_size=block_size, num_gpu_blocks=256)
+    llm = make_llm(model, block_size=block_size, num_gpu_blocks=256, **step_mode)
     outputs = llm.generate(prompts, GREEDY)
     assert_matches(outputs, prompts, hf_reference(model))
 
 
-def test_single_prompt(arch, tiny_model_dirs, make_llm, hf_reference):
+def test_single_prompt(arch, tiny_model_dirs, make_llm, hf_reference, step_mode):
     model = tiny_model_dirs[arch]
-    llm = make_llm(model, num_gpu_blocks=16)
+    llm = make_llm(model, num_gpu_blocks=16, **step_mode)
     for prompt in ([7], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17]):
         [out] = llm.generate([prompt], GREEDY)
         assert_matches([out], [prompt], hf_reference(model))
 
 
-def test_requests_join_while_others_decode(arch, tiny_model_dirs, make_llm, hf_reference):
+def test_requests_join_while_others_decode(arch, tiny_model_dirs, make_llm, hf_reference, step_mode):
     model = tiny_model_dirs[arch]
-    llm = make_llm(model, num_gpu_blocks=128, block_size=8)
+    llm = make_llm(model, num_gpu_blocks=128, block_size=8, **step_mode)
     engine = llm.engine
     prompts = mixed_prompts(6, seed=3)
     done = {}
@@ -61,9 +62,9 @@ def test_requests_join_while_others_decode(arch, tiny_model_dirs, make_llm, hf_r
     assert_matches([done[f"r{i}"] for i in range(6)], prompts, hf_reference(model))
 
 
-def test_prefix_cache_hits_give_same_tokens(arch, tiny_model_dirs, make_llm, hf_reference):
+def test_prefix_cache_hits_give_same_tokens(arch, tiny_model_dirs, make_llm, hf_reference, step_mode):
     model = tiny_model_dirs[arch]
-    llm = make_llm(model, block_size=8, num_gpu_blocks=128, enable_prefix_caching=True)
+    llm = make_llm(model, block_size=8, num_gpu_blocks=128, enable_prefix_caching=True, **step_mode)
     system = mixed_prompts(1, seed=11, lo=40, hi=40)[0]
     prompts = [system + tail for tail in mixed_prompts(5, seed=12, lo=1, hi=9)]
     first = llm.generate(prompts[:1], GREEDY)
@@ -78,19 +79,19 @@ def test_prefix_cache_hits_give_same_tokens(arch, tiny_model_dirs, make_llm, hf_
     assert llm.engine.kv.prefix_stats.hit_rate > 0
 
 
-def test_chunked_prefill(arch, tiny_model_dirs, make_llm, hf_reference):
+def test_chunked_prefill(arch, tiny_model_dirs, make_llm, hf_reference, step_mode):
     model = tiny_model_dirs[arch]
-    llm = make_llm(model, block_size=8, num_gpu_blocks=128, max_num_batched_tokens=24)
+    llm = make_llm(model, block_size=8, num_gpu_blocks=128, max_num_batched_tokens=24, **step_mode)
     prompts = mixed_prompts(5, seed=5, lo=50, hi=90)
     outputs = llm.generate(prompts, GREEDY)
     assert_matches(outputs, prompts, hf_reference(model))
 
 
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
-def test_preemption_keeps_output_exact(arch, mode, tiny_model_dirs, make_llm, hf_reference):
+def test_preemption_keeps_output_exact(arch, mode, tiny_model_dirs, make_llm, hf_reference, step_mode):
     model = tiny_model_dirs[arch]
     # 12 blocks of 8 tokens cannot hold 8 sequences of ~40 tokens at once: preemption must happen.
-    llm = make_llm(model, block_size=8, num_gpu_blocks=12, preemption_mode=mode, num_cpu_blocks=64)
+    llm = make_llm(model, block_size=8, num_gpu_blocks=12, preemption_mode=mode, num_cpu_blocks=64, **step_mode)
     prompts = mixed_prompts(8, seed=21, lo=20, hi=35)
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     outputs = llm.generate(prompts, params)
@@ -136,3 +137,26 @@ def test_triton_backend_matches_transformers(tiny_model_dirs, make_llm, hf_refer
     prompts = mixed_prompts(3, seed=31, lo=3, hi=20)
     params = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
     assert_matches(llm.generate(prompts, params), prompts, hf_reference(model), max_tokens=4)
+
+
+def test_cuda_graph_sizes_cover_every_decode_batch():
+    from engine.cuda_graphs import DecodeGraphs, capture_sizes
+    assert capture_sizes(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
+    assert capture_sizes(20) == [1, 2, 4, 8, 16, 20]
+    graphs = DecodeGraphs(None, None, [], None, 1024, capture_sizes(20))
+    assert [graphs.padded_size(n) for n in (1, 3, 5, 17, 20, 21)] == [1, 4, 8, 20, 20, None]
+
+
+@pytest.mark.gpu
+def test_cuda_graph_decode_matches_transformers(tiny_model_dirs, make_llm, hf_reference):
+    """Compiled forward + CUDA graphs on the GPU: decode steps replay graphs, output stays exact."""
+    model = tiny_model_dirs["llama"]
+    llm = make_llm(model, device="cuda", enforce_eager=False, block_size=16, num_gpu_blocks=256, max_num_seqs=16)
+    runner = llm.engine.runner
+    assert runner.graphs is not None and set(runner.graphs.graphs) == {1, 2, 4, 8, 16}
+    replays = []
+    original = runner.graphs.replay
+    runner.graphs.replay = lambda n, size: replays.append((n, size)) or original(n, size)
+    prompts = mixed_prompts(11, seed=41)
+    assert_matches(llm.generate(prompts, GREEDY), prompts, hf_reference(model))
+    assert (11, 16) in replays  # eleven decodes padded to the graph of sixteen

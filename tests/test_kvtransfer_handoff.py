@@ -31,6 +31,7 @@ class FakeClock:
 
 def config(model, **kw):
     kw.setdefault("num_gpu_blocks", 128)
+    kw.setdefault("enforce_eager", True)
     return EngineConfig(model=str(model), dtype="float32", **kw)
 
 
@@ -98,9 +99,10 @@ def handoff(prefill, decode, prompts, params=GREEDY, max_steps=500):
 @pytest.mark.parametrize("block_size", [8, 16])
 @pytest.mark.parametrize("fragmented", [False, True])
 def test_greedy_output_after_shm_handoff_equals_transformers(pair, block_size, fragmented, tiny_model_dirs,
-                                                            hf_reference):
-    # A small step budget chunks the prefill: pages are shipped across several steps.
-    prefill, decode = pair(block_size, prefill_kw={"max_num_batched_tokens": 24})
+                                                            hf_reference, step_mode):
+    # A small step budget chunks the prefill: pages are shipped across several steps. Compiled,
+    # the layer hook that ships them runs inside the graph's attention op.
+    prefill, decode = pair(block_size, prefill_kw={"max_num_batched_tokens": 24, **step_mode}, decode_kw=step_mode)
     held = fragment(decode) if fragmented else []
     prompts = mixed_prompts(5, seed=block_size, lo=3, hi=45)
     outputs, descs = handoff(prefill, decode, prompts)
@@ -240,7 +242,7 @@ PREFILL_CHILD = textwrap.dedent("""
     from kvtransfer import build_prefill
     from kvtransfer.base import TransferDescriptor
     model, desc_json, prompt_json = sys.argv[1:4]
-    prefill = build_prefill(EngineConfig(model=model, dtype="float32", num_gpu_blocks=128, block_size=8))
+    prefill = build_prefill(EngineConfig(model=model, dtype="float32", num_gpu_blocks=128, block_size=8, enforce_eager=True))
     hook = prefill.engine.runner.layer_hook
     def slow_hook(plan, layer):
         hook(plan, layer)
@@ -282,7 +284,7 @@ PREFILL_PROCESS = textwrap.dedent("""
     from kvtransfer.base import TransferDescriptor
     model, jobs_json = sys.argv[1:3]
     prefill = build_prefill(EngineConfig(model=model, dtype="float32", num_gpu_blocks=128, block_size=8,
-                                         max_num_batched_tokens=24), verify_checksum=True)
+                                         max_num_batched_tokens=24, enforce_eager=True), verify_checksum=True)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     for job in json.loads(jobs_json):
         desc = TransferDescriptor.from_dict(job["desc"])
@@ -310,7 +312,7 @@ def test_handoff_across_processes_equals_transformers(transport_name, tiny_model
                                capture_output=True, text=True, timeout=120, env={**os.environ, "PYTHONPATH": os.getcwd()})
         assert child.returncode == 0, child.stderr[-2000:]
         results = json.loads(child.stdout.strip().splitlines()[-1])
-        assert len(results) == 4 and all(r["error"] is None for r in results)
+        assert len(results) == 4 and all(r["error"] is None for r in results), results
         finished = {}
         for r in results:
             i = int(r["request_id"][1:])

@@ -1,16 +1,24 @@
-"""Attention backends: a torch reference path (CPU) and Triton kernels (CUDA)."""
+"""Attention backends: C++ kernels on CPU, Triton kernels on CUDA, and a plain torch path."""
 from __future__ import annotations
 
 from engine.attention.backend import AttentionBackend, StepLayout
 from engine.attention.torch_backend import TorchAttentionBackend
 
 
-def select_backend(name: str, device_type: str) -> AttentionBackend:
-    """``auto`` takes Triton on CUDA and torch elsewhere; asking for Triton where it cannot run fails loudly."""
+def select_backend(name: str, device_type: str, head_dim: int) -> AttentionBackend:
+    """``auto`` takes Triton on CUDA and the C++ kernels on CPU (the torch path where they cannot
+    be built or have no instance for ``head_dim``); asking for a backend that cannot run fails loudly."""
     if name == "auto":
-        name = "triton" if device_type == "cuda" else "torch"
+        if device_type == "cuda":
+            name = "triton"
+        else:
+            from engine.attention import cpu_kernels
+            name = "cpu" if head_dim in cpu_kernels.HEAD_DIMS and cpu_kernels.available() else "torch"
     if name == "torch":
         return TorchAttentionBackend()
+    if name == "cpu":
+        from engine.attention.cpu_backend import CpuAttentionBackend
+        return CpuAttentionBackend()
     from engine.attention.triton_backend import TritonAttentionBackend
     return TritonAttentionBackend()
 

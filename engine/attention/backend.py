@@ -20,13 +20,21 @@ class StepLayout:
     query_start_loc: torch.Tensor
     # Context length of each sequence including its new tokens. [B] int32
     seq_lens: torch.Tensor
-    # Physical block ids per sequence, padded with 0. [B, max_blocks] int32
+    # Physical block ids per sequence; entries past a sequence's pages are never read. [B, W] int32
     block_tables: torch.Tensor
     num_decodes: int
     # The same facts as Python lists, so backends plan without device syncs.
     query_lens_list: list[int]
     seq_lens_list: list[int]
     block_size: int
+    query_start_list: list[int] | None = None
+
+    def __post_init__(self) -> None:
+        if self.query_start_list is None:
+            starts = [0]
+            for n in self.query_lens_list:
+                starts.append(starts[-1] + n)
+            self.query_start_list = starts
 
 
 class AttentionBackend(abc.ABC):

@@ -54,7 +54,7 @@ class TorchAttentionBackend(AttentionBackend):
             decode_bias = torch.zeros(inside.shape, dtype=torch.float32, device=inside.device)
             decode_bias.masked_fill_(~inside, float("-inf"))
         prefills = []
-        starts = layout.query_start_loc.tolist()
+        starts = layout.query_start_list
         for b in range(nd, len(layout.seq_lens_list)):
             q_len, ctx = layout.query_lens_list[b], layout.seq_lens_list[b]
             slots = context_slots(layout.block_tables[b:b + 1], layout.block_size, ctx)[0]

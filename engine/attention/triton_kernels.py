@@ -28,8 +28,9 @@ length are never read (the lookup is masked by the context length).
 Dispatch in ``paged_attention``: if every sequence has exactly one new token
 (``T == B`` and max q_len == 1) the decode kernel is used; otherwise (prefill,
 chunked prefill, prefix-cache hits, mixed decode + prefill batches) the general
-varlen kernel runs for the whole batch.  Host work per call: one ``.item()``
-(max q_len) to choose the kernel and size the grid.
+varlen kernel runs for the whole batch.  Host work per call: none when the caller passes
+``max_q_len`` (the engine does, from its host-side step layout); one ``.item()`` otherwise.
+Small decode batches at long contexts go to the split-KV variant in ``triton_split_kv``.
 
 This module imports without triton installed; check ``TRITON_AVAILABLE``
 before calling.  With ``TRITON_INTERPRET=1`` set before import, the kernels run
@@ -375,8 +376,12 @@ def paged_attention(
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    max_q_len: int | None = None,
 ) -> torch.Tensor:
     """Causal attention of the new tokens over their paged context.  Returns [T, num_q_heads, head_dim].
+
+    ``max_q_len``: the most new tokens of any sequence, when the caller knows it on the host
+    (the engine does); otherwise it is read from the device with one ``.item()``.
 
     Dispatch: all q_len == 1 -> decode kernel; anything else -> varlen prefill kernel.
     Rows of ``query`` not owned by any sequence (beyond ``query_start_loc[-1]``) are left
@@ -426,7 +431,8 @@ def paged_attention(
         block_tables.stride(0),
     )
 
-    max_q_len = int((query_start_loc[1:] - query_start_loc[:-1]).max().item())
+    if max_q_len is None:
+        max_q_len = int((query_start_loc[1:] - query_start_loc[:-1]).max().item())
     if num_tokens == num_seqs and max_q_len == 1:
         # Pure decode: every sequence contributes exactly one new token.
         _paged_decode_kernel[(num_seqs, num_kv_heads)](

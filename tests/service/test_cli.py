@@ -37,7 +37,9 @@ def test_installed_entry_point_runs():
     assert out.returncode == 0 and all(c in out.stdout for c in SUBCOMMANDS)
 
 
-def test_every_engine_config_field_is_a_worker_flag_with_its_default():
+def test_every_engine_config_field_is_a_worker_flag_with_its_default(monkeypatch):
+    for name in [k for k in os.environ if k.startswith("SPLITSERVE_")]:  # (the suite sets some)
+        monkeypatch.delenv(name)
     for command in ("decode", "prefill", "up"):
         args = parse([command])
         for field in dataclasses.fields(EngineConfig):

@@ -1,0 +1,109 @@
+"""Decode step time of the engine by batch size and context length (no cliff, or where it is).
+
+Every cell holds ``batch`` sequences whose ``context`` tokens of KV already sit in the pool
+(pages reserved and marked computed, as a handoff from a prefill worker leaves them; the KV
+values do not change the time), then times whole ``engine.step()`` calls, each one decode
+token per sequence: scheduling, input building, the forward, sampling and the update. Median
+of ``--steps`` steps after two warm-up steps. ``--modes compiled,eager`` measures both steps
+in one run, the cells interleaved.
+
+    python -m bench.step_time --batches 1,8,32,64,128 --contexts 200,1000 --out bench/results/step_time.json
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from bench.common import median, write_json
+
+
+def build(model: str, dtype: str, mode: str, batches: list[int], contexts: list[int]):
+    from engine import LLM
+    from engine.config import EngineConfig
+    from engine.model_loader import load_config, resolve_model
+    hf = load_config(resolve_model(model))
+    kv_heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
+    head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+    from engine.model_runner import resolve_device, resolve_dtype
+    element = torch.empty((), dtype=resolve_dtype(dtype, resolve_device("auto"))).element_size()
+    tokens = max(batches) * (max(contexts) + 64)
+    gb = tokens * 2 * hf.num_hidden_layers * kv_heads * head_dim * element / 2**30 * 1.1
+    start = time.perf_counter()
+    llm = LLM(model, dtype=dtype, enforce_eager=mode == "eager", max_num_seqs=max(batches),
+              max_num_batched_tokens=max(EngineConfig.max_num_batched_tokens, max(batches)),
+              kv_cache_memory_gb=gb, enable_prefix_caching=False, max_model_len=max(contexts) + 1024)
+    return llm, time.perf_counter() - start
+
+
+def measure(llm, batch: int, context: int, steps: int) -> float:
+    from engine import SamplingParams
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
+    ids = []
+    for i in range(batch):
+        rid = f"b{batch}-c{context}-{i}"
+        prompt = [100 + (i * 131 + j) % 30000 for j in range(context)]
+        if engine.kv.allocate(rid, context) is None:
+            raise RuntimeError("KV pool too small for the cell")
+        engine.add_prefilled_request(rid, prompt, params, first_token=100)
+        ids.append(rid)
+    try:
+        for _ in range(2):
+            engine.step()
+        times = []
+        for _ in range(steps):
+            start = time.perf_counter()
+            engine.step()
+            times.append(time.perf_counter() - start)
+    finally:
+        for rid in ids:
+            engine.abort_request(rid)
+    return median(times)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--model", default="smollm2-135m-instruct")
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--batches", default="1,8,32,64,128")
+    parser.add_argument("--contexts", default="200,1000")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--modes", default="compiled", help="compiled, eager or both (comma-separated)")
+    args = parser.parse_args(argv)
+    batches = [int(b) for b in args.batches.split(",")]
+    contexts = [int(c) for c in args.contexts.split(",")]
+    modes = args.modes.split(",")
+
+    engines = {}
+    for mode in modes:
+        engines[mode] = build(args.model, args.dtype, mode, batches, contexts)
+        print(f"{mode}: up in {engines[mode][1]:.1f} s (compile {engines[mode][0].engine.runner.forward.warmup_s:.1f} s)",
+              flush=True)
+    cells = []
+    for context in contexts:
+        for batch in batches:
+            cell = {"batch": batch, "context": context}
+            for mode, (llm, _) in engines.items():
+                step_s = measure(llm, batch, context, args.steps)
+                cell[f"{mode}_ms"] = 1000 * step_s
+                cell[f"{mode}_us_per_seq"] = 1e6 * step_s / batch
+            print("  ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in cell.items()),
+                  flush=True)
+            cells.append(cell)
+    write_json(args.out, {
+        "benchmark": "step_time",
+        "config": {"model": args.model, "dtype": str(engines[modes[0]][0].engine.runner.dtype), "modes": modes,
+                   "steps": args.steps, "batches": batches, "contexts": contexts,
+                   "startup_s": {m: e[1] for m, e in engines.items()},
+                   "compile_s": {m: e[0].engine.runner.forward.warmup_s for m, e in engines.items()}},
+        "method": "decode steps over pages already holding `context` tokens; median engine.step() time",
+        "cells": cells,
+    })
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

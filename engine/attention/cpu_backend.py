@@ -1,0 +1,80 @@
+"""Paged attention on the CPU: decodes read their pages in place, prefills run one SDPA each.
+
+Decodes go to the C++ kernel in ``csrc/`` (one work item per sequence and KV head, online
+softmax over the block table: no context is gathered). A prefill chunk that is its whole
+context (no cached prefix, no earlier chunk) attends over its own fresh K/V with causal SDPA;
+a chunk after cached context gathers that context once per layer, which costs O(context)
+next to the O(chunk x context) of its attention.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engine.attention import cpu_kernels
+from engine.attention.backend import AttentionBackend, StepLayout
+from engine.attention.torch_backend import context_slots
+
+
+@dataclass
+class _Chunk:
+    q_start: int
+    q_end: int
+    # Slots of the whole context when the chunk follows cached tokens; None when it is the context.
+    ctx_slots: torch.Tensor | None
+    mask: torch.Tensor | None  # [q, ctx] bool, only with ctx_slots
+
+
+@dataclass
+class CpuStepPlan:
+    chunks: list[_Chunk]
+
+
+class CpuAttentionBackend(AttentionBackend):
+    name = "cpu"
+
+    def __init__(self):
+        if not cpu_kernels.available():
+            raise RuntimeError("attention_backend='cpu' needs the CPU kernels, which could not be built "
+                               f"({cpu_kernels.load_error()}); use attention_backend='torch'")
+        self._decode = torch.ops.splitserve_cpu.paged_decode
+
+    def prepare(self, layout: StepLayout) -> CpuStepPlan:
+        chunks = []
+        starts = layout.query_start_list
+        for b in range(layout.num_decodes, len(layout.seq_lens_list)):
+            q_len, ctx = layout.query_lens_list[b], layout.seq_lens_list[b]
+            slots = mask = None
+            if q_len != ctx:
+                slots = context_slots(layout.block_tables[b:b + 1], layout.block_size, ctx)[0]
+                q_pos = torch.arange(ctx - q_len, ctx)
+                mask = torch.arange(ctx)[None, :] <= q_pos[:, None]
+            chunks.append(_Chunk(starts[b], starts[b + 1], slots, mask))
+        return CpuStepPlan(chunks)
+
+    def forward(self, query, key, value, k_cache, v_cache, layout, prepared: CpuStepPlan, scale):
+        num_kv_heads, head_dim = k_cache.shape[-2:]
+        k_flat = k_cache.view(-1, num_kv_heads, head_dim)
+        v_flat = v_cache.view(-1, num_kv_heads, head_dim)
+        k_flat.index_copy_(0, layout.slot_mapping, key.to(k_flat.dtype))
+        v_flat.index_copy_(0, layout.slot_mapping, value.to(v_flat.dtype))
+
+        out = torch.empty(query.shape, dtype=query.dtype)
+        nd = layout.num_decodes
+        if nd:
+            self._decode(out[:nd], query[:nd], k_cache, v_cache, layout.block_tables[:nd], layout.seq_lens[:nd],
+                         scale)
+        for c in prepared.chunks:
+            q = query[c.q_start:c.q_end].transpose(0, 1).unsqueeze(0)  # [1, Hq, q, D]
+            if c.ctx_slots is None:
+                k, v = key[c.q_start:c.q_end], value[c.q_start:c.q_end]
+            else:
+                k, v = k_flat[c.ctx_slots], v_flat[c.ctx_slots]
+            k = k.to(q.dtype).transpose(0, 1).unsqueeze(0)  # [1, Hkv, ctx, D]
+            v = v.to(q.dtype).transpose(0, 1).unsqueeze(0)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=c.mask, is_causal=c.mask is None, scale=scale,
+                                               enable_gqa=True)
+            out[c.q_start:c.q_end] = o[0].transpose(0, 1)
+        return out

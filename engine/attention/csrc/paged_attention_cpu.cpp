@@ -1,0 +1,309 @@
+// Paged decode attention on the CPU: every decoding sequence reads its K/V pages where they lie.
+//
+// One work item per (sequence, KV head): the GQA group of query heads that share that KV head
+// walks the sequence's block table page by page with an online softmax, so no context is ever
+// gathered or copied. Scores and accumulators are float32 whatever the cache dtype; bf16/fp16
+// pages are widened on load. Work items are spread over torch's intra-op threads, the same
+// threads the linear layers use.
+//
+// The caches are taken as a logical [num_blocks, block_size, num_kv_heads, head_dim] view with
+// any strides (head_dim contiguous), so token-major and head-major pools are both read in place.
+#include <torch/library.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#if defined(__AVX__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+
+namespace {
+
+constexpr int kMaxBlockSize = 256;
+constexpr int kMaxGroup = 16;
+
+// Eight floats: one AVX2 register (two NEON ones); plain vector extensions so every target
+// compiles, with AVX2 intrinsics where a generic spelling compiles badly.
+typedef float v8f __attribute__((vector_size(32)));
+typedef int32_t v8i __attribute__((vector_size(32)));
+typedef uint16_t v8u16 __attribute__((vector_size(16)));
+typedef uint32_t v8u32 __attribute__((vector_size(32)));
+
+inline v8f bits_to_float(v8u32 x) {
+  v8f v;
+  std::memcpy(&v, &x, sizeof(v));
+  return v;
+}
+
+inline v8f load8(const float* p) {
+  v8f v;
+  std::memcpy(&v, p, sizeof(v));
+  return v;
+}
+inline v8f load8(const c10::BFloat16* p) {
+#if defined(__AVX2__)
+  const __m256i wide = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16);
+  return reinterpret_cast<v8f>(_mm256_castsi256_ps(wide));
+#else
+  v8u16 raw;
+  std::memcpy(&raw, p, sizeof(raw));
+  return bits_to_float(__builtin_convertvector(raw, v8u32) << 16);
+#endif
+}
+inline v8f load8(const c10::Half* p) {
+#if defined(__F16C__)
+  return reinterpret_cast<v8f>(_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+#else
+  v8f v;
+  for (int i = 0; i < 8; ++i) v[i] = static_cast<float>(p[i]);
+  return v;
+#endif
+}
+inline void store8(float* p, v8f v) { std::memcpy(p, &v, sizeof(v)); }
+inline v8f splat(float x) { return v8f{x, x, x, x, x, x, x, x}; }
+inline v8f vmax(v8f a, v8f b) { return a > b ? a : b; }
+inline float hmax(v8f v) {
+  float m = v[0];
+  for (int i = 1; i < 8; ++i) m = std::max(m, v[i]);
+  return m;
+}
+
+// exp(x) for x <= 0 as 2^(x log2 e): the integer part goes into the exponent bits, the
+// fraction through a degree-6 polynomial (relative error ~2e-7, below the float32 rounding
+// of the sums it feeds). Inputs below -87 give ~0 instead of a denormal.
+inline v8f exp_nonpositive(v8f x) {
+  x = vmax(x, splat(-87.0f));
+  const v8f t = x * splat(1.44269504088896341f);
+  v8f fi = __builtin_convertvector(__builtin_convertvector(t, v8i), v8f);
+  fi = fi > t ? fi - splat(1.0f) : fi;  // floor
+  const v8f f = t - fi;
+  v8f p = splat(1.535336188319500e-4f);
+  p = p * f + splat(1.339887440266574e-3f);
+  p = p * f + splat(9.618437357674640e-3f);
+  p = p * f + splat(5.550332471162809e-2f);
+  p = p * f + splat(2.402264791363012e-1f);
+  p = p * f + splat(6.931472028550421e-1f);
+  p = p * f + splat(1.0f);
+  const v8i exponent = (__builtin_convertvector(fi, v8i) + 127) << 23;
+  v8f scale;
+  std::memcpy(&scale, &exponent, sizeof(scale));
+  return p * scale;
+}
+
+// Eight dot-product accumulators -> one vector of their eight sums.
+inline v8f reduce8(const v8f d[8]) {
+#if defined(__AVX__)
+  const __m256 a = _mm256_hadd_ps(_mm256_hadd_ps(d[0], d[1]), _mm256_hadd_ps(d[2], d[3]));
+  const __m256 b = _mm256_hadd_ps(_mm256_hadd_ps(d[4], d[5]), _mm256_hadd_ps(d[6], d[7]));
+  // a = [s0 s1 s2 s3 | s0' s1' s2' s3'] (low/high halves of each row), b likewise for rows 4-7.
+  const __m256 lo = _mm256_permute2f128_ps(a, b, 0x20);
+  const __m256 hi = _mm256_permute2f128_ps(a, b, 0x31);
+  return reinterpret_cast<v8f>(_mm256_add_ps(lo, hi));
+#else
+  v8f out;
+  for (int j = 0; j < 8; ++j) {
+    float sum = 0.0f;
+    for (int i = 0; i < 8; ++i) sum += d[j][i];
+    out[j] = sum;
+  }
+  return out;
+#endif
+}
+
+inline float widen(float x) { return x; }
+inline float widen(c10::BFloat16 x) { return static_cast<float>(x); }
+inline float widen(c10::Half x) { return static_cast<float>(x); }
+
+template <typename T>
+inline void store_row(T* __restrict dst, const float* __restrict src, int n) {
+  for (int d = 0; d < n; ++d) dst[d] = static_cast<T>(src[d]);
+}
+
+struct CacheView {
+  int64_t block, token, head;  // strides in elements
+};
+
+// One (sequence, KV head): `group` query rows of `D` floats, already scaled. Per page: widen
+// its K rows into an L1 buffer, score eight tokens at a time per query head, update the
+// online softmax, then accumulate V with the D/8 register columns outermost.
+template <typename cache_t, int D>
+void attend_one(const float* __restrict q, int group, const cache_t* __restrict k_base,
+                const cache_t* __restrict v_base, CacheView kv, CacheView vv, const int32_t* __restrict table,
+                int ctx, int block_size, float* __restrict out) {
+  constexpr int C = D / 8;  // register columns of a row
+  float m[kMaxGroup], l[kMaxGroup];
+  v8f acc[kMaxGroup][C];
+  v8f qv[kMaxGroup][C];
+  // Scores of the page, padded to a multiple of 8 tokens.
+  alignas(64) float s[kMaxGroup][kMaxBlockSize + 8];
+  alignas(64) float kf[kMaxBlockSize + 8][D];
+  for (int g = 0; g < group; ++g) {
+    m[g] = -1e30f;
+    l[g] = 0.0f;
+    for (int c = 0; c < C; ++c) {
+      acc[g][c] = v8f{};
+      qv[g][c] = load8(q + g * D + c * 8);
+    }
+  }
+  const int num_pages = (ctx + block_size - 1) / block_size;
+  for (int p = 0; p < num_pages; ++p) {
+    const int64_t blk = table[p];
+    const int n = std::min(block_size, ctx - p * block_size);
+    const int n8 = (n + 7) & ~7;
+    const cache_t* kp = k_base + blk * kv.block;
+    const cache_t* vp = v_base + blk * vv.block;
+    for (int t = 0; t < n; ++t)
+      for (int c = 0; c < C; ++c) store8(kf[t] + c * 8, load8(kp + t * kv.token + c * 8));
+    for (int t = n; t < n8; ++t)
+      for (int c = 0; c < C; ++c) store8(kf[t] + c * 8, v8f{});
+    for (int g = 0; g < group; ++g) {
+      v8f page_max = splat(m[g]);
+      for (int t0 = 0; t0 < n8; t0 += 8) {
+        v8f d[8];
+        for (int j = 0; j < 8; ++j) d[j] = qv[g][0] * load8(kf[t0 + j]);
+        for (int c = 1; c < C; ++c)
+          for (int j = 0; j < 8; ++j) d[j] += qv[g][c] * load8(kf[t0 + j] + c * 8);
+        v8f scores = reduce8(d);
+        if (t0 + 8 > n) {  // the padded tail of a partial page never wins the softmax
+          for (int j = n - t0; j < 8; ++j) scores[j] = -1e30f;
+        }
+        store8(s[g] + t0, scores);
+        page_max = vmax(page_max, scores);
+      }
+      const float mx = hmax(page_max);
+      const float alpha = exp_nonpositive(splat(m[g] - mx))[0];
+      v8f sum = v8f{};
+      for (int t0 = 0; t0 < n8; t0 += 8) {
+        const v8f e = exp_nonpositive(load8(s[g] + t0) - splat(mx));
+        store8(s[g] + t0, e);
+        sum += e;
+      }
+      float total = 0.0f;
+      for (int i = 0; i < 8; ++i) total += sum[i];
+      l[g] = l[g] * alpha + total;
+      m[g] = mx;
+      for (int c = 0; c < C; ++c) acc[g][c] *= alpha;
+    }
+    for (int c = 0; c < C; ++c) {
+      for (int t = 0; t < n; ++t) {
+        const v8f v = load8(vp + t * vv.token + c * 8);
+        for (int g = 0; g < group; ++g) acc[g][c] += splat(s[g][t]) * v;
+      }
+    }
+  }
+  for (int g = 0; g < group; ++g) {
+    const float inv = l[g] > 0.0f ? 1.0f / l[g] : 0.0f;
+    for (int c = 0; c < C; ++c) store8(out + g * D + c * 8, acc[g][c] * inv);
+  }
+}
+
+template <typename cache_t, typename q_t, int D>
+void decode_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                 const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale) {
+  const int64_t num_seqs = query.size(0);
+  const int num_q_heads = query.size(1);
+  const int num_kv_heads = k_cache.size(2);
+  const int block_size = k_cache.size(1);
+  const int group = num_q_heads / num_kv_heads;
+  const CacheView kv{k_cache.stride(0), k_cache.stride(1), k_cache.stride(2)};
+  const CacheView vv{v_cache.stride(0), v_cache.stride(1), v_cache.stride(2)};
+  const cache_t* k_ptr = k_cache.data_ptr<cache_t>();
+  const cache_t* v_ptr = v_cache.data_ptr<cache_t>();
+  const q_t* q_ptr = query.data_ptr<q_t>();
+  q_t* o_ptr = out.data_ptr<q_t>();
+  const int32_t* bt = block_tables.data_ptr<int32_t>();
+  const int32_t* lens = seq_lens.data_ptr<int32_t>();
+  const int64_t q_row = query.stride(0), q_head = query.stride(1);
+  const int64_t o_row = out.stride(0), o_head = out.stride(1);
+  const int64_t bt_row = block_tables.stride(0);
+  const float fscale = static_cast<float>(scale);
+
+  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    alignas(64) float q[kMaxGroup * D];
+    alignas(64) float o[kMaxGroup * D];
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t b = item / num_kv_heads;
+      const int h = item % num_kv_heads;
+      const int ctx = lens[b];
+      for (int g = 0; g < group; ++g) {
+        const q_t* src = q_ptr + b * q_row + (h * group + g) * q_head;
+        for (int d = 0; d < D; ++d) q[g * D + d] = widen(src[d]) * fscale;
+      }
+      attend_one<cache_t, D>(q, group, k_ptr + h * kv.head, v_ptr + h * vv.head, kv, vv, bt + b * bt_row, ctx,
+                             block_size, o);
+      for (int g = 0; g < group; ++g) store_row(o_ptr + b * o_row + (h * group + g) * o_head, o + g * D, D);
+    }
+  });
+}
+
+template <typename cache_t, typename q_t>
+void dispatch_head_dim(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                       const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale) {
+  switch (query.size(2)) {
+    case 16: return decode_impl<cache_t, q_t, 16>(out, query, k_cache, v_cache, block_tables, seq_lens, scale);
+    case 32: return decode_impl<cache_t, q_t, 32>(out, query, k_cache, v_cache, block_tables, seq_lens, scale);
+    case 48: return decode_impl<cache_t, q_t, 48>(out, query, k_cache, v_cache, block_tables, seq_lens, scale);
+    case 64: return decode_impl<cache_t, q_t, 64>(out, query, k_cache, v_cache, block_tables, seq_lens, scale);
+    case 80: return decode_impl<cache_t, q_t, 80>(out, query, k_cache, v_cache, block_tables, seq_lens, scale);
+    case 96: return decode_impl<cache_t, q_t, 96>(out, query, k_cache, v_cache, block_tables, seq_lens, scale);
+    case 128: return decode_impl<cache_t, q_t, 128>(out, query, k_cache, v_cache, block_tables, seq_lens, scale);
+    case 256: return decode_impl<cache_t, q_t, 256>(out, query, k_cache, v_cache, block_tables, seq_lens, scale);
+    default: TORCH_CHECK(false, "paged_decode: head_dim ", query.size(2), " is not one of 16, 32, 48, 64, 80, 96, 128, 256");
+  }
+}
+
+template <typename cache_t>
+void dispatch_query(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                    const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale) {
+  switch (query.scalar_type()) {
+    case at::kFloat: return dispatch_head_dim<cache_t, float>(out, query, k_cache, v_cache, block_tables, seq_lens, scale);
+    case at::kBFloat16:
+      return dispatch_head_dim<cache_t, c10::BFloat16>(out, query, k_cache, v_cache, block_tables, seq_lens, scale);
+    case at::kHalf: return dispatch_head_dim<cache_t, c10::Half>(out, query, k_cache, v_cache, block_tables, seq_lens, scale);
+    default: TORCH_CHECK(false, "paged_decode: unsupported query dtype ", query.scalar_type());
+  }
+}
+
+// out[b] = softmax(query[b] . K[b]^T * scale) V[b] over positions 0..seq_lens[b]-1 of sequence b.
+//   out, query: [B, num_q_heads, head_dim]; caches: [num_blocks, block_size, num_kv_heads, head_dim]
+//   (any strides, head_dim contiguous); block_tables [B, max_blocks] int32; seq_lens [B] int32.
+void paged_decode(at::Tensor out, const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                  const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale) {
+  TORCH_CHECK(query.device().is_cpu() && k_cache.device().is_cpu(), "paged_decode is the CPU kernel");
+  TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes(), "paged_decode: query/out must be [B, H, D] alike");
+  TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "paged_decode: caches must be 4-D alike");
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "paged_decode: K and V caches differ in dtype");
+  TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1 && k_cache.stride(3) == 1 && v_cache.stride(3) == 1,
+              "paged_decode: head_dim must be contiguous");
+  TORCH_CHECK(out.scalar_type() == query.scalar_type(), "paged_decode: out and query differ in dtype");
+  TORCH_CHECK(k_cache.size(3) == query.size(2), "paged_decode: query and cache head_dim differ");
+  TORCH_CHECK(query.size(1) % k_cache.size(2) == 0, "paged_decode: query heads must be a multiple of KV heads");
+  TORCH_CHECK(query.size(1) / k_cache.size(2) <= kMaxGroup, "paged_decode: GQA group above ", kMaxGroup);
+  TORCH_CHECK(k_cache.size(1) <= kMaxBlockSize, "paged_decode: block_size above ", kMaxBlockSize);
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt,
+              "paged_decode: block_tables and seq_lens must be int32");
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.stride(1) == 1 && block_tables.size(0) == query.size(0),
+              "paged_decode: block_tables must be [B, max_blocks] with contiguous rows");
+  TORCH_CHECK(seq_lens.is_contiguous() && seq_lens.numel() == query.size(0), "paged_decode: seq_lens must be [B]");
+  if (query.size(0) == 0) return;
+  switch (k_cache.scalar_type()) {
+    case at::kFloat: return dispatch_query<float>(out, query, k_cache, v_cache, block_tables, seq_lens, scale);
+    case at::kBFloat16: return dispatch_query<c10::BFloat16>(out, query, k_cache, v_cache, block_tables, seq_lens, scale);
+    case at::kHalf: return dispatch_query<c10::Half>(out, query, k_cache, v_cache, block_tables, seq_lens, scale);
+    default: TORCH_CHECK(false, "paged_decode: unsupported cache dtype ", k_cache.scalar_type());
+  }
+}
+
+}  // namespace
+
+TORCH_LIBRARY(splitserve_cpu, m) {
+  m.def("paged_decode(Tensor(a!) out, Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+        "Tensor seq_lens, float scale) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(splitserve_cpu, CPU, m) { m.impl("paged_decode", &paged_decode); }

@@ -1,0 +1,120 @@
+"""The CPU decode kernel (engine/attention/csrc) and the CPU backend against the plain reference.
+
+Slots outside every sequence's context hold NaN (the ``Batch`` helper of the Triton tests), so a
+kernel that reads past a context, or a page tail, poisons its output.
+"""
+import random
+
+import pytest
+import torch
+
+from engine.attention import StepLayout, cpu_kernels, reference
+from engine.attention.cpu_backend import CpuAttentionBackend
+from engine.attention.torch_backend import TorchAttentionBackend
+from tests.test_attention_kernels import SCENARIOS, Batch
+
+
+
+def test_kernels_build_here():
+    # gcc and ninja are part of the set-up: a build failure is a failure, not a skip.
+    assert cpu_kernels.available(), cpu_kernels.load_error()
+
+LONG_DECODE = [(150, 1), (70, 1), (201, 1), (1, 1)]
+
+
+def make_batch(q_lens, ctx_lens, block_size, num_blocks, hq, hkv, d, seed):
+    gen = torch.Generator().manual_seed(seed)
+    rng = random.Random(seed)
+    k_cache = torch.randn(num_blocks, block_size, hkv, d, generator=gen)
+    v_cache = torch.randn(num_blocks, block_size, hkv, d, generator=gen)
+    free = list(range(num_blocks))
+    rng.shuffle(free)  # fragmented block tables
+    tables = [[free.pop() for _ in range(-(-c // block_size))] for c in ctx_lens]
+    width = max(len(t) for t in tables)
+    slots = []
+    for t, q, c in zip(tables, q_lens, ctx_lens):
+        slots += [t[p // block_size] * block_size + p % block_size for p in range(c - q, c)]
+    starts = [0]
+    for q in q_lens:
+        starts.append(starts[-1] + q)
+    layout = StepLayout(
+        slot_mapping=torch.tensor(slots), query_start_loc=torch.tensor(starts, dtype=torch.int32),
+        seq_lens=torch.tensor(ctx_lens, dtype=torch.int32),
+        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32),
+        num_decodes=sum(1 for q in q_lens if q == 1), query_lens_list=list(q_lens), seq_lens_list=list(ctx_lens),
+        block_size=block_size)
+    total = sum(q_lens)
+    return (torch.randn(total, hq, d, generator=gen), torch.randn(total, hkv, d, generator=gen),
+            torch.randn(total, hkv, d, generator=gen), k_cache, v_cache, layout)
+
+
+def decode(batch: Batch, head_major: bool = False) -> torch.Tensor:
+    k, v = batch.k_cache, batch.v_cache
+    if head_major:  # the same values in [blocks, heads, block_size, D] memory, viewed as the kernel's order
+        k = k.transpose(1, 2).contiguous().transpose(1, 2)
+        v = v.transpose(1, 2).contiguous().transpose(1, 2)
+    out = torch.empty_like(batch.query)
+    torch.ops.splitserve_cpu.paged_decode(out, batch.query, k, v, batch.block_tables, batch.seq_lens, batch.scale)
+    return out
+
+
+@pytest.mark.parametrize("head_dim", [16, 64, 80, 128])
+@pytest.mark.parametrize("heads", [(4, 4), (9, 3), (8, 1)])
+@pytest.mark.parametrize("block_size", [8, 16, 32])
+def test_decode_kernel_matches_reference(head_dim, heads, block_size):
+    batch = Batch(LONG_DECODE, block_size, *heads, head_dim, torch.float32, "cpu", fragmented=True)
+    expected = reference.paged_attention(*batch.attention_args())
+    out = decode(batch)
+    assert not torch.isnan(out).any(), "read a slot outside a sequence's context"
+    torch.testing.assert_close(out, expected, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_decode_kernel_half_precision_pages(dtype):
+    batch = Batch(LONG_DECODE, 16, 9, 3, 64, dtype, "cpu", fragmented=True)
+    expected = reference.paged_attention(batch.query.float(), batch.k_cache.float(), batch.v_cache.float(),
+                                         *batch.attention_args()[3:])
+    out = decode(batch)
+    assert out.dtype == dtype
+    torch.testing.assert_close(out.float(), expected, atol=2e-2, rtol=2e-2)
+
+
+def test_decode_kernel_reads_head_major_pages_in_place():
+    batch = Batch(LONG_DECODE, 16, 6, 2, 64, torch.float32, "cpu", fragmented=True)
+    torch.testing.assert_close(decode(batch, head_major=True), decode(batch), atol=0, rtol=0)
+
+
+def test_decode_kernel_refuses_what_it_cannot_do():
+    batch = Batch(SCENARIOS["decode"], 16, 4, 4, 64, torch.float32, "cpu", fragmented=False)
+    out = torch.empty_like(batch.query)
+    with pytest.raises(RuntimeError, match="head_dim"):
+        q = torch.zeros(3, 4, 24)
+        torch.ops.splitserve_cpu.paged_decode(torch.empty_like(q), q, torch.zeros(4, 16, 4, 24),
+                                              torch.zeros(4, 16, 4, 24), batch.block_tables, batch.seq_lens, 1.0)
+    with pytest.raises(RuntimeError, match="int32"):
+        torch.ops.splitserve_cpu.paged_decode(out, batch.query, batch.k_cache, batch.v_cache,
+                                              batch.block_tables.long(), batch.seq_lens, 1.0)
+
+
+@pytest.mark.parametrize("backend", [CpuAttentionBackend, TorchAttentionBackend])
+@pytest.mark.parametrize("block_size", [8, 16])
+@pytest.mark.parametrize("heads", [(4, 4), (9, 3)])
+def test_backend_step_matches_reference(backend, block_size, heads):
+    # Decodes first (the runner's order), then a whole prefill and a chunk over cached context.
+    q_lens, ctx_lens = [1, 1, 1, 12, 5], [7, 33, 16, 12, 29]
+    query, key, value, k_cache, v_cache, layout = make_batch(q_lens, ctx_lens, block_size, 24, *heads, 16, seed=1)
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    reference.write_kv(key, value, ref_k, ref_v, layout.slot_mapping)
+    expected = reference.paged_attention(query, ref_k, ref_v, layout.block_tables, layout.query_start_loc,
+                                         layout.seq_lens, 0.25)
+    b = backend()
+    got = b.forward(query, key, value, k_cache, v_cache, layout, b.prepare(layout), 0.25)
+    assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_layout_fills_query_starts():
+    layout = StepLayout(slot_mapping=torch.zeros(4, dtype=torch.int64), query_start_loc=torch.tensor([0, 1, 4]),
+                        seq_lens=torch.tensor([5, 3]), block_tables=torch.zeros(2, 1, dtype=torch.int32),
+                        num_decodes=1, query_lens_list=[1, 3], seq_lens_list=[5, 3], block_size=8)
+    assert layout.query_start_list == [0, 1, 4]
