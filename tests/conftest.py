@@ -18,7 +18,7 @@ from pathlib import Path  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from tests.tiny_models import make_tiny_model  # noqa: E402
+from splitserve.testing.tiny_models import make_tiny_model  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):
