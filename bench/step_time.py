@@ -41,13 +41,14 @@ def measure(llm, batch: int, context: int, steps: int) -> float:
     from engine import SamplingParams
     engine = llm.engine
     params = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
+    vocab = llm.engine.vocab_size
     ids = []
     for i in range(batch):
         rid = f"b{batch}-c{context}-{i}"
-        prompt = [100 + (i * 131 + j) % 30000 for j in range(context)]
+        prompt = [(i * 131 + j) % vocab for j in range(context)]
         if engine.kv.allocate(rid, context) is None:
             raise RuntimeError("KV pool too small for the cell")
-        engine.add_prefilled_request(rid, prompt, params, first_token=100)
+        engine.add_prefilled_request(rid, prompt, params, first_token=1)
         ids.append(rid)
     try:
         for _ in range(2):

@@ -56,11 +56,15 @@ def shared_prefix(n: int, vocab_size: int, seed: int = 0, *, prefix_len: tuple[i
     return out
 
 
-def fresh_tokens(requests: list[BenchRequest], vocab_size: int, seed: int) -> list[BenchRequest]:
+def fresh_tokens(requests: list[BenchRequest], vocab_size: int, seed: int, shared_prefix_len: int = 0
+                 ) -> list[BenchRequest]:
     """The same requests (lengths, kinds) with new random prompt ids: the same work again
-    without hitting the prefix cache that the last run filled."""
+    without hitting the prefix cache that the last run filled. With ``shared_prefix_len`` the
+    first that many ids are one new prefix common to every request, as in ``shared_prefix``."""
     rng = random.Random(seed)
-    return [BenchRequest(_tokens(rng, len(r.prompt_token_ids), vocab_size), r.max_tokens, r.kind) for r in requests]
+    prefix = _tokens(rng, shared_prefix_len, vocab_size)
+    return [BenchRequest(prefix + _tokens(rng, len(r.prompt_token_ids) - shared_prefix_len, vocab_size),
+                         r.max_tokens, r.kind) for r in requests]
 
 
 def poisson_offsets(n: int, rate: float, seed: int = 0) -> list[float]:

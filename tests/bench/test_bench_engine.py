@@ -1,0 +1,43 @@
+"""bench/engine_throughput.py and bench/step_time.py end to end on the tiny model (vLLM is not
+installed in the test environment; its peer runs only where --peer-python names one). No timing
+asserted: the JSON must describe every system, workload and round it ran."""
+import json
+
+from bench import engine_throughput, step_time
+from bench.workloads import fresh_tokens, shared_prefix
+
+
+def test_engine_throughput_runs_every_system_and_workload(tiny_model_dirs, tmp_path):
+    out = tmp_path / "engine.json"
+    engine_throughput.main(["--out", str(out), "--model", str(tiny_model_dirs["llama"]), "--dtype", "float32",
+                            "--workload", "mixed,shared,prefill", "--prompt-lens", "64,200", "--num-requests", "4",
+                            "--pairs", "1", "--systems", "splitserve,splitserve-eager,static,hf",
+                            "--max-model-len", "1024"])
+    report = json.loads(out.read_text())
+    assert [w["workload"]["name"] for w in report["workloads"]] == ["mixed", "shared", "prefill", "prefill"]
+    assert [w["workload"].get("prompt_len") for w in report["workloads"]][2:] == [64, 200]
+    for w in report["workloads"]:
+        assert set(w["systems"]) == {"splitserve", "splitserve-eager", "static", "hf"}
+        for runs in w["runs"].values():
+            assert len(runs) == 1 and runs[0]["output_tokens"] == w["workload"]["output_tokens"]
+    assert report["config"]["compile_s"]["splitserve"] > 0 == report["config"]["compile_s"]["splitserve-eager"]
+
+
+def test_shared_workload_shares_one_prefix():
+    requests = shared_prefix(6, 1000, seed=3, prefix_len=(512, 512), suffix_len=(16, 64), outputs="mixed")
+    prefix = requests[0].prompt_token_ids[:512]
+    assert all(r.prompt_token_ids[:512] == prefix and 16 <= len(r.prompt_token_ids) - 512 <= 64 for r in requests)
+    assert len({r.prompt_token_ids[512] for r in requests}) > 1
+    again = fresh_tokens(requests, 1000, seed=4, shared_prefix_len=512)
+    assert [(len(a.prompt_token_ids), a.max_tokens) for a in again] == [
+        (len(r.prompt_token_ids), r.max_tokens) for r in requests]
+    assert all(a.prompt_token_ids[:512] == again[0].prompt_token_ids[:512] != prefix for a in again)
+
+
+def test_step_time_table(tiny_model_dirs, tmp_path):
+    out = tmp_path / "steps.json"
+    step_time.main(["--out", str(out), "--model", str(tiny_model_dirs["llama"]), "--dtype", "float32",
+                    "--batches", "1,4", "--contexts", "20,90", "--steps", "2", "--modes", "compiled,eager"])
+    cells = json.loads(out.read_text())["cells"]
+    assert [(c["batch"], c["context"]) for c in cells] == [(1, 20), (4, 20), (1, 90), (4, 90)]
+    assert all(c["compiled_ms"] > 0 and c["eager_ms"] > 0 for c in cells)
