@@ -1,0 +1,62 @@
+"""Copy page runs of one layer from a source pool into a destination pool, on any devices.
+
+The shm and cuda_ipc senders map the decode pool into their own process and copy into it
+directly; this is that copy. A few runs go as slice copies (one per run, K and V together).
+Many short runs (a fragmented page table) go as one operation per layer:
+
+* CPU -> CPU: the ``splitserve_cpu::copy_pages`` kernel (``engine/attention/csrc``), one
+  streaming copy per page; without it (no compiler), a gather and a scatter through a temporary.
+* one GPU: a gather and a scatter on that device (both bandwidth-cheap kernels).
+* GPU -> another GPU (compose's pairs put prefill on cuda:0 and decode on cuda:1): ``index_copy_``
+  cannot take a source on another device, so the pages are gathered on the source device,
+  moved in one peer copy, and scattered on the destination device.
+
+Copies are issued on the calling thread's current stream of each device involved; the caller
+decides when they are complete (see ``CudaIpcSender.flush``).
+"""
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+
+Run = tuple[int, int, int]  # (src_block, dst_block, num_blocks)
+
+# Past this many runs in one layer, one gathered operation beats a copy call per run.
+MAX_RUNS_FOR_SLICE_COPIES = 8
+
+
+def expand(runs: Sequence[Run]) -> tuple[list[int], list[int]]:
+    """Page ids (source, destination) of every page of ``runs``, in order."""
+    return [s + i for s, _, n in runs for i in range(n)], [d + i for _, d, n in runs for i in range(n)]
+
+
+def _native_cpu() -> bool:
+    from engine.attention import cpu_kernels
+    return cpu_kernels.available()
+
+
+def copy_runs(src: torch.Tensor, dst: torch.Tensor, runs: Sequence[Run]) -> int:
+    """``dst[:, d:d+n] = src[:, s:s+n]`` for every run; src/dst are one layer, [2, blocks, ...page].
+
+    Returns the number of copy operations issued (what coalescing and batching save)."""
+    if not runs:
+        return 0
+    same_device = src.device == dst.device
+    if len(runs) <= MAX_RUNS_FOR_SLICE_COPIES:
+        pairs = [(dst[:, d:d + n], src[:, s:s + n]) for s, d, n in runs]
+        if same_device:  # one call for every run: per-run copy_ calls cost more in Python than in memory
+            torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs])
+        else:
+            for d, s in pairs:
+                d.copy_(s, non_blocking=True)
+        return len(runs)
+    src_ids, dst_ids = expand(runs)
+    if src.device.type == dst.device.type == "cpu" and _native_cpu():
+        torch.ops.splitserve_cpu.copy_pages(src, dst, torch.tensor(src_ids), torch.tensor(dst_ids))
+        return 1
+    pages = src.index_select(1, torch.tensor(src_ids, device=src.device))
+    if not same_device:
+        pages = pages.to(dst.device, non_blocking=True)
+    dst.index_copy_(1, torch.tensor(dst_ids, device=dst.device), pages)
+    return 1
