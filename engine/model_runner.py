@@ -31,8 +31,21 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(name)
+    if device.type == "cuda" and device.index is None:  # an explicit index: comparable, and set_device-able
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def bind_device(device: torch.device) -> None:
+    """Make ``device`` the current CUDA device of the calling thread (no-op off CUDA).
+
+    Triton kernels and CUDA graph replays launch on the *current* device, not on their tensors'
+    one, and every thread starts on cuda:0: a worker on cuda:1 stepping its engine on a thread of
+    its own would run its attention on the wrong GPU. Cheap enough to call every step."""
+    if device.type == "cuda" and torch.cuda.current_device() != device.index:
+        torch.cuda.set_device(device)
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -60,6 +73,7 @@ class ModelRunner:
                  max_model_len: int | None = None):
         self.config = config
         self.device = resolve_device(config.device)
+        bind_device(self.device)  # the compile warm-up and the graph capture below run on this thread
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.model = load_model(model_dir, self.dtype, self.device, attn_implementation=ATTN_IMPLEMENTATION)
         hf = self.model.config
@@ -110,6 +124,7 @@ class ModelRunner:
     # ---- one step ------------------------------------------------------------------
     @torch.inference_mode()
     def run(self, plan: SchedulerOutput) -> dict[str, SampledToken]:
+        bind_device(self.device)  # the engine may be stepped by any thread (a worker's engine loop)
         self._swap(plan)
         if plan.is_empty:
             return {}
