@@ -41,8 +41,10 @@ kernels: install
 run: model kernels redis
 	$(VENV)/bin/splitserve up --demo "What is the capital of France? Answer in one sentence."
 
+# Triton kernels are interpreted on CPU tensors only where no GPU can compile them.
 test: install model kernels redis
-	TRITON_INTERPRET=1 $(PY) -m pytest -q -ra
+	TRITON_INTERPRET=$${TRITON_INTERPRET:-$$($(PY) -c "import torch; print(0 if torch.cuda.is_available() else 1)")} \
+		$(PY) -m pytest -q -ra
 
 clean:
 	rm -rf $(VENV) build *.egg-info

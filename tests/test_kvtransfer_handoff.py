@@ -283,8 +283,10 @@ PREFILL_PROCESS = textwrap.dedent("""
     from kvtransfer import build_prefill
     from kvtransfer.base import TransferDescriptor
     model, jobs_json = sys.argv[1:3]
+    device = sys.argv[3] if len(sys.argv) > 3 else "auto"
     prefill = build_prefill(EngineConfig(model=model, dtype="float32", num_gpu_blocks=128, block_size=8,
-                                         max_num_batched_tokens=24, enforce_eager=True), verify_checksum=True)
+                                         max_num_batched_tokens=24, enforce_eager=True, device=device),
+                            verify_checksum=True)
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     for job in json.loads(jobs_json):
         desc = TransferDescriptor.from_dict(job["desc"])
@@ -293,7 +295,8 @@ PREFILL_PROCESS = textwrap.dedent("""
     while prefill.has_pending():
         for r in prefill.step():
             results.append({"request_id": r.request_id, "epoch": r.epoch, "first_token": r.first_token,
-                            "checksum": r.checksum, "error": str(r.error) if r.error else None})
+                            "checksum": r.checksum, "error": str(r.error) if r.error else None,
+                            "transport": r.transport})
     prefill.close()
     print(json.dumps(results))
 """)
