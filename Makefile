@@ -41,10 +41,9 @@ kernels: install
 run: model kernels redis
 	$(VENV)/bin/splitserve up --demo "What is the capital of France? Answer in one sentence."
 
-# Triton kernels are interpreted on CPU tensors only where no GPU can compile them.
+# Triton kernels are interpreted on CPU tensors only where no GPU can compile them (tests/conftest.py).
 test: install model kernels redis
-	TRITON_INTERPRET=$${TRITON_INTERPRET:-$$($(PY) -c "import torch; print(0 if torch.cuda.is_available() else 1)")} \
-		$(PY) -m pytest -q -ra
+	$(PY) -m pytest -q -ra
 
 clean:
 	rm -rf $(VENV) build *.egg-info

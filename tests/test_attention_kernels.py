@@ -1,8 +1,8 @@
 """Paged attention kernels: Triton vs the torch reference, and the reference vs dense SDPA.
 
 Without a GPU the Triton kernels run through the Triton interpreter on CPU tensors
-(TRITON_INTERPRET=1, set below before triton is imported unless the environment says
-otherwise).  On a machine with CUDA the kernels are compiled and the same cases run on the GPU
+(TRITON_INTERPRET=1, set by conftest.py before triton is imported unless the environment says
+otherwise; here too, for a run outside pytest's conftest).  On a machine with CUDA the kernels are compiled and the same cases run on the GPU
 under ``@pytest.mark.gpu`` (the CPU cases then skip: compiled Triton cannot take CPU tensors);
 ``TRITON_INTERPRET=1`` exported there interprets them instead.
 """
