@@ -83,7 +83,7 @@ class ModelRunner:
         self.head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
         self.block_size = config.block_size
         self.backend = select_backend(config.attention_backend, self.device.type, self.head_dim)
-        self.num_blocks = config.num_gpu_blocks or self._blocks_for(config.kv_cache_memory_gb)
+        self.num_blocks = config.num_gpu_blocks or self._pool_blocks()
         shape = (self.num_layers, 2, self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         self.kv_cache = pool_factory(shape, self.dtype, self.device)
         self.cpu_cache = None
@@ -116,10 +116,16 @@ class ModelRunner:
     def kv_bytes_per_token(self) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.kv_cache.element_size()
 
-    def _blocks_for(self, gigabytes: float) -> int:
+    def _pool_blocks(self) -> int:
         per_block = 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.block_size \
             * torch.empty((), dtype=self.dtype).element_size()
-        return max(1, int(gigabytes * 2**30) // per_block)
+        if self.config.gpu_memory_utilization is None:
+            return max(1, int(self.config.kv_cache_memory_gb * 2**30) // per_block)
+        if self.device.type != "cuda":
+            raise ValueError("gpu_memory_utilization sizes a KV pool on a GPU; this engine is on "
+                             f"{self.device}: size it with kv_cache_memory_gb (or num_gpu_blocks)")
+        from engine.gpu_memory import kv_blocks_for_utilization
+        return kv_blocks_for_utilization(self, self.config.gpu_memory_utilization, per_block)
 
     # ---- one step ------------------------------------------------------------------
     @torch.inference_mode()
