@@ -33,6 +33,10 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-gpu-blocks", type=int, default=_env("num_gpu_blocks", 0),
                    help="KV pages in the pool (0: size from --kv-cache-memory-gb)")
     p.add_argument("--kv-cache-memory-gb", type=float, default=_env("kv_cache_memory_gb", 1.0))
+    p.add_argument("--gpu-memory-utilization", type=float, default=_env("gpu_memory_utilization", 0.0),
+                   help="CUDA: share of the GPU's memory for this worker (weights, a step, its KV pool: the rest), "
+                        "as vLLM's flag; workers sharing a GPU split it (up: across its workers). 0: size the pool "
+                        "with --kv-cache-memory-gb")
     p.add_argument("--max-num-seqs", type=int, default=_env("max_num_seqs", 64))
     p.add_argument("--max-num-batched-tokens", type=int, default=_env("max_num_batched_tokens", 2048))
     _server_flags(p, host="127.0.0.1", port=0)
@@ -91,6 +95,7 @@ def _engine_config(args):
         torch.set_num_threads(args.num_threads)
     return EngineConfig(model=args.model, dtype=args.dtype, device=args.device, block_size=args.block_size,
                         num_gpu_blocks=args.num_gpu_blocks or None, kv_cache_memory_gb=args.kv_cache_memory_gb,
+                        gpu_memory_utilization=args.gpu_memory_utilization or None,
                         max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                         scheduling_policy=args.scheduling_policy, batching=args.batching,
                         static_batch_size=args.static_batch_size, enforce_eager=args.enforce_eager)
