@@ -66,7 +66,23 @@ def start_redis(directory: str) -> tuple[subprocess.Popen, str]:
     return proc, f"redis://127.0.0.1:{port}/0"
 
 
+def memory_shares(total: float, prefill: int, decode: int) -> dict[str, float]:
+    """Each worker's ``--gpu-memory-utilization`` when ``up`` puts all of them on one GPU with ``total``.
+
+    A decode worker's pool holds every running sequence's KV, a prefill worker's only the prompts
+    in flight (and its prefix cache), so a decode worker gets twice a prefill worker's share: with
+    one of each and 0.9, prefill 0.3 and decode 0.6. A colocated worker (both) gets all of it."""
+    if not 0 < total <= 1:
+        raise SystemExit(f"--gpu-memory-utilization must be in (0, 1], got {total}")
+    weights = prefill + 2 * decode
+    if weights == 0:
+        return {"both": total}
+    return {"prefill": total / weights, "decode": 2 * total / weights}
+
+
 def cmd_up(args) -> int:
+    if args.gpu_memory_utilization and args.device.startswith("cpu"):
+        raise SystemExit("--gpu-memory-utilization shares a GPU; on CPU size the KV pools with --kv-cache-memory-gb")
     workdir = tempfile.mkdtemp(prefix="splitserve-up-")
     procs: list[subprocess.Popen] = []
     cli = [sys.executable, "-m", "splitserve.cli", "--log-level", args.child_log_level]
@@ -106,6 +122,11 @@ def cmd_up(args) -> int:
         elif args.metrics_port == 0:
             for argv in workers:
                 argv += ["--metrics-port", "0"]
+        if args.gpu_memory_utilization:  # every worker on the one --device: split its share between them
+            shares = memory_shares(args.gpu_memory_utilization, args.prefill, args.decode)
+            for argv in workers:
+                role = "both" if "both" in argv else argv[0]
+                argv += ["--gpu-memory-utilization", f"{shares[role]:.4f}"]
         for argv in workers:
             procs.append(_spawn(cli + argv, child_env))
         for proc, argv in zip(procs[-len(workers):], workers):
