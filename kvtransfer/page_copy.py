@@ -16,8 +16,10 @@ decides when they are complete (see ``CudaIpcSender.flush``).
 """
 from __future__ import annotations
 
+import functools
 from typing import Sequence
 
+import numpy as np
 import torch
 
 Run = tuple[int, int, int]  # (src_block, dst_block, num_blocks)
@@ -26,9 +28,19 @@ Run = tuple[int, int, int]  # (src_block, dst_block, num_blocks)
 MAX_RUNS_FOR_SLICE_COPIES = 8
 
 
-def expand(runs: Sequence[Run]) -> tuple[list[int], list[int]]:
-    """Page ids (source, destination) of every page of ``runs``, in order."""
-    return [s + i for s, _, n in runs for i in range(n)], [d + i for _, d, n in runs for i in range(n)]
+@functools.lru_cache(maxsize=8)
+def page_ids(runs: tuple[Run, ...], device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+    """(source, destination) ids of every page of ``runs``, in order, as int64 tensors on ``device``.
+
+    Cached: every layer of a transfer comes with the same runs, so the ids are built (and, on a
+    GPU, copied to it) once per transfer, not once per layer. Built with numpy: ``torch.tensor``
+    of a Python list of 256 ids took ~0.2 ms, the copy of a page run's 3 MB about 0.5 ms."""
+    table = np.array(runs, dtype=np.int64).reshape(-1, 3)
+    lengths = table[:, 2]
+    offsets = np.arange(int(lengths.sum())) - np.repeat(np.cumsum(lengths) - lengths, lengths)
+    src = torch.from_numpy(np.repeat(table[:, 0], lengths) + offsets)
+    dst = torch.from_numpy(np.repeat(table[:, 1], lengths) + offsets)
+    return src.to(device), dst.to(device)
 
 
 def _native_cpu() -> bool:
@@ -51,12 +63,12 @@ def copy_runs(src: torch.Tensor, dst: torch.Tensor, runs: Sequence[Run]) -> int:
             for d, s in pairs:
                 d.copy_(s, non_blocking=True)
         return len(runs)
-    src_ids, dst_ids = expand(runs)
+    runs = tuple(runs)
     if src.device.type == dst.device.type == "cpu" and _native_cpu():
-        torch.ops.splitserve_cpu.copy_pages(src, dst, torch.tensor(src_ids), torch.tensor(dst_ids))
+        torch.ops.splitserve_cpu.copy_pages(src, dst, *page_ids(runs))
         return 1
-    pages = src.index_select(1, torch.tensor(src_ids, device=src.device))
+    pages = src.index_select(1, page_ids(runs, str(src.device))[0])
     if not same_device:
         pages = pages.to(dst.device, non_blocking=True)
-    dst.index_copy_(1, torch.tensor(dst_ids, device=dst.device), pages)
+    dst.index_copy_(1, page_ids(runs, str(dst.device))[1], pages)
     return 1

@@ -19,7 +19,7 @@ import torch
 
 from kvtransfer.base import StaleEpochError, TransferDescriptor, TransportUnavailableError
 from kvtransfer.lease import LeaseTable
-from kvtransfer.page_copy import copy_runs
+from kvtransfer.page_copy import copy_runs, page_ids
 from kvtransfer.transports.base import KVReceiver, KVSender, Run
 
 SHM_ROOT = Path(os.environ.get("SPLITSERVE_SHM_DIR", "/dev/shm"))
@@ -93,17 +93,18 @@ class ShmSender(KVSender):
     def _map_pool(self, directory: Path, meta: dict) -> torch.Tensor:
         return _map(directory / "pool", _numel(meta["shape"]), getattr(torch, meta["dtype"])).view(*meta["shape"])
 
-    def _check_owned(self, desc: TransferDescriptor, dst_blocks: Sequence[int], when: str) -> None:
-        if not bool((self.owners[list(dst_blocks)] == desc.epoch).all()):
+    def _check_owned(self, desc: TransferDescriptor, dst_blocks: torch.Tensor, when: str) -> None:
+        if not bool((self.owners.index_select(0, dst_blocks) == desc.epoch).all()):
             raise StaleEpochError(f"request {desc.request_id!r}: destination pages no longer belong to epoch "
                                   f"{desc.epoch} {when}; the decode side released them")
 
     def write(self, desc: TransferDescriptor, layer: int, runs: Sequence[Run]) -> None:
-        dst_blocks = [d + i for _, d, n in runs for i in range(n)]
+        runs = tuple(runs)
+        dst_blocks = page_ids(runs)[1]
         self._check_owned(desc, dst_blocks, "before the copy")
         self.num_copies += copy_runs(self.src_pool[layer], self.dst_pool[layer], runs)
         self.bytes_sent += len(dst_blocks) * self._bytes_per_block
 
     def flush(self, desc: TransferDescriptor) -> None:
         # Copies are synchronous stores into the shared mapping: nothing is in flight.
-        self._check_owned(desc, desc.block_ids, "at the flush")
+        self._check_owned(desc, torch.tensor(desc.block_ids, dtype=torch.int64), "at the flush")
