@@ -60,6 +60,11 @@ def sender_process(name: str, address: str, num_blocks: int, device: str = "cpu"
     from kvtransfer import sender_factories
     src = torch.randn(LAYERS, 2, num_blocks, BLOCK, KV_HEADS, HEAD_DIM).to(DTYPE).to(device)
     sender = sender_factories(src, [name])[name](address)
+    mapped = getattr(sender, "dst_pool", None)
+    if mapped is not None and mapped.device.type == "cpu":
+        # A serving prefill worker's mapping of the decode pool has every page mapped after its first
+        # transfers; fault them in now (one read per 4 KiB) so scattered tables measure copies, not faults.
+        mapped.view(-1).view(torch.uint8)[::4096].sum()
     for line in sys.stdin:
         job = json.loads(line)
         desc = TransferDescriptor.from_dict(job["desc"])
