@@ -55,6 +55,7 @@ COPY kvtransfer ./kvtransfer
 COPY gateway ./gateway
 COPY prefill_worker ./prefill_worker
 COPY decode_worker ./decode_worker
+COPY worker_runtime ./worker_runtime
 COPY splitserve ./splitserve
 # The package itself; its dependencies as pyproject.toml states them (as `make install` does).
 # hadolint ignore=DL3013

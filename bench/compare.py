@@ -28,9 +28,9 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from bench.common import LoadSampler, median, write_json
+from bench.metrics import AIM, DEFINITIONS, metric_values
 from bench.plots import plot_cdfs, plot_sweep
-from bench.serve import (AIM, DEFINITIONS, GrpcBackend, meets_aim, metric_values, relative_slo, run_load, summarize,
-                         summarize_rounds, sweep, unloaded)
+from bench.serve import GrpcBackend, meets_aim, relative_slo, run_load, summarize, summarize_rounds, sweep, unloaded
 from bench.stack import InProcessBackend, Stack, running
 from bench.workloads import BenchRequest, fresh_tokens, interference, mixed, poisson_offsets, prefix_probe
 

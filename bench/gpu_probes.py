@@ -38,7 +38,7 @@ def build_model(out: Path, carried: Path, seed: int = 0, device: str = "cuda") -
             if f.name != "config.json":
                 shutil.copy2(f, out / f.name)
     else:  # no carried tokenizer: the tests' byte-level one (ids < 259 of the 49,152)
-        from tests.tiny_models import byte_tokenizer
+        from splitserve.testing.tiny_models import byte_tokenizer
         byte_tokenizer().save_pretrained(out)
     return out
 
@@ -112,7 +112,7 @@ def _cuda_time(fn, iters: int) -> float:
 def triton_decode_bandwidth(cases=((64, 2048), (256, 1024), (4, 8192)), iters: int = 50) -> dict:
     """KV bytes/s the Triton decode kernels read (SmolLM2 heads, bf16, pages in random order),
     against a device-to-device copy of the same number of bytes (interleaved, medians of 3)."""
-    from engine.attention import triton_kernels, triton_split_kv
+    from engine.attention import triton_decode
     from engine.attention.triton_backend import TritonAttentionBackend
     backend = TritonAttentionBackend()
     heads, kv_heads, head_dim, block = 9, 3, 64, 16
@@ -126,14 +126,9 @@ def triton_decode_bandwidth(cases=((64, 2048), (256, 1024), (4, 8192)), iters: i
         query = torch.randn(batch, heads, head_dim, device="cuda").to(torch.bfloat16)
         qsl = torch.arange(batch + 1, dtype=torch.int32, device="cuda")
         lens = torch.full((batch,), context, dtype=torch.int32, device="cuda")
-        splits = triton_split_kv.num_splits_for(batch, kv_heads, context, backend._programs_to_fill(query.device))
-        args = (query, k_cache, v_cache, tables, qsl, lens, 0.125)
-        if splits > 1:
-            def kernel():
-                triton_split_kv.paged_decode_split_kv(*args, splits)
-        else:
-            def kernel():
-                triton_kernels.paged_attention(*args, max_q_len=1)
+        splits = triton_decode.num_splits_for(batch, kv_heads, context, backend._programs_to_fill(query.device))
+        def kernel():
+            triton_decode.paged_decode(query, k_cache, v_cache, tables, qsl, lens, 0.125, splits)
         kv_bytes = 2 * k_cache.numel() * k_cache.element_size()
         a, b = torch.empty(kv_bytes, dtype=torch.uint8, device="cuda"), torch.empty(kv_bytes, dtype=torch.uint8,
                                                                                       device="cuda")

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.serve import AIM, metric_values
+from bench.metrics import AIM, metric_values
 
 
 def plot_cdfs(panels: list[tuple[str, dict[str, list[float]]]], path: Path, title: str) -> None:

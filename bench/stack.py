@@ -101,14 +101,14 @@ def running(stacks: Sequence[Stack]) -> Iterator[Sequence[Stack]]:
 
 
 class InProcessBackend:
-    """``engine.LLMEngine`` stepped by ``splitserve.engine_loop.EngineLoop`` (as a worker runs it),
+    """``engine.LLMEngine`` stepped by ``worker_runtime.engine_loop.EngineLoop`` (as a worker runs it),
     called directly: no gRPC, no Redis, no gateway, no detokenizer."""
 
     def __init__(self, config, num_threads: int = 0):
         import torch
 
         from engine.llm_engine import LLMEngine
-        from splitserve.engine_loop import EngineLoop
+        from worker_runtime.engine_loop import EngineLoop
         if num_threads > 0:
             torch.set_num_threads(num_threads)
         self.engine = LLMEngine(config)
@@ -119,7 +119,7 @@ class InProcessBackend:
     def stream(self, request: BenchRequest, meta: dict) -> Iterator[list[int]]:
         from engine.sampling_params import SamplingParams
         rid = f"bench-{next(self._ids)}"
-        events = self.loop.subscribe(rid)
+        events = self.loop.subscribe_sync(rid)
         params = SamplingParams(temperature=0.0, max_tokens=request.max_tokens, ignore_eos=True)
         try:
             self.loop.call(lambda: self.engine.add_request(rid, list(request.prompt_token_ids), params))

@@ -14,6 +14,7 @@ ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")
 class EngineConfig:
     """Everything the scheduler, cache manager and runner need to agree on."""
 
+    # Model alias (smollm2-135m-instruct) or local Hugging Face checkpoint directory.
     model: str = "smollm2-135m-instruct"
     # Tokens per KV page.
     block_size: int = 16
@@ -25,6 +26,7 @@ class EngineConfig:
     max_model_len: int | None = None
     # Pages in the device KV pool; None sizes it from kv_cache_memory_gb.
     num_gpu_blocks: int | None = None
+    # Memory of the device KV pool, when num_gpu_blocks is not given.
     kv_cache_memory_gb: float = 1.0
     # CUDA: the share of the GPU's memory this engine may hold (weights, a step, the KV pool, which
     # gets the rest), as vLLM's knob of the same name; overrides kv_cache_memory_gb. Two processes
@@ -32,22 +34,33 @@ class EngineConfig:
     gpu_memory_utilization: float | None = None
     # Pages in the host pool that swap preemption moves sequences into.
     num_cpu_blocks: int = 256
+    # Reuse the KV of full prompt blocks seen before (hash of the block chain).
     enable_prefix_caching: bool = True
     # Chunk prompts longer than the step budget instead of refusing them.
     enable_chunked_prefill: bool = True
-    scheduling_policy: str = "fcfs"
+    # Order of waiting requests: "priority" (lower value first, aged by priority_aging_per_s;
+    # with equal priorities it is arrival order) or "fcfs" (arrival only, priorities ignored).
+    scheduling_policy: str = "priority"
     # Priority points a waiting request gains per second of waiting (priority policy only),
     # so a low-priority request cannot starve under a steady high-priority stream.
     priority_aging_per_s: float = 1.0
+    # When pages run out: "recompute" (drop the victim's pages, prefill again later) or "swap"
+    # (move them to the host pool and back).
     preemption_mode: str = "recompute"
+    # "continuous" (requests join and leave every step) or "static" (the baseline: fixed
+    # batches run to their longest member).
     batching: str = "continuous"
     # Batch size of the static baseline.
     static_batch_size: int = 8
+    # Weights and KV dtype; "auto" is bfloat16.
     dtype: str = "auto"
+    # "auto" (CUDA when present), "cpu", "cuda", "cuda:N".
     device: str = "auto"
+    # Paged attention kernels: "auto" (triton on CUDA, torch on CPU), "torch" or "triton".
     attention_backend: str = "auto"
     # Run the model op by op instead of as one compiled graph (vLLM's escape hatch of the same name).
     enforce_eager: bool = False
+    # Engine seed (vLLM's name; requests are seeded by SamplingParams.seed, this is not read yet).
     seed: int = 0
 
     def __post_init__(self) -> None:

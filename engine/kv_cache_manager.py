@@ -48,8 +48,11 @@ def prefix_block_hashes(token_ids: Sequence[int], block_size: int, max_blocks: i
 
 @dataclass
 class PrefixCacheStats:
-    queries: int = 0  # prompt tokens looked up
-    hits: int = 0  # prompt tokens found cached
+    """Counted by the scheduler once per admitted request (a lookup that the pool could not
+    serve yet, and is tried again, counts once: when it is admitted)."""
+
+    queries: int = 0  # prompt tokens of admitted requests
+    hits: int = 0  # of those, tokens served from the cache
 
     @property
     def hit_rate(self) -> float:
@@ -222,8 +225,6 @@ class KVCacheManager:
             if block_id is None:
                 break
             hits.append(block_id)
-        self.prefix_stats.queries += len(token_ids)
-        self.prefix_stats.hits += len(hits) * self.block_size
         return hits
 
     def can_allocate(self, request_id: str, num_tokens: int, cached_blocks: Sequence[int] = ()) -> bool:

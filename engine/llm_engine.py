@@ -66,17 +66,24 @@ class LLMEngine:
 
     def add_prefilled_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
                               first_token: int, priority: int = 0,
-                              first_logprobs: list[tuple[int, float]] | None = None) -> RequestOutput:
+                              first_logprobs: list[tuple[int, float]] | None = None,
+                              arrival_time: float | None = None,
+                              sampler_state: bytes | None = None) -> RequestOutput:
         """Admit a request whose prompt KV already sits in the pages reserved under its id.
 
         The prefill worker computed the prompt and sampled the first token; decoding goes on
-        from there. Returns the output with that first token (finished if it already ends).
+        from there, as it would have on one engine: ``arrival_time`` (this engine's clock) keeps
+        the request's place in the priority order, ``sampler_state`` (the prefill side's
+        ``Request.sampler_state()``) continues a seeded random stream. Returns the output with
+        that first token (finished if it already ends).
         """
         if not self.kv.owns(request_id):
             raise ValueError(f"request {request_id!r} has no reserved pages")
         _, token_ids = self._prompt_tokens(list(prompt_token_ids))
         request = Request(request_id, token_ids, params, eos_token_ids=self.runner.eos_token_ids,
-                          priority=priority, arrival_time=self.clock())
+                          priority=priority, arrival_time=self.clock() if arrival_time is None else arrival_time)
+        if sampler_state:
+            request.restore_sampler_state(sampler_state)
         request.num_computed_tokens = len(token_ids)
         request.num_cached_tokens = 0
         request.first_token_time = self.clock()

@@ -71,6 +71,20 @@ class Request:
     def is_finished(self) -> bool:
         return self.status is RequestStatus.FINISHED
 
+    def sampler_state(self) -> bytes | None:
+        """The seeded generator's state (None without a seed), so that another engine continues
+        the same random stream (a prefill worker hands it to the decode worker)."""
+        return None if self.generator is None else self.generator.get_state().numpy().tobytes()
+
+    def restore_sampler_state(self, state: bytes) -> None:
+        """Continue from ``sampler_state()`` of the same request on another engine."""
+        if self.generator is None:
+            raise ValueError("sampler_state given for a request without a seed")
+        try:
+            self.generator.set_state(torch.frombuffer(bytearray(state), dtype=torch.uint8))
+        except RuntimeError as e:
+            raise ValueError(f"sampler_state is not a generator state ({len(state)} bytes): {e}") from None
+
     def append_token(self, token_id: int, logprobs: list[tuple[int, float]] | None) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)

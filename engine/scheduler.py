@@ -18,6 +18,7 @@ from typing import Callable
 
 from engine.config import EngineConfig
 from engine.kv_cache_manager import KVCacheManager
+from engine.priority import priority_key
 from engine.request import FinishReason, Request, RequestStatus
 
 
@@ -98,10 +99,10 @@ class Scheduler:
         return bool(self.waiting) or any(not r.is_finished for r in self.running)
 
     def _rank(self, request: Request, now: float) -> tuple[float, float]:
-        """Smaller runs first. Priority ages by waiting time so nothing starves."""
+        """Smaller runs first. Priority ages by waiting time so nothing starves: the rule of
+        ``engine.priority``, the same one the gateway's Redis queue follows."""
         if self.config.scheduling_policy == "priority":
-            aged = request.priority - self.config.priority_aging_per_s * (now - request.arrival_time)
-            return aged, request.arrival_time
+            return priority_key(request.priority, request.arrival_time, self.config.priority_aging_per_s)
         return 0.0, request.arrival_time
 
     # ---- scheduling ------------------------------------------------------------------
@@ -252,6 +253,8 @@ class Scheduler:
             if reason is not None:
                 self.finish(request, reason)
             changed.append(request)
+        if self.config.batching == "static" and self.running and all(r.is_finished for r in self.running):
+            self._release_static_batch()  # the batch is over: its pages go now, not at the next step
         return changed
 
     def finish(self, request: Request, reason: FinishReason) -> None:

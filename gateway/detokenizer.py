@@ -161,3 +161,25 @@ class StopMatcher:
             self.matched = match[1]
         self._buf = ""
         return out
+
+
+class TextStream:
+    """What a client's stream shows of the output tokens: text deltas, cut at the first stop string."""
+
+    def __init__(self, tokenizer, prompt_token_ids: list[int], stop: list[str]):
+        self._detok = IncrementalDetokenizer(tokenizer, prompt_token_ids)
+        self._stops = StopMatcher(stop)
+
+    @property
+    def matched(self) -> str | None:
+        return self._stops.matched
+
+    def feed(self, token_ids: list[int]) -> tuple[str, str | None]:
+        """(text safe to show now, the stop string matched or None)."""
+        return self._stops.feed(self._detok.add(token_ids))
+
+    def finish(self) -> str:
+        """The text held back, once the output ended (a stop string may still match here)."""
+        if self._stops.matched is not None:
+            return ""
+        return self._stops.feed(self._detok.finish())[0] + self._stops.flush()

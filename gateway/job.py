@@ -1,26 +1,51 @@
-"""One request as the gateway tracks it: what the client asked, what was streamed, how it ended.
+"""One request as the gateway tracks it, from admission to its one end.
 
-The Generate handler and the dispatcher share a ``Job``: the dispatcher puts ``Tokens`` and
-one ``Finished`` on ``Job.events``; the handler turns them into the client's stream.
+A ``Job`` is a small state machine with a single owner of its end::
+
+    ADMITTING --admitted--> QUEUED --claim--> PLACING --workers chosen--> RUNNING --+--> FINISHED
+                            ^                  |                          |       |
+                            +----- requeue ----+------ retry (a worker ---+       |
+                                                        died or froze)            |
+    any state ---------------------------------- finish(outcome) -----------------+
+
+``finish()`` is the only way a request ends, whoever ends it (its workers' stream reaching a
+finish reason, a stop string, the client leaving or cancelling, its deadline, Abort, the retry
+limit, a drain, Redis giving up): the first call wins and is the only one with any effect. It
+puts the one ``Finished`` on ``events`` (ending the client's stream), cancels the attempt
+running on the workers (whose cleanup frees their pages) and hands the job to ``on_finish``,
+which writes the terminal state to Redis once. Later calls return False and change nothing,
+so no path has to know whether another got there first.
+
+``events`` carries ``Tokens`` (in order, each token once, also across retries) and then one
+``Finished``; the Generate handler turns them into the client's stream.
 """
 from __future__ import annotations
 
-import queue
-import threading
+import asyncio
+import dataclasses
+import enum
 import time
 from dataclasses import dataclass, field
+from typing import Callable
 
 import grpc
 
-from gateway.workers import WorkerView
-from splitserve.api_convert import DEFAULT_MAX_TOKENS
-from splitserve.v1 import generation_pb2
+from engine.sampling_params import SamplingParams
+
+
+class JobState(str, enum.Enum):
+    ADMITTING = "admitting"  # known here, not in Redis yet (the admission may still be refused)
+    QUEUED = "queued"  # admitted, waiting in the Redis queue (also between two attempts)
+    PLACING = "placing"  # claimed: workers being chosen, pages reserved
+    RUNNING = "running"  # on its workers: prefilling, then decoding
+    FINISHED = "finished"  # ended, once and for all
 
 
 @dataclass
 class Tokens:
     token_ids: list[int]
     logprobs: list = field(default_factory=list)  # TokenLogprobs protos, one per token when asked
+    text: str = ""  # their text, as far as it is safe to show (see gateway.detokenizer.TextStream)
 
 
 @dataclass
@@ -29,37 +54,82 @@ class Finished:
     status: grpc.StatusCode | None = None  # set when the request failed
     message: str = ""
 
-
-class WorkerLost(Exception):
-    """A worker under the request died, froze or voided the handoff: worth another attempt."""
-
-
-@dataclass
-class Retry:
-    reason: str
+    @property
+    def terminal_state(self) -> str:
+        """The request's terminal state in Redis."""
+        return {"length": "finished", "eos": "finished", "stop": "finished", "aborted": "aborted",
+                "deadline": "deadline"}.get(self.finish_reason, "failed")
 
 
-@dataclass
+def cancelled(message: str = "cancelled") -> Finished:
+    return Finished("aborted", grpc.StatusCode.CANCELLED, message)
+
+
+def deadline_exceeded() -> Finished:
+    return Finished("deadline", grpc.StatusCode.DEADLINE_EXCEEDED, "deadline exceeded")
+
+
+def unavailable(message: str) -> Finished:
+    return Finished("error", grpc.StatusCode.UNAVAILABLE, message)
+
+
 class Job:
-    request_id: str
-    prompt_token_ids: list[int]
-    sampling: generation_pb2.SamplingParams
-    priority: int
-    deadline: float | None  # time.monotonic() seconds, from the client's gRPC deadline
-    events: queue.Queue = field(default_factory=queue.Queue)
-    cancelled: threading.Event = field(default_factory=threading.Event)
-    epoch: int = 0
-    attempt: int = 0
-    generated: list[int] = field(default_factory=list)  # tokens handed to the client so far
-    lost: str | None = None  # set by the watchdog when the current attempt's worker stopped answering
-    tracked: list[str] = field(default_factory=list)  # worker ids counted in the directory's load
-    recorded: bool = False  # its terminal state went to Redis (or is queued to)
-    timeline: dict = field(default_factory=dict)
-    prefill_worker: WorkerView | None = None
-    decode_worker: WorkerView | None = None
-    cached_prompt_tokens: int = 0
-    calls: list = field(default_factory=list)  # in-flight gRPC calls, cancelled with the job
+    def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int,
+                 arrival_s: float, deadline: float | None, on_finish: Callable[["Job"], None], text=None):
+        """``text``: a ``TextStream`` for the client's text and stop strings (None: ids only)."""
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.params = params  # resolved at the edge; workers apply no defaults
+        self.priority = priority
+        self.arrival_s = arrival_s  # admission, Unix seconds: its place in every queue
+        self.deadline = deadline  # time.monotonic() seconds, from the client's gRPC deadline
+        self._on_finish = on_finish
+        self.text = text
+        self.state = JobState.ADMITTING
+        self.outcome: Finished | None = None
+        self.events: asyncio.Queue = asyncio.Queue()
+        self.epoch = 0  # of the current claim (fences the Redis writes of stale attempts)
+        self.attempt = 0
+        self.gated = True  # the current claim holds the placement gate (placing may take capacity)
+        self.generated: list[int] = []  # tokens handed to the client so far
+        self.lost: str | None = None  # set by the watchdog when the attempt's worker stopped answering
+        self.task: asyncio.Task | None = None  # the attempt running on workers
+        self.timeline: dict = {"arrival": time.monotonic()}
+        self.prefill_worker = None  # WorkerView of the current (last) attempt
+        self.decode_worker = None
+        self.cached_prompt_tokens = 0
 
+    @property
+    def finished(self) -> bool:
+        return self.outcome is not None
+
+    def finish(self, outcome: Finished) -> bool:
+        """End the request with ``outcome``; True for the call that did, False for every later one."""
+        if self.outcome is not None:
+            return False
+        self.outcome = outcome
+        self.state = JobState.FINISHED
+        self.timeline["finished"] = time.monotonic()
+        self.events.put_nowait(outcome)
+        task = self.task
+        if task is not None and not task.done() and task is not _current_task():
+            task.cancel()  # its cleanup aborts the request on its workers
+        self._on_finish(self)
+        return True
+
+    def emit(self, token_ids: list[int], logprobs: list) -> None:
+        """New tokens from the workers; none once the request has ended. A stop string in their
+        text ends the request here, before anything the workers say after these tokens."""
+        if self.outcome is not None:
+            return
+        self.timeline.setdefault("first_token", time.monotonic())
+        self.generated += token_ids
+        text, matched = self.text.feed(token_ids) if self.text is not None else ("", None)
+        self.events.put_nowait(Tokens(token_ids, logprobs, text))
+        if matched is not None:
+            self.finish(Finished("stop"))
+
+    # ---- time ----------------------------------------------------------------------
     def deadline_passed(self, slack_s: float = 0.25) -> bool:
         """True at (or just before) the deadline: the handler's clock starts a little after
         gRPC's, so an RPC that gRPC ends for its deadline can look a few ms early here."""
@@ -68,22 +138,46 @@ class Job:
     def remaining(self) -> float | None:
         return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
 
-    def emit(self, token_ids: list[int], logprobs: list) -> None:
-        self.generated += token_ids
-        self.events.put(Tokens(token_ids, logprobs))
+    def timeout(self, cap: float | None) -> float | None:
+        """A call's timeout: ``cap``, or less if the request's deadline comes first."""
+        remaining = self.remaining()
+        if remaining is None:
+            return cap
+        return remaining if cap is None else min(cap, remaining)
 
-    def resume_inputs(self) -> tuple[list[int], generation_pb2.SamplingParams] | None:
+    # ---- retries -------------------------------------------------------------------
+    def resume_inputs(self) -> tuple[list[int], SamplingParams] | None:
         """Prompt and sampling for the next attempt: the tokens already streamed become part of
         the prompt and count against max_tokens / min_tokens. None if nothing is left to generate."""
         if not self.generated:
-            return self.prompt_token_ids, self.sampling
+            return self.prompt_token_ids, self.params
         done = len(self.generated)
-        sampling = generation_pb2.SamplingParams()
-        sampling.CopyFrom(self.sampling)
-        left = (sampling.max_tokens if sampling.HasField("max_tokens") else DEFAULT_MAX_TOKENS) - done
+        left = self.params.max_tokens - done
         if left < 1:
             return None
-        sampling.max_tokens = left
-        if sampling.HasField("min_tokens"):
-            sampling.min_tokens = max(0, sampling.min_tokens - done)
-        return self.prompt_token_ids + self.generated, sampling
+        params = dataclasses.replace(self.params, max_tokens=left, min_tokens=max(0, self.params.min_tokens - done))
+        return self.prompt_token_ids + self.generated, params
+
+    # ---- what is recorded ------------------------------------------------------------
+    def timeline_fields(self) -> dict:
+        """Where the time went, in ms (the fields of the public ``Timeline``)."""
+        t = self.timeline
+        ms = lambda a, b: 1000 * (t[b] - t[a]) if a in t and b in t else 0.0  # noqa: E731
+        return {"queued_ms": ms("arrival", "dispatched"), "prefill_ms": t.get("prefill_ms", 0.0),
+                "kv_transfer_ms": t.get("kv_transfer_ms", 0.0), "first_token_ms": ms("arrival", "first_token"),
+                "decode_ms": ms("first_token", "finished"),
+                "prefill_worker": self.prefill_worker.worker_id if self.prefill_worker else "",
+                "decode_worker": self.decode_worker.worker_id if self.decode_worker else ""}
+
+    def terminal_fields(self) -> dict:
+        """What Redis keeps of the ended request (for GetRequest)."""
+        outcome = self.outcome
+        return {"finish_reason": outcome.finish_reason, "error": outcome.message if outcome.status else "",
+                "completion_tokens": len(self.generated), "timeline": self.timeline_fields()}
+
+
+def _current_task() -> asyncio.Task | None:
+    try:
+        return asyncio.current_task()
+    except RuntimeError:  # no running loop (unit tests may drive a job by hand)
+        return None

@@ -1,6 +1,7 @@
 """The gateway's view of the workers: who is alive (Redis heartbeats), how to reach them, whom to pick."""
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 from collections import OrderedDict
@@ -82,34 +83,36 @@ class WorkerView:
 
 
 class WorkerDirectory:
+    """Live workers from the Redis registry (cached for ``REFRESH_S``), channels to them, and the
+    gateway's picks. Runs on the gateway's event loop: ``state`` is an asyncio ``RedisState``."""
+
     def __init__(self, state, block_size: int = 16,
-                 channel_factory: Callable[[str], grpc.Channel] = grpc.insecure_channel):
-        """``channel_factory(address)`` opens a channel to a worker (``Security.channel``: TLS, token)."""
+                 channel_factory: Callable[[str], grpc.aio.Channel] = grpc.aio.insecure_channel):
+        """``channel_factory(address)`` opens a channel to a worker (``Security.aio_channel``: TLS, token)."""
         self.state = state
         self.channel_factory = channel_factory
         self.affinity = PrefixAffinity(block_size)
-        self._lock = threading.Lock()
-        self._channels: dict[str, grpc.Channel] = {}
+        self._refresh = asyncio.Lock()
+        self._channels: dict[str, grpc.aio.Channel] = {}
         self._cached: list[WorkerView] = []
-        self._cached_at = 0.0
+        self._cached_at = -REFRESH_S
         # Requests this gateway has in flight per worker: fresher than heartbeats.
         self.inflight: dict[str, int] = {}
         # Workers that just failed a request, skipped until the given monotonic time.
         self._suspects: dict[str, float] = {}
 
-    def list(self) -> list[WorkerView]:
-        now = time.monotonic()
-        with self._lock:
-            if now - self._cached_at > REFRESH_S:
-                self._cached = [WorkerView.from_registry(e) for e in self.state.workers()]
-                self._cached_at = now
+    async def list(self) -> list[WorkerView]:
+        """The registered workers (one Redis read per ``REFRESH_S``, however many callers)."""
+        async with self._refresh:
+            if time.monotonic() - self._cached_at > REFRESH_S:
+                self._cached = [WorkerView.from_registry(e) for e in await self.state.workers()]
+                self._cached_at = time.monotonic()
             return list(self._cached)
 
-    def channel(self, address: str) -> grpc.Channel:
-        with self._lock:
-            if address not in self._channels:
-                self._channels[address] = self.channel_factory(address)
-            return self._channels[address]
+    def channel(self, address: str) -> grpc.aio.Channel:
+        if address not in self._channels:
+            self._channels[address] = self.channel_factory(address)
+        return self._channels[address]
 
     def decode_stub(self, worker: WorkerView) -> worker_pb2_grpc.DecodeWorkerStub:
         return worker_pb2_grpc.DecodeWorkerStub(self.channel(worker.address))
@@ -117,43 +120,40 @@ class WorkerDirectory:
     def prefill_stub(self, worker: WorkerView) -> worker_pb2_grpc.PrefillWorkerStub:
         return worker_pb2_grpc.PrefillWorkerStub(self.channel(worker.address))
 
-    def usable(self) -> list[WorkerView]:
+    async def usable(self) -> list[WorkerView]:
         """Registered workers not suspected of having died."""
         now = time.monotonic()
-        with self._lock:
-            self._suspects = {w: t for w, t in self._suspects.items() if t > now}
-            suspects = set(self._suspects)
-        return [w for w in self.list() if w.worker_id not in suspects]
+        self._suspects = {w: t for w, t in self._suspects.items() if t > now}
+        return [w for w in await self.list() if w.worker_id not in self._suspects]
 
     def suspect(self, worker_id: str, seconds: float) -> None:
         """Pick ``worker_id`` for nothing for ``seconds`` (it failed a request and a probe)."""
-        with self._lock:
-            self._suspects[worker_id] = time.monotonic() + seconds
+        self._suspects[worker_id] = time.monotonic() + seconds
 
-    def probe(self, worker: WorkerView) -> bool | None:
+    async def probe(self, worker: WorkerView) -> bool | None:
         """Ask the worker itself: True serving, False alive but not serving (draining, engine
         dead), None no answer (dead, frozen or unreachable)."""
         try:
-            reply = health_pb2_grpc.HealthStub(self.channel(worker.address)).Check(
+            reply = await health_pb2_grpc.HealthStub(self.channel(worker.address)).Check(
                 health_pb2.HealthCheckRequest(service=""), timeout=PROBE_TIMEOUT_S)
         except grpc.RpcError:
             return None
         return reply.status == health_pb2.HealthCheckResponse.SERVING
 
-    def responsive(self, worker: WorkerView) -> bool:
-        return bool(self.probe(worker))
+    async def responsive(self, worker: WorkerView) -> bool:
+        return bool(await self.probe(worker))
 
-    def decode_candidates(self) -> list[WorkerView]:
+    async def decode_candidates(self) -> list[WorkerView]:
         """Decode-capable workers, least loaded first: fewest requests in flight from this gateway
         (counted from the moment a reservation is asked for, so a burst spreads out), then fewest
         running and waiting as last heartbeated, then most free KV pages."""
-        workers = [w for w in self.usable() if w.role in ("decode", "both")]
+        workers = [w for w in await self.usable() if w.role in ("decode", "both")]
         return sorted(workers, key=lambda w: (self.inflight.get(w.worker_id, 0), w.num_running + w.num_waiting,
                                               -w.kv_blocks_free))
 
-    def pick_prefill(self, prompt_token_ids: Sequence[int] = ()) -> WorkerView | None:
+    async def pick_prefill(self, prompt_token_ids: Sequence[int] = ()) -> WorkerView | None:
         """The least-loaded prefill worker, unless one that holds the prompt's prefix is nearly as free."""
-        workers = [w for w in self.usable() if w.role == "prefill"]
+        workers = [w for w in await self.usable() if w.role == "prefill"]
         if not workers:
             return None
         load = lambda w: self.inflight.get(w.worker_id, 0)  # noqa: E731
@@ -166,12 +166,15 @@ class WorkerDirectory:
                 return best
         return least
 
-    def track(self, worker_id: str, delta: int) -> None:
-        with self._lock:
-            self.inflight[worker_id] = self.inflight.get(worker_id, 0) + delta
+    async def can_serve(self) -> bool:
+        """A usable set of workers is registered: a prefill and a decode worker, or a colocated one."""
+        roles = {w.role for w in await self.usable()}
+        return "both" in roles or {"prefill", "decode"} <= roles
 
-    def close(self) -> None:
-        with self._lock:
-            for channel in self._channels.values():
-                channel.close()
-            self._channels.clear()
+    def track(self, worker_id: str, delta: int) -> None:
+        self.inflight[worker_id] = self.inflight.get(worker_id, 0) + delta
+
+    async def close(self) -> None:
+        for channel in self._channels.values():
+            await channel.close()
+        self._channels.clear()

@@ -43,7 +43,8 @@ class DecodeConnector:
 
     def complete(self, request_id: str, epoch: int, prompt_token_ids: Sequence[int], params: SamplingParams,
                  first_token: int, checksum: int | None = None, priority: int = 0,
-                 first_logprobs: list[tuple[int, float]] | None = None) -> RequestOutput:
+                 first_logprobs: list[tuple[int, float]] | None = None, arrival_time: float | None = None,
+                 sampler_state: bytes | None = None) -> RequestOutput:
         """The prefill side flushed every layer: check the epoch (and checksum), then start decoding.
 
         A stale epoch or an expired lease raises and leaves the pages to their current owner;
@@ -59,7 +60,8 @@ class DecodeConnector:
                 raise ChecksumMismatchError(f"request {request_id!r}: KV checksum {got:#010x} != "
                                             f"{checksum:#010x} sent by the prefill side; pages freed")
         return self.engine.add_prefilled_request(request_id, prompt_token_ids, params, first_token,
-                                                 priority=priority, first_logprobs=first_logprobs)
+                                                 priority=priority, first_logprobs=first_logprobs,
+                                                 arrival_time=arrival_time, sampler_state=sampler_state)
 
     def abort(self, request_id: str) -> bool:
         """Drop a reservation (mid-transfer) or a running request. True if there was one."""

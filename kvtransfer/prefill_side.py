@@ -26,6 +26,7 @@ from typing import Callable, Sequence
 import torch
 
 from engine.llm_engine import LLMEngine
+from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import SchedulerOutput
 from kvtransfer.base import (KVLayout, TransferDescriptor, TransferError, TransportUnavailableError, coalesce,
@@ -46,6 +47,11 @@ class PrefillResult:
     first_token: int | None = None
     first_logprobs: list[tuple[int, float]] | None = None
     checksum: int | None = None
+    # The seeded generator's state after the first token (None without a seed): the decode
+    # side continues the same random stream.
+    sampler_state: bytes | None = None
+    # Prompt tokens whose KV came from this side's prefix cache.
+    num_cached_tokens: int = 0
     # Set on failure: the transfer error; the request's prefill pages are already freed.
     error: TransferError | None = None
     num_copies: int = 0
@@ -63,6 +69,7 @@ class _Transfer:
     prompt_token_ids: list[int]
     copies_at_start: int
     bytes_at_start: int
+    request: Request
     first_chunk: bool = True
     checksum: int | None = None
     error: TransferError | None = field(default=None)
@@ -86,18 +93,24 @@ class PrefillConnector:
 
     # ---- control -------------------------------------------------------------------
     def start(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
-              desc: TransferDescriptor, priority: int = 0) -> None:
-        """Check the layout, then queue the prompt for prefill into ``desc``'s pages."""
+              desc: TransferDescriptor, priority: int = 0, arrival_time: float | None = None) -> None:
+        """Check the layout, then queue the prompt for prefill into ``desc``'s pages.
+
+        Only the first token is sampled here, under the request's own rules: with
+        ``min_tokens`` >= 1 it cannot be EOS or a stop token, as on a colocated engine.
+        ``arrival_time`` (this engine's clock) keeps the request's place in the priority order.
+        """
         self.layout.check_compatible(desc.layout)
         blocks_needed = self.engine.kv.blocks_needed(len(prompt_token_ids))
         if len(desc.block_ids) < blocks_needed:
             raise TransferError(f"request {request_id!r}: {len(desc.block_ids)} reserved pages for a prompt "
                                 f"needing {blocks_needed}")
         sender = self._sender(desc)
-        one_token = dataclasses.replace(params, max_tokens=1, min_tokens=0)
-        self.engine.add_request(request_id, list(prompt_token_ids), one_token, priority=priority)
+        one_token = dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
+        request = self.engine.add_request(request_id, list(prompt_token_ids), one_token, priority=priority,
+                                          arrival_time=arrival_time)
         self._transfers[request_id] = _Transfer(desc, sender, list(prompt_token_ids), sender.num_copies,
-                                                sender.bytes_sent)
+                                                sender.bytes_sent, request)
 
     def abort(self, request_id: str) -> bool:
         """Stop a request's prefill and transfer; True if it was here."""
@@ -125,6 +138,8 @@ class PrefillConnector:
                 result.first_token = out.token_ids[0]
                 result.first_logprobs = out.logprobs[0] if out.logprobs else None
                 result.checksum = transfer.checksum
+                result.sampler_state = transfer.request.sampler_state()
+                result.num_cached_tokens = out.num_cached_tokens
             except TransferError as e:
                 result.error = e
             result.num_copies = transfer.sender.num_copies - transfer.copies_at_start

@@ -4,14 +4,19 @@ Servicers call these helpers on the way in (``*_from_proto``, which validate and
 ``InvalidArgument`` naming the offending field) and on the way out (``*_to_proto``); engine and
 kvtransfer code never sees a ``*_pb2`` type.
 
-Sampling defaults differ from the engine's in one place: an unset ``max_tokens`` is
-``DEFAULT_MAX_TOKENS`` (256, the engine's own default of 16 is too short for a chat reply);
-an unset ``temperature`` is ``DEFAULT_TEMPERATURE`` (1.0, same as the engine). Every other
-unset field keeps the engine default (see ``engine.sampling_params.SamplingParams``).
+Sampling is validated and resolved once, at the gateway (``resolve_sampling``): an unset
+``max_tokens`` is ``DEFAULT_MAX_TOKENS`` (256, the engine's own default of 16 is too short for a
+chat reply) or what the model's length leaves after the prompt, if less; an unset ``temperature``
+is ``DEFAULT_TEMPERATURE`` (1.0, same as the engine). Every other unset field keeps the engine
+default (see ``engine.sampling_params.SamplingParams``). The resolved parameters travel to the
+workers as ``worker_pb2.ResolvedSampling`` (every field set); a worker converts them back with
+``sampling_from_worker`` and applies no defaults of its own.
 """
 from __future__ import annotations
 
 import dataclasses
+import math
+import time
 from typing import TYPE_CHECKING, Sequence
 
 from engine.sampling_params import SamplingParams
@@ -22,7 +27,8 @@ if TYPE_CHECKING:  # kvtransfer.base imports torch; the gateway converts descrip
     from kvtransfer.base import TransferDescriptor
 
 __all__ = [
-    "DEFAULT_MAX_TOKENS", "DEFAULT_TEMPERATURE", "PROMPT_FIELDS", "sampling_from_proto", "prompt_from_request",
+    "DEFAULT_MAX_TOKENS", "DEFAULT_TEMPERATURE", "PROMPT_FIELDS", "sampling_from_proto", "resolve_sampling",
+    "sampling_to_worker", "sampling_from_worker", "arrival_to_monotonic", "prompt_from_request",
     "descriptor_to_proto", "descriptor_from_proto", "logprobs_to_proto", "logprobs_from_proto",
 ]
 
@@ -65,6 +71,67 @@ def sampling_from_proto(msg: generation_pb2.SamplingParams | None) -> SamplingPa
         first = text.split(" ", 1)[0]
         path = f"sampling.{text}" if first in _ENGINE_SAMPLING_FIELDS else f"invalid sampling: {text}"
         raise InvalidArgument(path) from exc
+
+
+def resolve_sampling(msg: generation_pb2.SamplingParams | None, num_prompt_tokens: int,
+                     max_model_len: int) -> SamplingParams:
+    """The request's sampling, validated and resolved against the model's length (the gateway's
+    one check): the prompt plus ``max_tokens`` must fit ``max_model_len``. An unset ``max_tokens``
+    takes ``DEFAULT_MAX_TOKENS`` or the room the prompt leaves, whichever is less."""
+    room = max_model_len - num_prompt_tokens
+    if room < 1:
+        raise InvalidArgument(f"prompt has {num_prompt_tokens} tokens; max_model_len is {max_model_len}, "
+                              "which leaves no room for a generated token")
+    params = sampling_from_proto(msg)
+    if msg is not None and msg.HasField("max_tokens"):
+        if params.max_tokens > room:
+            raise InvalidArgument(f"sampling.max_tokens: prompt ({num_prompt_tokens} tokens) + max_tokens "
+                                  f"({params.max_tokens}) exceeds max_model_len ({max_model_len}); "
+                                  f"ask for at most {room} tokens")
+        return params
+    try:
+        return dataclasses.replace(params, max_tokens=min(params.max_tokens, room))
+    except ValueError as exc:  # min_tokens above the room left
+        raise InvalidArgument(f"sampling.min_tokens: {params.min_tokens} tokens do not fit after a "
+                              f"{num_prompt_tokens}-token prompt (max_model_len {max_model_len})") from exc
+
+
+def sampling_to_worker(params: SamplingParams) -> worker_pb2.ResolvedSampling:
+    """Resolved engine parameters -> the internal message (every field set)."""
+    msg = worker_pb2.ResolvedSampling(
+        max_tokens=params.max_tokens, min_tokens=params.min_tokens, temperature=params.temperature,
+        top_p=params.top_p, top_k=params.top_k, min_p=params.min_p,
+        repetition_penalty=params.repetition_penalty, frequency_penalty=params.frequency_penalty,
+        presence_penalty=params.presence_penalty, ignore_eos=params.ignore_eos,
+        stop_token_ids=params.stop_token_ids)
+    if params.seed is not None:
+        msg.seed = params.seed
+    if params.logprobs is not None:
+        msg.logprobs = params.logprobs
+    return msg
+
+
+def sampling_from_worker(msg: worker_pb2.ResolvedSampling) -> SamplingParams:
+    """The internal message -> engine parameters, taken as given (the engine still checks them:
+    a gateway of another version must not crash a worker)."""
+    try:
+        return SamplingParams(
+            max_tokens=msg.max_tokens, min_tokens=msg.min_tokens, temperature=msg.temperature,
+            top_p=msg.top_p, top_k=msg.top_k, min_p=msg.min_p,
+            seed=msg.seed if msg.HasField("seed") else None,
+            repetition_penalty=msg.repetition_penalty, frequency_penalty=msg.frequency_penalty,
+            presence_penalty=msg.presence_penalty, ignore_eos=msg.ignore_eos,
+            stop_token_ids=list(msg.stop_token_ids), logprobs=msg.logprobs if msg.HasField("logprobs") else None)
+    except ValueError as exc:
+        raise InvalidArgument(f"sampling: {exc}") from exc
+
+
+def arrival_to_monotonic(arrival_unix_s: float) -> float | None:
+    """A gateway's admission time (Unix seconds) on this process's ``time.monotonic`` clock, the
+    engine's; None when unset (0) or not a finite time, so the engine stamps its own."""
+    if not arrival_unix_s or not math.isfinite(arrival_unix_s):
+        return None
+    return time.monotonic() - (time.time() - arrival_unix_s)
 
 
 # ---- prompt ----------------------------------------------------------------------------

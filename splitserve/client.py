@@ -12,7 +12,6 @@ token; ``tls=True`` alone verifies the server against the system's roots.
 """
 from __future__ import annotations
 
-import os
 import sys
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Iterator, Sequence
@@ -154,25 +153,3 @@ def cmd_generate(args) -> int:
         print(f"error: {e.code().name}: {e.details()}", file=sys.stderr)
         return 1
     return 0
-
-
-def add_generate_parser(sub) -> None:
-    gen = sub.add_parser("generate", help="stream a generation from a running gateway to the terminal")
-    gen.add_argument("prompt")
-    gen.add_argument("--address", default="localhost:50051")
-    gen.add_argument("--chat", action="store_true", help="send the prompt as a user message (chat template)")
-    gen.add_argument("--max-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-p", type=float, default=None)
-    gen.add_argument("--seed", type=int, default=None)
-    gen.add_argument("--timeout", type=float, default=120.0)
-    env = lambda name: os.environ.get(f"SPLITSERVE_{name.upper()}", "")  # noqa: E731
-    gen.add_argument("--tls", action="store_true", help="TLS, verifying the gateway against the system's roots")
-    gen.add_argument("--tls-ca", default=env("tls_ca"), help="PEM CA bundle to verify the gateway with (implies TLS)")
-    gen.add_argument("--tls-cert", default=env("tls_cert"), help="PEM client certificate (mutual TLS)")
-    gen.add_argument("--tls-key", default=env("tls_key"), help="PEM private key of --tls-cert")
-    gen.add_argument("--auth-token", default=env("auth_token"),
-                     help="bearer token of a gateway run with --auth-token (prefer SPLITSERVE_AUTH_TOKEN)")
-    gen.set_defaults(func=cmd_generate)
-
-

@@ -3,7 +3,7 @@
     python -m splitserve.codegen            # writes splitserve/v1/*_pb2*.py[i] in the repo root
     python -m splitserve.codegen OUT_DIR    # writes OUT_DIR/splitserve/v1/... instead
 
-The generated files are committed; ``tests/test_protos.py`` fails when they drift from the
+The generated files are committed; ``tests/service/test_protos.py`` fails when they drift from the
 protos. With ``-I protos`` and the files at ``protos/splitserve/v1/``, the generated code
 imports as ``from splitserve.v1 import generation_pb2``.
 """

@@ -14,7 +14,7 @@ other ``kvtransfer.base.TransferError``        UNAVAILABLE (the handoff is void;
 anything else                                  INTERNAL, generic message, logged with traceback
 =============================================  ==========================================
 
-``ErrorMappingInterceptor`` applies it to every handler of a synchronous ``grpc.server``.
+``ErrorMappingInterceptor`` applies it to every handler of a ``grpc.aio`` server.
 """
 from __future__ import annotations
 
@@ -131,39 +131,27 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     return grpc.StatusCode.INTERNAL, INTERNAL_MESSAGE
 
 
-def _abort(context: grpc.ServicerContext, exc: Exception) -> None:
+async def _abort(context: grpc.aio.ServicerContext, exc: Exception) -> None:
     """Turn ``exc`` into the RPC's status; always raises (``context.abort`` does)."""
-    if _is_abort(context, exc):
-        raise exc  # the handler already chose a status with context.abort()
     code, message = status_for(exc)
     retry_after_s = getattr(exc, "retry_after_s", None)
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED and retry_after_s is not None:
         context.set_trailing_metadata(((RETRY_AFTER_METADATA_KEY, str(round(retry_after_s * 1000))),))
-    context.abort(code, message)
+    await context.abort(code, message)
 
 
-def _is_abort(context: grpc.ServicerContext, exc: Exception) -> bool:
-    # grpc's sync server implements context.abort() by raising a bare Exception after
-    # recording the status; such an exception must pass through untouched.
-    if type(exc) is not Exception or exc.args:
-        return False
-    try:
-        code = context.code()
-    except Exception:  # very old grpcio without ServicerContext.code()
-        return True
-    return code is not None and code != grpc.StatusCode.OK
-
-
-class ErrorMappingInterceptor(grpc.ServerInterceptor):
-    """Server interceptor (sync ``grpc.server``) that maps raised exceptions via ``status_for``.
+class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
+    """Server interceptor (``grpc.aio`` server) that maps raised exceptions via ``status_for``.
 
     Wraps every handler kind; for streaming responses an exception raised mid-stream ends the
     stream with the mapped status after the messages already sent. RESOURCE_EXHAUSTED with a
-    ``retry_after_s`` also sets the trailing metadata ``retry-after-ms``.
+    ``retry_after_s`` also sets the trailing metadata ``retry-after-ms``. A status a handler set
+    itself with ``context.abort`` (``grpc.aio.AbortError``) and the cancellation of a handler
+    whose caller went away pass through untouched.
     """
 
-    def intercept_service(self, continuation: Callable, handler_call_details: grpc.HandlerCallDetails):
-        handler = continuation(handler_call_details)
+    async def intercept_service(self, continuation: Callable, handler_call_details: grpc.HandlerCallDetails):
+        handler = await continuation(handler_call_details)
         if handler is None:
             return None
         kinds = (
@@ -182,21 +170,26 @@ class ErrorMappingInterceptor(grpc.ServerInterceptor):
 
 def _wrap_call(behavior: Callable) -> Callable:
     @functools.wraps(behavior)
-    def wrapper(request, context):
+    async def wrapper(request, context):
         try:
-            return behavior(request, context)
+            return await behavior(request, context)
+        except grpc.aio.AbortError:
+            raise
         except Exception as exc:
-            _abort(context, exc)
+            await _abort(context, exc)
 
     return wrapper
 
 
 def _wrap_stream(behavior: Callable) -> Callable:
     @functools.wraps(behavior)
-    def wrapper(request, context):
+    async def wrapper(request, context):
         try:
-            yield from behavior(request, context)
+            async for response in behavior(request, context):
+                yield response
+        except grpc.aio.AbortError:
+            raise
         except Exception as exc:
-            _abort(context, exc)
+            await _abort(context, exc)
 
     return wrapper

@@ -1,8 +1,15 @@
-"""Every splitserve gRPC server is built the same way: security, error mapping, health, reflection."""
+"""Every splitserve gRPC server is built the same way: asyncio, security, error mapping, health, reflection.
+
+The servers are ``grpc.aio`` servers: an open stream is a suspended coroutine, not a thread,
+so a process holds thousands of them and a health check is answered between two messages of
+any stream. Handlers must never block the event loop (the engines run on their own thread,
+see ``worker_runtime.engine_loop``).
+"""
 from __future__ import annotations
 
+import asyncio
 import logging
-from concurrent import futures
+import signal
 from typing import Callable, Iterable
 
 import grpc
@@ -14,10 +21,23 @@ from splitserve.security import Security
 
 log = logging.getLogger(__name__)
 
+# gRPC core cancels calls that arrived but that the (Python) server has not picked up yet: once
+# more than 1,000 wait (randomly, all past 3,000), and any that waited 30 s, answering CANCELLED
+# with no reason. The aio server picks up one call per event-loop turn, so a burst of 2,000
+# streams on a busy gateway lost 10-20 % that way (bench/health_under_load.py found it).
+# Admission control is the gateway's queue limit, which answers RESOURCE_EXHAUSTED with a retry
+# hint, and every wait of a request has its own bound: the transport lets a burst through.
+BACKLOG_OPTIONS = [("grpc.server.max_pending_requests", 20_000),
+                   ("grpc.server.max_pending_requests_hard_limit", 50_000),
+                   ("grpc.server_max_unrequested_time_in_server", 600)]
 
-def build_server(register: Callable[[grpc.Server], Iterable[str]], address: str, max_workers: int = 64,
-                 reflection_enabled: bool = True,
-                 security: Security | None = None) -> tuple[grpc.Server, health.HealthServicer, int]:
+SERVING = health_pb2.HealthCheckResponse.SERVING
+NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
+
+
+async def start_server(register: Callable[[grpc.aio.Server], Iterable[str]], address: str,
+                       reflection_enabled: bool = True,
+                       security: Security | None = None) -> tuple[grpc.aio.Server, health.aio.HealthServicer, int]:
     """A started server at ``address`` ("host:port", port 0 picks one); returns (server, health, port).
 
     ``register`` adds the servicers and returns their full service names. ``security`` (default:
@@ -26,14 +46,13 @@ def build_server(register: Callable[[grpc.Server], Iterable[str]], address: str,
     ``UNAUTHENTICATED`` through the same mapping as every other error.
     """
     security = security or Security()
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers),
-                         interceptors=[ErrorMappingInterceptor(), *security.server_interceptors()],
-                         options=security.message_options())
+    server = grpc.aio.server(interceptors=[ErrorMappingInterceptor(), *security.server_interceptors()],
+                             options=security.message_options() + BACKLOG_OPTIONS)
     names = list(register(server))
-    health_servicer = health.HealthServicer()
+    health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     for name in names + [""]:
-        health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+        await health_servicer.set(name, SERVING)
     if reflection_enabled:
         reflection.enable_server_reflection(names + [health.SERVICE_NAME, reflection.SERVICE_NAME], server)
     credentials = security.server_credentials()
@@ -48,8 +67,28 @@ def build_server(register: Callable[[grpc.Server], Iterable[str]], address: str,
         port = server.add_secure_port(address, credentials)
     if port == 0:
         raise OSError(f"cannot listen on {address}")
-    server.start()
+    await server.start()
     log.info("gRPC on %s: %s, token %s, messages up to %d MiB", address,
              "mutual TLS" if security.mutual_tls else "TLS" if security.server_tls else "plaintext",
              "required" if security.token else "off", security.max_message_bytes // 2**20)
     return server, health_servicer, port
+
+
+def advertised(host: str, advertise_host: str, port: int) -> str:
+    """The address other processes reach a server at (``--advertise-host``, else ``--host``)."""
+    host = advertise_host or host
+    return f"{'127.0.0.1' if host in ('0.0.0.0', '') else host}:{port}"
+
+
+def stop_event() -> asyncio.Event:
+    """An event set by SIGTERM or SIGINT (call on the running event loop)."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    return stop
+
+
+async def set_health(health_servicer, services: Iterable[str], serving: bool) -> None:
+    for name in list(services) + [""]:
+        await health_servicer.set(name, SERVING if serving else NOT_SERVING)

@@ -96,11 +96,11 @@ class GatewayMetrics:
                                registry=registry)
 
 
-def serve(port: int, host: str = "0.0.0.0") -> tuple[CollectorRegistry, str]:
-    """A fresh registry served over HTTP on ``port`` (-1: not served; 0: any free port).
-
-    Returns (registry, address actually listened on).
-    """
+def serve_metrics(port: int, host: str = "0.0.0.0") -> tuple[CollectorRegistry, str]:
+    """A fresh registry served over HTTP on ``port`` (-1: not served; 0: any free port), on
+    ``host`` (all interfaces when the process listens on all). Returns (registry, address
+    actually listened on)."""
+    host = "0.0.0.0" if host in ("0.0.0.0", "") else host
     registry = CollectorRegistry()
     if port < 0:
         return registry, ""

@@ -17,7 +17,7 @@ One ``Security`` per process, built from its flags (``Security.from_args``):
 * ``max_message_bytes`` (``--max-message-mb``): the largest message a port accepts or sends.
 
 No bytes that arrive from the network are ever unpickled anywhere in splitserve (protobuf,
-JSON and fixed binary headers only); ``tests/test_security.py`` guards that.
+JSON and fixed binary headers only); ``tests/service/test_security.py`` guards that.
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ import hmac
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import Callable, NamedTuple, Sequence
+from typing import NamedTuple, Sequence
 
 import grpc
 
@@ -120,7 +120,7 @@ class Security:
         return grpc.ssl_server_credentials([(self.key, self.cert)], root_certificates=self.ca,
                                            require_client_auth=self.ca is not None)
 
-    def server_interceptors(self) -> list[grpc.ServerInterceptor]:
+    def server_interceptors(self) -> list[grpc.aio.ServerInterceptor]:
         return [TokenAuthInterceptor(self.token)] if self.token else []
 
     def message_options(self) -> list[tuple[str, int]]:
@@ -160,40 +160,10 @@ class Security:
         return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
 
 
-def add_security_flags(p, env: Callable[[str, object], object]) -> None:
-    """The flags of ``Security.from_args`` (``env(name, default)`` reads ``SPLITSERVE_<NAME>``)."""
-    p.add_argument("--tls-cert", default=env("tls_cert", ""),
-                   help="PEM certificate chain: the gRPC port serves TLS only (also presented to other "
-                        "splitserve processes when --tls-ca is set); needs SANs for the advertised names/IPs")
-    p.add_argument("--tls-key", default=env("tls_key", ""), help="PEM private key of --tls-cert")
-    p.add_argument("--tls-ca", default=env("tls_ca", ""),
-                   help="PEM CA bundle: with --tls-cert, clients must present a certificate it signed "
-                        "(mutual TLS); for calls this process makes, the root that servers are verified with")
-    p.add_argument("--auth-token", default=env("auth_token", ""),
-                   help="require 'authorization: Bearer <token>' on every call (health checks stay open); "
-                        "prefer SPLITSERVE_AUTH_TOKEN, a command line is visible to every local user")
-    p.add_argument("--max-message-mb", type=float, default=env("max_message_mb", float(DEFAULT_MAX_MESSAGE_MB)),
-                   help="largest gRPC message accepted or sent, in MiB")
-
-
-def security_argv(args) -> tuple[list[str], dict[str, str]]:
-    """Flags and environment that hand this process's security settings to a child process.
-
-    The token goes through the environment, never the command line (``ps`` shows command lines).
-    """
-    argv: list[str] = []
-    for flag, value in (("--tls-cert", args.tls_cert), ("--tls-key", args.tls_key), ("--tls-ca", args.tls_ca)):
-        if value:
-            argv += [flag, os.path.abspath(value)]
-    argv += ["--max-message-mb", str(args.max_message_mb)]
-    env = {"SPLITSERVE_AUTH_TOKEN": args.auth_token} if args.auth_token else {}
-    return argv, env
-
-
 # ---- the token, server side
 
 
-class TokenAuthInterceptor(grpc.ServerInterceptor):
+class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
     """Refuses every call without ``authorization: Bearer <token>`` (constant-time comparison).
 
     The refusal raises ``splitserve.errors.Unauthenticated`` from a handler of the method's own
@@ -217,27 +187,32 @@ class TokenAuthInterceptor(grpc.ServerInterceptor):
             return "invalid credentials: the 'authorization' bearer token is not accepted"
         return None
 
-    def intercept_service(self, continuation, handler_call_details: grpc.HandlerCallDetails):
+    async def intercept_service(self, continuation, handler_call_details: grpc.HandlerCallDetails):
         method = handler_call_details.method or ""
         if method.startswith(OPEN_SERVICES):
-            return continuation(handler_call_details)
+            return await continuation(handler_call_details)
         reason = self._check(handler_call_details.invocation_metadata)
         if reason is None:
-            return continuation(handler_call_details)
+            return await continuation(handler_call_details)
         log.info("refused %s: %s", method, reason.split(":")[0])
         # Answer with a handler of the method's own kind (a unary handler would wait for a
         # request a bidi client may never send first); unknown methods get the same answer.
-        handler = continuation(handler_call_details)
+        handler = await continuation(handler_call_details)
 
-        def refuse(request, context):
+        async def refuse(request, context):
             raise Unauthenticated(reason)
+
+        async def refuse_stream(request, context):
+            raise Unauthenticated(reason)
+            yield  # an async generator, as streaming handlers are
+
         if handler is None or not (handler.request_streaming or handler.response_streaming):
             return grpc.unary_unary_rpc_method_handler(refuse)
         make = {(False, True): grpc.unary_stream_rpc_method_handler,
                 (True, False): grpc.stream_unary_rpc_method_handler,
                 (True, True): grpc.stream_stream_rpc_method_handler}[
             (handler.request_streaming, handler.response_streaming)]
-        return make(refuse)
+        return make(refuse_stream if handler.response_streaming else refuse)
 
 
 # ---- the token, client side

@@ -24,7 +24,7 @@ import torch  # noqa: E402
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from tests.tiny_models import make_tiny_model  # noqa: E402
+from splitserve.testing.tiny_models import make_tiny_model  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):

@@ -21,7 +21,7 @@ import pytest  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from engine.attention import reference  # noqa: E402
-from engine.attention import triton_kernels, triton_split_kv  # noqa: E402
+from engine.attention import triton_kernels, triton_decode  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -316,16 +316,16 @@ def _check_split_kv(case, device):
     scenario, block_size, (hq, hkv), head_dim, dtype, splits = case
     batch = Batch(scenario, block_size, hq, hkv, head_dim, dtype, device, fragmented=True)
     expected = reference.paged_attention(*batch.attention_args())
-    out = triton_split_kv.paged_decode_split_kv(*batch.attention_args(), num_splits=splits, split_len=64)
+    out = triton_decode.paged_decode(*batch.attention_args(), num_splits=splits, split_len=64)
     assert not torch.isnan(out.float()).any(), "kernel read a slot outside some sequence's context"
     torch.testing.assert_close(out, expected, **_tolerance(dtype))
 
 
 def test_num_splits_fill_the_device_only_when_the_batch_cannot():
-    assert triton_split_kv.num_splits_for(64, 8, 8192, target_programs=264) == 1
-    assert triton_split_kv.num_splits_for(2, 8, 8192, target_programs=264) == 16  # capped by the context
-    assert triton_split_kv.num_splits_for(2, 8, 100, target_programs=264) == 1
-    assert triton_split_kv.num_splits_for(1, 4, 4096, target_programs=16, split_len=512) == 4
+    assert triton_decode.num_splits_for(64, 8, 8192, target_programs=264) == 1
+    assert triton_decode.num_splits_for(2, 8, 8192, target_programs=264) == 16  # capped by the context
+    assert triton_decode.num_splits_for(2, 8, 100, target_programs=264) == 1
+    assert triton_decode.num_splits_for(1, 4, 4096, target_programs=16, split_len=512) == 4
 
 
 @needs_triton

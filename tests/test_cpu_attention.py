@@ -15,9 +15,12 @@ from tests.test_attention_kernels import SCENARIOS, Batch
 
 
 
+KERNELS_LOADED = cpu_kernels.available()  # builds (once) and loads torch.ops.splitserve_cpu
+
+
 def test_kernels_build_here():
     # gcc and ninja are part of the set-up: a build failure is a failure, not a skip.
-    assert cpu_kernels.available(), cpu_kernels.load_error()
+    assert KERNELS_LOADED, cpu_kernels.load_error()
 
 LONG_DECODE = [(150, 1), (70, 1), (201, 1), (1, 1)]
 
@@ -118,3 +121,24 @@ def test_layout_fills_query_starts():
                         seq_lens=torch.tensor([5, 3]), block_tables=torch.zeros(2, 1, dtype=torch.int32),
                         num_decodes=1, query_lens_list=[1, 3], seq_lens_list=[5, 3], block_size=8)
     assert layout.query_start_list == [0, 1, 4]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_write_and_decode_skips_padding_slots_and_leaves_prefill_rows(dtype):
+    gen = torch.Generator().manual_seed(3)
+    k_cache = torch.zeros(6, 8, 2, 16, dtype=dtype)
+    v_cache = torch.zeros(6, 8, 2, 16, dtype=dtype)
+    key, value = torch.randn(3, 2, 16, generator=gen), torch.randn(3, 2, 16, generator=gen)
+    query = torch.randn(3, 4, 16, generator=gen)
+    slots = torch.tensor([9, -1, 17])  # the second token is padding (a CUDA-graph row, say)
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    reference.write_kv(key, value, ref_k, ref_v, slots)
+    out = torch.full_like(query, 7.0)
+    tables = torch.tensor([[1, 2], [0, 0], [2, 3]], dtype=torch.int32)
+    lens = torch.tensor([2, 0, 2], dtype=torch.int32)
+    torch.ops.splitserve_cpu.write_and_decode(out, query, key, value, k_cache, v_cache, slots, tables, lens, 1, 0.25)
+    assert torch.equal(k_cache, ref_k) and torch.equal(v_cache, ref_v)
+    expected = reference.paged_attention(query[:1], ref_k.float(), ref_v.float(), tables[:1],
+                                         torch.tensor([0, 1], dtype=torch.int32), lens[:1], 0.25)
+    torch.testing.assert_close(out[:1], expected, atol=1e-5, rtol=1e-5)
+    assert (out[1:] == 7.0).all()  # rows past num_decodes are the caller's

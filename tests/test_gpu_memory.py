@@ -42,6 +42,27 @@ def test_up_gives_decode_workers_twice_a_prefill_workers_share():
         memory_shares(1.5, 1, 1)
 
 
+def test_up_hands_each_worker_its_share(tmp_path):
+    from splitserve.cli import parse
+    from splitserve.launcher import plan
+    args = parse(["up", "--device", "cuda", "--prefill", "2", "--decode", "1", "--gpu-memory-utilization", "0.8"])
+    shares = {}
+    for spec in plan(args, "redis://127.0.0.1:1/0", str(tmp_path)):
+        if spec.name not in ("redis", "gateway"):
+            argv = spec.argv
+            shares[spec.name] = float(argv[argv.index("--gpu-memory-utilization") + 1])
+            assert argv.count("--gpu-memory-utilization") == 1
+    assert shares == pytest.approx({"prefill0": 0.2, "prefill1": 0.2, "decode0": 0.4})
+    assert sum(shares.values()) == pytest.approx(0.8)
+
+
+def test_up_on_cpu_refuses_a_gpu_share():
+    from splitserve.cli import parse
+    from splitserve.launcher import cmd_up
+    with pytest.raises(SystemExit, match="shares a GPU"):
+        cmd_up(parse(["up", "--device", "cpu", "--gpu-memory-utilization", "0.5"]))
+
+
 @pytest.mark.gpu
 def test_a_cuda_engine_stays_inside_its_share(tiny_model_dirs):
     from engine import LLM, SamplingParams

@@ -118,7 +118,7 @@ def test_greedy_output_after_shm_handoff_equals_transformers(pair, block_size, f
 
 @pytest.mark.parametrize("num_layers", [1, 3])
 def test_decode_pages_equal_prefill_pages_byte_for_byte(pair, tmp_path, num_layers, transport):
-    from tests.tiny_models import make_tiny_model
+    from splitserve.testing.tiny_models import make_tiny_model
     model = make_tiny_model(tmp_path / f"l{num_layers}", num_layers=num_layers)
     prefill, decode = pair(16, model=model)
     held = fragment(decode)

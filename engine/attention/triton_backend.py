@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.attention import triton_kernels, triton_split_kv
+from engine.attention import triton_kernels, triton_decode
 from engine.attention.backend import AttentionBackend, StepLayout
 
 
@@ -46,10 +46,10 @@ class TritonAttentionBackend(AttentionBackend):
         triton_kernels.write_kv(key.contiguous(), value.contiguous(), k_cache, v_cache, layout.slot_mapping)
         query = query.contiguous()
         if prepared.pure_decode:
-            splits = triton_split_kv.num_splits_for(len(layout.seq_lens_list), k_cache.shape[2], prepared.max_seq_len,
+            splits = triton_decode.num_splits_for(len(layout.seq_lens_list), k_cache.shape[2], prepared.max_seq_len,
                                                     self._programs_to_fill(query.device))
             if splits > 1:
-                return triton_split_kv.paged_decode_split_kv(query, k_cache, v_cache, layout.block_tables,
+                return triton_decode.paged_decode(query, k_cache, v_cache, layout.block_tables,
                                                              layout.query_start_loc, layout.seq_lens, scale, splits)
         return triton_kernels.paged_attention(query, k_cache, v_cache, layout.block_tables, layout.query_start_loc,
                                               layout.seq_lens, scale, max_q_len=prepared.max_q_len)

@@ -9,10 +9,11 @@ Kernels
 ``_write_kv_kernel``
     grid (T,): one program per token copies all kv heads of key and value into
     slot ``slot_mapping[t]``; negative slots are masked out (padding).
-``_paged_decode_kernel``
-    grid (B, num_kv_heads): one program per (sequence, kv head) handles the
-    whole GQA group of query heads of that sequence's single new token, with an
-    online softmax over the paged context, ``BLOCK_N`` positions per step.
+decode (``triton_decode``)
+    grid (B, num_kv_heads[, partitions]): one program per (sequence, kv head)
+    handles the whole GQA group of query heads of that sequence's single new
+    token, with an online softmax over the paged context, ``BLOCK_N`` positions
+    per step; small batches at long contexts split each context (flash-decoding).
 ``_paged_prefill_kernel``
     grid (cdiv(max_q_len, BLOCK_T), B, num_kv_heads): one program per tile of
     ``BLOCK_T`` new tokens x the whole GQA group (flattened into ``BLOCK_M =
@@ -30,7 +31,6 @@ Dispatch in ``paged_attention``: if every sequence has exactly one new token
 chunked prefill, prefix-cache hits, mixed decode + prefill batches) the general
 varlen kernel runs for the whole batch.  Host work per call: none when the caller passes
 ``max_q_len`` (the engine does, from its host-side step layout); one ``.item()`` otherwise.
-Small decode batches at long contexts go to the split-KV variant in ``triton_split_kv``.
 
 This module imports without triton installed; check ``TRITON_AVAILABLE``
 before calling.  With ``TRITON_INTERPRET=1`` set before import, the kernels run
@@ -41,40 +41,16 @@ from __future__ import annotations
 
 import torch
 
-try:  # pragma: no cover - exercised implicitly by the import
-    import triton
-    import triton.language as tl
-
-    TRITON_AVAILABLE = True
-except ImportError:  # pragma: no cover
-    triton = None
-    tl = None
-    TRITON_AVAILABLE = False
+from engine.attention.triton_common import (_BLOCK_N, _INTERPRETED, _LOG2E, TRITON_AVAILABLE, _dot,  # noqa: F401
+                                           _next_pow2, _require_triton, tl, triton)
 
 __all__ = ["TRITON_AVAILABLE", "write_kv", "paged_attention"]
 
-_LOG2E = 1.4426950408889634  # log2(e)
-
-# Context positions per inner-loop step of the attention kernels.
-_BLOCK_N = 64
 # Target number of (token, head) rows per program of the prefill kernel.
 _PREFILL_ROWS = 64
 
 
-def _next_pow2(x: int) -> int:
-    return 1 << max(0, (int(x) - 1).bit_length())
-
-
 if TRITON_AVAILABLE:
-
-    @triton.jit
-    def _dot(a, b, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
-        """a @ b accumulated in float32.  UPCAST: multiply in float32 (used under the
-        interpreter, whose tl.dot multiplies the raw uint16 bits of bfloat16 operands)."""
-        if UPCAST:
-            return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
-        else:
-            return tl.dot(a, b, input_precision=PRECISION)
 
     @triton.jit
     def _write_kv_kernel(
@@ -116,92 +92,6 @@ if TRITON_AVAILABLE:
         v_dst = v_cache_ptr + blk * stride_vc_blk + off * stride_vc_off + h[:, None] * stride_vc_h + d[None, :]
         tl.store(k_dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
         tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
-
-    @triton.jit
-    def _paged_decode_kernel(
-        out_ptr,
-        q_ptr,
-        k_cache_ptr,
-        v_cache_ptr,
-        block_tables_ptr,
-        query_start_loc_ptr,
-        seq_lens_ptr,
-        scale_log2,
-        stride_qt,
-        stride_qh,
-        stride_ot,
-        stride_oh,
-        stride_kc_blk,
-        stride_kc_off,
-        stride_kc_h,
-        stride_vc_blk,
-        stride_vc_off,
-        stride_vc_h,
-        stride_bt,
-        GROUP: tl.constexpr,
-        BLOCK_SIZE: tl.constexpr,
-        HEAD_DIM: tl.constexpr,
-        BLOCK_G: tl.constexpr,
-        BLOCK_D: tl.constexpr,
-        BLOCK_N: tl.constexpr,
-        DOT_PRECISION: tl.constexpr,
-        UPCAST_DOT: tl.constexpr,
-    ):
-        b = tl.program_id(0).to(tl.int64)
-        kvh = tl.program_id(1).to(tl.int64)
-        row = tl.load(query_start_loc_ptr + b).to(tl.int64)
-        ctx_len = tl.load(seq_lens_ptr + b)
-
-        g = tl.arange(0, BLOCK_G)
-        d = tl.arange(0, BLOCK_D)
-        n = tl.arange(0, BLOCK_N)
-        heads = kvh * GROUP + g
-        g_mask = g < GROUP
-        d_mask = d < HEAD_DIM
-        q_mask = g_mask[:, None] & d_mask[None, :]
-
-        # [BLOCK_G, BLOCK_D]: all query heads of this kv head's group (padded rows are 0).
-        q = tl.load(q_ptr + row * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=q_mask, other=0.0)
-        q = q.to(k_cache_ptr.dtype.element_ty)
-
-        # Finite "minus infinity" so fully-masked steps never produce inf - inf.
-        m_i = tl.full([BLOCK_G], -1.0e30, dtype=tl.float32)
-        l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
-
-        bt_row = block_tables_ptr + b * stride_bt
-        for start in range(0, ctx_len, BLOCK_N):
-            pos = start + n
-            p_mask = pos < ctx_len
-            phys = tl.load(bt_row + pos // BLOCK_SIZE, mask=p_mask, other=0).to(tl.int64)
-            off = pos % BLOCK_SIZE
-            kv_mask = p_mask[:, None] & d_mask[None, :]
-            k = tl.load(
-                k_cache_ptr + phys[:, None] * stride_kc_blk + off[:, None] * stride_kc_off + kvh * stride_kc_h + d[None, :],
-                mask=kv_mask,
-                other=0.0,
-            )
-            v = tl.load(
-                v_cache_ptr + phys[:, None] * stride_vc_blk + off[:, None] * stride_vc_off + kvh * stride_vc_h + d[None, :],
-                mask=kv_mask,
-                other=0.0,
-            )
-            s = _dot(q, tl.trans(k), DOT_PRECISION, UPCAST_DOT) * scale_log2  # [BLOCK_G, BLOCK_N]
-            s = tl.where(p_mask[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION, UPCAST_DOT)
-            m_i = m_new
-
-        l_i = tl.where(l_i == 0.0, 1.0, l_i)
-        acc = acc / l_i[:, None]
-        tl.store(
-            out_ptr + row * stride_ot + heads[:, None] * stride_oh + d[None, :],
-            acc.to(out_ptr.dtype.element_ty),
-            mask=q_mask,
-        )
 
     @triton.jit
     def _paged_prefill_kernel(
@@ -302,15 +192,6 @@ if TRITON_AVAILABLE:
             acc.to(out_ptr.dtype.element_ty),
             mask=q_mask,
         )
-
-
-# Whether the kernels were decorated in interpreter mode (TRITON_INTERPRET=1 at import time).
-_INTERPRETED = TRITON_AVAILABLE and type(_write_kv_kernel).__name__ == "InterpretedFunction"
-
-
-def _require_triton() -> None:
-    if not TRITON_AVAILABLE:
-        raise RuntimeError("triton is not installed; use engine.attention.reference instead")
 
 
 def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
@@ -435,18 +316,8 @@ def paged_attention(
         max_q_len = int((query_start_loc[1:] - query_start_loc[:-1]).max().item())
     if num_tokens == num_seqs and max_q_len == 1:
         # Pure decode: every sequence contributes exactly one new token.
-        _paged_decode_kernel[(num_seqs, num_kv_heads)](
-            *common,
-            GROUP=group,
-            BLOCK_SIZE=block_size,
-            HEAD_DIM=head_dim,
-            BLOCK_G=max(16, _next_pow2(group)),
-            BLOCK_D=block_d,
-            BLOCK_N=_BLOCK_N,
-            DOT_PRECISION=dot_precision,
-            UPCAST_DOT=_INTERPRETED,
-        )
-        return out
+        from engine.attention.triton_decode import paged_decode
+        return paged_decode(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale)
 
     if max_q_len <= 0:
         return out

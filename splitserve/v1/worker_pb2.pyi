@@ -51,6 +51,36 @@ class TransferDescriptor(_message.Message):
     alternatives: _containers.RepeatedCompositeFieldContainer[TransportOffer]
     def __init__(self, request_id: _Optional[str] = ..., transport: _Optional[str] = ..., address: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., epoch: _Optional[int] = ..., lease_deadline: _Optional[float] = ..., alternatives: _Optional[_Iterable[_Union[TransportOffer, _Mapping]]] = ...) -> None: ...
 
+class ResolvedSampling(_message.Message):
+    __slots__ = ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty", "frequency_penalty", "presence_penalty", "ignore_eos", "stop_token_ids", "logprobs")
+    MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
+    TOP_P_FIELD_NUMBER: _ClassVar[int]
+    TOP_K_FIELD_NUMBER: _ClassVar[int]
+    MIN_P_FIELD_NUMBER: _ClassVar[int]
+    SEED_FIELD_NUMBER: _ClassVar[int]
+    REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    PRESENCE_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    IGNORE_EOS_FIELD_NUMBER: _ClassVar[int]
+    STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    max_tokens: int
+    min_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    seed: int
+    repetition_penalty: float
+    frequency_penalty: float
+    presence_penalty: float
+    ignore_eos: bool
+    stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    logprobs: int
+    def __init__(self, max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., ignore_eos: _Optional[bool] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[int] = ...) -> None: ...
+
 class ReserveRequest(_message.Message):
     __slots__ = ("request_id", "num_prompt_tokens")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
@@ -66,21 +96,23 @@ class ReserveResponse(_message.Message):
     def __init__(self, descriptor: _Optional[_Union[TransferDescriptor, _Mapping]] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "priority", "descriptor")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "priority", "descriptor", "arrival_time")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     DESCRIPTOR_FIELD_NUMBER: _ClassVar[int]
+    ARRIVAL_TIME_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    sampling: _generation_pb2.SamplingParams
+    sampling: ResolvedSampling
     priority: int
     descriptor: TransferDescriptor
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., descriptor: _Optional[_Union[TransferDescriptor, _Mapping]] = ...) -> None: ...
+    arrival_time: float
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[ResolvedSampling, _Mapping]] = ..., priority: _Optional[int] = ..., descriptor: _Optional[_Union[TransferDescriptor, _Mapping]] = ..., arrival_time: _Optional[float] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("request_id", "epoch", "first_token", "first_logprobs", "checksum", "transport", "num_copies", "prefill_ms", "kv_transfer_ms", "cached_prompt_tokens")
+    __slots__ = ("request_id", "epoch", "first_token", "first_logprobs", "checksum", "transport", "num_copies", "prefill_ms", "kv_transfer_ms", "cached_prompt_tokens", "sampler_state")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
@@ -91,6 +123,7 @@ class PrefillResponse(_message.Message):
     PREFILL_MS_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFER_MS_FIELD_NUMBER: _ClassVar[int]
     CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SAMPLER_STATE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     epoch: int
     first_token: int
@@ -101,10 +134,11 @@ class PrefillResponse(_message.Message):
     prefill_ms: float
     kv_transfer_ms: float
     cached_prompt_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., epoch: _Optional[int] = ..., first_token: _Optional[int] = ..., first_logprobs: _Optional[_Union[_generation_pb2.TokenLogprobs, _Mapping]] = ..., checksum: _Optional[int] = ..., transport: _Optional[str] = ..., num_copies: _Optional[int] = ..., prefill_ms: _Optional[float] = ..., kv_transfer_ms: _Optional[float] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
+    sampler_state: bytes
+    def __init__(self, request_id: _Optional[str] = ..., epoch: _Optional[int] = ..., first_token: _Optional[int] = ..., first_logprobs: _Optional[_Union[_generation_pb2.TokenLogprobs, _Mapping]] = ..., checksum: _Optional[int] = ..., transport: _Optional[str] = ..., num_copies: _Optional[int] = ..., prefill_ms: _Optional[float] = ..., kv_transfer_ms: _Optional[float] = ..., cached_prompt_tokens: _Optional[int] = ..., sampler_state: _Optional[bytes] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "epoch", "prompt_token_ids", "sampling", "priority", "first_token", "first_logprobs", "checksum")
+    __slots__ = ("request_id", "epoch", "prompt_token_ids", "sampling", "priority", "first_token", "first_logprobs", "checksum", "arrival_time", "sampler_state")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -113,25 +147,31 @@ class DecodeRequest(_message.Message):
     FIRST_TOKEN_FIELD_NUMBER: _ClassVar[int]
     FIRST_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     CHECKSUM_FIELD_NUMBER: _ClassVar[int]
+    ARRIVAL_TIME_FIELD_NUMBER: _ClassVar[int]
+    SAMPLER_STATE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     epoch: int
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
-    sampling: _generation_pb2.SamplingParams
+    sampling: ResolvedSampling
     priority: int
     first_token: int
     first_logprobs: _generation_pb2.TokenLogprobs
     checksum: int
-    def __init__(self, request_id: _Optional[str] = ..., epoch: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_generation_pb2.SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., first_token: _Optional[int] = ..., first_logprobs: _Optional[_Union[_generation_pb2.TokenLogprobs, _Mapping]] = ..., checksum: _Optional[int] = ...) -> None: ...
+    arrival_time: float
+    sampler_state: bytes
+    def __init__(self, request_id: _Optional[str] = ..., epoch: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[ResolvedSampling, _Mapping]] = ..., priority: _Optional[int] = ..., first_token: _Optional[int] = ..., first_logprobs: _Optional[_Union[_generation_pb2.TokenLogprobs, _Mapping]] = ..., checksum: _Optional[int] = ..., arrival_time: _Optional[float] = ..., sampler_state: _Optional[bytes] = ...) -> None: ...
 
 class DecodeChunk(_message.Message):
-    __slots__ = ("token_ids", "logprobs", "finish_reason")
+    __slots__ = ("token_ids", "logprobs", "finish_reason", "cached_prompt_tokens")
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedCompositeFieldContainer[_generation_pb2.TokenLogprobs]
     finish_reason: str
-    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprobs, _Mapping]]] = ..., finish_reason: _Optional[str] = ...) -> None: ...
+    cached_prompt_tokens: int
+    def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[_generation_pb2.TokenLogprobs, _Mapping]]] = ..., finish_reason: _Optional[str] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class WorkerAbortRequest(_message.Message):
     __slots__ = ("request_id",)

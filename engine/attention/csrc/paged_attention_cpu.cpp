@@ -204,8 +204,7 @@ void attend_one(const float* __restrict q, int group, const cache_t* __restrict 
 
 template <typename cache_t, typename q_t, int D>
 void decode_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                 const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale) {
-  const int64_t num_seqs = query.size(0);
+                 const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale, int64_t num_seqs) {
   const int num_q_heads = query.size(1);
   const int num_kv_heads = k_cache.size(2);
   const int block_size = k_cache.size(1);
@@ -243,29 +242,122 @@ void decode_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_c
 
 template <typename cache_t, typename q_t>
 void dispatch_head_dim(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                       const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale) {
+                       const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale, int64_t num_seqs) {
   switch (query.size(2)) {
-    case 16: return decode_impl<cache_t, q_t, 16>(out, query, k_cache, v_cache, block_tables, seq_lens, scale);
-    case 32: return decode_impl<cache_t, q_t, 32>(out, query, k_cache, v_cache, block_tables, seq_lens, scale);
-    case 48: return decode_impl<cache_t, q_t, 48>(out, query, k_cache, v_cache, block_tables, seq_lens, scale);
-    case 64: return decode_impl<cache_t, q_t, 64>(out, query, k_cache, v_cache, block_tables, seq_lens, scale);
-    case 80: return decode_impl<cache_t, q_t, 80>(out, query, k_cache, v_cache, block_tables, seq_lens, scale);
-    case 96: return decode_impl<cache_t, q_t, 96>(out, query, k_cache, v_cache, block_tables, seq_lens, scale);
-    case 128: return decode_impl<cache_t, q_t, 128>(out, query, k_cache, v_cache, block_tables, seq_lens, scale);
-    case 256: return decode_impl<cache_t, q_t, 256>(out, query, k_cache, v_cache, block_tables, seq_lens, scale);
+    case 16: return decode_impl<cache_t, q_t, 16>(out, query, k_cache, v_cache, block_tables, seq_lens, scale, num_seqs);
+    case 32: return decode_impl<cache_t, q_t, 32>(out, query, k_cache, v_cache, block_tables, seq_lens, scale, num_seqs);
+    case 48: return decode_impl<cache_t, q_t, 48>(out, query, k_cache, v_cache, block_tables, seq_lens, scale, num_seqs);
+    case 64: return decode_impl<cache_t, q_t, 64>(out, query, k_cache, v_cache, block_tables, seq_lens, scale, num_seqs);
+    case 80: return decode_impl<cache_t, q_t, 80>(out, query, k_cache, v_cache, block_tables, seq_lens, scale, num_seqs);
+    case 96: return decode_impl<cache_t, q_t, 96>(out, query, k_cache, v_cache, block_tables, seq_lens, scale, num_seqs);
+    case 128: return decode_impl<cache_t, q_t, 128>(out, query, k_cache, v_cache, block_tables, seq_lens, scale, num_seqs);
+    case 256: return decode_impl<cache_t, q_t, 256>(out, query, k_cache, v_cache, block_tables, seq_lens, scale, num_seqs);
     default: TORCH_CHECK(false, "paged_decode: head_dim ", query.size(2), " is not one of 16, 32, 48, 64, 80, 96, 128, 256");
   }
 }
 
 template <typename cache_t>
 void dispatch_query(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                    const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale) {
+                    const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale, int64_t num_seqs) {
   switch (query.scalar_type()) {
-    case at::kFloat: return dispatch_head_dim<cache_t, float>(out, query, k_cache, v_cache, block_tables, seq_lens, scale);
+    case at::kFloat:
+      return dispatch_head_dim<cache_t, float>(out, query, k_cache, v_cache, block_tables, seq_lens, scale, num_seqs);
     case at::kBFloat16:
-      return dispatch_head_dim<cache_t, c10::BFloat16>(out, query, k_cache, v_cache, block_tables, seq_lens, scale);
-    case at::kHalf: return dispatch_head_dim<cache_t, c10::Half>(out, query, k_cache, v_cache, block_tables, seq_lens, scale);
+      return dispatch_head_dim<cache_t, c10::BFloat16>(out, query, k_cache, v_cache, block_tables, seq_lens, scale,
+                                                       num_seqs);
+    case at::kHalf:
+      return dispatch_head_dim<cache_t, c10::Half>(out, query, k_cache, v_cache, block_tables, seq_lens, scale, num_seqs);
     default: TORCH_CHECK(false, "paged_decode: unsupported query dtype ", query.scalar_type());
+  }
+}
+
+void check_caches(const at::Tensor& k_cache, const at::Tensor& v_cache) {
+  TORCH_CHECK(k_cache.device().is_cpu(), "splitserve_cpu ops are the CPU kernels");
+  TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "caches must be 4-D alike");
+  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "K and V caches differ in dtype");
+  TORCH_CHECK(k_cache.stride(3) == 1 && v_cache.stride(3) == 1, "the caches' head_dim must be contiguous");
+  TORCH_CHECK(k_cache.size(1) <= kMaxBlockSize, "block_size above ", kMaxBlockSize);
+}
+
+// Decode attention of the first `num_seqs` rows (one new token each).
+void decode_rows(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                 const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale, int64_t num_seqs) {
+  TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes(), "query/out must be [T, H, D] alike");
+  TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1, "head_dim of query/out must be contiguous");
+  TORCH_CHECK(out.scalar_type() == query.scalar_type(), "out and query differ in dtype");
+  TORCH_CHECK(k_cache.size(3) == query.size(2), "query and cache head_dim differ");
+  TORCH_CHECK(query.size(1) % k_cache.size(2) == 0, "query heads must be a multiple of KV heads");
+  TORCH_CHECK(query.size(1) / k_cache.size(2) <= kMaxGroup, "GQA group above ", kMaxGroup);
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt,
+              "block_tables and seq_lens must be int32");
+  TORCH_CHECK(num_seqs >= 0 && num_seqs <= query.size(0), "more decodes than query rows");
+  TORCH_CHECK(block_tables.dim() == 2 && block_tables.stride(1) == 1 && block_tables.size(0) >= num_seqs,
+              "block_tables must be [B, max_blocks] with contiguous rows, a row per decode");
+  TORCH_CHECK(seq_lens.is_contiguous() && seq_lens.numel() >= num_seqs, "seq_lens must hold a length per decode");
+  if (num_seqs == 0) return;
+  switch (k_cache.scalar_type()) {
+    case at::kFloat: return dispatch_query<float>(out, query, k_cache, v_cache, block_tables, seq_lens, scale, num_seqs);
+    case at::kBFloat16:
+      return dispatch_query<c10::BFloat16>(out, query, k_cache, v_cache, block_tables, seq_lens, scale, num_seqs);
+    case at::kHalf: return dispatch_query<c10::Half>(out, query, k_cache, v_cache, block_tables, seq_lens, scale, num_seqs);
+    default: TORCH_CHECK(false, "unsupported cache dtype ", k_cache.scalar_type());
+  }
+}
+
+template <typename cache_t, typename in_t>
+void write_impl(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache, at::Tensor& v_cache,
+                const int64_t* slots) {
+  const int64_t num_tokens = key.size(0), num_heads = key.size(1), head_dim = key.size(2);
+  const int64_t block_size = k_cache.size(1);
+  const in_t* k_in = key.data_ptr<in_t>();
+  const in_t* v_in = value.data_ptr<in_t>();
+  cache_t* kc = k_cache.data_ptr<cache_t>();
+  cache_t* vc = v_cache.data_ptr<cache_t>();
+  at::parallel_for(0, num_tokens, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t slot = slots[t];
+      if (slot < 0) continue;  // padding
+      const int64_t blk = slot / block_size, off = slot % block_size;
+      for (int64_t h = 0; h < num_heads; ++h) {
+        const in_t* ks = k_in + t * key.stride(0) + h * key.stride(1);
+        const in_t* vs = v_in + t * value.stride(0) + h * value.stride(1);
+        cache_t* kd = kc + blk * k_cache.stride(0) + off * k_cache.stride(1) + h * k_cache.stride(2);
+        cache_t* vd = vc + blk * v_cache.stride(0) + off * v_cache.stride(1) + h * v_cache.stride(2);
+        for (int64_t d = 0; d < head_dim; ++d) {
+          kd[d] = static_cast<cache_t>(widen(ks[d]));
+          vd[d] = static_cast<cache_t>(widen(vs[d]));
+        }
+      }
+    }
+  });
+}
+
+template <typename cache_t>
+void write_dispatch(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache, at::Tensor& v_cache,
+                    const int64_t* slots) {
+  switch (key.scalar_type()) {
+    case at::kFloat: return write_impl<cache_t, float>(key, value, k_cache, v_cache, slots);
+    case at::kBFloat16: return write_impl<cache_t, c10::BFloat16>(key, value, k_cache, v_cache, slots);
+    case at::kHalf: return write_impl<cache_t, c10::Half>(key, value, k_cache, v_cache, slots);
+    default: TORCH_CHECK(false, "unsupported key dtype ", key.scalar_type());
+  }
+}
+
+// Token t's key/value into slot slot_mapping[t] of the caches (negative slots are skipped).
+void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cache, at::Tensor& v_cache,
+              const at::Tensor& slot_mapping) {
+  TORCH_CHECK(key.dim() == 3 && value.sizes() == key.sizes(), "key/value must be [T, H_kv, D] alike");
+  TORCH_CHECK(key.scalar_type() == value.scalar_type(), "key and value differ in dtype");
+  TORCH_CHECK(key.stride(2) == 1 && value.stride(2) == 1, "head_dim of key/value must be contiguous");
+  TORCH_CHECK(key.size(1) == k_cache.size(2) && key.size(2) == k_cache.size(3), "key heads/head_dim differ from the cache");
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
+              slot_mapping.numel() >= key.size(0), "slot_mapping must be int64 with a slot per token");
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  switch (k_cache.scalar_type()) {
+    case at::kFloat: return write_dispatch<float>(key, value, k_cache, v_cache, slots);
+    case at::kBFloat16: return write_dispatch<c10::BFloat16>(key, value, k_cache, v_cache, slots);
+    case at::kHalf: return write_dispatch<c10::Half>(key, value, k_cache, v_cache, slots);
+    default: TORCH_CHECK(false, "unsupported cache dtype ", k_cache.scalar_type());
   }
 }
 
@@ -274,29 +366,21 @@ void dispatch_query(at::Tensor& out, const at::Tensor& query, const at::Tensor& 
 //   (any strides, head_dim contiguous); block_tables [B, max_blocks] int32; seq_lens [B] int32.
 void paged_decode(at::Tensor out, const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                   const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale) {
-  TORCH_CHECK(query.device().is_cpu() && k_cache.device().is_cpu(), "paged_decode is the CPU kernel");
-  TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes(), "paged_decode: query/out must be [B, H, D] alike");
-  TORCH_CHECK(k_cache.dim() == 4 && v_cache.sizes() == k_cache.sizes(), "paged_decode: caches must be 4-D alike");
-  TORCH_CHECK(k_cache.scalar_type() == v_cache.scalar_type(), "paged_decode: K and V caches differ in dtype");
-  TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1 && k_cache.stride(3) == 1 && v_cache.stride(3) == 1,
-              "paged_decode: head_dim must be contiguous");
-  TORCH_CHECK(out.scalar_type() == query.scalar_type(), "paged_decode: out and query differ in dtype");
-  TORCH_CHECK(k_cache.size(3) == query.size(2), "paged_decode: query and cache head_dim differ");
-  TORCH_CHECK(query.size(1) % k_cache.size(2) == 0, "paged_decode: query heads must be a multiple of KV heads");
-  TORCH_CHECK(query.size(1) / k_cache.size(2) <= kMaxGroup, "paged_decode: GQA group above ", kMaxGroup);
-  TORCH_CHECK(k_cache.size(1) <= kMaxBlockSize, "paged_decode: block_size above ", kMaxBlockSize);
-  TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt,
-              "paged_decode: block_tables and seq_lens must be int32");
-  TORCH_CHECK(block_tables.dim() == 2 && block_tables.stride(1) == 1 && block_tables.size(0) == query.size(0),
-              "paged_decode: block_tables must be [B, max_blocks] with contiguous rows");
-  TORCH_CHECK(seq_lens.is_contiguous() && seq_lens.numel() == query.size(0), "paged_decode: seq_lens must be [B]");
-  if (query.size(0) == 0) return;
-  switch (k_cache.scalar_type()) {
-    case at::kFloat: return dispatch_query<float>(out, query, k_cache, v_cache, block_tables, seq_lens, scale);
-    case at::kBFloat16: return dispatch_query<c10::BFloat16>(out, query, k_cache, v_cache, block_tables, seq_lens, scale);
-    case at::kHalf: return dispatch_query<c10::Half>(out, query, k_cache, v_cache, block_tables, seq_lens, scale);
-    default: TORCH_CHECK(false, "paged_decode: unsupported cache dtype ", k_cache.scalar_type());
-  }
+  check_caches(k_cache, v_cache);
+  TORCH_CHECK(block_tables.size(0) == query.size(0) && seq_lens.numel() == query.size(0),
+              "paged_decode: a block table row and a length per query row");
+  decode_rows(out, query, k_cache, v_cache, block_tables, seq_lens, scale, query.size(0));
+}
+
+// One layer's step on the CPU in one call: every new token's K/V into its slot, then decode
+// attention for the first `num_decodes` rows (the runner orders decodes first). Prefill rows
+// of `out` are left for the caller.
+void write_and_decode(at::Tensor out, const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                      at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slot_mapping,
+                      const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t num_decodes, double scale) {
+  check_caches(k_cache, v_cache);
+  write_kv(key, value, k_cache, v_cache, slot_mapping);
+  decode_rows(out, query, k_cache, v_cache, block_tables, seq_lens, scale, num_decodes);
 }
 
 }  // namespace
@@ -304,6 +388,12 @@ void paged_decode(at::Tensor out, const at::Tensor& query, const at::Tensor& k_c
 TORCH_LIBRARY(splitserve_cpu, m) {
   m.def("paged_decode(Tensor(a!) out, Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
         "Tensor seq_lens, float scale) -> ()");
+  m.def("write_and_decode(Tensor(a!) out, Tensor query, Tensor key, Tensor value, Tensor(b!) k_cache, "
+        "Tensor(c!) v_cache, Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, int num_decodes, "
+        "float scale) -> ()");
 }
 
-TORCH_LIBRARY_IMPL(splitserve_cpu, CPU, m) { m.impl("paged_decode", &paged_decode); }
+TORCH_LIBRARY_IMPL(splitserve_cpu, CPU, m) {
+  m.impl("paged_decode", &paged_decode);
+  m.impl("write_and_decode", &write_and_decode);
+}

@@ -1,0 +1,27 @@
+"""Wiring of a decode worker process (``splitserve decode``): engine, KV receiver, servicer, runtime."""
+from __future__ import annotations
+
+import uuid
+
+from worker_runtime.serve import engine_config, run_worker
+
+
+def serve(args) -> int:
+    from decode_worker.servicer import DecodeWorkerServicer
+    from engine.llm_engine import LLMEngine
+    from kvtransfer import build_decode
+    from splitserve.metrics import EngineMetrics, serve_metrics
+    from splitserve.v1 import worker_pb2_grpc
+    config = engine_config(args)
+    registry, metrics_address = serve_metrics(args.metrics_port, args.host)
+    metrics = EngineMetrics(registry, args.role)
+    worker_id = args.worker_id or f"{args.role}-{uuid.uuid4().hex[:8]}"
+    if args.role == "both":
+        servicer = DecodeWorkerServicer(LLMEngine(config), None, worker_id, metrics)
+    else:
+        connector = build_decode(config, args.kv_transport, lease_ttl_s=args.lease_ttl_s, host=args.host,
+                                 advertise_host=args.advertise_host or None)
+        servicer = DecodeWorkerServicer(connector.engine, connector, worker_id, metrics)
+    servicer.metrics_address = metrics_address
+    return run_worker(servicer, worker_pb2_grpc.add_DecodeWorkerServicer_to_server, "splitserve.v1.DecodeWorker",
+                      args)

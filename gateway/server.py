@@ -1,0 +1,78 @@
+"""Wiring of a gateway process (``splitserve gateway``): model info, Redis, dispatcher, servicer, server.
+
+``serve(args)`` runs until SIGTERM/SIGINT, then drains: NOT_SERVING and no new requests at
+once, in-flight ones get ``--drain-timeout-s`` to finish, the rest end with UNAVAILABLE.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+
+log = logging.getLogger(__name__)
+
+SERVICE = "splitserve.v1.Generation"
+
+
+def serve(args) -> int:
+    if not args.redis_url:
+        raise SystemExit("the gateway needs --redis-url (or SPLITSERVE_REDIS_URL)")
+    return asyncio.run(_serve(args))
+
+
+def model_info(args):
+    """The public ModelInfo and the tokenizer of the served model (its files only: no weights)."""
+    from transformers import GenerationConfig
+
+    from engine.model_loader import load_config, load_tokenizer, resolve_model
+    from splitserve.v1 import generation_pb2
+    model_dir = resolve_model(args.model)
+    config = load_config(model_dir)
+    eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
+    info = generation_pb2.ModelInfo(
+        model=args.model, max_model_len=args.max_model_len or getattr(config, "max_position_embeddings", 2048),
+        vocab_size=config.vocab_size, eos_token_ids=[eos] if isinstance(eos, int) else list(eos or []),
+        block_size=args.block_size, dtype=args.dtype)
+    return info, load_tokenizer(model_dir)
+
+
+async def _serve(args) -> int:
+    from gateway.dispatch import Dispatcher
+    from gateway.health_monitor import GatewayHealth
+    from gateway.redis_state import RedisState, make_async_client
+    from gateway.servicer import GenerationServicer
+    from gateway.workers import WorkerDirectory
+    from splitserve.grpc_server import start_server, stop_event
+    from splitserve.metrics import GatewayMetrics, serve_metrics
+    from splitserve.security import Security
+    from splitserve.v1 import generation_pb2_grpc
+    info, tokenizer = model_info(args)
+    state = RedisState(make_async_client(args.redis_url, password=args.redis_password or None),
+                       queue_limit=args.queue_limit, priority_aging_per_s=args.priority_aging_per_s)
+    registry, metrics_address = serve_metrics(args.metrics_port, args.host)
+    security = Security.from_args(args)  # the public port, and the calls to the workers
+    metrics = GatewayMetrics(registry)
+    directory = WorkerDirectory(state, block_size=args.block_size, channel_factory=security.aio_channel)
+    dispatcher = Dispatcher(state, directory, args.gateway_id or f"gw-{uuid.uuid4().hex[:8]}",
+                            max_attempts=args.max_attempts, on_retry=lambda reason: metrics.retries.inc())
+    await dispatcher.start()
+    servicer = GenerationServicer(state, dispatcher, tokenizer, info, metrics=metrics, metrics_address=metrics_address)
+
+    def register(server):
+        generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
+        return [SERVICE]
+    server, health, port = await start_server(register, f"{args.host}:{args.port}",
+                                              reflection_enabled=not args.no_reflection, security=security)
+    monitor = await GatewayHealth(health, [SERVICE], state, directory).start()
+    servicer.health = monitor
+    print(f"gateway {dispatcher.gateway_id} serving on {args.host}:{port}", flush=True)
+    await stop_event().wait()
+    # Drain: NOT_SERVING and no new requests; in-flight ones get the grace period to finish.
+    await monitor.drain()
+    servicer.draining = True
+    await dispatcher.drain(args.drain_timeout_s)
+    await monitor.stop()
+    await server.stop(grace=2)
+    await dispatcher.stop()
+    await directory.close()
+    return 0

@@ -1,0 +1,69 @@
+"""Health that means "can do work", and graceful drain on SIGTERM, with real processes."""
+import signal
+
+import grpc
+import pytest
+
+from splitserve.testing.stack import NOT_SERVING, SERVING, gateway_health, health, start_stack, wait_pages_at_baseline
+from splitserve.testing.prompts import mixed_prompts
+from splitserve.testing.streams import assert_all_match, join_all, run_streams, wait_until
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_model_dirs, tmp_path_factory):
+    with start_stack(tiny_model_dirs["llama"], tmp_path_factory, prefill=1, decode=2,
+                     worker_args=["--drain-timeout-s", "120"], gateway_args=["--drain-timeout-s", "120"]) as st:
+        yield st
+
+
+@pytest.fixture(scope="module")
+def reference(llama_reference):
+    return llama_reference
+
+
+def test_gateway_is_not_serving_without_a_usable_set_of_workers(stack, reference):
+    assert gateway_health(stack) == SERVING
+    stack.kill("prefill")
+    try:
+        wait_until(lambda: gateway_health(stack) == NOT_SERVING, 20, "NOT_SERVING without a prefill worker")
+        with pytest.raises(grpc.RpcError) as err:
+            list(stack.client.generate([1, 2, 3], max_tokens=2, temperature=0.0, timeout=10))
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+        assert "no usable workers" in err.value.details()
+    finally:
+        stack.restart("prefill")
+    wait_until(lambda: gateway_health(stack) == SERVING, 30, "SERVING once the prefill worker is back")
+
+
+def test_worker_drains_in_flight_requests_on_sigterm(stack, reference):
+    baseline = stack.free_pages()
+    streams = run_streams(stack, "worker-drain", mixed_prompts(6, seed=31, lo=5, hi=30), max_tokens=300)
+    wait_until(lambda: all(len(s.tokens) >= 3 for s in streams), 60, "every stream to be decoding")
+    victim = stack.names("decode")[0]
+    stack.procs[victim].send_signal(signal.SIGTERM)
+    wait_until(lambda: health(stack.addresses[victim]) != SERVING, 10, f"{victim} to stop reporting SERVING")
+    late = run_streams(stack, "after-sigterm", mixed_prompts(2, seed=32, lo=5, hi=30), max_tokens=8)
+    join_all(streams + late)
+    assert stack.procs[victim].wait(120) == 0
+    assert_all_match(streams + late, reference)
+    ran_on = lambda s: s.final.timeline.decode_worker.rsplit("-", 1)[0]  # noqa: E731 (ids are <name>-<pid>)
+    assert any(ran_on(s) == victim for s in streams), "no request was decoding on the drained worker"
+    assert all(s.attempts() == 1 for s in streams)  # finished where they were, not retried elsewhere
+    assert all(ran_on(s) != victim for s in late)
+    stack.restart(victim)
+    wait_pages_at_baseline(stack, {n: baseline[n] for n in baseline if n != victim},
+                           names=[n for n in baseline if n != victim])
+
+
+def test_gateway_drains_on_sigterm(stack, reference):
+    """Last in the module: the gateway does not come back."""
+    streams = run_streams(stack, "gateway-drain", mixed_prompts(3, seed=33, lo=5, hi=30), max_tokens=300)
+    wait_until(lambda: all(len(s.tokens) >= 3 for s in streams), 60, "every stream to be decoding")
+    stack.procs["gateway"].send_signal(signal.SIGTERM)
+    wait_until(lambda: gateway_health(stack) != SERVING, 10, "the draining gateway to stop reporting SERVING")
+    with pytest.raises(grpc.RpcError) as err:
+        list(stack.client.generate([1, 2, 3], max_tokens=2, temperature=0.0, timeout=10))
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    join_all(streams)
+    assert_all_match(streams, reference)
+    assert stack.procs["gateway"].wait(120) == 0

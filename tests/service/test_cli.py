@@ -1,0 +1,180 @@
+"""The `splitserve` command: --help for everything, flags from EngineConfig and the environment,
+clear errors, and `up` handing every flag to the children that take it."""
+import dataclasses
+import os
+import subprocess
+import sys
+import time
+
+import click
+import pytest
+
+from engine.config import EngineConfig
+from splitserve.cli import parse
+from splitserve.flags import FLAGS, up_options
+
+SUBCOMMANDS = ["up", "gateway", "prefill", "decode", "generate"]
+
+
+def run_cli(*argv, env=None):
+    return subprocess.run([sys.executable, "-m", "splitserve.cli", *argv], capture_output=True, text=True,
+                          timeout=60, env={**os.environ, **(env or {})})
+
+
+@pytest.mark.parametrize("command", SUBCOMMANDS)
+def test_every_subcommand_has_help_with_defaults_and_variables(command):
+    out = run_cli(command, "--help")
+    assert out.returncode == 0 and "Usage: splitserve" in out.stdout
+    text = " ".join(out.stdout.split())  # help lines wrap anywhere
+    if command != "generate":
+        assert '[env var: SPLITSERVE_REDIS_URL; default: ""]' in text
+        assert "[env var: SPLITSERVE_DRAIN_TIMEOUT_S; default: 30.0]" in text
+
+
+def test_installed_entry_point_runs():
+    entry_point = os.path.join(os.path.dirname(sys.executable), "splitserve")
+    out = subprocess.run([entry_point, "--help"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and all(c in out.stdout for c in SUBCOMMANDS)
+
+
+def test_every_engine_config_field_is_a_worker_flag_with_its_default(monkeypatch):
+    for name in [k for k in os.environ if k.startswith("SPLITSERVE_")]:  # (the suite sets some)
+        monkeypatch.delenv(name)
+    for command in ("decode", "prefill", "up"):
+        args = parse([command])
+        for field in dataclasses.fields(EngineConfig):
+            assert getattr(args, field.name) == field.default, (command, field.name)
+    args = parse(["decode", "--preemption-mode", "swap", "--no-enable-prefix-caching", "--no-enable-chunked-prefill",
+                  "--priority-aging-per-s", "0.5", "--num-cpu-blocks", "8", "--attention-backend", "torch"])
+    assert (args.preemption_mode, args.enable_prefix_caching, args.enable_chunked_prefill, args.priority_aging_per_s,
+            args.num_cpu_blocks, args.attention_backend) == ("swap", False, False, 0.5, 8, "torch")
+
+
+def test_environment_supplies_defaults(monkeypatch):
+    monkeypatch.setenv("SPLITSERVE_MODEL", "/models/x")
+    monkeypatch.setenv("SPLITSERVE_PORT", "6000")
+    monkeypatch.setenv("SPLITSERVE_REDIS_URL", "redis://r:6379/0")
+    monkeypatch.setenv("SPLITSERVE_KV_TRANSPORT", "tcp")
+    monkeypatch.setenv("SPLITSERVE_ENABLE_PREFIX_CACHING", "false")
+    args = parse(["decode"])
+    assert (args.model, args.port, args.redis_url, args.kv_transport) == ("/models/x", 6000, "redis://r:6379/0", "tcp")
+    assert args.enable_prefix_caching is False
+    # A flag on the command line wins over the environment.
+    assert parse(["decode", "--port", "7000"]).port == 7000
+
+
+def test_bad_values_are_usage_errors_naming_the_flag():
+    with pytest.raises(click.BadParameter, match="int3"):
+        parse(["decode", "--dtype", "int3"])
+    out = run_cli("decode", env={"SPLITSERVE_BLOCK_SIZE": "abc"})
+    assert out.returncode == 2 and "Traceback" not in out.stderr
+    assert "'--block-size' (env var: 'SPLITSERVE_BLOCK_SIZE'): 'abc' is not a valid integer" in out.stderr
+    out = run_cli("prefill", "--block-size", "3")  # refused by EngineConfig, before anything starts
+    assert out.returncode == 2 and "block_size must be a power of two, got 3" in out.stderr
+    out = run_cli("gateway", env={"SPLITSERVE_REDIS_URL": ""})
+    assert out.returncode == 1 and out.stderr.strip() == "splitserve: the gateway needs --redis-url (or " \
+        "SPLITSERVE_REDIS_URL)"
+
+
+def _value_for(option: click.Option, default):
+    """A value different from the default, valid for the option's type."""
+    if option.is_flag or option.is_bool_flag:
+        return not default
+    if isinstance(option.type, click.Choice):
+        return next(c for c in option.type.choices if c != default)
+    if option.type is click.INT:
+        return 7 if default != 7 else 8
+    if option.type is click.FLOAT:
+        return 2.5 if default != 2.5 else 3.5
+    return f"/x/{option.name}"
+
+
+def test_up_forwards_every_flag_to_each_child_that_takes_it(tmp_path):
+    from splitserve.flags import BY_NAME
+    from splitserve.launcher import plan
+    argv = ["up", "--prefill", "2", "--decode", "1"]
+    given = {}
+    for option in up_options():
+        if option.name in ("metrics_port", "num_threads", "redis_url", "block_size", "gpu_memory_utilization"):
+            # up sets these per child (ports, threads, its own Redis, each worker's share of the GPU:
+            # tests/test_gpu_memory.py); block_size must be a power of 2
+            continue
+        value = _value_for(option, option.default)
+        given[option.name] = value
+        flag = BY_NAME[option.name]
+        argv += flag.argv(value) if not flag.secret else [flag.option, str(value)]
+    argv += ["--block-size", "32", "--num-gpu-blocks", "64"]
+    given.update(block_size=32, num_gpu_blocks=64)
+    specs = {spec.name: spec for spec in plan(parse(argv), "redis://127.0.0.1:1/0", str(tmp_path))}
+    assert sorted(specs) == ["decode0", "gateway", "prefill0", "prefill1", "redis"]
+    for name, spec in specs.items():
+        if name == "redis":
+            continue
+        cli = spec.argv.index("splitserve.cli")
+        command = spec.argv[cli + 3:]  # after --log-level LEVEL
+        old = dict(os.environ)
+        os.environ.update(spec.env)  # secrets travel in the environment
+        try:
+            child = parse(command)
+        finally:
+            os.environ.clear()
+            os.environ.update(old)
+        kind = "gateway" if name == "gateway" else "prefill" if name.startswith("prefill") else "decode"
+        for flag_name, value in given.items():
+            flag = BY_NAME[flag_name]
+            if kind in (flag.up_to or flag.kinds):
+                assert getattr(child, flag_name) == value, (name, flag_name)
+        for secret in ("auth_token", "redis_password"):
+            assert given[secret] not in spec.argv, (name, secret)  # never on a command line
+    assert all(flag.name in {o.name for o in up_options()} for flag in FLAGS if flag.up)
+
+
+def test_num_threads_sets_the_engine_threads():
+    import torch
+
+    from worker_runtime.serve import engine_config
+    before = torch.get_num_threads()
+    try:
+        engine_config(parse(["decode", "--num-threads", "1"]))
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_heartbeat_stats_do_not_wait_out_a_long_engine_step():
+    """A worker mid-way through a multi-second step still beats, with its last numbers."""
+    import asyncio
+    import threading
+
+    from worker_runtime.engine_loop import EngineLoop
+    from worker_runtime.heartbeat import engine_stats
+
+    go, busy, release = threading.Event(), threading.Event(), threading.Event()
+    state = {"steps": 0}
+
+    def long_step():
+        state["steps"] += 1
+        busy.set()
+        release.wait(10)
+        return []
+
+    loop = EngineLoop(long_step, lambda: go.is_set() and state["steps"] < 1).start()
+
+    async def main():
+        stats = engine_stats(loop, lambda: {"steps": state["steps"]}, {"metrics_address": "127.0.0.1:9"})
+        assert await stats() == {"steps": 0, "metrics_address": "127.0.0.1:9"}  # idle: fresh numbers
+        go.set()
+        loop.submit(lambda: None)  # wakes the loop, which now has work
+        assert await asyncio.to_thread(busy.wait, 10)
+        # Mid-step: the last numbers (waiting out the step would have read steps == 1).
+        assert await stats() == {"steps": 0, "metrics_address": "127.0.0.1:9"}
+        release.set()
+        deadline = time.monotonic() + 10
+        while (await stats())["steps"] != 1 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        assert (await stats())["steps"] == 1  # fresh again once the step is over
+    try:
+        asyncio.run(main())
+    finally:
+        release.set()
+        loop.stop()

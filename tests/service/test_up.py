@@ -1,0 +1,41 @@
+"""`splitserve up` as a user runs it: grpcurl against it, and no orphan once it is killed."""
+import json
+import os
+import signal
+import subprocess
+
+import psutil
+import pytest
+
+from splitserve.testing.tools import grpcurl
+from splitserve.testing.up import start_up
+
+
+@pytest.fixture(scope="module")
+def up(tiny_model_dirs, tmp_path_factory):
+    with start_up(["--model", str(tiny_model_dirs["llama"]), "--dtype", "float32", "--block-size", "8",
+                   "--num-gpu-blocks", "128"], tmp_path_factory.mktemp("up")) as running:
+        yield running
+
+
+def test_grpcurl_against_splitserve_up(up):
+    run = lambda *a: subprocess.run([grpcurl(), "-plaintext", *a], capture_output=True, text=True, timeout=60)  # noqa
+    assert "splitserve.v1.Generation" in run(up.address, "list").stdout
+    assert "rpc Generate" in run(up.address, "describe", "splitserve.v1.Generation").stdout
+    body = json.dumps({"text": "hello", "sampling": {"max_tokens": 4, "temperature": 0, "ignore_eos": True}})
+    streamed = run("-d", body, up.address, "splitserve.v1.Generation/Generate")
+    assert streamed.returncode == 0, streamed.stderr
+    assert '"finish_reason": "length"' in streamed.stdout
+    assert '"SERVING"' in run("-d", "{}", up.address, "grpc.health.v1.Health/Check").stdout
+    info = json.loads(run("-d", "{}", up.address, "splitserve.v1.Generation/GetServerInfo").stdout)
+    assert sorted(w["role"] for w in info["workers"]) == ["decode", "gateway", "prefill"]
+    assert sorted(up.pids) == ["decode0", "gateway", "prefill0", "redis"]
+
+
+def test_kill_9_of_up_leaves_no_orphan(up):
+    children = psutil.Process(up.proc.pid).children(recursive=True)
+    assert len(children) >= 4  # redis, decode, prefill, gateway
+    os.kill(up.proc.pid, signal.SIGKILL)
+    up.proc.wait(timeout=10)
+    gone, alive = psutil.wait_procs(children, timeout=30)
+    assert not alive, [p.cmdline()[:4] for p in alive]

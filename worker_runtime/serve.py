@@ -1,0 +1,94 @@
+"""A worker process's life: serve, register and beat, watch the engine, drain on SIGTERM.
+
+    return run_worker(servicer, worker_pb2_grpc.add_DecodeWorkerServicer_to_server,
+                      "splitserve.v1.DecodeWorker", args)
+
+``args`` carries the server flags of ``splitserve.cli`` (host, port, advertise_host,
+no_reflection, redis_url, redis_password, drain_timeout_s and the security flags).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+from splitserve.grpc_server import advertised, start_server, stop_event
+from splitserve.security import Security
+from worker_runtime.heartbeat import Heartbeat, engine_stats
+from worker_runtime.servicer import WorkerServicer
+
+log = logging.getLogger(__name__)
+
+# How often the process checks that its engine loop is still alive.
+WATCH_S = 0.5
+
+
+def run_worker(servicer: WorkerServicer, add_to_server, service_name: str, args) -> int:
+    """Serve until SIGTERM/SIGINT (exit 0 after a drain) or until the engine dies (exit 1, so a
+    supervisor restarts the worker)."""
+    return asyncio.run(_serve(servicer, add_to_server, service_name, args))
+
+
+async def _serve(servicer: WorkerServicer, add_to_server, service_name: str, args) -> int:
+    def register(server):
+        add_to_server(servicer, server)
+        return [service_name]
+    server, health, port = await start_server(register, f"{args.host}:{args.port}",
+                                              reflection_enabled=not args.no_reflection,
+                                              security=Security.from_args(args))
+    servicer.address = advertised(args.host, args.advertise_host, port)
+    heartbeat = None
+    if args.redis_url:
+        from gateway.redis_state import RedisState, make_async_client
+        state = RedisState(make_async_client(args.redis_url, password=args.redis_password or None))
+        stats = engine_stats(servicer.loop, servicer.engine.stats, {"metrics_address": servicer.metrics_address})
+        heartbeat = Heartbeat(state, servicer.worker_id, servicer.role, servicer.address, servicer.transports,
+                              stats=stats).start()
+    # The first line on stdout says where to connect (scripts, tests and `up` read it).
+    print(f"{servicer.role} worker {servicer.worker_id} serving on {servicer.address}", flush=True)
+    stop = stop_event()
+    code = 0
+    while not stop.is_set():
+        try:
+            await asyncio.wait_for(stop.wait(), WATCH_S)
+        except asyncio.TimeoutError:
+            pass
+        if not servicer.loop.alive:  # a dead engine must not keep answering SERVING
+            log.error("engine loop died: %r; exiting so a supervisor restarts the worker", servicer.loop.error)
+            code = 1
+            break
+    servicer.draining = True  # refuse new work first: NOT_SERVING below promises it
+    await health.enter_graceful_shutdown()
+    if heartbeat is not None:
+        await heartbeat.stop()  # out of the registry: gateways route nothing new here
+    if code == 0:
+        await _drain(servicer, args.drain_timeout_s)
+    await server.stop(grace=1)
+    servicer.close()
+    return code
+
+
+async def _drain(servicer: WorkerServicer, timeout_s: float) -> None:
+    """SIGTERM: with new work refused, let what is here finish (bounded), then stop."""
+    give_up = time.monotonic() + timeout_s
+    log.info("draining: finishing in-flight work for up to %.0f s", timeout_s)
+    while time.monotonic() < give_up and servicer.loop.alive:
+        if await servicer.idle():
+            log.info("drained")
+            return
+        await asyncio.sleep(0.2)
+    log.warning("drain timeout: stopping with work still in flight")
+
+
+def engine_config(args):
+    """The ``EngineConfig`` of a worker from its parsed flags (one flag per config field), after
+    setting the engine's torch threads (``--num-threads``; 0 keeps torch's default)."""
+    import dataclasses
+
+    import torch
+
+    from engine.config import EngineConfig
+    if getattr(args, "num_threads", 0) > 0:
+        torch.set_num_threads(args.num_threads)
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig) if hasattr(args, f.name)}
+    return EngineConfig(**values)
