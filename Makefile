@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install run test clean model kernels redis
+.PHONY: install run test clean model kernels redis gpu-carry gpu-check
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -41,8 +41,20 @@ kernels: install
 run: model kernels redis
 	$(VENV)/bin/splitserve up --demo "What is the capital of France? Answer in one sentence."
 
+# Triton kernels are interpreted on CPU tensors only where no GPU can compile them (tests/conftest.py).
 test: install model kernels redis
-	TRITON_INTERPRET=1 $(PY) -m pytest -q -ra
+	$(PY) -m pytest -q -ra
+
+# The GPU path, checked once on a GPU machine that has no network (README, "On GPUs").
+# gpu-carry, here: what that machine lacks, into .gpu-carry/ (git-ignored; carry it along).
+# gpu-check, there: its own python3 with torch/triton/transformers, plus what was carried.
+GPU_PYTHON ?= python3
+gpu-carry: install model redis
+	$(PY) -m bench.gpu_carry
+
+gpu-check:
+	PATH="$(CURDIR)/.gpu-carry/bin:$$PATH" PYTHONPATH="$(CURDIR)/.gpu-carry/site:$(CURDIR)" TRITON_INTERPRET=0 \
+		$(GPU_PYTHON) -m bench.gpu_check --out bench/results/gpu_check.json
 
 clean:
 	rm -rf $(VENV) build *.egg-info

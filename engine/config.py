@@ -28,6 +28,10 @@ class EngineConfig:
     num_gpu_blocks: int | None = None
     # Memory of the device KV pool, when num_gpu_blocks is not given.
     kv_cache_memory_gb: float = 1.0
+    # CUDA: the share of the GPU's memory this engine may hold (weights, a step, the KV pool, which
+    # gets the rest), as vLLM's knob of the same name; overrides kv_cache_memory_gb. Two processes
+    # sharing one GPU (prefill + decode) split it, e.g. 0.3 + 0.6. None: kv_cache_memory_gb sizes the pool.
+    gpu_memory_utilization: float | None = None
     # Pages in the host pool that swap preemption moves sequences into.
     num_cpu_blocks: int = 256
     # Reuse the KV of full prompt blocks seen before (hash of the block chain).
@@ -79,6 +83,8 @@ class EngineConfig:
             positive("max_model_len")
         if self.num_cpu_blocks < 0:
             raise ValueError(f"num_cpu_blocks must be >= 0, got {self.num_cpu_blocks}")
+        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if not self.kv_cache_memory_gb > 0:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
         if self.priority_aging_per_s < 0:

@@ -31,8 +31,21 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 def resolve_device(name: str) -> torch.device:
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+        name = "cuda" if torch.cuda.is_available() else "cpu"
+    device = torch.device(name)
+    if device.type == "cuda" and device.index is None:  # an explicit index: comparable, and set_device-able
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+def bind_device(device: torch.device) -> None:
+    """Make ``device`` the current CUDA device of the calling thread (no-op off CUDA).
+
+    Triton kernels and CUDA graph replays launch on the *current* device, not on their tensors'
+    one, and every thread starts on cuda:0: a worker on cuda:1 stepping its engine on a thread of
+    its own would run its attention on the wrong GPU. Cheap enough to call every step."""
+    if device.type == "cuda" and torch.cuda.current_device() != device.index:
+        torch.cuda.set_device(device)
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -60,6 +73,7 @@ class ModelRunner:
                  max_model_len: int | None = None):
         self.config = config
         self.device = resolve_device(config.device)
+        bind_device(self.device)  # the compile warm-up and the graph capture below run on this thread
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.model = load_model(model_dir, self.dtype, self.device, attn_implementation=ATTN_IMPLEMENTATION)
         hf = self.model.config
@@ -69,7 +83,7 @@ class ModelRunner:
         self.head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
         self.block_size = config.block_size
         self.backend = select_backend(config.attention_backend, self.device.type, self.head_dim)
-        self.num_blocks = config.num_gpu_blocks or self._blocks_for(config.kv_cache_memory_gb)
+        self.num_blocks = config.num_gpu_blocks or self._pool_blocks()
         shape = (self.num_layers, 2, self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
         self.kv_cache = pool_factory(shape, self.dtype, self.device)
         self.cpu_cache = None
@@ -102,14 +116,21 @@ class ModelRunner:
     def kv_bytes_per_token(self) -> int:
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.kv_cache.element_size()
 
-    def _blocks_for(self, gigabytes: float) -> int:
+    def _pool_blocks(self) -> int:
         per_block = 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.block_size \
             * torch.empty((), dtype=self.dtype).element_size()
-        return max(1, int(gigabytes * 2**30) // per_block)
+        if self.config.gpu_memory_utilization is None:
+            return max(1, int(self.config.kv_cache_memory_gb * 2**30) // per_block)
+        if self.device.type != "cuda":
+            raise ValueError("gpu_memory_utilization sizes a KV pool on a GPU; this engine is on "
+                             f"{self.device}: size it with kv_cache_memory_gb (or num_gpu_blocks)")
+        from engine.gpu_memory import kv_blocks_for_utilization
+        return kv_blocks_for_utilization(self, self.config.gpu_memory_utilization, per_block)
 
     # ---- one step ------------------------------------------------------------------
     @torch.inference_mode()
     def run(self, plan: SchedulerOutput) -> dict[str, SampledToken]:
+        bind_device(self.device)  # the engine may be stepped by any thread (a worker's engine loop)
         self._swap(plan)
         if plan.is_empty:
             return {}

@@ -49,6 +49,10 @@ class InputBuffers:
         self._host = [self._ids, self._pos, self._slots, self._qsl, self._lens, self._tables, self._sample]
         # Device side: the same tensors on CPU, copies of them elsewhere.
         self._dev = self._host if device.type == "cpu" else [t.to(device) for t in self._host]
+        # Marks the end of the last host-to-device copies: the host buffers are rewritten only after
+        # them (a step that samples nothing never waits on the device, so the next one could
+        # otherwise overwrite pinned memory a queued non-blocking copy has yet to read).
+        self._copied = torch.cuda.Event() if device.type == "cuda" else None
 
     @property
     def device_tensors(self) -> list[torch.Tensor]:
@@ -73,6 +77,8 @@ class InputBuffers:
 
         ``pad_to``: a pure-decode batch replayed by a CUDA graph of that many rows; the rows past
         the batch are written as padding too."""
+        if self._copied is not None:
+            self._copied.synchronize()
         bs = self.block_size
         num_seqs = len(chunks)
         q_lens = np.fromiter((c.num_tokens for c in chunks), dtype=np.int64, count=num_seqs)
@@ -131,4 +137,5 @@ class InputBuffers:
         used = [num_tokens, num_tokens, num_tokens, num_seqs + 1, num_seqs, num_seqs, num_seqs]
         for host, dev, n in zip(self._host, self._dev, used):
             dev[:n].copy_(host[:n], non_blocking=True)
+        self._copied.record()
         return self._dev

@@ -134,15 +134,14 @@ def kv_checksum(pool: torch.Tensor, block_ids: Sequence[int], num_tokens: int) -
 
     Computed the same way over the prefill pages and the decode pages, so equal bytes give an
     equal checksum whatever the page ids; slots past ``num_tokens`` (stale data) do not count.
+    The pages are gathered where the pool lives (CPU or GPU) and only they come to the host.
     """
     block_size = pool.shape[3]
-    crc = 0
     full, tail = divmod(num_tokens, block_size)
-    index = torch.tensor(list(block_ids[:full + (1 if tail else 0)]), dtype=torch.long)
+    index = torch.tensor(list(block_ids[:full + (1 if tail else 0)]), dtype=torch.long, device=pool.device)
     pages = pool.index_select(2, index)  # [L, 2, n, bs, H, D]
-    if tail:
-        crc = zlib.crc32(pages[:, :, :full].contiguous().view(torch.uint8).numpy().tobytes(), crc)
-        crc = zlib.crc32(pages[:, :, full:, :tail].contiguous().view(torch.uint8).numpy().tobytes(), crc)
-    else:
-        crc = zlib.crc32(pages.contiguous().view(torch.uint8).numpy().tobytes(), crc)
+    parts = [pages[:, :, :full], pages[:, :, full:, :tail]] if tail else [pages]
+    crc = 0
+    for part in parts:
+        crc = zlib.crc32(part.contiguous().view(torch.uint8).cpu().numpy(), crc)
     return crc

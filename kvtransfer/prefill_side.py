@@ -5,9 +5,16 @@ the connector queues that layer's page runs for a copy thread, so copies of laye
 the compute of layer l+1. At the end of the step the queue is drained (the pages of finished
 requests may be reused by the next step), each finished transfer is flushed, and the result
 carries what the decode side needs to ``complete``.
+
+On a GPU "in the pool" means "queued on the compute stream": the hook records an event there,
+and the copy thread issues the layer's copies on its own CUDA stream after waiting for that
+event on the device (not on the host), so copies run beside the next layer's kernels. At the end
+of the step the compute stream waits for the copy stream before any page can be rewritten; the
+senders themselves make sure their bytes landed before ``flush`` returns.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import queue
@@ -15,6 +22,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
+
+import torch
 
 from engine.llm_engine import LLMEngine
 from engine.request import Request
@@ -76,6 +85,8 @@ class PrefillConnector:
         self._senders: dict[tuple[str, str], KVSender] = {}
         self._transfers: dict[str, _Transfer] = {}
         self._copies: queue.Queue = queue.Queue()
+        pool = engine.runner.kv_cache
+        self._copy_stream = torch.cuda.Stream(pool.device) if pool.is_cuda else None
         self._copier = threading.Thread(target=self._copy_loop, name="kv-copier", daemon=True)
         self._copier.start()
         engine.runner.layer_hook = self._on_layer
@@ -109,7 +120,9 @@ class PrefillConnector:
     def step(self) -> list[PrefillResult]:
         """One engine step; returns the transfers that ended (flushed or failed)."""
         outputs = self.engine.step()
-        self._copies.join()  # every queued layer copy is done before pages can be reused
+        self._copies.join()  # every queued layer copy is issued before pages can be reused...
+        if self._copy_stream is not None:  # ...and, on a GPU, the next step's kernels run after them
+            torch.cuda.current_stream(self._copy_stream.device).wait_stream(self._copy_stream)
         results = []
         for out in outputs:
             transfer = self._transfers.pop(out.request_id, None)
@@ -173,6 +186,10 @@ class PrefillConnector:
 
     def _on_layer(self, plan: SchedulerOutput, layer: int) -> None:
         last_layer = layer == self.layout.num_layers - 1
+        ready = None
+        if self._copy_stream is not None:  # this layer's K/V writes are queued, maybe not done
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(self._copy_stream.device))
         for chunk in plan.chunks:
             transfer = self._transfers.get(chunk.request.request_id)
             if transfer is None or transfer.error is not None:
@@ -183,7 +200,7 @@ class PrefillConnector:
             last = (chunk.start + chunk.num_tokens - 1) // bs
             src = plan.block_tables[chunk.request.request_id][first:last + 1]
             runs = coalesce(src, transfer.desc.block_ids[first:last + 1])
-            self._copies.put((transfer, layer, runs))
+            self._copies.put((transfer, layer, runs, ready))
             if last_layer:
                 transfer.first_chunk = False
                 if chunk.samples and self.verify_checksum:
@@ -192,13 +209,26 @@ class PrefillConnector:
                                                     plan.block_tables[chunk.request.request_id],
                                                     len(transfer.prompt_token_ids))
 
+    @contextlib.contextmanager
+    def _after(self, ready):
+        """Issue CUDA work on the copy stream, once the compute stream passed ``ready``."""
+        if self._copy_stream is None:
+            yield
+            return
+        with torch.cuda.stream(self._copy_stream):
+            self._copy_stream.wait_event(ready)
+            yield
+
     def _copy_loop(self) -> None:
+        if self._copy_stream is not None:  # kernels this thread launches go to the pool's GPU
+            torch.cuda.set_device(self._copy_stream.device)
         while True:
-            transfer, layer, runs = self._copies.get()
+            transfer, layer, runs, ready = self._copies.get()
             try:
                 if transfer.error is None:
                     start = time.perf_counter()
-                    transfer.sender.write(transfer.desc, layer, runs)
+                    with self._after(ready):
+                        transfer.sender.write(transfer.desc, layer, runs)
                     transfer.transfer_s += time.perf_counter() - start
             except TransferError as e:
                 # A fenced page (stale epoch, expired lease) says this worker fell behind: loud.

@@ -169,6 +169,20 @@ def _drain(child: Child) -> None:
 
 # ---- what `up` runs ----------------------------------------------------------------------
 
+def memory_shares(total: float, prefill: int, decode: int) -> dict[str, float]:
+    """Each worker's ``--gpu-memory-utilization`` when ``up`` puts all of them on one GPU with ``total``.
+
+    A decode worker's pool holds every running sequence's KV, a prefill worker's only the prompts
+    in flight (and its prefix cache), so a decode worker gets twice a prefill worker's share: with
+    one of each and 0.9, prefill 0.3 and decode 0.6. A colocated worker (both) gets all of it."""
+    if not 0 < total <= 1:
+        raise SystemExit(f"--gpu-memory-utilization must be in (0, 1], got {total}")
+    weights = prefill + 2 * decode
+    if weights == 0:
+        return {"both": total}
+    return {"prefill": total / weights, "decode": 2 * total / weights}
+
+
 def plan(args, redis_url: str, workdir: str) -> list[ChildSpec]:
     """The processes of ``splitserve up <args>``: every flag reaches each child that takes it."""
     from splitserve.flags import forward
@@ -184,11 +198,14 @@ def plan(args, redis_url: str, workdir: str) -> list[ChildSpec]:
         if args.redis_password:
             argv += ["--requirepass", args.redis_password]
         specs.append(ChildSpec("redis", argv, "Ready to accept connections"))
-    # Set per child below: the Redis URL, the metrics port, the engine threads.
-    own = frozenset({"redis_url", "metrics_port", "num_threads"})
+    # Set per child below: the Redis URL, the metrics port, the engine threads, the GPU memory share.
+    own = frozenset({"redis_url", "metrics_port", "num_threads", "gpu_memory_utilization"})
     roles = [("decode", i) for i in range(args.decode)] + [("prefill", i) for i in range(args.prefill)]
     if not roles:
         roles = [("both", None)]
+    # Every worker runs on the one --device: --gpu-memory-utilization is split between them.
+    shares = memory_shares(args.gpu_memory_utilization, args.prefill, args.decode) \
+        if args.gpu_memory_utilization else {}
     # Worker processes share the cores: with more threads than cores they only contend
     # (measured: 1 thread each for prefill + decode on 2 cores halved TTFT at 2 req/s).
     threads = args.num_threads or max(1, (os.cpu_count() or 1) // len(roles))
@@ -196,6 +213,8 @@ def plan(args, redis_url: str, workdir: str) -> list[ChildSpec]:
         flags, env = forward(args, "prefill" if role == "prefill" else "decode", skip=own)
         argv = ["decode", "--role", "both"] if role == "both" else [role]
         argv += [*flags, "--redis-url", redis_url, "--num-threads", str(threads)]
+        if shares:
+            argv += ["--gpu-memory-utilization", f"{shares[role]:.4f}"]
         if args.metrics_port > 0:  # the gateway on the port given, workers on the ports after it
             argv += ["--metrics-port", str(args.metrics_port + k)]
         elif args.metrics_port == 0:
@@ -208,6 +227,8 @@ def plan(args, redis_url: str, workdir: str) -> list[ChildSpec]:
 
 
 def cmd_up(args) -> int:
+    if args.gpu_memory_utilization and args.device.startswith("cpu"):
+        raise SystemExit("--gpu-memory-utilization shares a GPU; on CPU size the KV pools with --kv-cache-memory-gb")
     from splitserve.security import Security
     Security.from_args(args)  # a bad --tls-* flag stops here, before anything starts
     workdir = tempfile.mkdtemp(prefix="splitserve-up-")

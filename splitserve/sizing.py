@@ -55,7 +55,7 @@ def kv_bytes_per_token(shape: KVShape, dtype: str) -> int:
 
 
 def pages_for(budget_gib: float, shape: KVShape, dtype: str, block_size: int) -> int:
-    """Pages a worker allocates for ``--kv-cache-memory-gb budget_gib`` (ModelRunner._blocks_for)."""
+    """Pages a worker allocates for ``--kv-cache-memory-gb budget_gib`` (ModelRunner._pool_blocks)."""
     return max(1, int(budget_gib * 2**30) // (kv_bytes_per_token(shape, dtype) * block_size))
 
 

@@ -18,6 +18,12 @@ from pathlib import Path  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
+# Triton reads this when it is imported (transformers imports it below): without a GPU its kernels
+# can only run interpreted on CPU tensors; with one they are compiled (TRITON_INTERPRET=1 exported
+# still interprets them).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
 from splitserve.testing.tiny_models import make_tiny_model  # noqa: E402
 
 

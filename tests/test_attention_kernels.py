@@ -1,21 +1,23 @@
 """Paged attention kernels: Triton vs the torch reference, and the reference vs dense SDPA.
 
-On CPU the Triton kernels run through the Triton interpreter (TRITON_INTERPRET=1,
-set below before triton is imported).  The same cases run on CUDA under
-``@pytest.mark.gpu``; they skip when no CUDA device is present.  To exercise the
-*compiled* kernels on a GPU host, run with ``TRITON_INTERPRET=0`` exported (the
-CPU cases then skip, since compiled Triton cannot run on CPU tensors).
+Without a GPU the Triton kernels run through the Triton interpreter on CPU tensors
+(TRITON_INTERPRET=1, set by conftest.py before triton is imported unless the environment says
+otherwise; here too, for a run outside pytest's conftest).  On a machine with CUDA the kernels are compiled and the same cases run on the GPU
+under ``@pytest.mark.gpu`` (the CPU cases then skip: compiled Triton cannot take CPU tensors);
+``TRITON_INTERPRET=1`` exported there interprets them instead.
 """
 
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import math  # noqa: E402
 import random  # noqa: E402
 
 import pytest  # noqa: E402
-import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from engine.attention import reference  # noqa: E402

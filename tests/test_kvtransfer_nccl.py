@@ -226,10 +226,10 @@ def test_in_process_pairs_layout_check_and_bounded_close():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="NCCL needs its two ranks on two GPUs")
 def test_cuda_pools_over_nccl(tmp_path):
-    decode = Decode(2, 16, "bfloat16", seed=7, device="cuda")
-    src_args = (2, 16, "bfloat16", 8, "cuda")
+    decode = Decode(2, 16, "bfloat16", seed=7, device="cuda:1")
+    src_args = (2, 16, "bfloat16", 8, "cuda:0")
     try:
         jobs = [decode.job("frag", *FRAGMENTED, src_args), decode.job("contig", *CONTIGUOUS, src_args)]
         code, results = run_child(jobs, tmp_path, timeout=120)
@@ -237,5 +237,19 @@ def test_cuda_pools_over_nccl(tmp_path):
         src = make_pool(*src_args)
         for src_blocks, dst_blocks in (FRAGMENTED, CONTIGUOUS):
             _check_pages(decode, src, src_blocks, dst_blocks)
+    finally:
+        decode.receiver.close()
+
+
+@pytest.mark.gpu
+def test_nccl_refuses_a_peer_on_the_same_gpu():
+    """Prefill and decode on one GPU: NCCL cannot pair them, so the sender says the transport is
+    unavailable (the prefill side then takes the next offer) instead of failing mid-transfer."""
+    from kvtransfer.base import TransportUnavailableError
+    decode = Decode(1, 16, "bfloat16", seed=1, device="cuda:0")
+    try:
+        with pytest.raises(TransportUnavailableError, match="one device"):
+            NcclSender(decode.receiver.address, make_pool(1, 16, "bfloat16", 2, "cuda:0"))
+        assert decode.receiver.peers == 0
     finally:
         decode.receiver.close()

@@ -1,10 +1,11 @@
-"""The shm sender on its own: both copy strategies land the same bytes, and fencing holds."""
+"""The shm sender and the page copy under it: every copy strategy lands the same bytes, fencing holds."""
 import random
 
 import pytest
 import torch
 
 from kvtransfer.base import KVLayout, StaleEpochError, TransferDescriptor, coalesce
+from kvtransfer import page_copy
 from kvtransfer.lease import LeaseTable, PageFence
 from kvtransfer.transports.shm import ShmReceiver, ShmSender, create_shared_pool
 
@@ -38,9 +39,8 @@ def test_pages_land_byte_for_byte(shm_pair, num_pages, fragmented):
         sender.write(desc, layer, runs)
     sender.flush(desc)
     assert torch.equal(receiver.pool[:, :, dst_blocks], src[:, :, src_blocks])
-    # 20 fragmented pages take the gather/scatter path: one copy per layer.
-    expected = SHAPE[0] * (1 if len(runs) > ShmSender.MAX_RUNS_FOR_SLICE_COPIES else len(runs))
-    assert sender.num_copies == expected
+    # The CPU page-copy kernel takes every layer's runs in one call.
+    assert sender.num_copies == SHAPE[0]
     receiver.leases.release("r")
 
 
@@ -54,3 +54,37 @@ def test_released_pages_refuse_writes(shm_pair):
     with pytest.raises(StaleEpochError):
         sender.flush(desc)
     assert torch.equal(before, receiver.pool)
+
+
+@pytest.mark.parametrize("native", [True, False], ids=["cpu-kernel", "gather-scatter"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_page_copy_paths_agree(native, dtype, monkeypatch):
+    """The C++ page copy (and the slice copies or gather/scatter used where it cannot be built) on
+    one run, a few runs and a random page table of a strided layer view, as the shm sender hands them over."""
+    from engine.attention import cpu_kernels
+    if native:
+        assert cpu_kernels.available(), cpu_kernels.load_error()
+    else:
+        monkeypatch.setattr(page_copy, "_native_cpu", lambda: False)
+    rng = random.Random(7)
+    src_pool = torch.randn(*SHAPE).to(dtype)
+    for src_blocks, dst_blocks in ((list(range(3, 13)), list(range(40, 50))),  # one run
+                                   (rng.sample(range(64), 5), rng.sample(range(64), 5)),  # slice copies
+                                   (rng.sample(range(64), 30), rng.sample(range(64), 30))):  # one gathered copy
+        dst_pool = torch.zeros(SHAPE, dtype=dtype)
+        runs = coalesce(src_blocks, dst_blocks)
+        assert page_copy.copy_runs(src_pool[1], dst_pool[1], runs) == \
+            (1 if native or len(runs) > page_copy.MAX_RUNS_FOR_SLICE_COPIES else len(runs))
+        expected = torch.zeros(SHAPE, dtype=dtype)
+        expected[1][:, dst_blocks] = src_pool[1][:, src_blocks]
+        assert torch.equal(dst_pool, expected)  # other layers and pages untouched
+
+
+def test_page_copy_kernel_refuses_pages_outside_the_pools():
+    from engine.attention import cpu_kernels
+    assert cpu_kernels.available(), cpu_kernels.load_error()
+    src, dst = torch.zeros(2, 4, 8), torch.zeros(2, 4, 8)
+    with pytest.raises(RuntimeError, match="outside the pools"):
+        torch.ops.splitserve_cpu.copy_pages(src, dst, torch.tensor([0, 1]), torch.tensor([3, 4]))
+    with pytest.raises(RuntimeError, match="dtypes differ"):
+        torch.ops.splitserve_cpu.copy_pages(src, dst.double(), torch.tensor([0]), torch.tensor([1]))

@@ -1,4 +1,5 @@
-"""The CPU attention kernels in ``csrc/``, compiled for this machine on first use and cached.
+"""The CPU kernels in ``csrc/`` (paged decode attention; the page copy of the shm KV transport),
+compiled for this machine on first use and cached.
 
 ``torch.utils.cpp_extension`` builds the sources with ``-O3 -march=native`` into
 ``cache_dir()/torch_extensions/<key>``, where the key covers the sources, torch's version and the
@@ -20,7 +21,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).parent / "csrc" / "paged_attention_cpu.cpp"]
+_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_attention_cpu.cpp", "copy_pages_cpu.cpp")]
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast"]
 _lock = threading.Lock()
 _state: dict[str, object] = {}

@@ -3,23 +3,42 @@ device-to-device copies from the prefill process.
 
 The decode side publishes, in a shared-memory directory (as the shm transport does), the
 page-owner table and the pool's IPC handle, produced by torch's own CUDA tensor sharing
-(`torch.multiprocessing.reductions`) and written as JSON (never pickle). The prefill side
-opens the handle, checks page ownership before each layer like the shm sender, and issues
-`copy_` between the two device pools; `flush` synchronises the stream so every copy has
-landed before completion is reported. Across containers this needs shared IPC and PID
-namespaces (compose: `ipc: host`, `pid: host` or a shared service namespace).
+(`torch.multiprocessing.reductions`) and written as JSON (never pickle): only the classes
+torch puts in such a handle are accepted back. The prefill side opens the handle, checks page
+ownership before each layer like the shm sender, and copies between the two device pools
+(``kvtransfer.page_copy``; the prefill connector issues them on its own copy stream, so they
+overlap the next layer's compute). Each write waits until its copies are done on the device
+before it returns, so a writer whose lease was released stops at its next layer exactly as on
+shm, and ``flush`` (hence "complete") comes only after every byte landed.
+
+A handle that cannot be opened here (another host, another container's IPC/PID namespace, a GPU
+this process does not see, a CPU-only process) raises ``TransportUnavailableError``, so the prefill
+side falls back to the next transport the decode worker offers. Two processes on one GPU (the
+single-GPU disaggregated mode) and pairs of GPUs in one machine both work; across containers
+this needs shared IPC and PID namespaces (compose: ``ipc: service:...``, ``pid: service:...``).
 """
 from __future__ import annotations
 
 import base64
 from pathlib import Path
+from typing import Sequence
 
 import torch
 from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 
-from kvtransfer.base import TransferDescriptor
+from kvtransfer.base import TransferDescriptor, TransportUnavailableError
 from kvtransfer.lease import LeaseTable
+from kvtransfer.transports.base import Run
 from kvtransfer.transports.shm import ShmReceiver, ShmSender, create_pool_directory
+
+
+def _class_name(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+# The classes ``reduce_tensor`` names in a CUDA tensor's handle: the tensor's own class and its
+# storage's (``type(tensor._typed_storage())``, a TypedStorage). Nothing else is rebuilt.
+_CLASSES = {_class_name(cls): cls for cls in (torch.Tensor, torch.storage.TypedStorage, torch.UntypedStorage)}
 
 
 def _encode(value):
@@ -32,12 +51,12 @@ def _encode(value):
     if isinstance(value, tuple):
         return {"tuple": [_encode(v) for v in value]}
     if isinstance(value, type):
-        return {"class": f"{value.__module__}.{value.__qualname__}"}
-    return value
-
-
-_CLASSES = {"torch.Tensor": torch.Tensor, "torch.storage.UntypedStorage": torch.UntypedStorage,
-            "torch.UntypedStorage": torch.UntypedStorage}
+        if _class_name(value) not in _CLASSES:
+            raise ValueError(f"cannot export a CUDA IPC handle naming {_class_name(value)}")
+        return {"class": _class_name(value)}
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    raise ValueError(f"cannot export {type(value).__name__} in a CUDA IPC handle")
 
 
 def _decode(value):
@@ -45,7 +64,10 @@ def _decode(value):
         if "b64" in value:
             return base64.b64decode(value["b64"])
         if "dtype" in value:
-            return getattr(torch, value["dtype"])
+            dtype = getattr(torch, str(value["dtype"]), None)
+            if not isinstance(dtype, torch.dtype):
+                raise ValueError(f"unknown dtype in a CUDA IPC handle: {value['dtype']!r}")
+            return dtype
         if "size" in value:
             return torch.Size(value["size"])
         if "tuple" in value:
@@ -54,7 +76,22 @@ def _decode(value):
             if value["class"] not in _CLASSES:
                 raise ValueError(f"unexpected class in a CUDA IPC handle: {value['class']}")
             return _CLASSES[value["class"]]
-    return value
+        raise ValueError(f"unexpected entry in a CUDA IPC handle: {sorted(value)}")
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    raise ValueError(f"unexpected {type(value).__name__} in a CUDA IPC handle")
+
+
+def encode_handle(args: Sequence) -> list:
+    """``reduce_tensor``'s arguments for ``rebuild_cuda_tensor`` as JSON-safe values."""
+    return [_encode(a) for a in args]
+
+
+def decode_handle(encoded: list) -> tuple:
+    """The inverse of ``encode_handle``; ValueError for anything torch would not have put there."""
+    if not isinstance(encoded, list):
+        raise ValueError("a CUDA IPC handle is a JSON list")
+    return tuple(_decode(a) for a in encoded)
 
 
 def export_handle(pool: torch.Tensor) -> list:
@@ -62,14 +99,11 @@ def export_handle(pool: torch.Tensor) -> list:
     rebuild, args = reduce_tensor(pool)
     if rebuild is not rebuild_cuda_tensor:
         raise ValueError("cuda_ipc needs a CUDA pool")
-    return [_encode(a) for a in args]
+    return encode_handle(args)
 
 
 class CudaIpcReceiver(ShmReceiver):
     name = "cuda_ipc"
-
-    def __init__(self, pool: torch.Tensor, leases: LeaseTable, directory: Path):
-        super().__init__(pool, leases, directory)
 
     @classmethod
     def create(cls, pool: torch.Tensor, lease_ttl_s: float, clock) -> "CudaIpcReceiver":
@@ -81,9 +115,28 @@ class CudaIpcReceiver(ShmReceiver):
 class CudaIpcSender(ShmSender):
     name = "cuda_ipc"
 
-    def _map_pool(self, directory: Path, meta: dict) -> torch.Tensor:
-        return rebuild_cuda_tensor(*[_decode(a) for a in meta["ipc"]])
+    def __init__(self, address: str, src_pool: torch.Tensor):
+        super().__init__(address, src_pool)
+        if not src_pool.is_cuda:
+            raise TransportUnavailableError("cuda_ipc copies from a CUDA pool; this worker's pool is on "
+                                            f"{src_pool.device}")
 
-    def flush(self, desc: TransferDescriptor) -> None:
-        torch.cuda.current_stream(self.src_pool.device).synchronize()
-        super().flush(desc)
+    def _map_pool(self, directory: Path, meta: dict) -> torch.Tensor:
+        try:
+            pool = rebuild_cuda_tensor(*decode_handle(meta["ipc"]))
+        except Exception as e:  # a bad handle, no CUDA, another namespace: this transport is not usable here
+            raise TransportUnavailableError(
+                f"cuda_ipc pool {directory} cannot be opened from this process ({type(e).__name__}: {e}); the "
+                "decode worker must be on this host, share its IPC and PID namespaces and see the same GPU") from e
+        if list(pool.shape) != list(meta["shape"]) or str(pool.dtype).removeprefix("torch.") != meta["dtype"]:
+            raise TransportUnavailableError(f"cuda_ipc pool {directory}: the handle opens a {tuple(pool.shape)} "
+                                            f"{pool.dtype} tensor, the directory says {meta['shape']} {meta['dtype']}")
+        return pool
+
+    def write(self, desc: TransferDescriptor, layer: int, runs: Sequence[Run]) -> None:
+        super().write(desc, layer, runs)
+        # The copies are queued on this thread's current streams (the connector's copy stream).
+        # Wait for them here, off the engine's thread: the bytes are in the decode pool before the
+        # next layer's ownership check, as on shm, and nothing is in flight at the flush.
+        for device in {self.src_pool.device, self.dst_pool.device}:
+            torch.cuda.current_stream(device).synchronize()

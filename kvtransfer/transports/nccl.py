@@ -1,6 +1,9 @@
 """Point-to-point over torch.distributed: NCCL between GPU pools, gloo between CPU pools.
 
 Pairing. A receiver (decode, rank 0) hosts a ``TCPStore``; its address is "host:store_port".
+NCCL refuses two ranks on one GPU, so a CUDA receiver publishes its GPU's UUID in the store and a
+sender on that same GPU (prefill and decode sharing one device) refuses to pair with
+``TransportUnavailableError``: the prefill side then takes the next offer (cuda_ipc comes first).
 Each sender (prefill, rank 1) takes a ticket ``n`` from the store and both sides build their
 own 2-rank backend objects (``dist.ProcessGroupGloo`` / ``dist.ProcessGroupNCCL``) over a
 ``PrefixStore("pair<n>/...")``. The default global group is never touched, so one decode
@@ -72,6 +75,13 @@ def _drop(ctl, data) -> None:
             data.abort()
 
 
+def gpu_uuid(device: torch.device) -> str:
+    """The GPU's UUID (the same whatever CUDA_VISIBLE_DEVICES numbers it as); "" off CUDA."""
+    if device.type != "cuda":
+        return ""
+    return str(getattr(torch.cuda.get_device_properties(device), "uuid", ""))
+
+
 def _wait_key(store: dist.Store, key: str) -> None:
     while True:
         try:
@@ -97,6 +107,7 @@ class NcclReceiver(KVReceiver):
         self.host, self.timeout = host, timedelta(seconds=timeout_s)
         self._store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=self.timeout)
         self._port = self._store.port
+        self._store.set("device", gpu_uuid(pool.device))
         self._advertised = advertise_host or host  # what senders dial (the store listens on ``host``)
         self._closed, self._lock = threading.Event(), threading.Lock()
         self._bells: dict[int, str] = {}  # live pair -> the doorbell key it waits on
@@ -137,6 +148,8 @@ class NcclReceiver(KVReceiver):
     def _serve(self, n: int) -> None:
         ctl = data = None
         try:
+            if self.pool.is_cuda:  # NCCL kernels of this thread go to the pool's GPU
+                torch.cuda.set_device(self.pool.device)
             store = self._client()
             ctl, data = _groups(store, n, 0, self.pool.device, self.timeout)
             names: dict[int, str] = {}  # key -> request id
@@ -184,6 +197,8 @@ class NcclReceiver(KVReceiver):
                     with self._fenced(names, key, epoch, list(range(dst, dst + num))):
                         for kv in range(2):
                             data.recv([pool[layer, kv, dst:dst + num]], 1, TAG_DATA).wait(wait)
+                        if pool.is_cuda:  # wait() orders the stream only: landed before the fence is let go
+                            torch.cuda.current_stream(pool.device).synchronize()
                 except TransferError as e:
                     errors.setdefault(key, e)
                     scratch = pool.new_empty((num, *pool.shape[3:]))
@@ -267,6 +282,10 @@ class NcclSender(KVSender):
         host, _, port = address.rpartition(":")
         try:
             self._store = dist.TCPStore(host, int(port), is_master=False, timeout=self.timeout)
+            mine = gpu_uuid(src_pool.device)
+            if mine and self._store.get("device").decode() == mine:
+                raise TransportUnavailableError(f"nccl receiver {address} is on this process's GPU ({mine}); NCCL "
+                                                "cannot pair two ranks on one device (use cuda_ipc)")
             self._n = self._store.add("pairs", 1)
             self._store.set(f"pair/{self._n}", "sender")
             self._ctl, self._data = _groups(self._store, self._n, 1, src_pool.device, self.timeout)

@@ -19,6 +19,7 @@ import torch
 
 from kvtransfer.base import StaleEpochError, TransferDescriptor, TransportUnavailableError
 from kvtransfer.lease import LeaseTable
+from kvtransfer.page_copy import copy_runs, page_ids
 from kvtransfer.transports.base import KVReceiver, KVSender, Run
 
 SHM_ROOT = Path(os.environ.get("SPLITSERVE_SHM_DIR", "/dev/shm"))
@@ -76,8 +77,6 @@ class ShmReceiver(KVReceiver):
 
 class ShmSender(KVSender):
     name = "shm"
-    # Past this many page runs per layer, a gather + scatter is faster than slice copies.
-    MAX_RUNS_FOR_SLICE_COPIES = 8
 
     def __init__(self, address: str, src_pool: torch.Tensor):
         super().__init__(address, src_pool)
@@ -94,25 +93,18 @@ class ShmSender(KVSender):
     def _map_pool(self, directory: Path, meta: dict) -> torch.Tensor:
         return _map(directory / "pool", _numel(meta["shape"]), getattr(torch, meta["dtype"])).view(*meta["shape"])
 
-    def write(self, desc: TransferDescriptor, layer: int, runs: Sequence[Run]) -> None:
-        dst_blocks = [d + i for _, d, n in runs for i in range(n)]
-        if not bool((self.owners[dst_blocks] == desc.epoch).all()):
+    def _check_owned(self, desc: TransferDescriptor, dst_blocks: torch.Tensor, when: str) -> None:
+        if not bool((self.owners.index_select(0, dst_blocks) == desc.epoch).all()):
             raise StaleEpochError(f"request {desc.request_id!r}: destination pages no longer belong to epoch "
-                                  f"{desc.epoch}; the decode side released them")
-        src, dst = self.src_pool[layer], self.dst_pool[layer]  # [2, blocks, bs, H, D]
-        if len(runs) <= self.MAX_RUNS_FOR_SLICE_COPIES:
-            # One call for every run: per-run copy_ calls cost more in Python than in memory.
-            torch._foreach_copy_([dst[:, d:d + n] for _, d, n in runs], [src[:, s:s + n] for s, _, n in runs])
-            self.num_copies += len(runs)
-        else:
-            # Many short runs: one gather and one scatter beat thousands of tiny copies, even
-            # though the pages pass through a temporary in this process's memory.
-            src_blocks = torch.tensor([s + i for s, _, n in runs for i in range(n)], device=src.device)
-            dst.index_copy_(1, torch.tensor(dst_blocks, device=dst.device), src.index_select(1, src_blocks))
-            self.num_copies += 1
+                                  f"{desc.epoch} {when}; the decode side released them")
+
+    def write(self, desc: TransferDescriptor, layer: int, runs: Sequence[Run]) -> None:
+        runs = tuple(runs)
+        dst_blocks = page_ids(runs)[1]
+        self._check_owned(desc, dst_blocks, "before the copy")
+        self.num_copies += copy_runs(self.src_pool[layer], self.dst_pool[layer], runs)
         self.bytes_sent += len(dst_blocks) * self._bytes_per_block
 
     def flush(self, desc: TransferDescriptor) -> None:
         # Copies are synchronous stores into the shared mapping: nothing is in flight.
-        if not bool((self.owners[list(desc.block_ids)] == desc.epoch).all()):
-            raise StaleEpochError(f"request {desc.request_id!r}: epoch {desc.epoch} was released before the flush")
+        self._check_owned(desc, torch.tensor(desc.block_ids, dtype=torch.int64), "at the flush")

@@ -304,6 +304,8 @@ class TcpReceiver(KVReceiver):
         staging = torch.empty(target.shape, dtype=target.dtype)  # strided or device pool
         _recv_exact(conn, _byte_view(staging))
         target.copy_(staging)
+        if target.is_cuda:  # landed before the fence is let go (a copy from pageable memory may not have)
+            torch.cuda.current_stream(target.device).synchronize()
 
     def _fail(self, conn: socket.socket, message: str) -> None:
         """Send ERROR, then close gracefully so the peer can still read it."""

@@ -95,8 +95,10 @@ def test_up_forwards_every_flag_to_each_child_that_takes_it(tmp_path):
     argv = ["up", "--prefill", "2", "--decode", "1"]
     given = {}
     for option in up_options():
-        if option.name in ("metrics_port", "num_threads", "redis_url", "block_size"):
-            continue  # up sets these per child (ports, threads, its own Redis); block_size must be a power of 2
+        if option.name in ("metrics_port", "num_threads", "redis_url", "block_size", "gpu_memory_utilization"):
+            # up sets these per child (ports, threads, its own Redis, each worker's share of the GPU:
+            # tests/test_gpu_memory.py); block_size must be a power of 2
+            continue
         value = _value_for(option, option.default)
         given[option.name] = value
         flag = BY_NAME[option.name]

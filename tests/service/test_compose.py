@@ -196,6 +196,20 @@ def test_compose_layout():
             assert {decode["environment"]["SPLITSERVE_DEVICE"], prefill["environment"]["SPLITSERVE_DEVICE"]} == \
                 {"cuda:0", "cuda:1"}
         assert len(gpus) == len(set(gpus)) == 2 * pairs, (profile, gpus)
+    # gpu-shared: prefill and decode on one GPU, memory shares that fit it, KV over CUDA IPC (not nccl).
+    workers = {n: s for n, s in in_profile(compose, "gpu-shared").items() if n not in ("redis", "gateway")}
+    decode, prefill = workers.pop("decode-shared"), workers.pop("prefill-shared")
+    assert not workers
+    assert decode["ipc"] == "shareable" and prefill["ipc"] == prefill["pid"] == "service:decode-shared"
+    devices = [s["deploy"]["resources"]["reservations"]["devices"] for s in (decode, prefill)]
+    assert devices[0] == devices[1] and len(devices[0]) == 1 and len(devices[0][0]["device_ids"]) == 1
+    envs = [s["environment"] for s in (decode, prefill)]
+    assert {e["SPLITSERVE_DEVICE"] for e in envs} == {"cuda:0"}
+    shares = [float(e["SPLITSERVE_GPU_MEMORY_UTILIZATION"]) for e in envs]
+    assert shares[0] > shares[1] > 0 and sum(shares) <= 0.95
+    for e in envs:
+        transports = e["SPLITSERVE_KV_TRANSPORT"].split(",")
+        assert transports[0] == "cuda_ipc" and "nccl" not in transports
     # TLS and auth pass through, off when unset.
     for name in splitserve_services(compose):
         env = services[name]["environment"]

@@ -1,0 +1,196 @@
+"""``make gpu-check``: splitserve's whole GPU path, run once on one GPU, written to one JSON file.
+
+Prepared for a machine with one GPU (an H200 here), Python 3.12 with torch, triton and
+transformers, and no network: what it lacks travels in ``.gpu-carry/`` (``make gpu-carry``, see
+``bench/gpu_carry.py``). Steps, most telling first; each is bounded, a failing step is recorded
+with its error and the next one runs, and a step is skipped when the whole run (``--budget-s``,
+under 8 minutes) could not finish it:
+
+1. ``pytest_gpu`` -- the ``gpu``-marked tests, Triton compiled (TRITON_INTERPRET=0): kernels vs
+   their torch reference, the engine on CUDA vs transformers (CUDA graphs included), cuda_ipc
+   between processes, checksums, page copies, memory shares; two-GPU tests skip on one GPU.
+2. ``kvtransfer_cuda_ipc`` -- ``bench.kvtransfer`` with both pools on the GPU: a prefill process
+   writing SmolLM2-shaped KV pages into a decode pool through CUDA IPC vs a device-to-device copy.
+3. ``engine_exact`` -- a SmolLM2-shaped random model, fp32, compiled step with CUDA graphs for
+   decode, greedy output token for token against transformers on the same GPU.
+4. ``triton_decode_bandwidth`` -- KV bytes/s of the Triton decode kernels vs a device copy.
+5. ``stack`` -- ``splitserve up --device cuda``: Redis, gateway, a prefill and a decode worker
+   sharing the GPU (``--gpu-memory-utilization``), one streamed request; the prefill worker's
+   metrics say which transport carried the KV.
+6. ``decode_throughput`` -- engine decode tokens/s at batch 1/16/64/256 (bf16, CUDA graphs).
+
+    make gpu-check                                    # writes bench/results/gpu_check.json
+    python -m bench.gpu_check --out gpu_check.json --steps engine_exact,stack
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+import urllib.request
+from pathlib import Path
+
+from bench.common import write_json
+
+ROOT = Path(__file__).resolve().parent.parent
+CARRY = ROOT / ".gpu-carry"
+# Only the test files with gpu-marked tests: the others import what the GPU machine lacks
+# (hypothesis, psutil, ...) and would fail to collect.
+GPU_TESTS = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").rglob("test_*.py")
+                   if "mark.gpu" in p.read_text())
+# Seconds each step is allowed (and, before it starts, needs to be left of the budget).
+STEP_LIMITS = {"pytest_gpu": 180, "kvtransfer_cuda_ipc": 60, "engine_exact": 100, "triton_decode_bandwidth": 30,
+               "stack": 120, "decode_throughput": 90}
+
+
+def versions() -> dict:
+    import importlib.metadata
+
+    import torch
+    out = {"python": sys.version.split()[0], "torch": torch.__version__, "cuda": torch.version.cuda,
+           "gpus": [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]}
+    for name in ("triton", "transformers", "grpcio", "protobuf", "redis"):
+        try:
+            out[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def pytest_gpu(limit_s: float) -> dict:
+    env = {**os.environ, "TRITON_INTERPRET": "0", "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get(
+        "PYTHONPATH", "")])}
+    cmd = [sys.executable, "-m", "pytest", "-q", "-rfEs", "-m", "gpu", "-p", "no:cacheprovider", "--timeout", "120",
+           *GPU_TESTS]
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=limit_s)
+    except subprocess.TimeoutExpired as e:  # keep what it printed: which tests ran, which hung
+        out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+        return {"ok": False, "error": f"pytest ran past {limit_s} s", "output_tail": out[-6000:]}
+    summary = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
+    counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|error|errors|deselected)", summary)}
+    return {"ok": proc.returncode == 0, "summary": summary, "counts": counts,
+            "output_tail": (proc.stdout + proc.stderr)[-6000:]}
+
+
+def kvtransfer_cuda_ipc(device: str) -> dict:
+    from bench.kvtransfer import run
+    rows = run(["cuda_ipc" if device == "cuda" else "shm"], [512, 4096], ["contiguous", "fragmented", "scattered"],
+               repeats=5, device=device)
+    return {"ok": bool(rows), "rows": rows,
+            "baseline": "torch copy of the same bytes on the same device, interleaved"}
+
+
+def stack(model_dir: Path, limit_s: float, device: str = "cuda") -> dict:
+    """``splitserve up --device cuda`` with a prefill and a decode worker on this GPU, one streamed request."""
+    from splitserve.client import Client
+    from splitserve.launcher import free_port
+    port = free_port()
+    env = {**os.environ, "SPLITSERVE_ENFORCE_EAGER": "1",  # the compiled step is engine_exact's
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    cmd = [sys.executable, "-m", "splitserve.cli", "up", "--model", str(model_dir), "--device", device,
+           "--dtype", "bfloat16", "--port", str(port), "--metrics-port", "0"]
+    cmd += ["--gpu-memory-utilization", "0.3"] if device == "cuda" else ["--num-gpu-blocks", "256"]
+    expected = "cuda_ipc" if device == "cuda" else "shm"
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    lines: list[str] = []
+    try:
+        deadline = time.monotonic() + limit_s - 30
+        for line in proc.stdout:
+            lines.append(line.rstrip())
+            if "splitserve is up" in line or time.monotonic() > deadline:
+                break
+        if not any("splitserve is up" in line for line in lines):
+            return {"ok": False, "error": "the stack did not come up", "log_tail": lines[-40:]}
+        address = f"127.0.0.1:{port}"
+        with Client(address) as client:
+            sent = time.perf_counter()
+            events, first = [], None
+            for event in client.generate("The capital of France is", max_tokens=32, temperature=0.0,
+                                         ignore_eos=True, timeout=60):
+                first = first or time.perf_counter()
+                events.append(event)
+            info = client.server_info()
+        final = events[-1]
+        transports = {}
+        for worker in info.workers:
+            if worker.role == "prefill" and worker.metrics_address:
+                text = urllib.request.urlopen(f"http://{worker.metrics_address}/metrics", timeout=5).read().decode()
+                for name, value in re.findall(r'splitserve:kv_transfer_bytes_total\{transport="(\w+)"\} (\S+)', text):
+                    transports[name] = float(value)
+        chunks = sum(1 for e in events if not e.finished)
+        return {"ok": final.finish_reason == "length" and final.usage.completion_tokens == 32
+                and transports.get(expected, 0) > 0,
+                "finish_reason": final.finish_reason, "completion_tokens": final.usage.completion_tokens,
+                "streamed_chunks": chunks, "client_ttft_ms": 1000 * (first - sent),
+                "timeline": {"first_token_ms": final.timeline.first_token_ms, "prefill_ms": final.timeline.prefill_ms,
+                             "kv_transfer_ms": final.timeline.kv_transfer_ms, "decode_ms": final.timeline.decode_ms},
+                "kv_transfer_bytes_by_transport": transports, "text": "".join(e.text for e in events)}
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "gpu_check.json"))
+    parser.add_argument("--budget-s", type=float, default=450, help="the whole run (steps that would not fit skip)")
+    parser.add_argument("--steps", default=",".join(STEP_LIMITS))
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
+                        help="cpu: a rehearsal of the script itself on a machine without a GPU (shm instead of "
+                             "cuda_ipc, no Triton step, eager engine)")
+    args = parser.parse_args(argv)
+    import torch
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("gpu-check needs a CUDA device (--device cpu rehearses the script without one)")
+    from bench import gpu_probes
+    start = time.monotonic()
+    workdir = Path(tempfile.mkdtemp(prefix="splitserve-gpu-check-"))
+    result: dict = {"benchmark": "gpu_check", "device": args.device, "versions": versions(), "steps": {}}
+    model_dir = gpu_probes.build_model(workdir / "smollm2-random", CARRY / "smollm2", device=args.device)
+    result["model"] = {"shape": "SmolLM2-135M, random weights", "built_s": time.monotonic() - start}
+    steps = {
+        "pytest_gpu": lambda limit: pytest_gpu(limit),
+        "kvtransfer_cuda_ipc": lambda limit: kvtransfer_cuda_ipc(args.device),
+        "engine_exact": lambda limit: gpu_probes.engine_exact(model_dir, device=args.device),
+        "triton_decode_bandwidth": lambda limit: gpu_probes.triton_decode_bandwidth(),
+        "stack": lambda limit: stack(model_dir, limit, args.device),
+        "decode_throughput": lambda limit: (gpu_probes.decode_throughput(model_dir) if args.device == "cuda" else
+                                            gpu_probes.decode_throughput(model_dir, (1, 4), 64, 3, "eager")),
+    }
+    for name in args.steps.split(","):
+        left = args.budget_s - (time.monotonic() - start)
+        if name == "triton_decode_bandwidth" and args.device != "cuda":
+            result["steps"][name] = {"ok": None, "skipped": "compiled Triton needs CUDA"}
+            continue
+        if left < STEP_LIMITS[name]:
+            result["steps"][name] = {"ok": None, "skipped": f"{left:.0f} s of the budget left, the step may take "
+                                                            f"{STEP_LIMITS[name]} s"}
+            continue
+        step_start = time.monotonic()
+        print(f"[gpu-check] {name} ...", flush=True)
+        try:
+            outcome = steps[name](STEP_LIMITS[name])
+        except Exception as e:  # one broken step must not hide what the others find
+            outcome = {"ok": False, "error": f"{type(e).__name__}: {e}", "traceback": traceback.format_exc()[-4000:]}
+        outcome["seconds"] = time.monotonic() - step_start
+        result["steps"][name] = outcome
+        print(f"[gpu-check] {name}: ok={outcome.get('ok')} in {outcome['seconds']:.0f} s", flush=True)
+    result["total_s"] = time.monotonic() - start
+    write_json(args.out, result)
+    failed = [n for n, s in result["steps"].items() if s.get("ok") is False]
+    print(f"[gpu-check] done in {result['total_s']:.0f} s; failed: {failed or 'none'}", flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
