@@ -5,4 +5,3 @@ import os
 # gRPC; with gRPC's fork support on, the forked child can abort before exec (grpc/grpc#43055).
 os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 
-import engine  # noqa: E402,F401  -- first: sets OpenMP's wait policy before torch loads (engine/openmp.py)

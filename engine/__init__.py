@@ -4,10 +4,6 @@ Names are imported lazily so that pure-Python parts (the KV cache manager) load 
 """
 from importlib import import_module
 
-from engine.openmp import prefer_passive_waiting
-
-prefer_passive_waiting()
-
 _EXPORTS = {
     "LLM": "engine.llm",
     "LLMEngine": "engine.llm_engine",

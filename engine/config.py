@@ -8,6 +8,8 @@ PREEMPTION_MODES = ("recompute", "swap")
 BATCHING_MODES = ("continuous", "static")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")
+# Linear layers: "onednn" (prepacked weights, fp32 on CPU; engine/cpu_linear.py) or "torch".
+LINEAR_BACKENDS = ("auto", "onednn", "torch")
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,8 @@ class EngineConfig:
     device: str = "auto"
     # Paged attention kernels: "auto" (triton on CUDA, torch on CPU), "torch" or "triton".
     attention_backend: str = "auto"
+    # Linear layers: "auto" (oneDNN prepacked weights for fp32 on a CPU, torch elsewhere), "onednn", "torch".
+    linear_backend: str = "auto"
     # Run the model op by op instead of as one compiled graph (vLLM's escape hatch of the same name).
     enforce_eager: bool = False
     # Engine seed (vLLM's name; requests are seeded by SamplingParams.seed, this is not read yet).
@@ -94,6 +98,7 @@ class EngineConfig:
         one_of("batching", BATCHING_MODES)
         one_of("dtype", DTYPES)
         one_of("attention_backend", ATTENTION_BACKENDS)
+        one_of("linear_backend", LINEAR_BACKENDS)
         if self.preemption_mode == "swap" and self.num_cpu_blocks == 0:
             raise ValueError("preemption_mode='swap' needs num_cpu_blocks > 0")
         if not self.enable_chunked_prefill and self.max_model_len is not None \

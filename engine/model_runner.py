@@ -19,6 +19,7 @@ from engine.attention.hf_integration import ATTN_IMPLEMENTATION, StepContext, st
 from engine.compiled_forward import build_forward
 from engine.config import EngineConfig
 from engine.cuda_graphs import DecodeGraphs, capture_sizes
+from engine.cpu_linear import pack_linear_layers, resolve_linear_backend
 from engine.model_loader import load_model
 from engine.sampler import Sampler, SamplingRow
 from engine.scheduler import SampledToken, SchedulerOutput
@@ -76,6 +77,9 @@ class ModelRunner:
         bind_device(self.device)  # the compile warm-up and the graph capture below run on this thread
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.model = load_model(model_dir, self.dtype, self.device, attn_implementation=ATTN_IMPLEMENTATION)
+        self.linear_backend = resolve_linear_backend(config.linear_backend, self.device, self.dtype)
+        if self.linear_backend == "onednn":
+            pack_linear_layers(self.model)
         hf = self.model.config
         self.max_model_len = max_model_len or config.max_model_len or getattr(hf, "max_position_embeddings", 2048)
         self.num_layers = hf.num_hidden_layers
@@ -108,8 +112,9 @@ class ModelRunner:
             self.graphs = DecodeGraphs(self.forward, self.backend, self.kv_caches, self.inputs, self.max_model_len,
                                        capture_sizes(config.max_num_seqs))
             self.graphs.capture()
-        log.info("model runner: %s on %s in %s, attention %s, %s, %d KV blocks of %d tokens",
-                 model_dir.name, self.device, self.dtype, self.backend.name, self.forward.describe(),
+        log.info("model runner: %s on %s in %s, attention %s, linear %s, %s, %d KV blocks of %d tokens",
+                 model_dir.name, self.device, self.dtype, self.backend.name, self.linear_backend,
+                 self.forward.describe(),
                  self.num_blocks, self.block_size)
 
     @property

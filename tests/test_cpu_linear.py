@@ -1,0 +1,55 @@
+"""engine/cpu_linear.py: linear layers on prepacked oneDNN weights (fp32, CPU)."""
+import pytest
+import torch
+
+from engine.cpu_linear import OnednnLinear, pack_linear_layers, resolve_linear_backend
+from tests.test_engine_correctness import GREEDY, assert_matches, mixed_prompts
+
+pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("shape", [(1, 48), (7, 48), (1, 5, 48), (64, 48)])
+def test_packed_linear_equals_nn_linear(bias, shape):
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(48, 80, bias=bias)
+    x = torch.randn(shape)
+    packed = OnednnLinear(linear)
+    assert packed(x).shape == (*shape[:-1], 80)
+    torch.testing.assert_close(packed(x), linear(x), rtol=1e-5, atol=1e-5)
+    compiled = torch.compile(packed, fullgraph=True)
+    torch.testing.assert_close(compiled(x), linear(x), rtol=1e-5, atol=1e-5)
+
+
+def test_pack_replaces_every_linear_and_keeps_tied_weights():
+    model = torch.nn.Sequential(torch.nn.Embedding(10, 8), torch.nn.Linear(8, 8), torch.nn.Linear(8, 10, bias=False))
+    model[2].weight = model[0].weight  # tied, as an lm_head is to the embedding
+    ids = torch.tensor([1, 2, 3])
+    with torch.no_grad():
+        expected = model(ids)
+    assert pack_linear_layers(model) == 2
+    assert [type(m) for m in model] == [torch.nn.Embedding, OnednnLinear, OnednnLinear]
+    assert model[0].weight.shape == (10, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_backend_resolution():
+    cpu, fp32 = torch.device("cpu"), torch.float32
+    assert resolve_linear_backend("auto", cpu, fp32) == "onednn"
+    assert resolve_linear_backend("auto", cpu, torch.bfloat16) == "torch"
+    assert resolve_linear_backend("torch", cpu, fp32) == "torch"
+    with pytest.raises(ValueError, match="needs a CPU device, float32"):
+        resolve_linear_backend("onednn", cpu, torch.bfloat16)
+    with pytest.raises(ValueError, match="must be one of"):
+        resolve_linear_backend("mkl", cpu, fp32)
+
+
+@pytest.mark.parametrize("linear_backend", ["torch", "onednn"])
+def test_engine_matches_transformers_with_either_linear(linear_backend, tiny_model_dirs, make_llm, hf_reference):
+    model = tiny_model_dirs["llama"]
+    prompts = mixed_prompts(8, seed=11)
+    llm = make_llm(model, linear_backend=linear_backend, num_gpu_blocks=128, enforce_eager=False)
+    assert llm.engine.runner.linear_backend == linear_backend
+    assert any(isinstance(m, OnednnLinear) for m in llm.engine.runner.model.modules()) == (linear_backend == "onednn")
+    assert_matches(llm.generate(prompts, GREEDY), prompts, hf_reference(model))
