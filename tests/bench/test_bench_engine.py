@@ -11,13 +11,13 @@ def test_engine_throughput_runs_every_system_and_workload(tiny_model_dirs, tmp_p
     out = tmp_path / "engine.json"
     engine_throughput.main(["--out", str(out), "--model", str(tiny_model_dirs["llama"]), "--dtype", "float32",
                             "--workload", "mixed,shared,prefill", "--prompt-lens", "64,200", "--num-requests", "4",
-                            "--pairs", "1", "--systems", "splitserve,splitserve-eager,static,hf",
+                            "--pairs", "1", "--systems", "splitserve,splitserve-eager,splitserve-torch-linear,static,hf",
                             "--max-model-len", "1024"])
     report = json.loads(out.read_text())
     assert [w["workload"]["name"] for w in report["workloads"]] == ["mixed", "shared", "prefill", "prefill"]
     assert [w["workload"].get("prompt_len") for w in report["workloads"]][2:] == [64, 200]
     for w in report["workloads"]:
-        assert set(w["systems"]) == {"splitserve", "splitserve-eager", "static", "hf"}
+        assert set(w["systems"]) == {"splitserve", "splitserve-eager", "splitserve-torch-linear", "static", "hf"}
         for runs in w["runs"].values():
             assert len(runs) == 1 and runs[0]["output_tokens"] == w["workload"]["output_tokens"]
     assert report["config"]["compile_s"]["splitserve"] > 0 == report["config"]["compile_s"]["splitserve-eager"]
