@@ -173,8 +173,15 @@ class ModelRunner:
                             seq_lens=torch.tensor([n], dtype=torch.int32, device=dev),
                             block_tables=torch.zeros((1, 1), dtype=torch.int32, device=dev),
                             num_decodes=0, query_lens_list=[n], seq_lens_list=[n], block_size=n)
-        with step_context(StepContext(self.backend, layout, self.backend.prepare(layout), self.kv_caches)):
-            self.forward(torch.zeros(n, dtype=torch.int64, device=dev), torch.arange(n, device=dev))
+        # As a real step runs: slices of the persistent input buffers, the forward under inference
+        # mode. Fresh tensors fail a guard of the compiled graph (their dispatch keys differ) and
+        # the first request would compile it again (~9 s for SmolLM2).
+        ids, pos = self.inputs.device_tensors[:2]
+        with torch.inference_mode(), \
+                step_context(StepContext(self.backend, layout, self.backend.prepare(layout), self.kv_caches)):
+            ids[:n].zero_()
+            pos[:n].copy_(torch.arange(n, device=dev))
+            self.forward(ids[:n], pos[:n])
         self.kv_cache[:, :, 0].zero_()
 
     def _swap(self, plan: SchedulerOutput) -> None:

@@ -160,3 +160,13 @@ def test_cuda_graph_decode_matches_transformers(tiny_model_dirs, make_llm, hf_re
     prompts = mixed_prompts(11, seed=41)
     assert_matches(llm.generate(prompts, GREEDY), prompts, hf_reference(model))
     assert (11, 16) in replays  # eleven decodes padded to the graph of sixteen
+
+
+def test_requests_reuse_the_graph_compiled_at_start_up(tiny_model_dirs, make_llm, monkeypatch):
+    # The warm-up step must pass every guard a real step checks: a recompile on the first
+    # request costs its TTFT the whole compile time.
+    import torch
+    llm = make_llm(tiny_model_dirs["llama"], num_gpu_blocks=64, enforce_eager=False)
+    monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
+    prompts = mixed_prompts(4, seed=21)
+    assert [len(o.token_ids) for o in llm.generate(prompts, GREEDY)] == [MAX_TOKENS] * 4
