@@ -162,11 +162,13 @@ def test_cuda_graph_decode_matches_transformers(tiny_model_dirs, make_llm, hf_re
     assert (11, 16) in replays  # eleven decodes padded to the graph of sixteen
 
 
-def test_requests_reuse_the_graph_compiled_at_start_up(tiny_model_dirs, make_llm, monkeypatch):
+def test_requests_reuse_the_graph_compiled_at_start_up(tiny_model_dirs, make_llm):
     # The warm-up step must pass every guard a real step checks: a recompile on the first
     # request costs its TTFT the whole compile time.
     import torch
+    torch._dynamo.reset()  # no graph an earlier test's real steps compiled
     llm = make_llm(tiny_model_dirs["llama"], num_gpu_blocks=64, enforce_eager=False)
-    monkeypatch.setattr(torch._dynamo.config, "error_on_recompile", True)
     prompts = mixed_prompts(4, seed=21)
-    assert [len(o.token_ids) for o in llm.generate(prompts, GREEDY)] == [MAX_TOKENS] * 4
+    with torch._dynamo.config.patch(error_on_recompile=True):
+        outputs = llm.generate(prompts, GREEDY)
+    assert [len(o.token_ids) for o in outputs] == [MAX_TOKENS] * 4
