@@ -21,8 +21,9 @@ from gateway.detokenizer import TextStream
 from gateway.dispatch import Dispatcher
 from gateway.job import Finished, Job, Tokens, cancelled, deadline_exceeded
 from gateway.redis_state import PRIORITY_MAX, PRIORITY_MIN
-from splitserve.api_convert import prompt_from_request, resolve_sampling
+from splitserve.api_convert import check_sizes, prompt_from_request, resolve_sampling
 from splitserve.errors import InvalidArgument, NotFound, ResourceExhausted, Unavailable
+from splitserve.limits import RequestLimits
 from splitserve.logs import request_id_var
 from splitserve.metrics import GatewayMetrics
 from splitserve.v1 import generation_pb2, generation_pb2_grpc
@@ -35,12 +36,14 @@ RETRY_AFTER_S = 1.0
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     def __init__(self, state, dispatcher: Dispatcher, tokenizer, model_info: generation_pb2.ModelInfo,
-                 metrics: GatewayMetrics | None = None, metrics_address: str = ""):
+                 limits: RequestLimits, metrics: GatewayMetrics | None = None, metrics_address: str = ""):
+        """``limits``: resolved for this model (``RequestLimits.resolve``)."""
         self.state = state
         self.dispatcher = dispatcher
         self.ledger = dispatcher.ledger
         self.tokenizer = tokenizer
         self.model_info = model_info
+        self.limits = limits
         self.metrics = metrics
         self.metrics_address = metrics_address
         self.draining = False  # SIGTERM: in-flight requests finish, new ones are refused
@@ -50,6 +53,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     async def Generate(self, request, context):
         if self.draining:
             raise Unavailable("the gateway is shutting down; send the request to another one")
+        check_sizes(request, self.limits, self.model_info.max_model_len)
         if self.health is not None and self.health.no_workers:
             raise Unavailable(f"this gateway cannot serve now: {self.health.reason}")
         token_ids = self._tokenize(request)
@@ -196,6 +200,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                                           timeline=json_format.ParseDict(timeline or {}, generation_pb2.Timeline()))
 
     async def Tokenize(self, request, context):
+        check_sizes(request, self.limits, self.model_info.max_model_len)
         ids = self._tokenize(request)
         return generation_pb2.TokenizeResponse(token_ids=ids, tokens=self.tokenizer.convert_ids_to_tokens(ids))
 
