@@ -1,4 +1,4 @@
-"""Hostile and careless clients against a real stack (issue 20, points 1 and 3).
+"""Hostile and careless clients against a real stack (issue 20, points 1, 3 and 5).
 
 * Oversized text is refused before the gateway tokenizes it: 12 MB prompts (under the 16 MiB
   message limit) once made its memory grow by gigabytes; now they are refused by their size,
@@ -8,18 +8,22 @@
 * Fields over the documented limits (stop strings, stop token ids, chat messages, request ids,
   token ids) are refused with INVALID_ARGUMENT before anything is admitted or reserved, while
   another client's stream runs on undisturbed.
+* A request id names one request: ALREADY_EXISTS while it runs and shortly after it ended, then
+  the id is free again.
 
 Every client here is bounded: a fixed number of calls, each with a timeout, on loopback.
 """
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
 from transformers import AutoTokenizer
 
+from gateway.redis_state import ID_REUSE_AFTER_S
 from splitserve.limits import RequestLimits
 from splitserve.testing.stack import start_stack, wait_pages_at_baseline
 from splitserve.testing.tools import memory_mib, reset_peak_memory
@@ -66,6 +70,17 @@ def code_of(call) -> tuple[grpc.StatusCode, str]:
 
 def generate(stub, request):
     return lambda: stub.Generate(request, timeout=RPC_TIMEOUT_S)
+
+
+def wait_state(stack, request_id: str, wanted: str, timeout_s: float = 30.0) -> str:
+    """The request's state in Redis once it is ``wanted`` (its end is written in the background),
+    or whatever it is after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        state = stack.stub.GetRequest(pb.GetRequestRequest(request_id=request_id), timeout=10).state
+        if state == wanted or time.monotonic() > deadline:
+            return state
+        time.sleep(0.05)
 
 
 def greedy(max_tokens: int, **kw) -> pb.SamplingParams:
@@ -150,4 +165,29 @@ def test_fields_over_their_limits_are_refused_before_any_work(stack):
             code, _ = code_of(lambda: stack.stub.GetRequest(
                 pb.GetRequestRequest(request_id=f"oversized-{name}"), timeout=10))
             assert code == grpc.StatusCode.NOT_FOUND, name
+    wait_pages_at_baseline(stack, stack.baseline)
+
+
+# ---- point 5: one id, one request --------------------------------------------------------------
+
+def test_a_request_id_names_one_request(stack):
+    rid = "one-id"
+    long_request = pb.GenerateRequest(request_id=rid, token_ids=[1, 2, 3], sampling=greedy(500))
+    stream = stack.stub.Generate(long_request, timeout=RPC_TIMEOUT_S)
+    assert next(stream).HasField("chunk")  # it runs
+    code, details = code_of(generate(stack.stub, long_request))
+    assert code == grpc.StatusCode.ALREADY_EXISTS and "still running" in details, details
+    stream.cancel()
+    assert wait_state(stack, rid, "aborted") == "aborted"
+    short_request = pb.GenerateRequest(request_id=rid, token_ids=[1, 2, 3], sampling=greedy(3))
+    code, details = code_of(generate(stack.stub, short_request))
+    assert code == grpc.StatusCode.ALREADY_EXISTS and "ended moments ago" in details, details
+    # As if ID_REUSE_AFTER_S had passed since the end: the check reads the record's remaining TTL.
+    redis = stack.redis.client()
+    key = f"{{ss}}:req:{rid}"
+    redis.expire(key, redis.ttl(key) - ID_REUSE_AFTER_S)
+    out = list(stack.stub.Generate(short_request, timeout=RPC_TIMEOUT_S))
+    assert out[-1].final.finish_reason == "length" and out[-1].final.usage.completion_tokens == 3
+    assert wait_state(stack, rid, "finished") == "finished"  # the new request's record
+    assert stack.stub.GetRequest(pb.GetRequestRequest(request_id=rid), timeout=10).attempt == 1
     wait_pages_at_baseline(stack, stack.baseline)

@@ -266,6 +266,7 @@ def test_a_huge_text_is_refused_without_being_encoded():
 
 @pytest.mark.parametrize("exc, code", [
     (errors.InvalidArgument("bad"), grpc.StatusCode.INVALID_ARGUMENT),
+    (errors.AlreadyExists("taken"), grpc.StatusCode.ALREADY_EXISTS),
     (errors.ResourceExhausted("full", retry_after_s=1), grpc.StatusCode.RESOURCE_EXHAUSTED),
     (errors.NotFound("nope"), grpc.StatusCode.NOT_FOUND),
     (errors.Cancelled("gone"), grpc.StatusCode.CANCELLED),
