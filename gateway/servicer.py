@@ -20,6 +20,7 @@ from google.protobuf import json_format
 from gateway.detokenizer import TextStream
 from gateway.dispatch import Dispatcher
 from gateway.job import Finished, Job, Tokens, cancelled, deadline_exceeded
+from gateway.memory import Collector
 from gateway.redis_state import PRIORITY_MAX, PRIORITY_MIN, TERMINAL_STATES
 from splitserve.api_convert import check_sizes, prompt_from_request, resolve_sampling
 from splitserve.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted, Unavailable
@@ -44,6 +45,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self.tokenizer = tokenizer
         self.model_info = model_info
         self.limits = limits
+        self.collector = Collector()
         self.metrics = metrics
         self.metrics_address = metrics_address
         self.draining = False  # SIGTERM: in-flight requests finish, new ones are refused
@@ -53,7 +55,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     async def Generate(self, request, context):
         if self.draining:
             raise Unavailable("the gateway is shutting down; send the request to another one")
-        check_sizes(request, self.limits, self.model_info.max_model_len)
+        self._check_sizes(request)
         if self.health is not None and self.health.no_workers:
             raise Unavailable(f"this gateway cannot serve now: {self.health.reason}")
         token_ids = self._tokenize(request)
@@ -165,6 +167,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         return generation_pb2.GenerateResponse(final=final)
 
     # ---- the other RPCs -------------------------------------------------------------------
+    def _check_sizes(self, request) -> None:
+        try:
+            check_sizes(request, self.limits, self.model_info.max_model_len)
+        except InvalidArgument:
+            self.collector.soon()  # the refused message is freed by the cyclic collector (gateway/memory.py)
+            raise
+
     def _tokenize(self, request) -> list[int]:
         kind, prompt = prompt_from_request(request, vocab_size=self.model_info.vocab_size)
         if kind == "token_ids":
@@ -198,7 +207,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                                           timeline=json_format.ParseDict(timeline or {}, generation_pb2.Timeline()))
 
     async def Tokenize(self, request, context):
-        check_sizes(request, self.limits, self.model_info.max_model_len)
+        self._check_sizes(request)
         ids = self._tokenize(request)
         return generation_pb2.TokenizeResponse(token_ids=ids, tokens=self.tokenizer.convert_ids_to_tokens(ids))
 
