@@ -28,7 +28,8 @@ key                            type    holds
                                        ``admit_token`` (makes a retried admit call idempotent)
                                        and whatever ``update``/``finish`` write (worker ids,
                                        timings, ``error``...). No TTL while live; EXPIRE
-                                       ``terminal_ttl_s`` once terminal.
+                                       ``terminal_ttl_s`` once terminal (a new request with
+                                       the id may replace it ``id_reuse_after_s`` after the end).
 ``{ss}:gw:<gateway id>:alive`` STRING  ``1`` with PX = the gateway's liveness TTL: its queued
                                        requests wait for it only while this key exists.
 ``{ss}:workers``               SET     ids of registered workers (dead ones are pruned by
@@ -56,7 +57,9 @@ writes with ``update`` (``prefilling``, ``decoding``...) -> one terminal state o
 
 Scripts
 -------
-``ADMIT``         duplicate check, capacity check (pending + in flight < queue_limit), HSET + ZADD.
+``ADMIT``         duplicate check (a live request's id, or one that ended less than
+                  ``id_reuse_after_s`` ago), capacity check (pending + in flight < queue_limit),
+                  HSET + ZADD.
 ``CLAIM``         the head of the global queue, if the calling gateway admitted it and no
                   placement is open -> inflight with a lease, placement gate taken; ``attempt``
                   and ``epoch`` +1. Heads of dead gateways are failed on the way. Without the
@@ -82,8 +85,11 @@ Limitations
 * Priorities are clamped to ``[PRIORITY_MIN, PRIORITY_MAX]`` in the score (the gateway refuses
   others); arrivals before 2020-01-01 count as 2020-01-01, so ``arrival_s`` must be Unix time.
   Every gateway of one Redis must use the same aging rate (``up`` and compose pass one).
-* The duplicate check lasts as long as the request hash: a terminal request's id can be
-  admitted again once its hash has expired (``terminal_ttl_s``).
+* An id names one request while it is live and for ``id_reuse_after_s`` (10 s) after its end --
+  time for every gateway and worker that held it to hear of the end and let go -- then it may
+  name a new request (whose record replaces the old one; GetRequest shows the newest). Every
+  gateway of one Redis must use the same ``terminal_ttl_s``: the time since the end is read off
+  the record's remaining TTL.
 * A ``claim`` whose reply is lost (socket timeout after the server ran it) leaves that
   request claimed until its lease expires and the reaper fails it.
 """
@@ -92,23 +98,32 @@ Limitations
 # compared as strings (the epoch field is always written by HINCRBY, i.e. a plain integer).
 TERMINAL_LUA = "local TERMINAL = {finished=true, aborted=true, failed=true, deadline=true}\n"
 
-# KEYS: req, pending, inflight, wake channel. ARGV: id, gateway, priority, arrival, score, payload, limit, token.
+# KEYS: req, pending, inflight, wake channel.
+# ARGV: id, gateway, priority, arrival, score, payload, limit, token, terminal ttl_s, id reuse after s.
 # Returns {status, depth, state}; depth counts every unfinished request (queued or in flight).
-ADMIT = """
+# The id of a terminal request is taken again once `id reuse after s` have passed since its end,
+# read off its record's remaining TTL (every terminal write sets EXPIRE `terminal ttl_s`). The
+# new request keeps the old record's epoch (claims count on from it), so any late write of the
+# old request's attempts stays fenced off.
+ADMIT = TERMINAL_LUA + """
+local depth = redis.call('ZCARD', KEYS[2]) + redis.call('ZCARD', KEYS[3])
+local epoch = 0
 if redis.call('EXISTS', KEYS[1]) == 1 then
-  local cur = redis.call('HMGET', KEYS[1], 'state', 'admit_token')
-  local depth = redis.call('ZCARD', KEYS[2]) + redis.call('ZCARD', KEYS[3])
+  local cur = redis.call('HMGET', KEYS[1], 'state', 'admit_token', 'epoch')
   if cur[2] == ARGV[8] then
     return {'admitted', depth, cur[1]}  -- a retry of this very call
   end
-  return {'duplicate', depth, cur[1]}
+  if not TERMINAL[cur[1]] then return {'duplicate', depth, cur[1]} end
+  local ttl = redis.call('TTL', KEYS[1])
+  if ttl < 0 or tonumber(ARGV[9]) - ttl < tonumber(ARGV[10]) then return {'duplicate', depth, cur[1]} end
+  epoch = cur[3] or 0
 end
-local depth = redis.call('ZCARD', KEYS[2]) + redis.call('ZCARD', KEYS[3])
 if depth >= tonumber(ARGV[7]) then
   return {'full', depth, false}
 end
+redis.call('DEL', KEYS[1])
 redis.call('HSET', KEYS[1], 'state', 'queued', 'priority', ARGV[3], 'gateway', ARGV[2],
-           'attempt', 0, 'epoch', 0, 'arrival', ARGV[4], 'score', ARGV[5],
+           'attempt', 0, 'epoch', epoch, 'arrival', ARGV[4], 'score', ARGV[5],
            'payload', ARGV[6], 'admit_token', ARGV[8])
 redis.call('ZADD', KEYS[2], ARGV[5], ARGV[1])
 redis.call('PUBLISH', KEYS[4], 'admit')

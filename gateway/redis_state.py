@@ -34,10 +34,14 @@ from gateway.redis_client import make_async_client, make_client  # noqa: F401  (
 
 __all__ = [
     "AdmitResult", "Claimed", "RedisState", "make_client", "make_async_client", "queue_score",
-    "TERMINAL_STATES", "PRIORITY_MIN", "PRIORITY_MAX",
+    "TERMINAL_STATES", "PRIORITY_MIN", "PRIORITY_MAX", "ID_REUSE_AFTER_S",
 ]
 
 TERMINAL_STATES = frozenset({"finished", "aborted", "failed", "deadline"})
+# Seconds after its request ended before an id may name a new request: by then every gateway
+# and worker that held the old one has heard of the end (the wake channel at once, a gateway's
+# queued-request check within 2 s, a worker's Abort within its timeout) and let go of the id.
+ID_REUSE_AFTER_S = 10
 
 # Priority points a waiting request gains per second (engine.priority): the default of the
 # gateway's --priority-aging-per-s and of EngineConfig.priority_aging_per_s.
@@ -133,7 +137,8 @@ class RedisState:
     liveness. With an asyncio client every method returns an awaitable (see the module doc)."""
 
     def __init__(self, client, prefix: str = "ss", queue_limit: int = 256, terminal_ttl_s: int = 600,
-                 claim_scan: int = 64, priority_aging_per_s: float = DEFAULT_AGING_PER_S):
+                 claim_scan: int = 64, priority_aging_per_s: float = DEFAULT_AGING_PER_S,
+                 id_reuse_after_s: int = ID_REUSE_AFTER_S):
         if not prefix or any(c in prefix for c in "{}"):
             raise ValueError(f"prefix must be non-empty and free of braces, got {prefix!r}")
         if queue_limit < 0:
@@ -142,12 +147,16 @@ class RedisState:
             raise ValueError(f"terminal_ttl_s must be >= 1, got {terminal_ttl_s}")
         if claim_scan < 1:
             raise ValueError(f"claim_scan must be >= 1, got {claim_scan}")
+        if not 0 <= id_reuse_after_s < terminal_ttl_s:
+            raise ValueError(f"id_reuse_after_s must be in [0, terminal_ttl_s ({terminal_ttl_s})), "
+                             f"got {id_reuse_after_s}")
         if not priority_aging_per_s >= 0:
             raise ValueError(f"priority_aging_per_s must be >= 0, got {priority_aging_per_s}")
         self.client = client
         self.prefix = prefix
         self.queue_limit = int(queue_limit)
         self.terminal_ttl_s = int(terminal_ttl_s)
+        self.id_reuse_after_s = int(id_reuse_after_s)
         self.claim_scan = int(claim_scan)
         self.priority_aging_per_s = float(priority_aging_per_s)
         tag = "{" + prefix + "}"
@@ -193,15 +202,17 @@ class RedisState:
     # ---- requests
 
     def admit(self, request_id: str, gateway_id: str, priority: int, arrival_s: float, payload: dict):
-        """Queue a new request atomically -> ``AdmitResult``: a duplicate id writes nothing and
-        reports the existing state; when ``queue_limit`` requests are unfinished (queued or in
+        """Queue a new request atomically -> ``AdmitResult``: a duplicate id (a live request's, or
+        one that ended less than ``id_reuse_after_s`` ago) writes nothing and reports the existing
+        state; an older terminal request's record is replaced; when ``queue_limit`` requests are unfinished (queued or in
         flight, over all gateways) it writes nothing and reports "full"."""
         token = uuid.uuid4().hex  # same for redis-py's own retries of this call
         reply = self._admit(
             keys=[self.request_key(request_id), self.pending_key, self.inflight_key, self.wake_channel],
             args=[request_id, _check_id(gateway_id), int(priority), _float_arg(arrival_s),
                   queue_score(priority, arrival_s, self.priority_aging_per_s),
-                  json.dumps(payload, separators=(",", ":")), self.queue_limit, token])
+                  json.dumps(payload, separators=(",", ":")), self.queue_limit, token,
+                  self.terminal_ttl_s, self.id_reuse_after_s])
         return _then(reply, lambda r: AdmitResult(_s(r[0]), int(r[1]), _s(r[2]) if r[2] else None))
 
     def claim(self, gateway_id: str, lease_s: float, now_s: float, place_s: float = 5.0):

@@ -6,6 +6,7 @@ once, in-flight ones get ``--drain-timeout-s`` to finish, the rest end with UNAV
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import uuid
 
@@ -43,9 +44,12 @@ async def _serve(args) -> int:
     from gateway.servicer import GenerationServicer
     from gateway.workers import WorkerDirectory
     from splitserve.grpc_server import start_server, stop_event
+    from splitserve.limits import RequestLimits
     from splitserve.metrics import GatewayMetrics, serve_metrics
     from splitserve.security import Security
     from splitserve.v1 import generation_pb2_grpc
+    from gateway.memory import return_big_buffers
+    return_big_buffers()
     info, tokenizer = model_info(args)
     state = RedisState(make_async_client(args.redis_url, password=args.redis_password or None),
                        queue_limit=args.queue_limit, priority_aging_per_s=args.priority_aging_per_s)
@@ -56,7 +60,10 @@ async def _serve(args) -> int:
     dispatcher = Dispatcher(state, directory, args.gateway_id or f"gw-{uuid.uuid4().hex[:8]}",
                             max_attempts=args.max_attempts, on_retry=lambda reason: metrics.retries.inc())
     await dispatcher.start()
-    servicer = GenerationServicer(state, dispatcher, tokenizer, info, metrics=metrics, metrics_address=metrics_address)
+    limits = RequestLimits.from_args(args).resolve(info.max_model_len, tokenizer)
+    log.info("request limits: %s", ", ".join(f"{k} {v}" for k, v in dataclasses.asdict(limits).items()))
+    servicer = GenerationServicer(state, dispatcher, tokenizer, info, limits, metrics=metrics,
+                                  metrics_address=metrics_address)
 
     def register(server):
         generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server)

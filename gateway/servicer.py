@@ -20,9 +20,11 @@ from google.protobuf import json_format
 from gateway.detokenizer import TextStream
 from gateway.dispatch import Dispatcher
 from gateway.job import Finished, Job, Tokens, cancelled, deadline_exceeded
-from gateway.redis_state import PRIORITY_MAX, PRIORITY_MIN
-from splitserve.api_convert import prompt_from_request, resolve_sampling
-from splitserve.errors import InvalidArgument, NotFound, ResourceExhausted, Unavailable
+from gateway.memory import Collector
+from gateway.redis_state import PRIORITY_MAX, PRIORITY_MIN, TERMINAL_STATES
+from splitserve.api_convert import check_sizes, prompt_from_request, resolve_sampling
+from splitserve.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted, Unavailable
+from splitserve.limits import RequestLimits
 from splitserve.logs import request_id_var
 from splitserve.metrics import GatewayMetrics
 from splitserve.v1 import generation_pb2, generation_pb2_grpc
@@ -35,12 +37,15 @@ RETRY_AFTER_S = 1.0
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     def __init__(self, state, dispatcher: Dispatcher, tokenizer, model_info: generation_pb2.ModelInfo,
-                 metrics: GatewayMetrics | None = None, metrics_address: str = ""):
+                 limits: RequestLimits, metrics: GatewayMetrics | None = None, metrics_address: str = ""):
+        """``limits``: resolved for this model (``RequestLimits.resolve``)."""
         self.state = state
         self.dispatcher = dispatcher
         self.ledger = dispatcher.ledger
         self.tokenizer = tokenizer
         self.model_info = model_info
+        self.limits = limits
+        self.collector = Collector()
         self.metrics = metrics
         self.metrics_address = metrics_address
         self.draining = False  # SIGTERM: in-flight requests finish, new ones are refused
@@ -50,6 +55,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     async def Generate(self, request, context):
         if self.draining:
             raise Unavailable("the gateway is shutting down; send the request to another one")
+        self._check_sizes(request)
         if self.health is not None and self.health.no_workers:
             raise Unavailable(f"this gateway cannot serve now: {self.health.reason}")
         token_ids = self._tokenize(request)
@@ -66,9 +72,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         job = self.dispatcher.new_job(request_id, token_ids, params, request.priority, arrival_s,
                                       deadline=time.monotonic() + remaining if has_deadline else None,
                                       text=TextStream(self.tokenizer, token_ids, params.stop))
-        if job is None:
-            raise InvalidArgument(f"request_id {request_id!r} is already running; a retry with the same id "
-                                  "does not run twice — use GetRequest")
+        if job is None:  # this gateway runs it (its record may not even be in Redis yet)
+            raise AlreadyExists(_duplicate_message(request_id, "running", self.state.id_reuse_after_s))
         try:
             result = await self.ledger.now(self.state.admit(request_id, self.dispatcher.gateway_id, request.priority,
                                                             arrival_s, {"prompt_tokens": len(token_ids)}))
@@ -78,8 +83,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         if not result.admitted:
             self.dispatcher.forget(job)
             if result.status == "duplicate":
-                raise InvalidArgument(f"request_id {request_id!r} was already submitted (state: {result.detail}); "
-                                      "a retry with the same id does not run twice — use GetRequest")
+                raise AlreadyExists(_duplicate_message(request_id, result.state, self.state.id_reuse_after_s))
             raise ResourceExhausted(f"queue full ({result.detail} requests unfinished); retry later",
                                     retry_after_s=RETRY_AFTER_S)
         self.dispatcher.admitted(job)
@@ -163,6 +167,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         return generation_pb2.GenerateResponse(final=final)
 
     # ---- the other RPCs -------------------------------------------------------------------
+    def _check_sizes(self, request) -> None:
+        try:
+            check_sizes(request, self.limits, self.model_info.max_model_len)
+        except InvalidArgument:
+            self.collector.soon()  # the refused message is freed by the cyclic collector (gateway/memory.py)
+            raise
+
     def _tokenize(self, request) -> list[int]:
         kind, prompt = prompt_from_request(request, vocab_size=self.model_info.vocab_size)
         if kind == "token_ids":
@@ -196,6 +207,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                                           timeline=json_format.ParseDict(timeline or {}, generation_pb2.Timeline()))
 
     async def Tokenize(self, request, context):
+        self._check_sizes(request)
         ids = self._tokenize(request)
         return generation_pb2.TokenizeResponse(token_ids=ids, tokens=self.tokenizer.convert_ids_to_tokens(ids))
 
@@ -213,3 +225,12 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                              kv_blocks_cached=w.kv_blocks_cached, num_running=w.num_running,
                              num_waiting=w.num_waiting, metrics_address=w.metrics_address)
         return info
+
+
+def _duplicate_message(request_id: str, state: str | None, reuse_after_s: float) -> str:
+    """Why a request id is taken: a live request has it, or one that ended moments ago."""
+    if state in TERMINAL_STATES:
+        return (f"request_id {request_id!r} belongs to a request that ended moments ago ({state}); an id can be "
+                f"used again {reuse_after_s:g} s after its request ended")
+    return (f"request_id {request_id!r} belongs to a request that is still running (state: {state}); a request id "
+            "names one request: a second Generate does not attach to it (GetRequest reads it, Abort ends it)")

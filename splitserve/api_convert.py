@@ -1,6 +1,7 @@
 """Proto <-> domain conversion at the edge: the only module that knows both sides.
 
-Servicers call these helpers on the way in (``*_from_proto``, which validate and raise
+Servicers call these helpers on the way in (``check_sizes`` first, against the gateway's
+``splitserve.limits.RequestLimits``; then ``*_from_proto``, which validate and raise
 ``InvalidArgument`` naming the offending field) and on the way out (``*_to_proto``); engine and
 kvtransfer code never sees a ``*_pb2`` type.
 
@@ -25,10 +26,11 @@ from splitserve.v1 import generation_pb2, worker_pb2
 
 if TYPE_CHECKING:  # kvtransfer.base imports torch; the gateway converts descriptors without it
     from kvtransfer.base import TransferDescriptor
+    from splitserve.limits import RequestLimits
 
 __all__ = [
     "DEFAULT_MAX_TOKENS", "DEFAULT_TEMPERATURE", "PROMPT_FIELDS", "sampling_from_proto", "resolve_sampling",
-    "sampling_to_worker", "sampling_from_worker", "arrival_to_monotonic", "prompt_from_request",
+    "sampling_to_worker", "sampling_from_worker", "arrival_to_monotonic", "check_sizes", "prompt_from_request",
     "descriptor_to_proto", "descriptor_from_proto", "logprobs_to_proto", "logprobs_from_proto",
 ]
 
@@ -132,6 +134,59 @@ def arrival_to_monotonic(arrival_unix_s: float) -> float | None:
     if not arrival_unix_s or not math.isfinite(arrival_unix_s):
         return None
     return time.monotonic() - (time.time() - arrival_unix_s)
+
+
+# ---- sizes -----------------------------------------------------------------------------
+
+def check_sizes(req, limits: "RequestLimits", max_model_len: int) -> None:
+    """Refuse a GenerateRequest or TokenizeRequest that carries more than ``limits`` allow
+    (``InvalidArgument`` naming the field and the flag), before any work is spent on it.
+
+    Runs first, so its own cost must stay small whatever the message holds: repeated fields are
+    judged by their length, strings by their character count before any byte is counted, a
+    chat's bytes are summed only until the sum passes the limit.
+    """
+    fields = req.DESCRIPTOR.fields_by_name
+    if "request_id" in fields:
+        _check_bytes("request_id", req.request_id, limits.max_request_id_bytes, "--max-request-id-bytes")
+    if "token_ids" in fields and len(req.token_ids) >= max_model_len:
+        raise InvalidArgument(f"token_ids has {len(req.token_ids)} tokens; max_model_len is {max_model_len}, "
+                              "which leaves no room for a generated token")
+    # The text is measured before the tokenizer sees it: tokenizing costs far more memory than
+    # the text itself (a 12 MB text took gigabytes), so its token count cannot be the check.
+    _check_bytes("text", req.text, limits.max_prompt_bytes, "--max-prompt-bytes")
+    if len(req.messages) > limits.max_messages:
+        raise InvalidArgument(f"messages has {len(req.messages)} entries; this server takes at most "
+                              f"{limits.max_messages} (--max-messages)")
+    left = limits.max_prompt_bytes
+    for i, m in enumerate(req.messages):
+        left -= _utf8_len(m.role, left) + _utf8_len(m.content, left)
+        if left < 0:
+            raise InvalidArgument(f"messages: their roles and contents up to messages[{i}] are more than the "
+                                  f"{limits.max_prompt_bytes} bytes this server takes (--max-prompt-bytes)")
+    if "sampling" in fields and req.HasField("sampling"):
+        sampling = req.sampling
+        if len(sampling.stop) > limits.max_stop_sequences:
+            raise InvalidArgument(f"sampling.stop has {len(sampling.stop)} strings; this server takes at most "
+                                  f"{limits.max_stop_sequences} (--max-stop-sequences)")
+        for i, stop in enumerate(sampling.stop):
+            _check_bytes(f"sampling.stop[{i}]", stop, limits.max_stop_bytes, "--max-stop-bytes")
+        if len(sampling.stop_token_ids) > limits.max_stop_token_ids:
+            raise InvalidArgument(f"sampling.stop_token_ids has {len(sampling.stop_token_ids)} ids; this server "
+                                  f"takes at most {limits.max_stop_token_ids} (--max-stop-token-ids)")
+
+
+def _utf8_len(text: str, limit: int) -> int:
+    """UTF-8 length of ``text``, or just more than ``limit`` when its characters alone say it is
+    longer (a character is at least one byte): a huge string is never encoded to be measured."""
+    return limit + 1 if len(text) > limit else len(text.encode("utf-8"))
+
+
+def _check_bytes(path: str, text: str, limit: int, flag: str) -> None:
+    n = _utf8_len(text, limit)
+    if n > limit:
+        size = f"{len(text)} characters" if len(text) > limit else f"{n} bytes"
+        raise InvalidArgument(f"{path} is {size}; this server takes at most {limit} bytes ({flag})")
 
 
 # ---- prompt ----------------------------------------------------------------------------

@@ -20,23 +20,33 @@ from splitserve.flags import options, up_options
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 110, "terminal_width": 110}
 
 
-def _engine_config_errors(params: dict) -> None:
-    """A value EngineConfig refuses (say --block-size 3) is a usage error that says what to change."""
+def _config_errors(params: dict, configs: tuple[type, ...]) -> None:
+    """A value a config dataclass refuses (say --block-size 3, --max-stop-sequences 0) is a usage
+    error that says what to change."""
     import dataclasses
 
+    for config in configs:
+        names = {f.name for f in dataclasses.fields(config)}
+        try:
+            config(**{k: v for k, v in params.items() if k in names})
+        except ValueError as e:
+            raise click.UsageError(str(e)) from None
+
+
+def _engine_config():
     from engine.config import EngineConfig
-    names = {f.name for f in dataclasses.fields(EngineConfig)}
-    try:
-        EngineConfig(**{k: v for k, v in params.items() if k in names})
-    except ValueError as e:
-        raise click.UsageError(str(e)) from None
+    return EngineConfig
+
+
+def _request_limits():
+    from splitserve.limits import RequestLimits
+    return RequestLimits
 
 
 def _command(name: str, help: str, params: list[click.Option], run: Callable[[argparse.Namespace], int],
-             engine: bool = False) -> click.Command:
+             configs: tuple[Callable[[], type], ...] = ()) -> click.Command:
     def callback(**values):
-        if engine:
-            _engine_config_errors(values)
+        _config_errors(values, tuple(config() for config in configs))
         ctx = click.get_current_context()
         args = argparse.Namespace(command=name, **ctx.find_root().params, **values)
         from splitserve.logs import configure
@@ -96,13 +106,15 @@ def build() -> click.Group:
                                          help="json: one object per line with the request id (joinable across "
                                               "processes)")])
     group.add_command(_command("decode", "Run a decode worker (or, with --role both, a colocated prefill+decode "
-                                         "worker).", options("decode"), _run("decode_worker.server"), engine=True))
+                                         "worker).", options("decode"), _run("decode_worker.server"),
+                               configs=(_engine_config,)))
     group.add_command(_command("prefill", "Run a prefill worker.", options("prefill"), _run("prefill_worker.server"),
-                               engine=True))
-    group.add_command(_command("gateway", "Run the public gRPC gateway.", options("gateway"), _run("gateway.server")))
+                               configs=(_engine_config,)))
+    group.add_command(_command("gateway", "Run the public gRPC gateway.", options("gateway"), _run("gateway.server"),
+                               configs=(_request_limits,)))
     group.add_command(_command("up", "Start Redis, a gateway, prefill and decode workers on this machine, and "
                                      "supervise them.", _up_params(), _run("splitserve.launcher", "cmd_up"),
-                               engine=True))
+                               configs=(_engine_config, _request_limits)))
     group.add_command(_command("generate", "Stream a generation from a running gateway to the terminal.",
                                _generate_params(), _run("splitserve.client", "cmd_generate")))
     return group

@@ -28,7 +28,7 @@ import grpc
 log = logging.getLogger(__name__)
 
 __all__ = [
-    "SplitserveError", "InvalidArgument", "ResourceExhausted", "NotFound", "Cancelled",
+    "SplitserveError", "InvalidArgument", "AlreadyExists", "ResourceExhausted", "NotFound", "Cancelled",
     "DeadlineExceeded", "Unavailable", "Unauthenticated", "status_for", "ErrorMappingInterceptor",
     "RETRY_AFTER_METADATA_KEY", "INTERNAL_MESSAGE",
 ]
@@ -57,6 +57,12 @@ class InvalidArgument(SplitserveError):
     """The request is malformed; retrying it unchanged will fail again."""
 
     code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class AlreadyExists(SplitserveError):
+    """The request id is taken (a request with it is running, or ended moments ago)."""
+
+    code = grpc.StatusCode.ALREADY_EXISTS
 
 
 class ResourceExhausted(SplitserveError):

@@ -3,7 +3,9 @@
 A ``Flag`` says which process kinds take it (``decode``, ``prefill``, ``gateway``), its type,
 default and help, and how ``up`` hands it on. The engine's flags are not written here: they
 are derived from ``engine.config.EngineConfig``, one per field, with the field's comment as
-help, so a new config field gets its flag by itself. Each flag also reads the environment
+help, so a new config field gets its flag by itself; the gateway's request size limits
+(``--max-prompt-bytes``...) are derived the same way from ``splitserve.limits.RequestLimits``.
+Each flag also reads the environment
 variable ``SPLITSERVE_<NAME>`` (click's ``envvar``); ``--help`` shows the default and the
 variable, and a bad value is a usage error naming the flag, not a traceback.
 
@@ -21,6 +23,7 @@ from dataclasses import dataclass
 import click
 
 from engine.config import ATTENTION_BACKENDS, BATCHING_MODES, DTYPES, PREEMPTION_MODES, SCHEDULING_POLICIES, EngineConfig
+from splitserve.limits import RequestLimits
 
 ENV_PREFIX = "SPLITSERVE_"
 WORKERS = frozenset({"decode", "prefill"})
@@ -102,17 +105,27 @@ def _click_type(field: dataclasses.Field, hint) -> object:
     return {int: click.INT, float: click.FLOAT, str: click.STRING, bool: click.BOOL}[base]
 
 
-def engine_flags() -> list[Flag]:
-    hints = typing.get_type_hints(EngineConfig)
-    comments = _field_comments(EngineConfig)
+def _dataclass_flags(cls, kinds: typing.Callable[[str], frozenset]) -> list[Flag]:
+    """One flag per field of the dataclass ``cls``: its type, default and comment; ``kinds(name)``
+    says which processes take it."""
+    hints = typing.get_type_hints(cls)
+    comments = _field_comments(cls)
     flags = []
-    for field in dataclasses.fields(EngineConfig):
+    for field in dataclasses.fields(cls):
         hint = hints[field.name]
         flags.append(Flag(field.name, _click_type(field, hint), field.default,
-                          comments.get(field.name, f"EngineConfig.{field.name}"),
-                          WORKERS | ({"gateway"} if field.name in _GATEWAY_FIELDS else set()),
+                          comments.get(field.name, f"{cls.__name__}.{field.name}"), kinds(field.name),
                           is_bool=hint is bool))
     return flags
+
+
+def engine_flags() -> list[Flag]:
+    return _dataclass_flags(EngineConfig, lambda name: WORKERS | ({"gateway"} if name in _GATEWAY_FIELDS else set()))
+
+
+def limit_flags() -> list[Flag]:
+    """The gateway's request size limits (``splitserve.limits.RequestLimits``), one flag per field."""
+    return _dataclass_flags(RequestLimits, lambda name: frozenset({"gateway"}))
 
 
 # ---- the services' own flags -----------------------------------------------------------
@@ -164,7 +177,7 @@ def _flags() -> list[Flag]:
     ]
 
 
-FLAGS: list[Flag] = engine_flags() + _flags()
+FLAGS: list[Flag] = engine_flags() + _flags() + limit_flags()
 BY_NAME = {flag.name: flag for flag in FLAGS}
 # Defaults that differ by process kind.
 KIND_DEFAULTS = {"gateway": {"host": "0.0.0.0", "port": 50051}, "decode": {"host": "127.0.0.1", "port": 0},

@@ -3,8 +3,11 @@
 Shared by the property-based test of the API (``tests/faults/test_fuzz_api.py``) and the long
 fuzz run (``bench/fuzz.py``). The strategies build wild values: NaN/inf/huge/negative floats,
 integers at their wire-type bounds, unicode and NUL bytes, huge prompts and stop lists,
-out-of-vocabulary token ids, several prompt kinds at once, request ids with odd characters.
-Every answer must be OK or a precise client-error status (``ALLOWED``).
+out-of-vocabulary token ids, several prompt kinds at once, request ids with odd characters,
+fields far past the gateway's size limits (millions of stop token ids, token ids or chat
+messages, megabyte stop strings and ids). Every answer must be OK or a precise client-error
+status (``ALLOWED``). ``oversized_requests`` builds requests that are legal but for one field
+just or far past its limit; those must be INVALID_ARGUMENT naming that field.
 
 A Generate that is accepted is read for at most ``READ_BUDGET`` (messages and seconds), then
 cancelled by the client: huge ``max_tokens`` must not make a run slow, and the cut exercises
@@ -19,6 +22,7 @@ import time
 import grpc
 from hypothesis import strategies as st
 
+from splitserve.limits import RequestLimits
 from splitserve.v1 import generation_pb2
 
 # Answers a client can cause with its input; anything else is a server bug.
@@ -67,10 +71,17 @@ odd_ids = st.one_of(st.just(""), texts, st.sampled_from([
     "{ss}", "{ss}:q:pending", "*", "?", "[a-z]", "a:b", "req:x", " ", "\n", "\x00", "../../etc", "é🙂",
     "x" * 10_000]))
 token_id = st.one_of(st.integers(0, 258), st.integers(0, UINT32_MAX), st.sampled_from([258, 259, UINT32_MAX]))
-token_lists = st.one_of(st.lists(token_id, max_size=40), st.just(list(range(256)) * 5))
+# Lists far past any limit are built whole (hypothesis would draw a million elements one by one).
+def _many(item, sizes):
+    return st.sampled_from(sizes).map(lambda n: [item] * n)
+
+
+token_lists = st.one_of(st.lists(token_id, max_size=40), st.just(list(range(256)) * 5),
+                        _many(7, [1024, 2_000_000]))
 roles = st.one_of(st.sampled_from(["user", "assistant", "system", "", " ", "tool", "USER", "ipython"]), texts)
-chat = st.lists(st.builds(generation_pb2.ChatMessage, role=roles, content=st.one_of(texts, big_texts)),
-                max_size=4)
+chat = st.one_of(
+    st.lists(st.builds(generation_pb2.ChatMessage, role=roles, content=st.one_of(texts, big_texts)), max_size=4),
+    _many(generation_pb2.ChatMessage(role="user", content="hi"), [1025, 200_000]))
 
 
 def _maybe(strategy):
@@ -114,9 +125,12 @@ def sampling_params(draw, legal: bool = True, max_tokens=None):
         fields["min_tokens"] = min(fields["min_tokens"], fields["max_tokens"])
     msg = generation_pb2.SamplingParams(**{k: v for k, v in fields.items() if v is not None})
     stops = st.lists(texts.filter(bool), max_size=4) if legal else st.one_of(
-        st.lists(texts, max_size=6), st.lists(st.just("a"), min_size=1000, max_size=1000))
+        st.lists(texts, max_size=6), _many("a", [1000, 100_000]),
+        st.sampled_from([257, 1_000_000]).map(lambda n: ["s" * n]))
     msg.stop.extend(draw(stops))
-    msg.stop_token_ids.extend(draw(st.lists(st.integers(0, 258) if legal else token_id, max_size=4)))
+    stop_ids = st.lists(st.integers(0, 258), max_size=4) if legal else st.one_of(
+        st.lists(token_id, max_size=4), _many(7, [129, 3_000_000]))
+    msg.stop_token_ids.extend(draw(stop_ids))
     msg.ignore_eos = draw(st.booleans())
     return msg
 
@@ -173,6 +187,51 @@ def requests(max_tokens=None):
         st.just(("GetModelInfo", generation_pb2.GetModelInfoRequest())),
         st.just(("GetServerInfo", generation_pb2.GetServerInfoRequest())),
     )
+
+
+@st.composite
+def oversized_requests(draw, limits: RequestLimits, max_model_len: int):
+    """``(rpc, field path, request)``: a request the server would take but for one field just
+    or far past its limit (``limits`` as resolved for the served model); the refusal must be
+    INVALID_ARGUMENT with a message starting with the field path."""
+    def over(limit: int) -> int:
+        return draw(st.sampled_from([limit + 1, 2 * limit, 50 * limit]))
+    req = generation_pb2.GenerateRequest(request_id=draw(st.sampled_from(["", "over-1"])),
+                                         sampling=draw(sampling_params(legal=True, max_tokens=st.integers(1, 4))))
+    del req.sampling.stop[:]
+    del req.sampling.stop_token_ids[:]
+    req.token_ids.extend([1, 2, 3])
+    field = draw(st.sampled_from(["request_id", "request_id bytes", "text", "text bytes", "messages",
+                                  "messages bytes", "token_ids", "sampling.stop", "sampling.stop[0]",
+                                  "sampling.stop_token_ids"]))
+    path = field.split(" ")[0]
+    if field == "request_id":
+        req.request_id = "i" * over(limits.max_request_id_bytes)
+    elif field == "request_id bytes":  # within the limit in characters, past it in UTF-8 bytes
+        req.request_id = "é" * (limits.max_request_id_bytes // 2 + 1)
+    elif field.startswith(("text", "messages", "token_ids")):
+        del req.token_ids[:]
+        if field == "text":
+            req.text = "t" * over(limits.max_prompt_bytes)
+        elif field == "text bytes":
+            req.text = "😀" * (limits.max_prompt_bytes // 4 + 1)
+        elif field == "messages":
+            req.messages.extend([generation_pb2.ChatMessage(role="user", content="hi")] * over(limits.max_messages))
+        elif field == "messages bytes":
+            req.messages.append(generation_pb2.ChatMessage(role="user", content="m" * over(limits.max_prompt_bytes)))
+        else:
+            req.token_ids.extend([1] * draw(st.sampled_from([max_model_len, 2 * max_model_len])))
+    elif field == "sampling.stop":
+        req.sampling.stop.extend(["s"] * over(limits.max_stop_sequences))
+    elif field == "sampling.stop[0]":
+        req.sampling.stop.append("s" * over(limits.max_stop_bytes))
+    else:
+        req.sampling.stop_token_ids.extend([1] * over(limits.max_stop_token_ids))
+    if field.startswith(("text", "messages")) and draw(st.booleans()):  # Tokenize has the same limits
+        tokenize = generation_pb2.TokenizeRequest(text=req.text, add_generation_prompt=True)
+        tokenize.messages.extend(req.messages)
+        return "Tokenize", path, tokenize
+    return "Generate", path, req
 
 
 # ---- calling -------------------------------------------------------------------------------

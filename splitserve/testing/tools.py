@@ -1,4 +1,4 @@
-"""Outside views of a running process: grpcurl, and a Prometheus scrape."""
+"""Outside views of a running process: grpcurl, a Prometheus scrape, its memory (Linux /proc)."""
 from __future__ import annotations
 
 import os
@@ -28,3 +28,22 @@ def scrape(port: int) -> dict[str, float]:
             if "le" not in sample.labels:
                 samples[key] = sample.value
     return samples
+
+
+def memory_mib(pid: int) -> dict[str, float]:
+    """A process's resident memory now (``rss``) and at its peak (``peak``) in MiB, from
+    /proc/<pid>/status (VmRSS, VmHWM): psutil reports no peak on Linux."""
+    fields = {}
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            name, _, value = line.partition(":")
+            if name in ("VmRSS", "VmHWM"):
+                fields[name] = int(value.split()[0]) / 1024  # kB
+    return {"rss": fields["VmRSS"], "peak": fields["VmHWM"]}
+
+
+def reset_peak_memory(pid: int) -> None:
+    """Start a new peak (VmHWM = VmRSS now) for a process of this user: writing 5 to its
+    clear_refs does that (Linux 4.0+), so a test can see the peak of one thing it does."""
+    with open(f"/proc/{pid}/clear_refs", "w") as f:
+        f.write("5")

@@ -73,8 +73,10 @@ class GenerationServicer:
 
     def Generate(self, request, context):
         """Generates a completion. Streams zero or more `chunk` messages and then exactly one
-        `final` message. Bad input fails at once with INVALID_ARGUMENT; a full queue with
-        RESOURCE_EXHAUSTED (trailing metadata `retry-after-ms` says when to retry).
+        `final` message. Bad input fails at once with INVALID_ARGUMENT (a field over the server's
+        size limits too: prompt bytes, messages, stop strings, stop token ids, request_id length);
+        a request_id that is taken with ALREADY_EXISTS; a full queue with RESOURCE_EXHAUSTED
+        (trailing metadata `retry-after-ms` says when to retry).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -95,7 +97,8 @@ class GenerationServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Tokenize(self, request, context):
-        """Tokenizes text, or chat messages through the model's chat template.
+        """Tokenizes text, or chat messages through the model's chat template (same size limits as
+        Generate: INVALID_ARGUMENT above them).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -3,10 +3,11 @@
 Hypothesis builds every public request message with wild values: NaN/inf/huge/negative
 floats, integers at their wire-type bounds, unicode and NUL bytes, huge prompts and stop
 lists, out-of-vocabulary token ids, several prompt kinds at once, request ids with odd
-characters. Every answer must be OK or a precise client-error status; never INTERNAL,
-UNKNOWN, UNAVAILABLE... and the service must stay up: health SERVING after every example,
-every process alive, and afterwards every worker's KV pages back at baseline with no live
-request left in Redis.
+characters, fields far past the gateway's size limits. Every answer must be OK or a precise
+client-error status; never INTERNAL, UNKNOWN, UNAVAILABLE... and the service must stay up:
+health SERVING after every example, every process alive, and afterwards every worker's KV
+pages back at baseline with no live request left in Redis. A request that is legal but for one
+field just or far past its limit must be INVALID_ARGUMENT naming that field.
 
 A Generate that is accepted is read for at most ``READ_BUDGET`` (messages and seconds), then
 cancelled by the client: huge ``max_tokens`` must not make the suite slow, and the cut
@@ -22,10 +23,17 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, event, given, settings
+from hypothesis import strategies as st
+from transformers import AutoTokenizer
 
-from splitserve.testing.fuzz_api import ALLOWED, CHAT_TEMPLATE, call, describe, requests
+from splitserve.limits import RequestLimits
+from splitserve.testing.fuzz_api import ALLOWED, CHAT_TEMPLATE, call, describe, oversized_requests, requests
 from splitserve.testing.stack import live_request_keys, queued_request_ids, start_stack, wait_pages_at_baseline
 from splitserve.v1 import generation_pb2
+
+
+# The tiny test Llama's context (max_position_embeddings; the gateway gets no --max-model-len).
+MAX_MODEL_LEN = 1024
 
 
 # ---- the tests -----------------------------------------------------------------------------
@@ -68,6 +76,22 @@ def test_every_answer_is_ok_or_a_client_error(stack, item):
     event(f"{rpc}: {code}{' (cut)' if details == 'cut by the client' else ''}")  # --hypothesis-show-statistics
     assert code in ALLOWED, f"{code} {details!r} for {describe(rpc, request)}"
     assert_up(stack)
+
+
+@pytest.fixture(scope="module")
+def limits(fuzz_model) -> RequestLimits:
+    """The limits the gateway derives for the fuzz model (no limit flag given)."""
+    return RequestLimits().resolve(MAX_MODEL_LEN, AutoTokenizer.from_pretrained(fuzz_model))
+
+
+@settings(max_examples=30, deadline=None, derandomize=True, database=None, print_blob=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.large_base_example])
+@given(data=st.data())
+def test_a_field_past_its_limit_is_invalid_argument_naming_it(stack, limits, data):
+    rpc, path, request = data.draw(oversized_requests(limits, MAX_MODEL_LEN))
+    event(f"{rpc}: {path}")
+    code, details = call(stack.stub, rpc, request)
+    assert code == "INVALID_ARGUMENT" and details.startswith(path), f"{code} {details!r} for {describe(rpc, request)}"
 
 
 def test_out_of_vocab_stop_token_is_refused_before_any_page_is_reserved(stack):

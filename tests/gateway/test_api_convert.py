@@ -15,6 +15,7 @@ from engine.sampling_params import SamplingParams
 from kvtransfer.base import (KVLayout, LayoutMismatchError, StaleEpochError, TransferDescriptor,
                              TransferError)
 from splitserve import api_convert, errors
+from splitserve.limits import RequestLimits
 from splitserve.v1 import generation_pb2 as pb
 from splitserve.v1 import worker_pb2
 
@@ -197,10 +198,75 @@ def test_logprobs_round_trip():
     assert "-Infinity" in json_format.MessageToJson(msg)
 
 
+# ---- sizes -----------------------------------------------------------------------------
+
+LIMITS = RequestLimits(max_prompt_bytes=100, max_messages=3, max_stop_sequences=2, max_stop_bytes=8,
+                       max_stop_token_ids=4, max_request_id_bytes=10)
+MAX_MODEL_LEN = 50
+
+
+def generate(**kw) -> pb.GenerateRequest:
+    return json_format.ParseDict(kw, pb.GenerateRequest())
+
+
+@pytest.mark.parametrize("request_fields", [
+    {"request_id": "x" * 10, "text": "a" * 100},
+    {"request_id": "é" * 5, "text": "é" * 50},  # 2 bytes per character: exactly at the limits
+    {"token_ids": list(range(MAX_MODEL_LEN - 1))},
+    {"messages": [{"role": "user", "content": "a" * 46}, {"role": "assistant", "content": ""},
+                  {"role": "user", "content": "b" * 31}]},
+    {"text": "hi", "sampling": {"stop": ["12345678", "é" * 4], "stop_token_ids": [1, 2, 3, 4]}},
+])
+def test_sizes_at_the_limits_pass(request_fields):
+    api_convert.check_sizes(generate(**request_fields), LIMITS, MAX_MODEL_LEN)
+
+
+@pytest.mark.parametrize("request_fields, field_path, flag", [
+    ({"request_id": "x" * 11, "text": "a"}, "request_id is 11 characters", "--max-request-id-bytes"),
+    ({"request_id": "é" * 6, "text": "a"}, "request_id is 12 bytes", "--max-request-id-bytes"),
+    ({"text": "a" * 101}, "text is 101 characters", "--max-prompt-bytes"),
+    ({"text": "é" * 51}, "text is 102 bytes", "--max-prompt-bytes"),
+    ({"token_ids": list(range(MAX_MODEL_LEN))}, "token_ids has 50 tokens", "max_model_len is 50"),
+    ({"messages": [{"role": "user", "content": "a"}] * 4}, "messages has 4 entries", "--max-messages"),
+    ({"messages": [{"role": "user", "content": "a" * 46}, {"role": "assistant", "content": "b" * 45}]},
+     "messages: their roles and contents up to messages[1]", "--max-prompt-bytes"),
+    ({"messages": [{"role": "u" * 101, "content": ""}]}, "messages: their roles and contents up to messages[0]",
+     "--max-prompt-bytes"),
+    ({"text": "a", "sampling": {"stop": ["a", "b", "c"]}}, "sampling.stop has 3 strings", "--max-stop-sequences"),
+    ({"text": "a", "sampling": {"stop": ["a", "123456789"]}}, "sampling.stop[1] is 9 characters",
+     "--max-stop-bytes"),
+    ({"text": "a", "sampling": {"stop_token_ids": [1] * 5}}, "sampling.stop_token_ids has 5 ids",
+     "--max-stop-token-ids"),
+])
+def test_sizes_over_a_limit_are_invalid_argument_naming_field_and_flag(request_fields, field_path, flag):
+    with pytest.raises(errors.InvalidArgument) as err:
+        api_convert.check_sizes(generate(**request_fields), LIMITS, MAX_MODEL_LEN)
+    assert str(err.value).startswith(field_path.split(" ")[0]) and field_path in str(err.value)
+    assert flag in str(err.value)
+
+
+def test_tokenize_request_sizes_are_checked_too():
+    api_convert.check_sizes(pb.TokenizeRequest(text="a" * 100), LIMITS, MAX_MODEL_LEN)
+    for request in (pb.TokenizeRequest(text="a" * 101),
+                    pb.TokenizeRequest(messages=[pb.ChatMessage(role="user", content="a")] * 4)):
+        with pytest.raises(errors.InvalidArgument):
+            api_convert.check_sizes(request, LIMITS, MAX_MODEL_LEN)
+
+
+def test_a_huge_text_is_refused_without_being_encoded():
+    # Its character count already says it is too long: measuring it in bytes would copy it.
+    class Text(str):
+        def encode(self, *args, **kwargs):
+            raise AssertionError("encoded")
+    with pytest.raises(errors.InvalidArgument):
+        api_convert._check_bytes("text", Text("a" * 1000), 100, "--max-prompt-bytes")
+
+
 # ---- status mapping --------------------------------------------------------------------
 
 @pytest.mark.parametrize("exc, code", [
     (errors.InvalidArgument("bad"), grpc.StatusCode.INVALID_ARGUMENT),
+    (errors.AlreadyExists("taken"), grpc.StatusCode.ALREADY_EXISTS),
     (errors.ResourceExhausted("full", retry_after_s=1), grpc.StatusCode.RESOURCE_EXHAUSTED),
     (errors.NotFound("nope"), grpc.StatusCode.NOT_FOUND),
     (errors.Cancelled("gone"), grpc.StatusCode.CANCELLED),

@@ -78,6 +78,37 @@ def test_admit_duplicate_full(state):
     assert admit(state, "late").admitted
 
 
+def test_an_ended_request_id_is_taken_for_a_while_then_names_a_new_request(client):
+    st = RedisState(client, queue_limit=2, terminal_ttl_s=60, id_reuse_after_s=10)
+    st.gateway_beat("g1", 600)
+    assert admit(st, "a").admitted
+    first = claim_placed(st)
+    assert admit(st, "a") == AdmitResult("duplicate", 1, "dispatching")  # live
+    assert st.finish("a", first.epoch, "finished", finish_reason="length")
+    assert admit(st, "a") == AdmitResult("duplicate", 0, "finished")  # ended moments ago
+    client.expire(st.request_key("a"), 60 - 10)  # as if 10 s had passed since the end
+    # A full queue refuses the new request and leaves the old record as it was.
+    assert admit(st, "b").admitted and admit(st, "c").admitted
+    assert admit(st, "a").status == "full" and st.get("a")["finish_reason"] == "length"
+    assert st.cancel_pending("b") and st.cancel_pending("c")
+    assert admit(st, "a", priority=2) == AdmitResult("admitted", 1, "queued")
+    got = st.get("a")
+    assert (got["state"], got["attempt"], got["epoch"], got["priority"]) == ("queued", 0, first.epoch, 2)
+    assert "finish_reason" not in got  # a new record, not merged into the old one
+    assert client.ttl(st.request_key("a")) == -1  # live again: no expiry
+    # Its claims count on from the old epoch: the old request's late writes stay fenced off.
+    second = claim_placed(st)
+    assert second == "a" and second.epoch == first.epoch + 1 and second.attempt == 1
+    assert not st.update("a", first.epoch, state="decoding")
+    assert not st.finish("a", first.epoch, "failed")
+    assert st.update("a", second.epoch, state="decoding")
+
+
+def test_id_reuse_after_must_be_shorter_than_the_record_lives(client):
+    with pytest.raises(ValueError, match="id_reuse_after_s"):
+        RedisState(client, terminal_ttl_s=60, id_reuse_after_s=60)
+
+
 def test_a_retried_admit_call_is_not_a_duplicate(state, monkeypatch):
     # redis-py resends a command whose reply was lost; the same call must still read "admitted".
     import gateway.redis_state as rs

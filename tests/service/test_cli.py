@@ -71,6 +71,8 @@ def test_bad_values_are_usage_errors_naming_the_flag():
     assert "'--block-size' (env var: 'SPLITSERVE_BLOCK_SIZE'): 'abc' is not a valid integer" in out.stderr
     out = run_cli("prefill", "--block-size", "3")  # refused by EngineConfig, before anything starts
     assert out.returncode == 2 and "block_size must be a power of two, got 3" in out.stderr
+    out = run_cli("gateway", "--max-stop-sequences", "0")  # refused by RequestLimits
+    assert out.returncode == 2 and "max_stop_sequences must be an integer >= 1, got 0" in out.stderr
     out = run_cli("gateway", env={"SPLITSERVE_REDIS_URL": ""})
     assert out.returncode == 1 and out.stderr.strip() == "splitserve: the gateway needs --redis-url (or " \
         "SPLITSERVE_REDIS_URL)"

@@ -246,15 +246,6 @@ def test_async_client(stack, hf_reference):
     assert tokens == hf_reference(stack["model"]).greedy(prompt, 6) and final.finish_reason == "length"
 
 
-def test_same_request_id_does_not_run_twice(stack):
-    request = generation_pb2.GenerateRequest(request_id="once", token_ids=[1, 2, 3],
-                                             sampling=generation_pb2.SamplingParams(**greedy(3)))
-    assert len(list(stack["stub"].Generate(request, timeout=30))) >= 2
-    with pytest.raises(grpc.RpcError) as err:
-        list(stack["stub"].Generate(request, timeout=30))
-    assert "already submitted" in err.value.details()
-
-
 def test_cancel_frees_pages_on_both_workers(stack):
     decode0 = worker_info(stack["decode"]).kv_blocks_free
     prefill0 = worker_info(stack["prefill"]).kv_blocks_free
