@@ -34,7 +34,8 @@ RESERVE_TIMEOUT_S = 5.0
 PREFILL_TIMEOUT_S = 120.0
 # Bound on the best-effort aborts of a failed attempt (the worker may be frozen).
 ABORT_TIMEOUT_S = 1.0
-# A worker that failed a request and a probe is not picked again for this long.
+# A worker that failed a request and a probe, or a Reserve, is not picked again for this long
+# (longer than a worker's heartbeat lives: by then a dead or frozen one has left the registry).
 SUSPECT_S = 5.0
 # How long an admitted request waits for a usable set of workers to (re)appear before failing.
 NO_WORKER_WAIT_S = 10.0
@@ -167,21 +168,34 @@ class _Attempt:
                     worker_pb2.ReserveRequest(request_id=job.request_id, num_prompt_tokens=len(self.prompt)),
                     timeout=job.timeout(RESERVE_TIMEOUT_S))
             except grpc.RpcError as e:
-                self._untrack(worker)
-                code = e.code()
-                if code == grpc.StatusCode.DEADLINE_EXCEEDED and job.deadline_passed():
-                    raise
-                if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) \
-                        and not await self.directory.responsive(worker):
-                    self.directory.suspect(worker.worker_id, SUSPECT_S)
-                if code in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE,
-                            grpc.StatusCode.DEADLINE_EXCEEDED):
-                    continue
-                raise
+                # A Reserve that timed out may still run when a frozen worker wakes up: the worker
+                # stays on the attempt's list, whose end aborts the request there.
+                if e.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
+                    self._untrack(worker)
+                await self._reserve_failed(worker, e)
+                continue  # no room there, or it refuses new work (draining): the next one
             job.decode_worker = worker
             self.descriptor = response.descriptor
             return True
         raise _NoRoom()
+
+    async def _reserve_failed(self, worker: WorkerView, error: grpc.RpcError) -> None:
+        """A Reserve that failed: returns when the next candidate may be asked, raises when the
+        attempt is over. A worker that timed out, or died (no answer to a probe), is dead, frozen
+        or wedged: it is suspected (picked for nothing a while, so the next attempt goes
+        elsewhere) and the attempt is lost, as when a worker dies under a running request. One
+        that refuses new work (draining) is only skipped."""
+        code = error.code()
+        if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            return
+        if code == grpc.StatusCode.DEADLINE_EXCEEDED and self.job.deadline_passed():
+            raise error  # the client's own deadline
+        if code not in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE):
+            raise error
+        alive = code == grpc.StatusCode.UNAVAILABLE and await self.directory.probe(worker) is not None
+        self.directory.suspect(worker.worker_id, SUSPECT_S)
+        if not alive:
+            raise WorkerLost(f"decode worker {worker.worker_id} failed Reserve ({code.name}: {error.details()})")
 
     # ---- running ------------------------------------------------------------------------
     async def run(self) -> None:
@@ -241,12 +255,15 @@ class _Attempt:
         """What a failed attempt means: a Retry when a worker let the request down, else the end."""
         job = self.job
         code = exc.code() if isinstance(exc, grpc.aio.AioRpcError) else None
-        if job.deadline is not None and (code == grpc.StatusCode.DEADLINE_EXCEEDED or job.deadline_passed()):
+        # DEADLINE_EXCEEDED is the client's only when the client's own deadline passed: a call
+        # the gateway capped itself (Reserve, Prefill) or a worker's own timeout says the worker
+        # is slow or stuck, which another attempt may fix.
+        if job.deadline_passed():
             return deadline_exceeded()
         if isinstance(exc, WorkerLost):
             return Retry(str(exc))
         if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED):
-            # The worker went away, shut down under the call, or voided the handoff.
+            # The worker went away, shut down under the call, voided the handoff or timed out.
             return Retry(f"{code.name}: {exc.details()}")
         if code is not None:
             return Finished("error", code, exc.details() or str(code))
