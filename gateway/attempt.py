@@ -4,7 +4,9 @@
 (``DecodeWorker.Reserve``); a colocated (``both``) worker needs no reservation, its engine
 queues the request. **Running** sends the prompt and the pages' descriptor to a prefill worker,
 which writes the KV straight into them and returns the first token (streamed to the client at
-once); the decode worker then completes the handoff with the epoch and streams the rest.
+once); the decode worker then completes the handoff with the epoch and streams the rest. While
+the prefill is under way the attempt renews the reservation's lease, so a prompt that waits or
+computes longer than one lease keeps its pages; the lease only frees pages nobody drives.
 
 ``run_attempt`` returns what the dispatcher has to do next: nothing (``None``: the request
 ended, its job is finished), ``Requeue`` (no room, or no usable workers yet: back in the
@@ -34,6 +36,9 @@ RESERVE_TIMEOUT_S = 5.0
 PREFILL_TIMEOUT_S = 120.0
 # Bound on the best-effort aborts of a failed attempt (the worker may be frozen).
 ABORT_TIMEOUT_S = 1.0
+# Renew a reservation's lease this many times per lease while its prefill is under way: a late
+# or lost renewal still leaves time for the next.
+RENEWALS_PER_LEASE = 3
 # A worker that failed a request and a probe, or a Reserve, is not picked again for this long
 # (longer than a worker's heartbeat lives: by then a dead or frozen one has left the registry).
 SUSPECT_S = 5.0
@@ -134,6 +139,7 @@ class _Attempt:
         self.ledger = ledger
         self.workers: list[WorkerView] = []  # may hold something for the request; counted in their load
         self.descriptor = None
+        self.lease_ttl_s = 0.0  # of the reservation (0: the worker does not say; nothing to renew)
         self.prompt: list[int] = []
         self.sampling = None
 
@@ -176,6 +182,7 @@ class _Attempt:
                 continue  # no room there, or it refuses new work (draining): the next one
             job.decode_worker = worker
             self.descriptor = response.descriptor
+            self.lease_ttl_s = response.lease_ttl_s
             return True
         raise _NoRoom()
 
@@ -215,10 +222,15 @@ class _Attempt:
             raise WorkerLost("no prefill worker left")
         self._track(prefill)
         job.prefill_worker = prefill
-        first = await self.directory.prefill_stub(prefill).Prefill(
-            worker_pb2.PrefillRequest(request_id=job.request_id, prompt_token_ids=self.prompt, sampling=self.sampling,
-                                      priority=job.priority, descriptor=self.descriptor, arrival_time=job.arrival_s),
-            timeout=job.timeout(PREFILL_TIMEOUT_S))
+        renewer = spawn(self._keep_lease(decode), name=f"lease-{job.request_id}")
+        try:
+            first = await self.directory.prefill_stub(prefill).Prefill(
+                worker_pb2.PrefillRequest(request_id=job.request_id, prompt_token_ids=self.prompt,
+                                          sampling=self.sampling, priority=job.priority, descriptor=self.descriptor,
+                                          arrival_time=job.arrival_s),
+                timeout=job.timeout(PREFILL_TIMEOUT_S))
+        finally:
+            renewer.cancel()
         self.directory.affinity.record(self.directory.affinity.hashes(self.prompt), prefill.worker_id)
         job.timeline.setdefault("prefill_ms", first.prefill_ms)
         job.timeline.setdefault("kv_transfer_ms", first.kv_transfer_ms)
@@ -234,6 +246,23 @@ class _Attempt:
         if first.HasField("checksum"):
             request.checksum = first.checksum
         await self._relay(self.directory.decode_stub(decode).Decode(request, timeout=job.timeout(None)))
+
+    async def _keep_lease(self, decode: WorkerView) -> None:
+        """Renew the reservation's lease on ``decode`` until cancelled (the prefill returned). A
+        failed renewal is only logged: a frozen or dead worker is the watchdog's to judge, and a
+        lease that is gone voids the handoff, which the prefill reports at its next write."""
+        if self.lease_ttl_s <= 0:
+            return
+        interval = self.lease_ttl_s / RENEWALS_PER_LEASE
+        stub = self.directory.decode_stub(decode)
+        request = worker_pb2.RenewLeaseRequest(request_id=self.job.request_id, epoch=self.descriptor.epoch)
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await stub.RenewLease(request, timeout=interval)
+            except grpc.RpcError as e:
+                log.warning("lease renewal of %s on %s failed: %s %s", self.job.request_id, decode.worker_id,
+                            e.code(), e.details())
 
     async def _relay(self, call) -> None:
         try:
