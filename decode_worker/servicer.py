@@ -1,7 +1,8 @@
 """The DecodeWorker gRPC service over a DecodeConnector (role ``decode``) or a plain engine (role ``both``).
 
 Protocol (the gateway orchestrates): ``Reserve`` returns a transfer descriptor; the prefill
-worker writes the prompt's KV into those pages and returns the first token; ``Decode`` then
+worker writes the prompt's KV into those pages and returns the first token (the gateway calls
+``RenewLease`` meanwhile, so a long or queued prefill keeps its pages); ``Decode`` then
 completes the handoff with the epoch and streams every later token. On a ``both`` worker,
 ``Decode`` with epoch 0 runs the whole request here, first token included.
 """
@@ -72,7 +73,19 @@ class DecodeWorkerServicer(WorkerServicer, worker_pb2_grpc.DecodeWorkerServicer)
         if desc is None:
             raise ResourceExhausted(f"no free KV pages for {request.num_prompt_tokens} tokens on {self.worker_id}",
                                     retry_after_s=0.5)
-        return worker_pb2.ReserveResponse(descriptor=descriptor_to_proto(desc))
+        return worker_pb2.ReserveResponse(descriptor=descriptor_to_proto(desc), lease_ttl_s=self.connector.leases.ttl_s)
+
+    async def RenewLease(self, request, context):
+        if self.role == "both":
+            raise InvalidArgument("this worker runs prefill and decode itself (role both): it holds no leases")
+        if not request.request_id:
+            raise InvalidArgument("request_id is required")
+        # On the event loop, not between engine steps: the lease table is thread-safe, and a
+        # renewal must not wait for a long step to end.
+        ttl_s = self.connector.renew(request.request_id, request.epoch)
+        if self.metrics is not None:
+            self.metrics.lease_renewals.inc()
+        return worker_pb2.RenewLeaseResponse(lease_ttl_s=ttl_s)
 
     async def Decode(self, request, context):
         rid = request.request_id

@@ -4,7 +4,9 @@
 (``DecodeWorker.Reserve``); a colocated (``both``) worker needs no reservation, its engine
 queues the request. **Running** sends the prompt and the pages' descriptor to a prefill worker,
 which writes the KV straight into them and returns the first token (streamed to the client at
-once); the decode worker then completes the handoff with the epoch and streams the rest.
+once); the decode worker then completes the handoff with the epoch and streams the rest. While
+the prefill is under way the attempt renews the reservation's lease, so a prompt that waits or
+computes longer than one lease keeps its pages; the lease only frees pages nobody drives.
 
 ``run_attempt`` returns what the dispatcher has to do next: nothing (``None``: the request
 ended, its job is finished), ``Requeue`` (no room, or no usable workers yet: back in the
@@ -34,7 +36,11 @@ RESERVE_TIMEOUT_S = 5.0
 PREFILL_TIMEOUT_S = 120.0
 # Bound on the best-effort aborts of a failed attempt (the worker may be frozen).
 ABORT_TIMEOUT_S = 1.0
-# A worker that failed a request and a probe is not picked again for this long.
+# Renew a reservation's lease this many times per lease while its prefill is under way: a late
+# or lost renewal still leaves time for the next.
+RENEWALS_PER_LEASE = 3
+# A worker that failed a request and a probe, or a Reserve, is not picked again for this long
+# (longer than a worker's heartbeat lives: by then a dead or frozen one has left the registry).
 SUSPECT_S = 5.0
 # How long an admitted request waits for a usable set of workers to (re)appear before failing.
 NO_WORKER_WAIT_S = 10.0
@@ -133,6 +139,7 @@ class _Attempt:
         self.ledger = ledger
         self.workers: list[WorkerView] = []  # may hold something for the request; counted in their load
         self.descriptor = None
+        self.lease_ttl_s = 0.0  # of the reservation (0: the worker does not say; nothing to renew)
         self.prompt: list[int] = []
         self.sampling = None
 
@@ -167,21 +174,35 @@ class _Attempt:
                     worker_pb2.ReserveRequest(request_id=job.request_id, num_prompt_tokens=len(self.prompt)),
                     timeout=job.timeout(RESERVE_TIMEOUT_S))
             except grpc.RpcError as e:
-                self._untrack(worker)
-                code = e.code()
-                if code == grpc.StatusCode.DEADLINE_EXCEEDED and job.deadline_passed():
-                    raise
-                if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) \
-                        and not await self.directory.responsive(worker):
-                    self.directory.suspect(worker.worker_id, SUSPECT_S)
-                if code in (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE,
-                            grpc.StatusCode.DEADLINE_EXCEEDED):
-                    continue
-                raise
+                # A Reserve that timed out may still run when a frozen worker wakes up: the worker
+                # stays on the attempt's list, whose end aborts the request there.
+                if e.code() != grpc.StatusCode.DEADLINE_EXCEEDED:
+                    self._untrack(worker)
+                await self._reserve_failed(worker, e)
+                continue  # no room there, or it refuses new work (draining): the next one
             job.decode_worker = worker
             self.descriptor = response.descriptor
+            self.lease_ttl_s = response.lease_ttl_s
             return True
         raise _NoRoom()
+
+    async def _reserve_failed(self, worker: WorkerView, error: grpc.RpcError) -> None:
+        """A Reserve that failed: returns when the next candidate may be asked, raises when the
+        attempt is over. A worker that timed out, or died (no answer to a probe), is dead, frozen
+        or wedged: it is suspected (picked for nothing a while, so the next attempt goes
+        elsewhere) and the attempt is lost, as when a worker dies under a running request. One
+        that refuses new work (draining) is only skipped."""
+        code = error.code()
+        if code == grpc.StatusCode.RESOURCE_EXHAUSTED:
+            return
+        if code == grpc.StatusCode.DEADLINE_EXCEEDED and self.job.deadline_passed():
+            raise error  # the client's own deadline
+        if code not in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE):
+            raise error
+        alive = code == grpc.StatusCode.UNAVAILABLE and await self.directory.probe(worker) is not None
+        self.directory.suspect(worker.worker_id, SUSPECT_S)
+        if not alive:
+            raise WorkerLost(f"decode worker {worker.worker_id} failed Reserve ({code.name}: {error.details()})")
 
     # ---- running ------------------------------------------------------------------------
     async def run(self) -> None:
@@ -201,10 +222,15 @@ class _Attempt:
             raise WorkerLost("no prefill worker left")
         self._track(prefill)
         job.prefill_worker = prefill
-        first = await self.directory.prefill_stub(prefill).Prefill(
-            worker_pb2.PrefillRequest(request_id=job.request_id, prompt_token_ids=self.prompt, sampling=self.sampling,
-                                      priority=job.priority, descriptor=self.descriptor, arrival_time=job.arrival_s),
-            timeout=job.timeout(PREFILL_TIMEOUT_S))
+        renewer = spawn(self._keep_lease(decode), name=f"lease-{job.request_id}")
+        try:
+            first = await self.directory.prefill_stub(prefill).Prefill(
+                worker_pb2.PrefillRequest(request_id=job.request_id, prompt_token_ids=self.prompt,
+                                          sampling=self.sampling, priority=job.priority, descriptor=self.descriptor,
+                                          arrival_time=job.arrival_s),
+                timeout=job.timeout(PREFILL_TIMEOUT_S))
+        finally:
+            renewer.cancel()
         self.directory.affinity.record(self.directory.affinity.hashes(self.prompt), prefill.worker_id)
         job.timeline.setdefault("prefill_ms", first.prefill_ms)
         job.timeline.setdefault("kv_transfer_ms", first.kv_transfer_ms)
@@ -220,6 +246,23 @@ class _Attempt:
         if first.HasField("checksum"):
             request.checksum = first.checksum
         await self._relay(self.directory.decode_stub(decode).Decode(request, timeout=job.timeout(None)))
+
+    async def _keep_lease(self, decode: WorkerView) -> None:
+        """Renew the reservation's lease on ``decode`` until cancelled (the prefill returned). A
+        failed renewal is only logged: a frozen or dead worker is the watchdog's to judge, and a
+        lease that is gone voids the handoff, which the prefill reports at its next write."""
+        if self.lease_ttl_s <= 0:
+            return
+        interval = self.lease_ttl_s / RENEWALS_PER_LEASE
+        stub = self.directory.decode_stub(decode)
+        request = worker_pb2.RenewLeaseRequest(request_id=self.job.request_id, epoch=self.descriptor.epoch)
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                await stub.RenewLease(request, timeout=interval)
+            except grpc.RpcError as e:
+                log.warning("lease renewal of %s on %s failed: %s %s", self.job.request_id, decode.worker_id,
+                            e.code(), e.details())
 
     async def _relay(self, call) -> None:
         try:
@@ -241,12 +284,15 @@ class _Attempt:
         """What a failed attempt means: a Retry when a worker let the request down, else the end."""
         job = self.job
         code = exc.code() if isinstance(exc, grpc.aio.AioRpcError) else None
-        if job.deadline is not None and (code == grpc.StatusCode.DEADLINE_EXCEEDED or job.deadline_passed()):
+        # DEADLINE_EXCEEDED is the client's only when the client's own deadline passed: a call
+        # the gateway capped itself (Reserve, Prefill) or a worker's own timeout says the worker
+        # is slow or stuck, which another attempt may fix.
+        if job.deadline_passed():
             return deadline_exceeded()
         if isinstance(exc, WorkerLost):
             return Retry(str(exc))
         if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED):
-            # The worker went away, shut down under the call, or voided the handoff.
+            # The worker went away, shut down under the call, voided the handoff or timed out.
             return Retry(f"{code.name}: {exc.details()}")
         if code is not None:
             return Finished("error", code, exc.details() or str(code))

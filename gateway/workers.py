@@ -127,7 +127,7 @@ class WorkerDirectory:
         return [w for w in await self.list() if w.worker_id not in self._suspects]
 
     def suspect(self, worker_id: str, seconds: float) -> None:
-        """Pick ``worker_id`` for nothing for ``seconds`` (it failed a request and a probe)."""
+        """Pick ``worker_id`` for nothing for ``seconds`` (it failed a request and a probe, or a Reserve)."""
         self._suspects[worker_id] = time.monotonic() + seconds
 
     async def probe(self, worker: WorkerView) -> bool | None:

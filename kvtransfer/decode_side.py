@@ -41,6 +41,13 @@ class DecodeConnector:
         return TransferDescriptor(request_id, first.name, first.address, lease.block_ids, self.layout,
                                   lease.epoch, lease.deadline, tuple((r.name, r.address) for r in rest))
 
+    def renew(self, request_id: str, epoch: int) -> float:
+        """The handoff of ``request_id`` is still under way: its lease restarts. Returns the
+        seconds it now lives; raises (stale epoch, expired) when it is gone. Thread-safe: the
+        lease table is, and no engine state is touched."""
+        self.leases.renew(request_id, epoch)
+        return self.leases.ttl_s
+
     def complete(self, request_id: str, epoch: int, prompt_token_ids: Sequence[int], params: SamplingParams,
                  first_token: int, checksum: int | None = None, priority: int = 0,
                  first_logprobs: list[tuple[int, float]] | None = None, arrival_time: float | None = None,

@@ -1,6 +1,8 @@
 """Decode-side leases and page fencing.
 
-Every reservation gets a fresh epoch and a deadline. The epoch is stamped on each reserved
+Every reservation gets a fresh epoch and a deadline; whoever drives the handoff renews the
+deadline while the KV is still on its way (a long or queued prefill), so the deadline only
+frees pages whose handoff nobody drives any more. The epoch is stamped on each reserved
 page in a page-owner table; a writer may touch a page only while the page still carries its
 epoch. Releasing, aborting or expiring a lease clears the stamps under the same lock that
 in-process writers (tcp, nccl receivers) hold while they write, so no write of a stale
@@ -90,6 +92,14 @@ class LeaseTable:
         """Hold the fence while writing pages of a live lease (in-process receivers)."""
         with self.fence.lock:
             yield self.check(request_id, epoch)
+
+    def renew(self, request_id: str, epoch: int) -> Lease:
+        """Push a live lease's deadline ``ttl_s`` from now: its KV is still on its way (the
+        prefill is queued or running). A lease already expired, released or re-issued stays gone."""
+        with self.fence.lock:
+            lease = self.check(request_id, epoch)
+            lease.deadline = self.clock() + self.ttl_s
+            return lease
 
     def complete(self, request_id: str, epoch: int) -> Lease:
         with self.fence.lock:

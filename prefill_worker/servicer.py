@@ -3,17 +3,21 @@
 ``Prefill`` queues the prompt, waits until its KV is in the decode worker's pages (the
 connector ships it layer by layer while computing) and answers with the first token and
 the epoch the gateway passes on to ``DecodeWorker.Decode``.
+
+How long it waits is the caller's business: the gateway bounds the call and renews the
+decode worker's lease meanwhile, however long the prompt waits here or takes to compute. A
+handoff nobody drives any more fails at its next write (the decode side freed the pages when
+the lease lapsed), and a caller that goes away cancels the prefill.
 """
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
 
 from kvtransfer.prefill_side import PrefillConnector, PrefillResult
 from splitserve.api_convert import (arrival_to_monotonic, descriptor_from_proto, logprobs_to_proto,
                                     sampling_from_worker)
-from splitserve.errors import DeadlineExceeded, InvalidArgument
+from splitserve.errors import InvalidArgument
 from splitserve.logs import request_id_var
 from splitserve.metrics import EngineMetrics, TransferMetrics
 from splitserve.v1 import worker_pb2, worker_pb2_grpc
@@ -21,9 +25,6 @@ from worker_runtime.engine_loop import next_event
 from worker_runtime.servicer import WorkerServicer
 
 log = logging.getLogger(__name__)
-
-# Past the lease (plus this margin) the decode side has freed the pages anyway.
-LEASE_MARGIN_S = 5.0
 
 
 class PrefillWorkerServicer(WorkerServicer, worker_pb2_grpc.PrefillWorkerServicer):
@@ -70,10 +71,7 @@ class PrefillWorkerServicer(WorkerServicer, worker_pb2_grpc.PrefillWorkerService
         try:
             await self.loop.run(lambda: self.connector.start(rid, prompt, params, desc, priority=request.priority,
                                                              arrival_time=arrival))
-            try:
-                result = await next_event(events, max(1.0, desc.lease_deadline - time.time()) + LEASE_MARGIN_S)
-            except asyncio.TimeoutError:
-                raise DeadlineExceeded("prefill did not finish within the decode worker's lease") from None
+            result = await next_event(events)
             done = True
             self._record(result, len(prompt), time.monotonic() - start)
             if result.error is not None:

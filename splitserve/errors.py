@@ -11,8 +11,12 @@ exception                                      status
 ``ValueError`` (engine validation)             INVALID_ARGUMENT
 ``kvtransfer.base.LayoutMismatchError``        FAILED_PRECONDITION
 other ``kvtransfer.base.TransferError``        UNAVAILABLE (the handoff is void; retry it)
+``TimeoutError`` (asyncio's too)               UNAVAILABLE (the server's own wait ran out; retry)
 anything else                                  INTERNAL, generic message, logged with traceback
 =============================================  ==========================================
+
+DEADLINE_EXCEEDED is only ever the caller's own deadline (``DeadlineExceeded``): a wait
+inside a server that runs out says the server is slow or stuck, which a retry may fix.
 
 ``ErrorMappingInterceptor`` applies it to every handler of a ``grpc.aio`` server.
 """
@@ -133,6 +137,8 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         return mapped
     if isinstance(exc, ValueError):
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
+    if isinstance(exc, TimeoutError):
+        return grpc.StatusCode.UNAVAILABLE, f"timed out inside the server{': ' if str(exc) else ''}{exc}; retry"
     log.error("unhandled %s while serving an RPC", type(exc).__name__, exc_info=exc)
     return grpc.StatusCode.INTERNAL, INTERNAL_MESSAGE
 

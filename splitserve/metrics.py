@@ -33,6 +33,9 @@ class EngineMetrics:
         self.lease_expiries = Counter("splitserve:kv_lease_expiries",
                                       "Reservations freed because their KV did not arrive in time (decode)",
                                       registry=registry)
+        self.lease_renewals = Counter("splitserve:kv_lease_renewals",
+                                      "Reservations kept past a lease because their prefill was still under way "
+                                      "(decode)", registry=registry)
         self.role = Gauge("splitserve:worker_info", "Constant 1, labelled with the worker's role",
                           list(labels), registry=registry)
         self.role.labels(**labels).set(1)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from engine import EngineConfig, SamplingParams
-from kvtransfer import (LayoutMismatchError, StaleEpochError, build_decode, build_prefill)
+from kvtransfer import LayoutMismatchError, LeaseExpiredError, StaleEpochError, build_decode, build_prefill
 from kvtransfer.base import ChecksumMismatchError, kv_checksum
 from tests.test_engine_correctness import mixed_prompts
 
@@ -227,6 +227,37 @@ def test_lease_expiry_frees_reserved_pages(pair):
     assert decode.engine.kv.num_free_blocks == free0
     with pytest.raises(StaleEpochError):
         decode.complete("e", desc.epoch, list(range(30)), GREEDY, first_token=1)
+
+
+def test_a_renewed_lease_outlives_its_first_deadline(pair, tiny_model_dirs, hf_reference):
+    """While its prefill is under way the gateway renews a reservation: a prefill that runs far
+    past the first deadline still lands and decodes exactly; a lease that lapsed stays gone."""
+    clock = FakeClock()
+    prefill, decode = pair(8, prefill_kw={"max_num_batched_tokens": 16}, lease_ttl_s=5.0, clock=clock)
+    prompt = mixed_prompts(1, seed=21, lo=40, hi=40)[0]
+    desc = decode.reserve("long", len(prompt))
+    prefill.start("long", prompt, GREEDY, desc)
+    results = []
+    while not results:  # 40 tokens in 16-token chunks: 3 steps, 4 "seconds" apart, 12 in all
+        clock.now += 4
+        assert decode.renew("long", desc.epoch) == 5.0
+        assert decode.reap_expired() == []
+        results = prefill.step()
+    assert clock.now - desc.lease_deadline > 5
+    [result] = results
+    assert result.error is None, result.error
+    out = decode.complete("long", result.epoch, prompt, GREEDY, result.first_token, checksum=result.checksum)
+    while not out.finished:
+        [out] = decode.engine.step()
+    assert out.token_ids == hf_reference(tiny_model_dirs["llama"]).greedy(prompt, 8)
+
+    lapsed = decode.reserve("lapsed", 10)
+    clock.now += 6
+    with pytest.raises(LeaseExpiredError):
+        decode.renew("lapsed", lapsed.epoch)
+    assert decode.reap_expired() == ["lapsed"]
+    with pytest.raises(StaleEpochError):
+        decode.renew("lapsed", lapsed.epoch)
 
 
 def test_checksum_mismatch_frees_pages_and_says_so(pair):

@@ -26,6 +26,9 @@ Step = Callable[[], list[tuple[str, Any]]]  # one engine step -> (request_id, ev
 
 # Fault injection for the reliability tests: the N-th engine step raises (0: never).
 FAIL_STEP_ENV = "SPLITSERVE_FAULT_FAIL_STEP"
+# ... and every engine step takes this many seconds longer (0: no delay): a prefill as slow as
+# a long prompt on a small machine, with a tiny model, so a test can outlast a lease for sure.
+SLOW_STEP_ENV = "SPLITSERVE_FAULT_STEP_DELAY_S"
 
 
 class EngineDead(Unavailable):
@@ -37,6 +40,8 @@ class EngineLoop:
     def __init__(self, step: Step, has_work: Callable[[], bool], housekeeping: Callable[[], None] | None = None,
                  housekeeping_interval_s: float = 0.5, name: str = "engine-loop"):
         fail_at = int(os.environ.get(FAIL_STEP_ENV, "0") or 0)
+        delay_s = float(os.environ.get(SLOW_STEP_ENV, "0") or 0)
+        step = _slowed(step, delay_s) if delay_s > 0 else step
         self._step = _failing_at(step, fail_at) if fail_at > 0 else step
         self._has_work = has_work
         self._housekeeping = housekeeping
@@ -171,6 +176,13 @@ def _failing_at(step: Step, n: int) -> Step:
             raise RuntimeError(f"injected fault: engine step {count} fails ({FAIL_STEP_ENV}={n})")
         return step()
     return failing
+
+
+def _slowed(step: Step, delay_s: float) -> Step:
+    def slow() -> list[tuple[str, Any]]:
+        time.sleep(delay_s)
+        return step()
+    return slow
 
 
 async def next_event(events: asyncio.Queue, timeout: float | None = None) -> Any:

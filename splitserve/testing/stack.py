@@ -19,7 +19,8 @@ logs as JSON lines to ``stack.log_paths[name]`` (``<log_dir>/<name>.log``); Redi
 ``stack.redis.log_path``.
 
 ``kill(name, sig)`` also freezes (SIGSTOP) and thaws (SIGCONT) a process; ``role_args`` gives
-one role different flags (``{"decode": ["--lease-ttl-s", "5"]}``).
+one role different flags (``{"decode": ["--lease-ttl-s", "5"]}``), ``role_env`` different
+environment variables (``{"prefill": {"SPLITSERVE_FAULT_STEP_DELAY_S": "0.5"}}``).
 
 Every wait is bounded (boot, registration, page checks, shutdown), children die with the
 thread that started them (Linux parent-death signal), and ``close()`` stops everything it
@@ -70,15 +71,16 @@ def _die_with_parent() -> None:  # between fork and exec: one C call
     _libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
-def _spawn(args: Sequence[str], log_path: Path | None) -> "_Boot":
+def _spawn(args: Sequence[str], log_path: Path | None, env: dict[str, str] | None = None) -> "_Boot":
     """Spawn ``python -m splitserve.cli <args>`` on the calling thread (the parent-death signal
-    follows it); a helper thread drains its stdout and notes the ``serving on`` line."""
+    follows it), with ``env`` on top of this process's environment; a helper thread drains its
+    stdout and notes the ``serving on`` line."""
     logging = ["--log-level", "INFO", "--log-format", "json"] if log_path else ["--log-level", "WARNING"]
     log = open(log_path, "a") if log_path else subprocess.DEVNULL
     try:
         proc = subprocess.Popen([sys.executable, "-m", "splitserve.cli", *logging, *args], stdout=subprocess.PIPE,
                                 stderr=log, stdin=subprocess.DEVNULL, text=True, cwd=_REPO_ROOT,
-                                env={**os.environ, "PYTHONPATH": str(_REPO_ROOT)},
+                                env={**os.environ, "PYTHONPATH": str(_REPO_ROOT), **(env or {})},
                                 preexec_fn=_die_with_parent if _libc is not None else None)
     finally:
         if log_path:
@@ -122,15 +124,16 @@ class _Boot:
         return self.proc, self.line.rsplit(" ", 1)[-1]
 
 
-def start_process(args: Sequence[str], log_path: Path | None = None,
-                  timeout_s: float = BOOT_TIMEOUT_S) -> tuple[subprocess.Popen, str]:
+def start_process(args: Sequence[str], log_path: Path | None = None, timeout_s: float = BOOT_TIMEOUT_S,
+                  env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
     """``python -m splitserve.cli <args>`` until it prints ``serving on <host:port>``.
 
     With ``log_path``, INFO logs go there as JSON lines (appended), and so does anything else
-    the process prints on stdout. Returns the process and the address it serves on; raises
-    ``RuntimeError`` (after killing it) if it exits or stays silent for ``timeout_s``.
+    the process prints on stdout; ``env`` is added to this process's environment. Returns the
+    process and the address it serves on; raises ``RuntimeError`` (after killing it) if it exits
+    or stays silent for ``timeout_s``.
     """
-    return _spawn(args, log_path).wait(timeout_s)
+    return _spawn(args, log_path, env).wait(timeout_s)
 
 
 @dataclass(repr=False)
@@ -148,6 +151,7 @@ class Stack:
     log_paths: dict[str, Path]             # name -> JSON-lines log file
     metrics_ports: dict[str, int] = field(default_factory=dict)  # name -> Prometheus port (if enabled)
     argv: dict[str, list[str]] = field(default_factory=dict)     # name -> CLI arguments it was started with
+    env: dict[str, dict[str, str]] = field(default_factory=dict)  # name -> environment it got on top of ours
     _channels: dict[str, grpc.Channel] = field(default_factory=dict, repr=False)
 
     def __repr__(self) -> str:
@@ -199,7 +203,7 @@ class Stack:
         if self.procs[name].poll() is None:
             raise RuntimeError(f"{name} is still running: kill it first")
         self._channels.pop(name, None)
-        proc, address = start_process(self.argv[name], self.log_paths[name])
+        proc, address = start_process(self.argv[name], self.log_paths[name], env=self.env.get(name))
         self.procs[name] = proc
         if name in self.roles:
             self.addresses[name] = address
@@ -256,7 +260,8 @@ def _worker_names(prefill: int, decode: int, both: int) -> list[tuple[str, str]]
 
 def start_stack(model: str | os.PathLike, log_dir: str | os.PathLike | None = None, *, prefill: int = 1,
                 decode: int = 1, both: int = 0, worker_args: Sequence[str] = (),
-                role_args: dict[str, Sequence[str]] | None = None, gateway_args: Sequence[str] = (),
+                role_args: dict[str, Sequence[str]] | None = None,
+                role_env: dict[str, dict[str, str]] | None = None, gateway_args: Sequence[str] = (),
                 redis_kwargs: dict | None = None, metrics: bool = True,
                 worker_defaults: Sequence[str] = DEFAULT_WORKER_ARGS) -> Stack:
     """Redis, ``decode`` decode workers, ``prefill`` prefill workers, ``both`` colocated workers
@@ -266,6 +271,8 @@ def start_stack(model: str | os.PathLike, log_dir: str | os.PathLike | None = No
     None makes a temporary one. ``worker_args`` are appended to every worker's command line
     after ``worker_defaults`` (so they override it), then ``role_args[role]`` to the workers of
     that role (e.g. ``{"decode": ["--lease-ttl-s", "300"]}``), ``gateway_args`` to the gateway's.
+    ``role_env[role]`` is added to the environment of the workers of that role (fault injection:
+    ``{"prefill": {"SPLITSERVE_FAULT_STEP_DELAY_S": "0.5"}}``).
     ``redis_kwargs`` go to ``RedisServer`` (default: append-only, in ``<log_dir>/redis``).
     ``metrics``: every process serves Prometheus metrics on a free port (``metrics_ports``).
     On any failure, whatever was started is stopped before the error propagates.
@@ -297,8 +304,9 @@ def start_stack(model: str | os.PathLike, log_dir: str | os.PathLike | None = No
                     "--worker-id", f"{name}-{os.getpid()}", *metrics_flag, *worker_args,
                     *(role_args or {}).get(role, ())]
             stack.argv[name], stack.roles[name] = argv, role
+            stack.env[name] = dict((role_env or {}).get(role, {}))
             stack.log_paths[name] = log_dir / f"{name}.log"
-            pending.append((name, _spawn(argv, stack.log_paths[name])))
+            pending.append((name, _spawn(argv, stack.log_paths[name], stack.env[name])))
         for name, boot in pending:
             stack.procs[name] = boot.proc  # known to close() even if it never boots
         for name, boot in pending:

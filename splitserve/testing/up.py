@@ -2,6 +2,7 @@
 
     with start_up(["--model", model, "--prefill", "2", "--decode", "2"], log_dir) as up:
         up.pids["decode0"]                  # its children, by name (as up prints them)
+        up.redis_url                        # the Redis it started
         os.kill(up.pids["decode0"], 9)
         up.wait_log("decode0 is back")     # up's own messages (stderr) go to up.log_path
         up.client.generate(...)
@@ -26,6 +27,7 @@ from splitserve.launcher import die_with_parent, free_port
 
 BOOT_TIMEOUT_S = 240.0
 _READY = re.compile(r"^(\S+) \(pid (\d+)\): ")
+_UP = re.compile(r"splitserve is up: .*\(Redis (\S+)\)")
 _BACK = re.compile(r"up: (\S+) is back \(pid (\d+),")
 
 
@@ -38,6 +40,7 @@ class Up:
     ready: threading.Event = field(default_factory=threading.Event)
     is_up: bool = False
     client: Client | None = None
+    redis_url: str = ""  # of the Redis up runs (or was given)
 
     def _read(self) -> None:
         for line in self.proc.stdout:
@@ -45,6 +48,8 @@ class Up:
             if match:
                 self.pids[match.group(1)] = int(match.group(2))
             if "splitserve is up" in line:
+                found = _UP.search(line)
+                self.redis_url = found.group(1) if found else ""
                 self.is_up = True
                 self.ready.set()
         self.ready.set()

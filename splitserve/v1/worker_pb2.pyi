@@ -90,10 +90,26 @@ class ReserveRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
-    __slots__ = ("descriptor",)
+    __slots__ = ("descriptor", "lease_ttl_s")
     DESCRIPTOR_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
     descriptor: TransferDescriptor
-    def __init__(self, descriptor: _Optional[_Union[TransferDescriptor, _Mapping]] = ...) -> None: ...
+    lease_ttl_s: float
+    def __init__(self, descriptor: _Optional[_Union[TransferDescriptor, _Mapping]] = ..., lease_ttl_s: _Optional[float] = ...) -> None: ...
+
+class RenewLeaseRequest(_message.Message):
+    __slots__ = ("request_id", "epoch")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    epoch: int
+    def __init__(self, request_id: _Optional[str] = ..., epoch: _Optional[int] = ...) -> None: ...
+
+class RenewLeaseResponse(_message.Message):
+    __slots__ = ("lease_ttl_s",)
+    LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
+    lease_ttl_s: float
+    def __init__(self, lease_ttl_s: _Optional[float] = ...) -> None: ...
 
 class PrefillRequest(_message.Message):
     __slots__ = ("request_id", "prompt_token_ids", "sampling", "priority", "descriptor", "arrival_time")

@@ -221,6 +221,11 @@ class DecodeWorkerStub:
                 request_serializer=splitserve_dot_v1_dot_worker__pb2.WorkerInfoRequest.SerializeToString,
                 response_deserializer=splitserve_dot_v1_dot_generation__pb2.WorkerInfo.FromString,
                 _registered_method=True)
+        self.RenewLease = channel.unary_unary(
+                '/splitserve.v1.DecodeWorker/RenewLease',
+                request_serializer=splitserve_dot_v1_dot_worker__pb2.RenewLeaseRequest.SerializeToString,
+                response_deserializer=splitserve_dot_v1_dot_worker__pb2.RenewLeaseResponse.FromString,
+                _registered_method=True)
 
 
 class DecodeWorkerServicer:
@@ -257,6 +262,14 @@ class DecodeWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RenewLease(self, request, context):
+        """Restarts the lease of a reservation whose KV is still on its way (the prefill is queued or
+        running). UNAVAILABLE when the lease is gone (expired, released, another epoch).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -279,6 +292,11 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
                     servicer.GetWorkerInfo,
                     request_deserializer=splitserve_dot_v1_dot_worker__pb2.WorkerInfoRequest.FromString,
                     response_serializer=splitserve_dot_v1_dot_generation__pb2.WorkerInfo.SerializeToString,
+            ),
+            'RenewLease': grpc.unary_unary_rpc_method_handler(
+                    servicer.RenewLease,
+                    request_deserializer=splitserve_dot_v1_dot_worker__pb2.RenewLeaseRequest.FromString,
+                    response_serializer=splitserve_dot_v1_dot_worker__pb2.RenewLeaseResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -390,6 +408,33 @@ class DecodeWorker:
             '/splitserve.v1.DecodeWorker/GetWorkerInfo',
             splitserve_dot_v1_dot_worker__pb2.WorkerInfoRequest.SerializeToString,
             splitserve_dot_v1_dot_generation__pb2.WorkerInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RenewLease(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitserve.v1.DecodeWorker/RenewLease',
+            splitserve_dot_v1_dot_worker__pb2.RenewLeaseRequest.SerializeToString,
+            splitserve_dot_v1_dot_worker__pb2.RenewLeaseResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -85,6 +85,29 @@ def test_decode_frozen_past_its_lease_then_resumed(stack, reference, baseline):
     wait_pages_at_baseline(stack, baseline)  # the resumed worker freed what it held too
 
 
+def worker_id(stack, name: str) -> str:
+    argv = stack.argv[name]
+    return argv[argv.index("--worker-id") + 1]
+
+
+def test_requests_placed_on_a_frozen_decode_worker_move_to_the_healthy_one(stack, reference, baseline):
+    """A decode worker frozen just before the requests come is still listed for a moment (its
+    heartbeat has not lapsed yet), so a placement asks it to Reserve and gets no answer. That
+    costs the request an attempt, as a kill would, and the worker is not picked again: every
+    request finishes on the other one, and none gets DEADLINE_EXCEEDED, though each has a
+    client deadline (the Reserve's timeout is the gateway's own, not the client's)."""
+    victim, healthy = stack.names("decode")[1], stack.names("decode")[0]
+    with frozen(stack.procs[victim]):
+        streams = run_streams(stack, "reserve-frozen", mixed_prompts(4, seed=18, lo=5, hi=40), max_tokens=40)
+        join_all(streams)
+        assert_all_match(streams, reference)  # no stream failed, DEADLINE_EXCEEDED included
+        assert {s.final.timeline.decode_worker for s in streams} == {worker_id(stack, healthy)}
+        assert max(s.attempts() for s in streams) >= 2, "no request was placed on the frozen worker"
+    # The thawed worker runs the Reserve it had not read yet, then the attempt's Abort; should
+    # they come the other way round, the reservation's lease (30 s) frees the pages.
+    wait_pages_at_baseline(stack, baseline, timeout_s=60)
+
+
 def test_prefill_frozen_mid_transfer_then_resumed(stack, reference, baseline):
     """The frozen prefill worker's requests are prefilled again elsewhere. Once resumed, the
     copies it still had queued hit pages fenced with a newer epoch and are refused (logged as

@@ -8,6 +8,7 @@ import signal
 
 import grpc
 import pytest
+import redis
 
 from splitserve.testing.prompts import mixed_prompts
 from splitserve.testing.stack import SERVING, health, worker_info
@@ -35,9 +36,10 @@ def decode_workers(up) -> dict[str, str]:
     return {w.worker_id: w.address for w in up.client.server_info().workers if w.role == "decode"}
 
 
-def greedy_ok(up, reference, prompt, max_tokens=8) -> generation_pb2.Final:
+def greedy_ok(up, reference, prompt, max_tokens=8, **kwargs) -> generation_pb2.Final:
     tokens, final = [], None
-    for event in up.client.generate(prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True, timeout=60):
+    for event in up.client.generate(prompt, max_tokens=max_tokens, temperature=0.0, ignore_eos=True, timeout=60,
+                                    **kwargs):
         if event.finished:
             final = event
         else:
@@ -95,10 +97,28 @@ def test_a_killed_gateway_is_restarted_on_the_same_port(up, reference):
         wait_until(lambda: worker_info(address).num_running == 0, 30, f"{address} to drop the orphaned requests")
 
 
-def test_a_killed_redis_is_restarted_and_the_stack_recovers(up, reference):
-    os.kill(up.pids["redis"], signal.SIGKILL)
+def request_state(up, request_id: str) -> str:
+    return up.client.stub.GetRequest(generation_pb2.GetRequestRequest(request_id=request_id), timeout=10).state
+
+
+def test_a_killed_redis_is_restarted_with_its_append_only_file_and_the_stack_recovers(up, reference):
+    """kill -9 of the redis-server up started: up starts it again on the same port and directory,
+    it replays its append-only file (a request that ended before the kill is still on record),
+    the workers register again and new requests succeed; up itself never stopped."""
+    greedy_ok(up, reference, mixed_prompts(1, seed=97, lo=10, hi=10)[0], request_id="before-redis-kill")
+    wait_until(lambda: request_state(up, "before-redis-kill") == "finished", 30, "its end to be recorded")
+    store = redis.Redis.from_url(up.redis_url, decode_responses=True, socket_timeout=5)
+    try:
+        assert store.info("persistence")["aof_enabled"] == 1
+        # Written to the file (a kill -9 keeps what the process wrote; fsync is for power loss).
+        wait_until(lambda: store.info("persistence")["aof_buffer_length"] == 0, 30, "the AOF write")
+    finally:
+        store.close()
+    redis_pid = up.pids["redis"]
+    os.kill(redis_pid, signal.SIGKILL)
     up.wait_log("redis is back")  # (the outage itself is too short to catch reliably; see test_redis_faults)
-    assert "redis (pid" in up.log() and "exited with code -9" in up.log()
+    assert f"redis (pid {redis_pid}) exited with code -9" in up.log()
     wait_until(lambda: health(up.address) == SERVING, 60, "the gateway to serve again")
     greedy_ok(up, reference, mixed_prompts(1, seed=96, lo=10, hi=10)[0])
+    assert request_state(up, "before-redis-kill") == "finished"  # replayed from the append-only file
     assert up.proc.poll() is None

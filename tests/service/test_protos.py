@@ -114,6 +114,7 @@ def test_worker_service_methods():
         "Decode": ("DecodeRequest", "DecodeChunk", False, True),
         "Abort": ("WorkerAbortRequest", "WorkerAbortResponse", False, False),
         "GetWorkerInfo": ("WorkerInfoRequest", "WorkerInfo", False, False),
+        "RenewLease": ("RenewLeaseRequest", "RenewLeaseResponse", False, False),
     }
     # WorkerInfo is shared with the public API, not redefined; workers get sampling resolved
     # by the gateway (every field set, nothing optional but the seed and logprobs).
