@@ -36,8 +36,20 @@ if TRITON_AVAILABLE:
             return tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
         else:
             return tl.dot(a, b, input_precision=PRECISION)
+
+    @triton.jit
+    def _online_softmax_step(m_i, l_i, acc, s, v, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+        """Fold one tile of base-2 scores ``s`` [rows, n] and its values ``v`` [n, D] into the
+        running max ``m_i``, sum ``l_i`` and unnormalised output ``acc``; masked scores are -inf."""
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PRECISION, UPCAST)
+        return m_new, l_i, acc
 else:
     _dot = None
+    _online_softmax_step = None
 
 # Whether the kernels are decorated in interpreter mode (TRITON_INTERPRET=1 at import time).
 _INTERPRETED = TRITON_AVAILABLE and type(_dot).__name__ == "InterpretedFunction"

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from engine.attention.triton_common import (_BLOCK_N, _INTERPRETED, _LOG2E, TRITON_AVAILABLE, _dot, _next_pow2,
-                                           _require_triton, tl, triton)
+                                           _online_softmax_step, _require_triton, tl, triton)
 
 # Context positions per partition of a split context.
 SPLIT_LEN = 512
@@ -76,12 +76,7 @@ if TRITON_AVAILABLE:
                         + kvh * stride_vc_h + d[None, :], mask=kv_mask, other=0.0)
             s = _dot(q, tl.trans(k), DOT_PRECISION, UPCAST_DOT) * scale_log2
             s = tl.where(p_mask[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION, UPCAST_DOT)
-            m_i = m_new
+            m_i, l_i, acc = _online_softmax_step(m_i, l_i, acc, s, v, DOT_PRECISION, UPCAST_DOT)
 
         if DIRECT:
             l_i = tl.where(l_i == 0.0, 1.0, l_i)

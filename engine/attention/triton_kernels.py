@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention.triton_common import (_BLOCK_N, _INTERPRETED, _LOG2E, TRITON_AVAILABLE, _dot,  # noqa: F401
+from engine.attention.triton_common import (_BLOCK_N, _INTERPRETED, _LOG2E, TRITON_AVAILABLE, _dot, _online_softmax_step,  # noqa: F401
                                            _next_pow2, _require_triton, tl, triton)
 
 __all__ = ["TRITON_AVAILABLE", "write_kv", "paged_attention"]
@@ -178,12 +178,7 @@ if TRITON_AVAILABLE:
             s = _dot(q, tl.trans(k), DOT_PRECISION, UPCAST_DOT) * scale_log2  # [BLOCK_M, BLOCK_N]
             visible = p_mask[None, :] & (pos[None, :] <= q_pos[:, None])
             s = tl.where(visible, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, DOT_PRECISION, UPCAST_DOT)
-            m_i = m_new
+            m_i, l_i, acc = _online_softmax_step(m_i, l_i, acc, s, v, DOT_PRECISION, UPCAST_DOT)
 
         l_i = tl.where(l_i == 0.0, 1.0, l_i)
         acc = acc / l_i[:, None]

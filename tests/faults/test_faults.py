@@ -27,16 +27,6 @@ def stack(tiny_model_dirs, tmp_path_factory):
         yield st
 
 
-@pytest.fixture(scope="module")
-def reference(llama_reference):
-    return llama_reference
-
-
-@pytest.fixture
-def baseline(stack):
-    return stack.free_pages()
-
-
 def test_prefill_killed_mid_transfer(stack, reference, baseline):
     prompts = mixed_prompts(10, seed=11, lo=120, hi=200)
     streams = run_streams(stack, "prefill-kill", prompts, max_tokens=6)

@@ -29,16 +29,6 @@ def stack(tiny_model_dirs, tmp_path_factory):
         yield st
 
 
-@pytest.fixture(scope="module")
-def reference(llama_reference):
-    return llama_reference
-
-
-@pytest.fixture
-def baseline(stack):
-    return stack.free_pages()
-
-
 def decode_metric(stack, name: str) -> float:
     return scrape(stack.metrics_ports["decode"]).get(name, 0.0)
 

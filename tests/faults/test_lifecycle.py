@@ -16,11 +16,6 @@ def stack(tiny_model_dirs, tmp_path_factory):
         yield st
 
 
-@pytest.fixture(scope="module")
-def reference(llama_reference):
-    return llama_reference
-
-
 def test_gateway_is_not_serving_without_a_usable_set_of_workers(stack, reference):
     assert gateway_health(stack) == SERVING
     stack.kill("prefill")

@@ -27,11 +27,6 @@ def stack(tiny_model_dirs, tmp_path_factory):
         yield st
 
 
-@pytest.fixture(scope="module")
-def reference(llama_reference):
-    return llama_reference
-
-
 def test_redis_down_means_unavailable_at_once_then_recovery(stack, reference):
     baseline = stack.free_pages()
     stack.redis.kill()

@@ -26,11 +26,6 @@ def up(tiny_model_dirs, tmp_path_factory):
         yield running
 
 
-@pytest.fixture(scope="module")
-def reference(llama_reference):
-    return llama_reference
-
-
 def decode_workers(up) -> dict[str, str]:
     """worker id -> address of every decode worker the gateway lists."""
     return {w.worker_id: w.address for w in up.client.server_info().workers if w.role == "decode"}
