@@ -12,7 +12,7 @@ A request refused for its size is freed late, though: the exception that refused
 the handler frames that hold the message, and those sit in reference cycles that only Python's
 cyclic collector frees, whenever it next runs (measured: five bursts of seven 12 MB requests
 left the gateway 200-500 MiB larger). ``Collector.soon`` runs that collection shortly after
-such a refusal, at most once per ``COLLECT_DELAY_S``.
+such a refusal, at each of ``COLLECT_DELAYS_S`` (one round per burst).
 """
 from __future__ import annotations
 
@@ -24,8 +24,10 @@ import logging
 
 log = logging.getLogger(__name__)
 
-# After a refusal, wait this long (the rest of a burst is refused meanwhile) before collecting.
-COLLECT_DELAY_S = 0.5
+# After a refusal, collect at each of these delays: the first once the rest of a burst is refused,
+# the second for requests whose handlers were still unwinding then (a loaded machine spreads a
+# burst out; one collection left ~300 MiB behind in a CI run).
+COLLECT_DELAYS_S = (0.5, 5.0)
 M_MMAP_THRESHOLD = -3  # mallopt parameter (malloc.h)
 MMAP_THRESHOLD_BYTES = 1 << 20
 
@@ -44,16 +46,19 @@ def return_big_buffers() -> bool:
 
 
 class Collector:
-    """Runs Python's cyclic garbage collector soon, once for any number of calls meanwhile."""
+    """Runs Python's cyclic garbage collector soon (at each of ``delays_s``), once for any number
+    of calls meanwhile."""
 
-    def __init__(self, delay_s: float = COLLECT_DELAY_S):
-        self.delay_s = delay_s
-        self._pending: asyncio.TimerHandle | None = None
+    def __init__(self, delays_s: tuple[float, ...] = COLLECT_DELAYS_S):
+        self.delays_s = delays_s
+        self._pending: list[asyncio.TimerHandle] = []
 
     def soon(self) -> None:
-        if self._pending is None:
-            self._pending = asyncio.get_running_loop().call_later(self.delay_s, self._collect)
+        if not self._pending:
+            loop = asyncio.get_running_loop()
+            self._pending = [loop.call_later(d, self._collect, d == self.delays_s[-1]) for d in self.delays_s]
 
-    def _collect(self) -> None:
-        self._pending = None
+    def _collect(self, last: bool) -> None:
+        if last:
+            self._pending = []
         gc.collect()
