@@ -116,6 +116,11 @@ async def run_attempt(job: Job, directory: WorkerDirectory, ledger: Ledger, deci
         outcome = attempt.outcome_of(exc)
     finally:
         attempt.release_load()
+        if not job.finished:
+            # Off its workers: the watchdog judges (and cancels) RUNNING attempts only, so its
+            # verdict on the worker this attempt just left cannot cancel the cleanup, the backoff
+            # or the requeue below (that lost the request for good: nobody put it back).
+            job.state = JobState.QUEUED
     # Ended early (a retry, an error): free what it holds now rather than at the lease's end.
     await attempt.abort_on_workers()
     if isinstance(outcome, Retry):

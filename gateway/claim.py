@@ -129,9 +129,12 @@ class ClaimLoop:
 
 
 async def _wait(event: asyncio.Event, timeout_s: float) -> None:
+    # Not asyncio.wait_for: on Python 3.11 it swallows a cancel that arrives as the event is set
+    # (it returns the result instead), and the loop's stop() then waited forever.
     try:
-        await asyncio.wait_for(event.wait(), timeout_s)
-    except asyncio.TimeoutError:
+        async with asyncio.timeout(timeout_s):
+            await event.wait()
+    except TimeoutError:
         pass
 
 

@@ -126,6 +126,18 @@ class Dispatcher:
 
     async def _run(self, job: Job, decided: asyncio.Future) -> None:
         try:
+            await self._attempt_and_follow_up(job, decided)
+        except BaseException as exc:
+            # Only ``Job.finish`` may end a request; a job whose task died any other way would
+            # hang its client with nothing in the log. Never silently: end it here, and say why.
+            if not job.finished:
+                log.error("the attempt task of %s ended without ending the request", job.request_id,
+                          exc_info=exc if not isinstance(exc, asyncio.CancelledError) else None)
+                job.finish(unavailable("the gateway lost track of this request's attempt; retry it"))
+            raise
+
+    async def _attempt_and_follow_up(self, job: Job, decided: asyncio.Future) -> None:
+        try:
             outcome = await run_attempt(job, self.directory, self.ledger, decided)
         finally:
             decide(decided, True)
