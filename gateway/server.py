@@ -72,6 +72,9 @@ async def _serve(args) -> int:
                                               reflection_enabled=not args.no_reflection, security=security)
     monitor = await GatewayHealth(health, [SERVICE], state, directory).start()
     servicer.health = monitor
+    http = await _start_http(args, servicer, security) if args.http_port >= 0 else None
+    if http is not None:
+        print(f"gateway {dispatcher.gateway_id} HTTP (OpenAI API) on {args.host}:{http.port}", flush=True)
     print(f"gateway {dispatcher.gateway_id} serving on {args.host}:{port}", flush=True)
     await stop_event().wait()
     # Drain: NOT_SERVING and no new requests; in-flight ones get the grace period to finish.
@@ -79,7 +82,17 @@ async def _serve(args) -> int:
     servicer.draining = True
     await dispatcher.drain(args.drain_timeout_s)
     await monitor.stop()
+    if http is not None:
+        await http.stop()
     await server.stop(grace=2)
     await dispatcher.stop()
     await directory.close()
     return 0
+
+
+async def _start_http(args, servicer, security):
+    """The OpenAI-compatible HTTP API on ``--http-port`` (same host, TLS / mutual TLS and token as gRPC)."""
+    from gateway.openai_api.app import build_app
+    from gateway.openai_api.server import HttpServer
+    return await HttpServer(build_app(servicer, token=security.token), args.host, args.http_port,
+                            ssl_certfile=args.tls_cert, ssl_keyfile=args.tls_key, ssl_ca=args.tls_ca).start()

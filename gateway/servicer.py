@@ -53,6 +53,20 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     # ---- Generate ----------------------------------------------------------------------
     async def Generate(self, request, context):
+        job = await self.admit(request, context.time_remaining())
+        # However the RPC ends (cancelled, deadline, the stream done), the job has ended by then.
+        context.add_done_callback(lambda _: job.finish(self._rpc_gone(job)))
+        try:
+            async for response in self._stream(job, request.stream_interval or 1, context):
+                yield response
+        except BaseException:
+            job.finish(self._rpc_gone(job))  # the client left mid-stream (this task is cancelled)
+            raise
+
+    async def admit(self, request: generation_pb2.GenerateRequest, remaining_s: float | None) -> Job:
+        """Validate, tokenize and admit ``request`` (the one path of every API: gRPC and HTTP);
+        ``remaining_s``: time left before the client's deadline (None or huge: no deadline).
+        The caller streams ``outputs(job)`` and must end the job if its client goes away."""
         if self.draining:
             raise Unavailable("the gateway is shutting down; send the request to another one")
         self._check_sizes(request)
@@ -66,11 +80,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         request_id_var.set(request_id)
         log.info("admitting %d prompt tokens, priority %d", len(token_ids), request.priority)
         # No client deadline shows up as an infinite (or absurdly far) time remaining.
-        remaining = context.time_remaining()
-        has_deadline = remaining is not None and remaining < NO_DEADLINE_S
+        has_deadline = remaining_s is not None and remaining_s < NO_DEADLINE_S
         arrival_s = time.time()
         job = self.dispatcher.new_job(request_id, token_ids, params, request.priority, arrival_s,
-                                      deadline=time.monotonic() + remaining if has_deadline else None,
+                                      deadline=time.monotonic() + remaining_s if has_deadline else None,
                                       text=TextStream(self.tokenizer, token_ids, params.stop))
         if job is None:  # this gateway runs it (its record may not even be in Redis yet)
             raise AlreadyExists(_duplicate_message(request_id, "running", self.state.id_reuse_after_s))
@@ -87,14 +100,24 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             raise ResourceExhausted(f"queue full ({result.detail} requests unfinished); retry later",
                                     retry_after_s=RETRY_AFTER_S)
         self.dispatcher.admitted(job)
-        # However the RPC ends (cancelled, deadline, the stream done), the job has ended by then.
-        context.add_done_callback(lambda _: job.finish(self._rpc_gone(job)))
-        try:
-            async for response in self._stream(job, request.stream_interval or 1, context):
-                yield response
-        except BaseException:
-            job.finish(self._rpc_gone(job))  # the client left mid-stream (this task is cancelled)
-            raise
+        return job
+
+    async def outputs(self, job: Job):
+        """The job's output as it comes: ``Tokens`` (the last one may carry only the text held back
+        for a stop string), until the job ends; then its metrics are recorded. ``job.outcome`` says
+        how it ended."""
+        token_times: list[float] = []
+        while True:
+            event = await job.events.get()
+            if not isinstance(event, Tokens):
+                break
+            token_times += [time.monotonic()] * len(event.token_ids)
+            yield event
+        finished = job.outcome
+        rest = job.text.finish() if finished.status is None else ""
+        if rest:
+            yield Tokens([], [], rest)
+        self._observe(job, finished, token_times)
 
     @staticmethod
     def _rpc_gone(job: Job) -> Finished:
@@ -104,24 +127,16 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         pending_ids: list[int] = []
         pending_lp: list = []
         pending_text = ""
-        token_times: list[float] = []
-        while True:
-            event = await job.events.get()
-            if not isinstance(event, Tokens):
-                break
-            token_times += [time.monotonic()] * len(event.token_ids)
+        async for event in self.outputs(job):
             pending_ids += event.token_ids
             pending_lp += event.logprobs
             pending_text += event.text
             if len(pending_ids) >= interval:
                 yield self._chunk(pending_ids, pending_text, pending_lp)
                 pending_ids, pending_text, pending_lp = [], "", []
-        finished = job.outcome
-        if finished.status is None:
-            pending_text += job.text.finish()
         if pending_ids or pending_text:
             yield self._chunk(pending_ids, pending_text, pending_lp)
-        self._observe(job, finished, token_times)
+        finished = job.outcome
         if finished.status is not None:
             await context.abort(finished.status, finished.message)
         yield self._final(job, finished, job.text.matched)

@@ -18,13 +18,17 @@ anything else                                  INTERNAL, generic message, logged
 DEADLINE_EXCEEDED is only ever the caller's own deadline (``DeadlineExceeded``): a wait
 inside a server that runs out says the server is slow or stuck, which a retry may fix.
 
-``ErrorMappingInterceptor`` applies it to every handler of a ``grpc.aio`` server.
+``ErrorMappingInterceptor`` applies it to every handler of a ``grpc.aio`` server, and
+``http_error_for`` turns the same status into the HTTP status and OpenAI error ``type`` of the
+gateway's OpenAI-compatible API (``gateway/openai_api``), so both APIs fail alike.
 """
 from __future__ import annotations
 
 import functools
 import logging
+import math
 import sys
+from dataclasses import dataclass
 from typing import Callable
 
 import grpc
@@ -34,7 +38,7 @@ log = logging.getLogger(__name__)
 __all__ = [
     "SplitserveError", "InvalidArgument", "AlreadyExists", "ResourceExhausted", "NotFound", "Cancelled",
     "DeadlineExceeded", "Unavailable", "Unauthenticated", "status_for", "ErrorMappingInterceptor",
-    "RETRY_AFTER_METADATA_KEY", "INTERNAL_MESSAGE",
+    "RETRY_AFTER_METADATA_KEY", "INTERNAL_MESSAGE", "HttpError", "http_error_for",
 ]
 
 # Trailing metadata key of a RESOURCE_EXHAUSTED status: milliseconds to wait before retrying.
@@ -141,6 +145,55 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
         return grpc.StatusCode.UNAVAILABLE, f"timed out inside the server{': ' if str(exc) else ''}{exc}; retry"
     log.error("unhandled %s while serving an RPC", type(exc).__name__, exc_info=exc)
     return grpc.StatusCode.INTERNAL, INTERNAL_MESSAGE
+
+
+# gRPC status -> (HTTP status, OpenAI error type), as OpenAI's and vLLM's servers answer.
+_HTTP = {
+    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
+    grpc.StatusCode.OUT_OF_RANGE: (400, "invalid_request_error"),
+    grpc.StatusCode.FAILED_PRECONDITION: (400, "invalid_request_error"),
+    grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error"),
+    grpc.StatusCode.PERMISSION_DENIED: (403, "permission_error"),
+    grpc.StatusCode.NOT_FOUND: (404, "not_found_error"),
+    grpc.StatusCode.ALREADY_EXISTS: (409, "conflict_error"),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
+    grpc.StatusCode.CANCELLED: (499, "cancelled"),
+    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable"),
+    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout"),
+    grpc.StatusCode.UNIMPLEMENTED: (501, "not_implemented"),
+}
+
+
+@dataclass(frozen=True)
+class HttpError:
+    """An error as the HTTP API answers it: status, OpenAI's error body, Retry-After (seconds)."""
+
+    status: int
+    type: str
+    message: str
+    param: str | None = None
+    retry_after_s: float | None = None
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.status}}
+
+    def headers(self) -> dict[str, str]:
+        if self.retry_after_s is None:
+            return {}
+        return {"Retry-After": str(max(1, math.ceil(self.retry_after_s)))}
+
+
+def http_error_for(exc: BaseException, param: str | None = None) -> HttpError:
+    """The HTTP answer to ``exc`` (through ``status_for``: the same code as over gRPC)."""
+    code, message = status_for(exc)
+    status, kind = _HTTP.get(code, (500, "internal_error"))
+    return HttpError(status, kind, message, param, getattr(exc, "retry_after_s", None))
+
+
+def http_error_of_status(code: grpc.StatusCode, message: str) -> HttpError:
+    """The HTTP answer to a request that ended with gRPC status ``code`` (after admission)."""
+    status, kind = _HTTP.get(code, (500, "internal_error"))
+    return HttpError(status, kind, message)
 
 
 async def _abort(context: grpc.aio.ServicerContext, exc: Exception) -> None:

@@ -174,6 +174,8 @@ def _flags() -> list[Flag]:
           "RESOURCE_EXHAUSTED", gw),
         f("gateway_id", s, "", "id in Redis (default: gw-<random>); every gateway needs its own", gw, up=False),
         f("max_attempts", i, 3, "tries per request when a worker dies under it; then UNAVAILABLE", gw),
+        f("http_port", i, -1, "port of the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
+          "/v1/models, /health) on --host; -1: off, 0: any free port (up: 8000)", gw),
     ]
 
 
@@ -196,7 +198,7 @@ def options(kind: str) -> list[click.Option]:
 
 def up_options() -> list[click.Option]:
     """Every flag ``up`` takes: each one any of its children takes (the gateway's address for --host/--port)."""
-    defaults = {"host": "127.0.0.1", "port": 50051}
+    defaults = {"host": "127.0.0.1", "port": 50051, "http_port": 8000}
     return [flag.click_option(defaults.get(flag.name)) for flag in FLAGS if flag.up]
 
 

@@ -246,7 +246,8 @@ def cmd_up(args) -> int:
         supervisor.boot(["gateway"])
         address = f"{args.host}:{args.port}"
         _wait_serving(address, args)
-        print(f"splitserve is up: gRPC {address} (Redis {redis_url})", flush=True)
+        http = f", OpenAI HTTP http://{args.host}:{args.http_port}/v1" if args.http_port > 0 else ""
+        print(f"splitserve is up: gRPC {address}{http} (Redis {redis_url})", flush=True)
         if args.demo:
             return _demo(address, args.demo, args)
         supervisor.watch(stop)

@@ -91,6 +91,8 @@ class Up:
 def start_up(args: list[str], log_dir: str | os.PathLike, port: int | None = None) -> Up:
     """``python -m splitserve.cli up <args> --port <port>``, once it says it is up."""
     port = port or free_port()
+    if not any(a.startswith("--http-port") for a in args):
+        args = [*args, "--http-port", "-1"]  # not up's 8000: tests must not depend on a fixed port
     log_path = Path(log_dir) / "up.log"
     root = Path(__file__).resolve().parents[2]
     with open(log_path, "a") as log:

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import secrets
@@ -28,6 +29,7 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 
+from engine.model_loader import load_tokenizer
 from splitserve.client import Client
 from splitserve.sizing import load_shape, pages_for
 from splitserve.testing.redis_server import RedisServer, _die_with_parent
@@ -167,7 +169,7 @@ def test_compose_layout():
     assert argv[argv.index("--requirepass") + 1] == REQUIRED["SPLITSERVE_REDIS_PASSWORD"]
     published = {p.rsplit(":", 1)[1] for p in services["gateway"]["ports"]}
     env = services["gateway"]["environment"]
-    assert published == {env["SPLITSERVE_PORT"], env["SPLITSERVE_METRICS_PORT"]}
+    assert published == {env["SPLITSERVE_PORT"], env["SPLITSERVE_METRICS_PORT"], env["SPLITSERVE_HTTP_PORT"]}
     for name, service in services.items():
         assert service.get("restart") == "unless-stopped", name
         assert service["healthcheck"]["test"], name
@@ -382,7 +384,7 @@ def cpu_stack(tiny_model_dirs, tmp_path_factory):
             env = {k: str(v) for k, v in service["environment"].items()}
             if env.get("SPLITSERVE_HOST") in names | {"0.0.0.0"}:
                 env["SPLITSERVE_HOST"] = "127.0.0.1"
-            for key in ("SPLITSERVE_PORT", "SPLITSERVE_METRICS_PORT"):
+            for key in ("SPLITSERVE_PORT", "SPLITSERVE_METRICS_PORT", "SPLITSERVE_HTTP_PORT"):
                 if int(env.get(key, "-1")) > 0:
                     env[key] = str(free_port())
             url = urlsplit(env["SPLITSERVE_REDIS_URL"])
@@ -449,3 +451,22 @@ def test_interpolation_follows_compose_rules():
     with pytest.raises(ValueError):
         interpolate("cost: $5", env)
 
+
+
+def test_cpu_profile_serves_the_openai_http_api(cpu_stack, hf_reference):
+    """The gateway's compose environment turns the HTTP API on: a greedy completion of token ids."""
+    wait_healthy("gateway", cpu_stack["services"]["gateway"], cpu_stack["envs"]["gateway"],
+                 cpu_stack["procs"]["gateway"])
+    base = f"http://127.0.0.1:{cpu_stack['envs']['gateway']['SPLITSERVE_HTTP_PORT']}"
+    with urllib.request.urlopen(base + "/health", timeout=10) as response:
+        assert response.status == 200
+    prompt = [40 + i % 50 for i in range(17)]
+    body = json.dumps({"prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True,
+                       "logprobs": 0}).encode()
+    request = urllib.request.Request(base + "/v1/completions", data=body, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=120) as response:
+        answer = json.loads(response.read())
+    assert answer["usage"]["completion_tokens"] == 8 and answer["choices"][0]["finish_reason"] == "length"
+    want = hf_reference(Path(cpu_stack["model"])).greedy(prompt, 8)
+    tokenizer = load_tokenizer(Path(cpu_stack["model"]))
+    assert answer["choices"][0]["logprobs"]["tokens"] == [tokenizer.decode([t]) for t in want]

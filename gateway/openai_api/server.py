@@ -1,0 +1,49 @@
+"""uvicorn serving the HTTP API on the gateway's own event loop (beside the gRPC server)."""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import ssl
+
+import uvicorn
+
+
+class _Server(uvicorn.Server):
+    # The gateway owns SIGTERM/SIGINT (its drain): uvicorn must not install its own handlers.
+    @contextlib.contextmanager
+    def capture_signals(self):
+        yield
+
+
+class HttpServer:
+    def __init__(self, app, host: str, port: int, ssl_certfile: str = "", ssl_keyfile: str = "",
+                 ssl_ca: str = ""):
+        """``port`` 0: any free port (``self.port`` says which, once started). With ``ssl_ca`` (and
+        a certificate), clients must present a certificate it signed, as on the gRPC port."""
+        config = uvicorn.Config(app, host=host, port=port, log_level="warning", access_log=False, lifespan="off",
+                                ssl_certfile=ssl_certfile or None, ssl_keyfile=ssl_keyfile or None,
+                                ssl_ca_certs=ssl_ca or None,
+                                ssl_cert_reqs=ssl.CERT_REQUIRED if ssl_ca and ssl_certfile else ssl.CERT_NONE,
+                                timeout_graceful_shutdown=2)
+        self._server = _Server(config)
+        self._socket = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET,
+                                            reuse_port=False)
+        self.port = self._socket.getsockname()[1]
+        self._task: asyncio.Task | None = None
+
+    async def start(self) -> "HttpServer":
+        self._task = asyncio.get_running_loop().create_task(self._server.serve(sockets=[self._socket]),
+                                                            name="http-server")
+        while not self._server.started:
+            if self._task.done():
+                self._task.result()  # raises why it could not start
+            await asyncio.sleep(0.01)
+        return self
+
+    async def stop(self) -> None:
+        """Stop taking connections; open streams get uvicorn's short grace (the gateway drained them)."""
+        self._server.should_exit = True
+        if self._task is not None:
+            await self._task
+        self._socket.close()

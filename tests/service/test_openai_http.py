@@ -1,0 +1,254 @@
+"""The OpenAI-compatible HTTP API, through the real ``openai`` package, curl and raw sockets,
+on a real stack (Redis, a gateway, a prefill and a decode worker) serving the real default model
+in fp32: greedy answers equal ``transformers``' token for token, streams equal whole answers,
+errors are OpenAI's bodies with the right status, and a client that disconnects gives every
+KV page back on every worker."""
+import asyncio
+import json
+import socket
+import subprocess
+import time
+
+import httpx
+import openai
+import pytest
+
+from engine.model_loader import DEFAULT_MODEL, load_tokenizer, resolve_model
+from splitserve.launcher import free_port
+from splitserve.testing.stack import start_process, start_stack, wait_pages_at_baseline
+from splitserve.v1 import generation_pb2
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = ["The capital of France is", "def fibonacci(n):", "Water boils at", "Once upon a time, a small robot"]
+TOKEN = "http-test-token"
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    port = free_port()
+    running = start_stack(DEFAULT_MODEL, tmp_path_factory, prefill=1, decode=1,
+                          gateway_args=["--http-port", str(port)])
+    running.http = f"http://127.0.0.1:{port}"
+    try:
+        yield running
+    finally:
+        running.close()
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer(resolve_model(DEFAULT_MODEL))
+
+
+@pytest.fixture(scope="module")
+def reference(hf_reference):
+    return hf_reference(resolve_model(DEFAULT_MODEL))
+
+
+@pytest.fixture(scope="module")
+def client(stack):
+    with openai.OpenAI(base_url=stack.http + "/v1", api_key="unused", max_retries=0) as c:
+        yield c
+
+
+@pytest.fixture
+def baseline(stack):
+    return stack.free_pages()
+
+
+GREEDY = {"temperature": 0, "extra_body": {"ignore_eos": True}}
+
+
+def expected_text(reference, tokenizer, prompt_ids, max_tokens):
+    # The text skips special tokens, as vLLM's does by default.
+    return tokenizer.decode(reference.greedy(prompt_ids, max_tokens), skip_special_tokens=True)
+
+
+# ---- correctness -----------------------------------------------------------------------
+
+def test_completions_equal_transformers_greedy_for_text_and_token_prompts(client, tokenizer, reference):
+    for prompt in PROMPTS[:2]:
+        ids = tokenizer.encode(prompt)
+        want = expected_text(reference, tokenizer, ids, 12)
+        got = client.completions.create(model=DEFAULT_MODEL, prompt=prompt, max_tokens=12, **GREEDY)
+        assert got.choices[0].text == want
+        assert got.choices[0].finish_reason == "length"
+        assert (got.usage.prompt_tokens, got.usage.completion_tokens) == (len(ids), 12)
+        by_ids = client.completions.create(model=DEFAULT_MODEL, prompt=ids, max_tokens=12, **GREEDY)
+        assert by_ids.choices[0].text == want
+
+
+def test_concurrent_async_requests_equal_transformers_greedy(stack, tokenizer, reference):
+    """A mixed batch: four prompts of different lengths and outputs at once, through AsyncOpenAI."""
+    lengths = [6, 14, 9, 20]
+
+    async def main():
+        async with openai.AsyncOpenAI(base_url=stack.http + "/v1", api_key="unused", max_retries=0) as c:
+            return await asyncio.gather(*(c.completions.create(model=DEFAULT_MODEL, prompt=p, max_tokens=n, **GREEDY)
+                                          for p, n in zip(PROMPTS, lengths)))
+    answers = asyncio.run(main())
+    for prompt, n, answer in zip(PROMPTS, lengths, answers):
+        assert answer.choices[0].text == expected_text(reference, tokenizer, tokenizer.encode(prompt), n), prompt
+
+
+def test_chat_streamed_equals_whole_and_the_template_applied(client, tokenizer, reference):
+    messages = [{"role": "user", "content": "Name three colors."}]
+    ids = tokenizer.encode(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
+                           add_special_tokens=False)
+    want = expected_text(reference, tokenizer, ids, 16)
+    whole = client.chat.completions.create(model=DEFAULT_MODEL, messages=messages, max_tokens=16, **GREEDY)
+    assert whole.choices[0].message.role == "assistant"
+    assert whole.choices[0].message.content == want
+    assert whole.usage.prompt_tokens == len(ids)
+    chunks = list(client.chat.completions.create(model=DEFAULT_MODEL, messages=messages, max_tokens=16, stream=True,
+                                                 stream_options={"include_usage": True}, **GREEDY))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == want
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 16
+    assert all(c.usage is None for c in chunks[:-1])
+
+
+def test_logprobs_and_stop_strings(client, tokenizer, reference):
+    prompt = PROMPTS[0]
+    ids = tokenizer.encode(prompt)
+    want_ids = reference.greedy(ids, 8)
+    got = client.completions.create(model=DEFAULT_MODEL, prompt=prompt, max_tokens=8, logprobs=2, **GREEDY)
+    lp = got.choices[0].logprobs
+    assert lp.tokens == [tokenizer.decode([t]) for t in want_ids]
+    assert all(v <= 0 for v in lp.token_logprobs)
+    # Greedy: the sampled token is the most likely of its alternatives.
+    assert all(max(top.values()) == v for top, v in zip(lp.top_logprobs, lp.token_logprobs))
+    chat = client.chat.completions.create(model=DEFAULT_MODEL, messages=[{"role": "user", "content": "Hi"}],
+                                          max_tokens=4, logprobs=True, top_logprobs=3, **GREEDY)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 4 and all(len(e.top_logprobs) == 3 for e in content)
+    # A stop string ends the text before it, reason "stop".
+    full = expected_text(reference, tokenizer, ids, 8)
+    stop = full.strip().split()[1]
+    cut = client.completions.create(model=DEFAULT_MODEL, prompt=prompt, max_tokens=8, stop=[stop], **GREEDY)
+    assert cut.choices[0].finish_reason == "stop"
+    assert cut.choices[0].text == full[:full.index(stop)]
+
+
+def test_curl_streams_server_sent_events_and_reads_models_and_health(stack, tokenizer, reference):
+    body = json.dumps({"model": DEFAULT_MODEL, "prompt": PROMPTS[2], "max_tokens": 6, "temperature": 0,
+                       "ignore_eos": True, "stream": True})
+    out = subprocess.run(["curl", "-sN", "--max-time", "60", stack.http + "/v1/completions",
+                          "-H", "Content-Type: application/json", "-d", body],
+                         capture_output=True, text=True, check=True).stdout
+    events = [line[len("data: "):] for line in out.splitlines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert "".join(c["choices"][0]["text"] for c in chunks) == \
+        expected_text(reference, tokenizer, tokenizer.encode(PROMPTS[2]), 6)
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    models = json.loads(subprocess.run(["curl", "-s", stack.http + "/v1/models"], capture_output=True, text=True,
+                                       check=True).stdout)
+    assert [m["id"] for m in models["data"]] == [DEFAULT_MODEL]
+    health = subprocess.run(["curl", "-s", "-o", "/dev/null", "-w", "%{http_code}", stack.http + "/health"],
+                            capture_output=True, text=True, check=True).stdout
+    assert health == "200"
+
+
+# ---- errors ----------------------------------------------------------------------------
+
+def test_bad_requests_get_openai_errors_naming_the_field(client, stack):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=DEFAULT_MODEL, prompt="x", temperature=-1)
+    assert e.value.status_code == 400 and e.value.body["param"] == "temperature"
+    assert "temperature must be >= 0" in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=DEFAULT_MODEL, prompt="x", max_tokens=100_000)
+    assert e.value.body["param"] == "max_tokens"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=DEFAULT_MODEL, prompt="x", n=2)
+    assert e.value.body["param"] == "n"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=DEFAULT_MODEL, messages=[{"role": "user", "content": "x"}],
+                                       response_format={"type": "json_object"})
+    assert e.value.body["param"] == "response_format"
+    with pytest.raises(openai.NotFoundError) as e:
+        client.completions.create(model="gpt-4", prompt="x")
+    assert e.value.body["param"] == "model"
+    bad_json = httpx.post(stack.http + "/v1/completions", content=b"{not json",
+                          headers={"Content-Type": "application/json"})
+    assert bad_json.status_code == 400 and "not valid JSON" in bad_json.json()["error"]["message"]
+    wrong_type = httpx.post(stack.http + "/v1/completions", json={"prompt": 5})
+    assert wrong_type.status_code == 400 and wrong_type.json()["error"]["param"] == "prompt"
+
+
+def test_token_and_queue_limit_on_a_second_gateway(stack, tmp_path):
+    """401 without the bearer token (health stays open); 429 with Retry-After once the queue is full."""
+    port = free_port()
+    gateway, _ = start_process([*stack.argv["gateway"], "--http-port", str(port), "--queue-limit", "1"],
+                               tmp_path / "gateway-token.log", env={"SPLITSERVE_AUTH_TOKEN": TOKEN})
+    base = f"http://127.0.0.1:{port}"
+    try:
+        assert httpx.get(base + "/health").status_code == 200
+        with openai.OpenAI(base_url=base + "/v1", api_key="wrong", max_retries=0) as wrong:
+            with pytest.raises(openai.AuthenticationError):
+                wrong.models.list()
+        with openai.OpenAI(base_url=base + "/v1", api_key=TOKEN, max_retries=0) as right:
+            assert [m.id for m in right.models.list().data] == [DEFAULT_MODEL]
+            long = right.completions.create(model=DEFAULT_MODEL, prompt=PROMPTS[3], max_tokens=400, stream=True,
+                                            **GREEDY)
+            next(iter(long))  # the request holds the one place in the queue
+            with pytest.raises(openai.RateLimitError) as e:
+                right.completions.create(model=DEFAULT_MODEL, prompt="x", max_tokens=2)
+            assert int(e.value.response.headers["Retry-After"]) >= 1
+            assert "queue full" in e.value.body["message"]
+            long.close()
+    finally:
+        gateway.terminate()
+        gateway.wait(30)
+
+
+# ---- disconnects -----------------------------------------------------------------------
+
+def _raw_post(http: str, path: str, body: dict) -> socket.socket:
+    host, port = http.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)))
+    data = json.dumps(body).encode()
+    sock.sendall(f"POST {path} HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                 f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+    return sock
+
+
+def _request(stack, request_id: str):
+    return stack.stub.GetRequest(generation_pb2.GetRequestRequest(request_id=request_id), timeout=10)
+
+
+def _request_states(stack, request_ids):
+    return [_request(stack, r).state for r in request_ids]
+
+
+def test_clients_that_disconnect_abort_their_requests_on_every_worker(stack, baseline):
+    """A stream closed after its first tokens, and a whole-answer request whose client hangs up
+    while it runs: both end as aborted and every KV page comes back."""
+    streamed = _raw_post(stack.http, "/v1/completions", {"prompt": PROMPTS[3], "max_tokens": 1000, "stream": True,
+                                                        "ignore_eos": True, "request_id": "http-gone-stream"})
+    received = b""
+    while received.count(b"data: ") < 3:
+        received += streamed.recv(65536)
+    whole = _raw_post(stack.http, "/v1/chat/completions", {"messages": [{"role": "user", "content": "Tell a story"}],
+                                                          "max_tokens": 1000, "ignore_eos": True,
+                                                          "request_id": "http-gone-whole"})
+    deadline = time.monotonic() + 60
+    while _request_states(stack, ["http-gone-whole"]) != ["decoding"] and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _request_states(stack, ["http-gone-whole"]) == ["decoding"]
+    streamed.close()
+    whole.close()
+    while _request_states(stack, ["http-gone-stream", "http-gone-whole"]) != ["aborted", "aborted"]:
+        assert time.monotonic() < deadline, _request_states(stack, ["http-gone-stream", "http-gone-whole"])
+        time.sleep(0.05)
+    wait_pages_at_baseline(stack, baseline)
+
+
+def test_priority_reaches_the_queue(stack, client):
+    client.completions.create(model=DEFAULT_MODEL, prompt="x", max_tokens=2,
+                              extra_body={"priority": 7, "request_id": "http-priority"})
+    info = _request(stack, "http-priority")
+    assert (info.priority, info.state) == (7, "finished")
