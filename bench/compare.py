@@ -4,6 +4,7 @@
     python -m bench.compare batching  # continuous vs static batching through the whole stack
     python -m bench.compare prefix    # prefix-cache hit vs miss TTFT through the whole stack
     python -m bench.compare overhead  # whole stack (gRPC + Redis + gateway) vs LLMEngine in-process
+    python -m bench.compare http      # the same requests over gRPC and over the OpenAI HTTP API
     python -m bench.compare load      # TTFT/TPOT p50/p99 vs Poisson rate, disaggregated and colocated
 
 Each writes ``bench/results/compare_<name>.json`` (``--out`` to change) and a PNG beside it.
@@ -133,6 +134,23 @@ def write(args, name: str, payload: dict) -> Path:
 
 
 # ---- the comparisons -------------------------------------------------------------------
+def unloaded_then_poisson(args, vocab: int):
+    """Rounds of two phases: ``--unloaded`` requests one at a time (64-token prompts, 32 output
+    tokens), then ``--num-requests`` mixed ones at Poisson ``--rate``; the warm-up round is short.
+    Returns ``phases(backend, round) -> Phases`` and (num_requests, unloaded, rate)."""
+    n, n_unloaded, rate = (6, 2, 4.0) if args.quick else (args.num_requests, args.unloaded, args.rate)
+    base_single = [BenchRequest(r.prompt_token_ids[:64], 32, "unloaded")
+                   for r in mixed(n_unloaded, vocab, seed=args.seed + 500)]
+    base = mixed(n, vocab, seed=args.seed)
+
+    def phases(backend, i: int) -> Phases:
+        requests = warmup_requests(vocab, args.seed) if i == 0 else base
+        return {"unloaded": run_load(backend, fresh_tokens(base_single, vocab, args.seed + 500 + i)),
+                "poisson": run_load(backend, fresh_tokens(requests, vocab, args.seed + i),
+                                    poisson_offsets(len(requests), rate, args.seed))}
+    return phases, (n, n_unloaded, rate)
+
+
 def cmd_disagg(args) -> int:
     vocab, max_len = model_info(args.model)
     lo, hi = (256, 384) if args.quick else (args.long_min, args.long_max)
@@ -245,17 +263,7 @@ def cmd_prefix(args) -> int:
 def cmd_overhead(args) -> int:
     from engine.config import EngineConfig
     vocab, _ = model_info(args.model)
-    n, n_unloaded, rate = (6, 2, 4.0) if args.quick else (args.num_requests, args.unloaded, args.rate)
-
-    base_single = [BenchRequest(r.prompt_token_ids[:64], 32, "unloaded")
-                   for r in mixed(n_unloaded, vocab, seed=args.seed + 500)]
-    base = mixed(n, vocab, seed=args.seed)
-
-    def phases(backend, i: int) -> Phases:
-        requests = warmup_requests(vocab, args.seed) if i == 0 else base
-        return {"unloaded": run_load(backend, fresh_tokens(base_single, vocab, args.seed + 500 + i)),
-                "poisson": run_load(backend, fresh_tokens(requests, vocab, args.seed + i),
-                                    poisson_offsets(len(requests), rate, args.seed))}
+    phases, (n, n_unloaded, rate) = unloaded_then_poisson(args, vocab)
 
     stack = Stack("stack", [*engine_args(args), *(DISAGG if args.disagg else COLOCATED)])
     config = EngineConfig(model=args.model, dtype=args.dtype, block_size=args.block_size,
@@ -288,6 +296,39 @@ def cmd_overhead(args) -> int:
     plot_cdfs([(f"{m.upper()} ({phase})", {name: metric_values(pooled(runs, name, phase), m) for name in runs})
                for phase, m in (("unloaded", "ttft"), ("poisson", "ttft"), ("poisson", "itl"))],
               out.with_suffix(".png"), "whole stack (gRPC + Redis + gateway) vs LLMEngine in-process")
+    return 0
+
+
+def cmd_http(args) -> int:
+    """The same requests through one stack's gRPC port and its OpenAI HTTP port, interleaved."""
+    from bench.openai_client import OpenAIBackend
+    vocab, _ = model_info(args.model)
+    phases, (n, n_unloaded, rate) = unloaded_then_poisson(args, vocab)
+
+    stack = Stack("stack", [*engine_args(args), *(DISAGG if args.disagg else COLOCATED)])
+    with running([stack]):
+        grpc_backend, http_backend = GrpcBackend(stack.address), OpenAIBackend(stack.http, args.model)
+        try:
+            runs = run_interleaved({"grpc": lambda i: phases(grpc_backend, i),
+                                    "http": lambda i: phases(http_backend, i)}, 1 if args.quick else args.pairs)
+        finally:
+            http_backend.close()
+    systems, per_round = report(runs)
+    g, h = systems["grpc"], systems["http"]
+    diff = {f"{phase}_{m}_{q}_ms": h[phase][f"{m}_ms"][q] - g[phase][f"{m}_ms"][q]
+            for phase in ("unloaded", "poisson") for m in ("ttft", "tpot", "itl", "e2e") for q in ("p50", "p99")}
+    diff["poisson_output_tokens_per_s"] = h["poisson"]["output_tokens_per_s"] - g["poisson"]["output_tokens_per_s"]
+    out = write(args, "http", {
+        "workload": {"unloaded": f"{n_unloaded} requests one at a time, 64-token prompts, 32 output tokens",
+                     "poisson": {"name": "mixed", "num_requests": n, "rate": rate}},
+        "commands": {"stack": " ".join(stack.command),
+                     "grpc": "splitserve.client.Client.generate (token ids, greedy, ignore_eos)",
+                     "http": "streamed POST /v1/completions (httpx; token ids, greedy, ignore_eos, return_token_ids)"},
+        "systems": systems, "per_round": per_round, "http_minus_grpc": diff})
+    print_ratios(diff)
+    plot_cdfs([(f"{m.upper()} ({phase})", {name: metric_values(pooled(runs, name, phase), m) for name in runs})
+               for phase, m in (("unloaded", "ttft"), ("poisson", "ttft"), ("poisson", "itl"))],
+              out.with_suffix(".png"), "the same requests over gRPC and over the OpenAI HTTP API")
     return 0
 
 
@@ -368,6 +409,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--colocated", action="store_true", help="one 'both' worker instead of 1 prefill + 1 decode")
 
     p = add("overhead", cmd_overhead, "whole stack (gRPC + Redis + gateway) vs LLMEngine in-process")
+    p.add_argument("--num-requests", type=int, default=16)
+    p.add_argument("--rate", type=float, default=1.0, help="Poisson requests/s of the loaded phase")
+    p.add_argument("--unloaded", type=int, default=3, help="requests sent one at a time before the loaded phase")
+    p.add_argument("--disagg", action="store_true", help="stack of 1 prefill + 1 decode instead of one 'both' worker")
+
+    p = add("http", cmd_http, "the same requests over gRPC and over the OpenAI-compatible HTTP API of one stack")
     p.add_argument("--num-requests", type=int, default=16)
     p.add_argument("--rate", type=float, default=1.0, help="Poisson requests/s of the loaded phase")
     p.add_argument("--unloaded", type=int, default=3, help="requests sent one at a time before the loaded phase")

@@ -1,5 +1,5 @@
-"""A load-generator backend for any OpenAI-compatible server (vLLM's ``api_server``, and the
-gateway's HTTP endpoint once it has one), beside ``bench.serve.GrpcBackend``.
+"""A load-generator backend for any OpenAI-compatible server (vLLM's ``api_server``, the
+gateway's ``--http-port``), beside ``bench.serve.GrpcBackend``.
 
 Each request is a streamed ``POST /v1/completions`` with the prompt as token ids, greedy,
 ``ignore_eos`` and ``min_tokens = max_tokens`` (vLLM's extra fields), so every server

@@ -9,6 +9,7 @@ all at once (`--rate inf`) or with Poisson arrivals at `--rate` requests/s.
 
     python -m bench.serve --address localhost:50051 --rate 2 --num-requests 32 --out bench/results/serve.json
     python -m bench.serve --address localhost:50051 --sweep-rates 0.5,1,2,4 --out bench/results/serve_sweep.json
+    python -m bench.serve --http http://localhost:8000 --rate 2 --out bench/results/serve_http.json
 
 The load generator is a library too (bench/compare.py uses it): a *backend* is anything with
 ``stream(request, meta) -> iterator of token-id lists`` (``GrpcBackend`` here, the in-process engine
@@ -260,6 +261,10 @@ def parse_rates(text: str) -> list[float]:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--address", default="localhost:50051")
+    parser.add_argument("--http", default="", metavar="URL",
+                        help="drive an OpenAI-compatible HTTP endpoint instead of gRPC (e.g. http://localhost:8000: "
+                             "the gateway's --http-port, or vLLM serve); streamed /v1/completions")
+    parser.add_argument("--model", default="smollm2-135m-instruct", help="the model name sent over --http")
     parser.add_argument("--out", required=True, help="JSON file; a PNG is written beside it")
     parser.add_argument("--workload", default="mixed", choices=sorted(WORKLOADS))
     parser.add_argument("--num-requests", type=int, default=32)
@@ -273,7 +278,11 @@ def main(argv=None) -> int:
     parser.add_argument("--slo-tpot-ms", type=float, default=100.0)
     args = parser.parse_args(argv)
 
-    backend = GrpcBackend(args.address)
+    if args.http:
+        from bench.openai_client import OpenAIBackend
+        backend = OpenAIBackend(args.http, args.model)
+    else:
+        backend = GrpcBackend(args.address)
     out = Path(args.out)
     config = {k: (v if v != float("inf") else "inf") for k, v in vars(args).items()}
     if args.sweep_rates:

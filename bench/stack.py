@@ -35,6 +35,8 @@ class Stack:
         self.up_args = list(up_args)
         self.port = free_port()
         self.address = f"127.0.0.1:{self.port}"
+        self.http_port = free_port()  # not up's default 8000: several stacks run side by side
+        self.http = f"http://127.0.0.1:{self.http_port}"
         self.proc: subprocess.Popen | None = None
         self._log = tempfile.NamedTemporaryFile("w+", prefix=f"splitserve-bench-{name}-", suffix=".log", delete=False)
 
@@ -43,7 +45,8 @@ class Stack:
         return ["splitserve", "up", *self.up_args]
 
     def start(self) -> "Stack":
-        argv = [sys.executable, "-m", "splitserve.cli", "up", "--port", str(self.port), *self.up_args]
+        argv = [sys.executable, "-m", "splitserve.cli", "up", "--port", str(self.port),
+                "--http-port", str(self.http_port), *self.up_args]
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
         self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, text=True, cwd=REPO, env=env,
                                      preexec_fn=die_with_parent)

@@ -108,7 +108,7 @@ def build_app(servicer, token: str = "") -> FastAPI:
             error = http_error_for(exc, param=_param_of(exc))
             # Field paths of the gRPC request ("sampling.top_p") read as the HTTP body's ("top_p").
             return error_response(dataclasses.replace(error, message=error.message.removeprefix("sampling.")))
-        responses = Responses(chat, model, servicer.tokenizer, request_id)
+        responses = Responses(chat, model, servicer.tokenizer, request_id, token_ids=body.return_token_ids)
         if body.stream:
             usage = body.stream_options is not None and body.stream_options.include_usage
             return StreamingResponse(_events(servicer, job, responses, usage), media_type="text/event-stream",
@@ -158,8 +158,8 @@ async def _events(servicer, job: Job, responses: Responses, usage: bool):
         if responses.chat:
             yield _sse(responses.chunk("", [], role=True, with_usage=usage))
         async for event in servicer.outputs(job):
-            if event.text or event.logprobs:
-                yield _sse(responses.chunk(event.text, event.logprobs, with_usage=usage))
+            if event.text or event.logprobs or (responses.token_ids and event.token_ids):
+                yield _sse(responses.chunk(event.text, event.logprobs, with_usage=usage, token_ids=event.token_ids))
         finished = job.outcome
         if finished.status is not None:
             yield _sse(http_error_of_status(finished.status, finished.message).body())

@@ -48,6 +48,7 @@ class _Sampling(BaseModel):
     ignore_eos: bool = False
     priority: int = 0
     request_id: str | None = None
+    return_token_ids: bool = False  # vLLM's: each choice (and stream chunk) also carries its token ids
     user: str | None = None  # OpenAI's end-user id: accepted, not used
 
     def unsupported(self) -> None:

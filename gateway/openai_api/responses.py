@@ -13,8 +13,10 @@ FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
 class Responses:
     """Builds the bodies of one request: its id, creation time and model are fixed at the start."""
 
-    def __init__(self, chat: bool, model: str, tokenizer, request_id: str):
+    def __init__(self, chat: bool, model: str, tokenizer, request_id: str, token_ids: bool = False):
+        """``token_ids``: every choice also carries its token ids (vLLM's ``return_token_ids``)."""
         self.chat = chat
+        self.token_ids = token_ids
         self.model = model
         self.tokenizer = tokenizer
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{request_id}"
@@ -23,6 +25,13 @@ class Responses:
 
     # ---- whole answers ------------------------------------------------------------------
     def whole(self, job: Job, text: str, logprobs: list, finished: Finished) -> dict:
+        body = self._whole(job, text, logprobs, finished)
+        if self.token_ids:
+            body["choices"][0]["token_ids"] = list(job.generated)
+            body["prompt_token_ids"] = list(job.prompt_token_ids)
+        return body
+
+    def _whole(self, job: Job, text: str, logprobs: list, finished: Finished) -> dict:
         reason = FINISH_REASONS.get(finished.finish_reason, finished.finish_reason)
         if self.chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": text},
@@ -35,7 +44,7 @@ class Responses:
 
     # ---- stream chunks ------------------------------------------------------------------
     def chunk(self, text: str, logprobs: list, finish_reason: str | None = None, role: bool = False,
-              with_usage: bool = False) -> dict:
+              with_usage: bool = False, token_ids: list[int] = ()) -> dict:
         reason = FINISH_REASONS.get(finish_reason, finish_reason) if finish_reason else None
         if self.chat:
             delta = {"role": "assistant", "content": text} if role else ({"content": text} if text else {})
@@ -44,6 +53,8 @@ class Responses:
         else:
             choice = {"index": 0, "text": text, "logprobs": self.completion_logprobs(logprobs) if logprobs else None,
                       "finish_reason": reason}
+        if self.token_ids:
+            choice["token_ids"] = list(token_ids)
         body = {**self._head(whole=False), "choices": [choice]}
         if with_usage:
             body["usage"] = None  # stream_options.include_usage: null on every chunk but the last

@@ -172,7 +172,7 @@ def test_grpc_backend_retries_unavailable_only_before_the_first_token():
 
 def test_every_comparison_parses():
     parser = compare.build_parser()
-    for name in ("disagg", "batching", "prefix", "overhead", "load"):
+    for name in ("disagg", "batching", "prefix", "overhead", "http", "load"):
         args = parser.parse_args([name, "--quick"])
         assert args.func.__name__ == f"cmd_{name}" and args.quick
     assert parser.parse_args(["load", "--rates", "0.5,2"]).rates == [0.5, 2.0]
@@ -194,4 +194,21 @@ def test_overhead_comparison_quick_end_to_end(tiny_model_dirs, tmp_path):
     assert report["commands"]["stack"].startswith("splitserve up")
     assert report["machine"]["cpu_count"] and report["commit"]
     assert out.with_suffix(".png").stat().st_size > 0
+    assert not psutil.Process().children(recursive=True)
+
+
+def test_http_comparison_quick_end_to_end(tiny_model_dirs, tmp_path):
+    """`python -m bench.compare http --quick`: the same requests over gRPC and over the OpenAI HTTP
+    API of one stack; every request completes with its full length on both."""
+    out = tmp_path / "http.json"
+    code = compare.main(["http", "--quick", "--model", str(tiny_model_dirs["llama"]), "--dtype", "float32",
+                         "--num-gpu-blocks", "256", "--out", str(out)])
+    assert code == 0
+    report = json.loads(out.read_text())
+    for phase, n in (("unloaded", 2), ("poisson", 6)):
+        grpc_run, http_run = (report["systems"][arm][phase] for arm in ("grpc", "http"))
+        for s in (grpc_run, http_run):
+            assert s["completed"] == n and s["failed"] == 0, (phase, s)
+        assert grpc_run["output_tokens"] == http_run["output_tokens"] > 0
+    assert "poisson_ttft_p50_ms" in report["http_minus_grpc"]
     assert not psutil.Process().children(recursive=True)
