@@ -132,10 +132,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             pending_lp += event.logprobs
             pending_text += event.text
             if len(pending_ids) >= interval:
-                yield self._chunk(pending_ids, pending_text, pending_lp)
+                yield self._chunk(job, pending_ids, pending_text, pending_lp)
                 pending_ids, pending_text, pending_lp = [], "", []
         if pending_ids or pending_text:
-            yield self._chunk(pending_ids, pending_text, pending_lp)
+            yield self._chunk(job, pending_ids, pending_text, pending_lp)
         finished = job.outcome
         if finished.status is not None:
             await context.abort(finished.status, finished.message)
@@ -167,10 +167,10 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     # ---- messages ------------------------------------------------------------------------
     @staticmethod
-    def _chunk(ids, text, logprobs) -> generation_pb2.GenerateResponse:
+    def _chunk(job: Job, ids, text, logprobs) -> generation_pb2.GenerateResponse:
         chunk = generation_pb2.Chunk(token_ids=ids, text=text)
         chunk.logprobs.extend(logprobs)
-        return generation_pb2.GenerateResponse(chunk=chunk)
+        return generation_pb2.GenerateResponse(chunk=chunk, request_id=job.request_id)
 
     def _final(self, job: Job, finished: Finished, matched) -> generation_pb2.GenerateResponse:
         final = generation_pb2.Final(
@@ -179,7 +179,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                                        cached_prompt_tokens=job.cached_prompt_tokens),
             timeline=generation_pb2.Timeline(**job.timeline_fields()),
             error=finished.message if finished.status else "")
-        return generation_pb2.GenerateResponse(final=final)
+        return generation_pb2.GenerateResponse(final=final, request_id=job.request_id)
 
     # ---- the other RPCs -------------------------------------------------------------------
     def _check_sizes(self, request) -> None:
@@ -225,6 +225,17 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self._check_sizes(request)
         ids = self._tokenize(request)
         return generation_pb2.TokenizeResponse(token_ids=ids, tokens=self.tokenizer.convert_ids_to_tokens(ids))
+
+    async def Detokenize(self, request, context):
+        ids = request.token_ids
+        if len(ids) > self.model_info.max_model_len:
+            raise InvalidArgument(f"token_ids has {len(ids)} ids; at most max_model_len "
+                                  f"({self.model_info.max_model_len}) are taken")
+        for i, tok in enumerate(ids):
+            if tok >= self.model_info.vocab_size:
+                raise InvalidArgument(f"token_ids[{i}] is {tok}, must be < vocab_size ({self.model_info.vocab_size})")
+        text = self.tokenizer.decode(list(ids), skip_special_tokens=request.skip_special_tokens)
+        return generation_pb2.DetokenizeResponse(text=text)
 
     async def GetModelInfo(self, request, context):
         return self.model_info

@@ -9,6 +9,12 @@
 Against a secured gateway (see README, Security): ``Client(address, ca="ca.pem")`` for TLS,
 plus ``cert="client.pem", key="client.key"`` for mutual TLS, and ``token=...`` for the bearer
 token; ``tls=True`` alone verifies the server against the system's roots.
+
+Calls refused with UNAVAILABLE or RESOURCE_EXHAUSTED before any token came back are retried
+by the channel itself (gRPC's retryPolicy, honouring the server's pushback: see
+``splitserve.grpc_options``); ``retry=False`` turns that off. Every event carries its
+request's id (the server's own when none was given), so a stream can be aborted from its
+first event on.
 """
 from __future__ import annotations
 
@@ -18,6 +24,7 @@ from typing import AsyncIterator, Iterator, Sequence
 
 import grpc
 
+from splitserve.grpc_options import client_options
 from splitserve.security import DEFAULT_MAX_MESSAGE_MB, Security
 from splitserve.v1 import generation_pb2, generation_pb2_grpc
 
@@ -35,6 +42,9 @@ class Event:
     matched_stop: str = ""
     usage: generation_pb2.Usage | None = None
     timeline: generation_pb2.Timeline | None = None
+    logprobs: list[generation_pb2.TokenLogprobs] = field(default_factory=list)  # one per token, when asked
+    error: str = ""  # on the last event of a request that ended in error
+    request_id: str = ""
 
 
 def build_request(prompt: str | Sequence[int] | None = None, *, messages: Sequence[dict] | None = None,
@@ -59,8 +69,17 @@ def _event(response: generation_pb2.GenerateResponse) -> Event:
     if response.HasField("final"):
         f = response.final
         return Event(finished=True, finish_reason=f.finish_reason, matched_stop=f.matched_stop,
-                     usage=f.usage, timeline=f.timeline)
-    return Event(token_ids=list(response.chunk.token_ids), text=response.chunk.text)
+                     usage=f.usage, timeline=f.timeline, error=f.error, request_id=response.request_id)
+    chunk = response.chunk
+    return Event(token_ids=list(chunk.token_ids), text=chunk.text, logprobs=list(chunk.logprobs),
+                 request_id=response.request_id)
+
+
+def _tokenize_request(text: str | None, messages: Sequence[dict] | None,
+                      add_generation_prompt: bool) -> generation_pb2.TokenizeRequest:
+    request = generation_pb2.TokenizeRequest(text=text or "", add_generation_prompt=add_generation_prompt)
+    request.messages.extend(generation_pb2.ChatMessage(**m) for m in messages or ())
+    return request
 
 
 def client_security(tls: bool = False, ca=None, cert=None, key=None, token: str | None = None,
@@ -70,13 +89,14 @@ def client_security(tls: bool = False, ca=None, cert=None, key=None, token: str 
 
 
 class Client:
-    """``tls``/``ca``/``cert``/``key``/``token``: see the module docstring; ``credentials`` overrides the TLS part."""
+    """``tls``/``ca``/``cert``/``key``/``token``: see the module docstring; ``credentials`` overrides the TLS
+    part; ``retry``: the channel retries calls refused before any token (see the module docstring)."""
 
     def __init__(self, address: str = "localhost:50051", credentials: grpc.ChannelCredentials | None = None, *,
                  tls: bool = False, ca=None, cert=None, key=None, token: str | None = None,
-                 max_message_mb: float = DEFAULT_MAX_MESSAGE_MB):
+                 max_message_mb: float = DEFAULT_MAX_MESSAGE_MB, retry: bool = True):
         security = client_security(tls, ca, cert, key, token, max_message_mb)
-        self.channel = security.channel(address, credentials)
+        self.channel = security.channel(address, credentials, options=client_options(retry))
         self.stub = generation_pb2_grpc.GenerationStub(self.channel)
 
     def generate(self, prompt=None, *, timeout: float | None = None, **kwargs) -> Iterator[Event]:
@@ -94,6 +114,20 @@ class Client:
     def abort(self, request_id: str) -> bool:
         return self.stub.Abort(generation_pb2.AbortRequest(request_id=request_id)).found
 
+    def get_request(self, request_id: str) -> generation_pb2.RequestInfo:
+        return self.stub.GetRequest(generation_pb2.GetRequestRequest(request_id=request_id))
+
+    def tokenize(self, text: str | None = None, *, messages: Sequence[dict] | None = None,
+                 add_generation_prompt: bool = True) -> list[int]:
+        return list(self.stub.Tokenize(_tokenize_request(text, messages, add_generation_prompt)).token_ids)
+
+    def detokenize(self, token_ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        return self.stub.Detokenize(generation_pb2.DetokenizeRequest(
+            token_ids=token_ids, skip_special_tokens=skip_special_tokens)).text
+
+    def model_info(self) -> generation_pb2.ModelInfo:
+        return self.stub.GetModelInfo(generation_pb2.GetModelInfoRequest())
+
     def server_info(self) -> generation_pb2.ServerInfo:
         return self.stub.GetServerInfo(generation_pb2.GetServerInfoRequest())
 
@@ -108,22 +142,48 @@ class Client:
 
 
 class AsyncClient:
+    """The asyncio counterpart of ``Client``, method for method."""
+
     def __init__(self, address: str = "localhost:50051", credentials: grpc.ChannelCredentials | None = None, *,
                  tls: bool = False, ca=None, cert=None, key=None, token: str | None = None,
-                 max_message_mb: float = DEFAULT_MAX_MESSAGE_MB):
+                 max_message_mb: float = DEFAULT_MAX_MESSAGE_MB, retry: bool = True):
         security = client_security(tls, ca, cert, key, token, max_message_mb)
-        self.channel = security.aio_channel(address, credentials)
+        self.channel = security.aio_channel(address, credentials, options=client_options(retry))
         self.stub = generation_pb2_grpc.GenerationStub(self.channel)
 
     async def generate(self, prompt=None, *, timeout: float | None = None, **kwargs) -> AsyncIterator[Event]:
         async for response in self.stub.Generate(build_request(prompt, **kwargs), timeout=timeout):
             yield _event(response)
 
+    async def abort(self, request_id: str) -> bool:
+        return (await self.stub.Abort(generation_pb2.AbortRequest(request_id=request_id))).found
+
+    async def get_request(self, request_id: str) -> generation_pb2.RequestInfo:
+        return await self.stub.GetRequest(generation_pb2.GetRequestRequest(request_id=request_id))
+
+    async def tokenize(self, text: str | None = None, *, messages: Sequence[dict] | None = None,
+                       add_generation_prompt: bool = True) -> list[int]:
+        reply = await self.stub.Tokenize(_tokenize_request(text, messages, add_generation_prompt))
+        return list(reply.token_ids)
+
+    async def detokenize(self, token_ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        return (await self.stub.Detokenize(generation_pb2.DetokenizeRequest(
+            token_ids=token_ids, skip_special_tokens=skip_special_tokens))).text
+
+    async def model_info(self) -> generation_pb2.ModelInfo:
+        return await self.stub.GetModelInfo(generation_pb2.GetModelInfoRequest())
+
     async def server_info(self) -> generation_pb2.ServerInfo:
         return await self.stub.GetServerInfo(generation_pb2.GetServerInfoRequest())
 
     async def close(self) -> None:
         await self.channel.close()
+
+    async def __aenter__(self) -> "AsyncClient":
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.close()
 
 
 def cmd_generate(args) -> int:

@@ -38,11 +38,13 @@ log = logging.getLogger(__name__)
 __all__ = [
     "SplitserveError", "InvalidArgument", "AlreadyExists", "ResourceExhausted", "NotFound", "Cancelled",
     "DeadlineExceeded", "Unavailable", "Unauthenticated", "status_for", "ErrorMappingInterceptor",
-    "RETRY_AFTER_METADATA_KEY", "INTERNAL_MESSAGE", "HttpError", "http_error_for",
+    "RETRY_AFTER_METADATA_KEY", "RETRY_PUSHBACK_METADATA_KEY", "INTERNAL_MESSAGE", "HttpError", "http_error_for",
 ]
 
 # Trailing metadata key of a RESOURCE_EXHAUSTED status: milliseconds to wait before retrying.
 RETRY_AFTER_METADATA_KEY = "retry-after-ms"
+# The same in gRPC's retry design (A6): a channel's retryPolicy waits this long before retrying.
+RETRY_PUSHBACK_METADATA_KEY = "grpc-retry-pushback-ms"
 
 # What clients see for an unexpected exception; the details go to the server log only.
 INTERNAL_MESSAGE = "internal server error (details are in the server log)"
@@ -201,7 +203,9 @@ async def _abort(context: grpc.aio.ServicerContext, exc: Exception) -> None:
     code, message = status_for(exc)
     retry_after_s = getattr(exc, "retry_after_s", None)
     if code == grpc.StatusCode.RESOURCE_EXHAUSTED and retry_after_s is not None:
-        context.set_trailing_metadata(((RETRY_AFTER_METADATA_KEY, str(round(retry_after_s * 1000))),))
+        ms = str(round(retry_after_s * 1000))
+        # Ours for any client, and gRPC's own pushback, which a channel's retryPolicy waits for.
+        context.set_trailing_metadata(((RETRY_AFTER_METADATA_KEY, ms), (RETRY_PUSHBACK_METADATA_KEY, ms)))
     await context.abort(code, message)
 
 

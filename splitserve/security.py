@@ -140,20 +140,23 @@ class Security:
         return grpc.ssl_channel_credentials(root_certificates=self.ca, private_key=self.key,
                                             certificate_chain=self.cert)
 
-    def channel(self, address: str, credentials: grpc.ChannelCredentials | None = None) -> grpc.Channel:
-        """A channel to ``address`` as configured: TLS or plaintext, the token on every call."""
+    def channel(self, address: str, credentials: grpc.ChannelCredentials | None = None,
+                options: Sequence[tuple[str, object]] = ()) -> grpc.Channel:
+        """A channel to ``address`` as configured: TLS or plaintext, the token on every call;
+        ``options``: more channel options (keepalive, retries: ``splitserve.grpc_options``)."""
         credentials = credentials or self.channel_credentials()
-        options = self.message_options()
+        options = self.message_options() + list(options)
         channel = (grpc.secure_channel(address, credentials, options=options) if credentials
                    else grpc.insecure_channel(address, options=options))
         if self.token:
             channel = grpc.intercept_channel(channel, _TokenClientInterceptor(self.token))
         return channel
 
-    def aio_channel(self, address: str, credentials: grpc.ChannelCredentials | None = None) -> grpc.aio.Channel:
+    def aio_channel(self, address: str, credentials: grpc.ChannelCredentials | None = None,
+                    options: Sequence[tuple[str, object]] = ()) -> grpc.aio.Channel:
         """The asyncio counterpart of ``channel``."""
         credentials = credentials or self.channel_credentials()
-        options = self.message_options()
+        options = self.message_options() + list(options)
         interceptors = _aio_token_interceptors(self.token) if self.token else None
         if credentials:
             return grpc.aio.secure_channel(address, credentials, options=options, interceptors=interceptors)

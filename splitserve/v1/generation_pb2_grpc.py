@@ -55,6 +55,11 @@ class GenerationStub:
                 request_serializer=splitserve_dot_v1_dot_generation__pb2.TokenizeRequest.SerializeToString,
                 response_deserializer=splitserve_dot_v1_dot_generation__pb2.TokenizeResponse.FromString,
                 _registered_method=True)
+        self.Detokenize = channel.unary_unary(
+                '/splitserve.v1.Generation/Detokenize',
+                request_serializer=splitserve_dot_v1_dot_generation__pb2.DetokenizeRequest.SerializeToString,
+                response_deserializer=splitserve_dot_v1_dot_generation__pb2.DetokenizeResponse.FromString,
+                _registered_method=True)
         self.GetModelInfo = channel.unary_unary(
                 '/splitserve.v1.Generation/GetModelInfo',
                 request_serializer=splitserve_dot_v1_dot_generation__pb2.GetModelInfoRequest.SerializeToString,
@@ -76,7 +81,8 @@ class GenerationServicer:
         `final` message. Bad input fails at once with INVALID_ARGUMENT (a field over the server's
         size limits too: prompt bytes, messages, stop strings, stop token ids, request_id length);
         a request_id that is taken with ALREADY_EXISTS; a full queue with RESOURCE_EXHAUSTED
-        (trailing metadata `retry-after-ms` says when to retry).
+        (trailing metadata `retry-after-ms`, and gRPC's own `grpc-retry-pushback-ms` that a
+        client's retryPolicy honours, say when to retry).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -99,6 +105,13 @@ class GenerationServicer:
     def Tokenize(self, request, context):
         """Tokenizes text, or chat messages through the model's chat template (same size limits as
         Generate: INVALID_ARGUMENT above them).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Detokenize(self, request, context):
+        """Turns token ids back into text (INVALID_ARGUMENT for an id outside the vocabulary).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -140,6 +153,11 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.Tokenize,
                     request_deserializer=splitserve_dot_v1_dot_generation__pb2.TokenizeRequest.FromString,
                     response_serializer=splitserve_dot_v1_dot_generation__pb2.TokenizeResponse.SerializeToString,
+            ),
+            'Detokenize': grpc.unary_unary_rpc_method_handler(
+                    servicer.Detokenize,
+                    request_deserializer=splitserve_dot_v1_dot_generation__pb2.DetokenizeRequest.FromString,
+                    response_serializer=splitserve_dot_v1_dot_generation__pb2.DetokenizeResponse.SerializeToString,
             ),
             'GetModelInfo': grpc.unary_unary_rpc_method_handler(
                     servicer.GetModelInfo,
@@ -261,6 +279,33 @@ class Generation:
             '/splitserve.v1.Generation/Tokenize',
             splitserve_dot_v1_dot_generation__pb2.TokenizeRequest.SerializeToString,
             splitserve_dot_v1_dot_generation__pb2.TokenizeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Detokenize(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitserve.v1.Generation/Detokenize',
+            splitserve_dot_v1_dot_generation__pb2.DetokenizeRequest.SerializeToString,
+            splitserve_dot_v1_dot_generation__pb2.DetokenizeResponse.FromString,
             options,
             channel_credentials,
             insecure,

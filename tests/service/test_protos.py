@@ -95,6 +95,7 @@ def test_generation_service_methods():
         "Abort": ("AbortRequest", "AbortResponse", False, False),
         "GetRequest": ("GetRequestRequest", "RequestInfo", False, False),
         "Tokenize": ("TokenizeRequest", "TokenizeResponse", False, False),
+        "Detokenize": ("DetokenizeRequest", "DetokenizeResponse", False, False),
         "GetModelInfo": ("GetModelInfoRequest", "ModelInfo", False, False),
         "GetServerInfo": ("GetServerInfoRequest", "ServerInfo", False, False),
     }

@@ -1,0 +1,100 @@
+"""The Python client against a real stack (Redis, a gateway, one colocated worker, the tiny
+Llama): every call it offers, the request id on every event, logprobs on the events, the
+async client's abort, and the channel's retry of a request refused before its first token."""
+import asyncio
+import threading
+import time
+
+import grpc
+import pytest
+
+from splitserve.client import AsyncClient, Client
+from splitserve.errors import RETRY_PUSHBACK_METADATA_KEY
+from splitserve.testing.stack import start_process, start_stack, wait_pages_at_baseline
+
+PROMPT = [40 + i % 50 for i in range(19)]  # token ids of the tiny byte-level model
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_model_dirs, tmp_path_factory):
+    running = start_stack(tiny_model_dirs["llama"], tmp_path_factory, prefill=0, decode=0, both=1)
+    try:
+        yield running
+    finally:
+        running.close()
+
+
+def test_every_event_names_its_request_and_carries_logprobs(stack, llama_reference):
+    events = list(stack.client.generate(PROMPT, max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=2,
+                                        timeout=60))
+    request_id = events[0].request_id
+    assert request_id and all(e.request_id == request_id for e in events)  # the server made it up
+    tokens = [t for e in events for t in e.token_ids]
+    assert tokens == llama_reference.greedy(PROMPT, 6)
+    logprobs = [lp for e in events for lp in e.logprobs]
+    assert [lp.token_id for lp in logprobs] == tokens
+    assert all(len(lp.top) == 2 and lp.top[0].logprob >= lp.top[1].logprob for lp in logprobs)
+    final = events[-1]
+    assert final.finished and final.error == ""
+    info = stack.client.get_request(request_id)
+    assert (info.state, info.finish_reason) == ("finished", "length")
+
+
+def test_tokenize_detokenize_and_model_info(stack):
+    info = stack.client.model_info()
+    assert info.vocab_size > 0 and info.max_model_len > 0
+    ids = stack.client.tokenize("hello, world")
+    assert ids and stack.client.detokenize(ids) == "hello, world"
+    with pytest.raises(grpc.RpcError) as e:
+        stack.client.detokenize([info.vocab_size])
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "vocab_size" in e.value.details()
+    with pytest.raises(grpc.RpcError) as e:
+        stack.client.get_request("no-such-request")
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_the_async_client_aborts_a_running_request_by_the_id_of_its_first_event(stack):
+    baseline = stack.free_pages()
+
+    async def main():
+        async with AsyncClient(stack.gateway_address) as client:
+            assert (await client.model_info()).vocab_size > 0
+            assert await client.detokenize(await client.tokenize("abc")) == "abc"
+            stream = client.generate(PROMPT, max_tokens=400, ignore_eos=True, timeout=60)
+            first = await stream.__anext__()
+            assert await client.abort(first.request_id)
+            with pytest.raises(grpc.aio.AioRpcError) as e:
+                async for _ in stream:
+                    pass
+            assert e.value.code() == grpc.StatusCode.CANCELLED
+            return first.request_id, (await client.get_request(first.request_id)).state
+    request_id, state = asyncio.run(main())
+    assert state == "aborted", request_id
+    wait_pages_at_baseline(stack, baseline)
+
+
+def test_a_request_refused_for_a_full_queue_is_retried_by_the_channel(stack, tmp_path):
+    """A second gateway with --queue-limit 1: while one request runs, another is refused with
+    RESOURCE_EXHAUSTED and gRPC's pushback; a client without retries sees the refusal, the
+    default client's channel waits the pushback, retries and gets its answer once room is free."""
+    gateway, address = start_process([*stack.argv["gateway"], "--queue-limit", "1"], tmp_path / "gateway.log")
+    try:
+        with Client(address, retry=False) as plain, Client(address) as retrying:
+            holder = plain.generate(PROMPT, max_tokens=1000, ignore_eos=True, timeout=60)
+            first = next(holder)  # it runs: the one place in the queue is taken
+            with pytest.raises(grpc.RpcError) as e:
+                list(plain.generate(PROMPT, max_tokens=2, timeout=30))
+            assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert int(dict(e.value.trailing_metadata())[RETRY_PUSHBACK_METADATA_KEY]) > 0
+            answer = []
+            waiter = threading.Thread(target=lambda: answer.extend(
+                retrying.generate(PROMPT, max_tokens=2, ignore_eos=True, timeout=60)))
+            waiter.start()
+            time.sleep(0.5)  # its first try is refused; the channel waits the pushback
+            assert waiter.is_alive() and not answer
+            assert plain.abort(first.request_id)  # room again
+            waiter.join(60)
+            assert answer and answer[-1].finished and answer[-1].finish_reason == "length", answer
+    finally:
+        gateway.terminate()
+        gateway.wait(30)
