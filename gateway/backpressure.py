@@ -3,9 +3,10 @@
 gRPC's HTTP/2 flow control stops a stream's sender once the client's window is full: a client
 that never reads leaves the gateway's Generate handler waiting in its send, while the workers
 keep producing the request's tokens into its ``Outbox``. Measured before these bounds (tiny model,
-clients with a 1 KiB window): a stream's send blocked after ~40 messages, the rest of its 1,000
-tokens stayed at the gateway, and the handler (with everything it held) stayed as long as the
-client's connection did.
+clients with a 1 KiB window): a stream's send blocked after ~40 messages, the request ran to its
+end all the same (holding its pages on the decode worker), the rest of its 1,000 tokens stayed
+at the gateway, and the handler with everything it held stayed as long as the client's
+connection (or deadline) did.
 
 ``Backpressure`` bounds that three ways (``splitserve.limits.OutputLimits``, each a gateway flag):
 
@@ -93,6 +94,9 @@ async def _abort(context, reason: str) -> None:
         await context.abort(ResourceExhausted.code, reason)
     except grpc.aio.AbortError:
         pass  # the status was sent: that is how abort returns
+    except Exception as e:  # gRPC refused the status (the call's headers were still pending)
+        log.warning("could not end a slow reader's stream with a status (%s); it ends at the client's "
+                    "deadline or disconnection", e)
 
 
 class Backpressure:

@@ -3,10 +3,10 @@
 ``Generate`` validates and tokenizes (the only validation of a request: everything after it
 receives resolved parameters), admits the request into the Redis queue in one atomic step and
 streams what its ``Job`` yields: token ids plus incrementally detokenized text, cut at stop
-strings, ``stream_interval`` tokens per message (more when the client reads slower than tokens come: see
-``gateway/outbox.py``), then one ``final`` message with the finish reason, usage and timeline. A
-client that goes away, or whose deadline passes, ends its job (``Job.finish``), which aborts the
-request on every worker; one that stops reading is cut by ``gateway/backpressure.py``.
+strings, ``stream_interval`` tokens per message (more when the client reads slower than tokens
+come: ``gateway/outbox.py``), then one ``final`` message with the finish reason, usage and
+timeline. A client that goes away, or whose deadline passes, ends its job (``Job.finish``), which
+aborts the request on every worker; one that stops reading is cut (``gateway/backpressure.py``).
 """
 from __future__ import annotations
 
@@ -97,6 +97,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         context.add_done_callback(lambda _: job.finish(self._rpc_gone(job)))
         stream = self.backpressure.open(job, context)
         try:
+            # The headers go now rather than with the first message: a status (a slow reader's
+            # cut) cannot be sent beside a pending first send, which carries them.
+            stream.sending_since = time.monotonic()
+            await context.send_initial_metadata(())
+            stream.sending_since = None
             async for response in self._stream(job, request.stream_interval or 1, context):
                 # The yield returns once gRPC took the message: it waits as long as the client's
                 # HTTP/2 window is full, which is what the slow-reader timeout measures.

@@ -32,16 +32,18 @@ class NeverReading:
     """
 
     def __init__(self, address: str, count: int, prompt: list[int], max_tokens: int, tag: str = "unread",
-                 timeout_s: float = 120.0):
+                 timeout_s: float = 120.0, stream_interval: int = 0, logprobs: int = 0):
         if not 0 < count <= 200:
             raise ValueError(f"a bounded hostile client opens 1..200 streams, not {count}")
         self.channel = loopback_channel(address)
         stub = generation_pb2_grpc.GenerationStub(self.channel)
-        sampling = generation_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+        sampling = generation_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True,
+                                                 logprobs=logprobs)
         self.request_ids = [f"{tag}-{i}" for i in range(count)]
         # A unary-stream call starts at once; its messages are only pulled when iterated.
         self.calls = [stub.Generate(generation_pb2.GenerateRequest(request_id=rid, token_ids=prompt,
-                                                                   sampling=sampling), timeout=timeout_s)
+                                                                   sampling=sampling, stream_interval=stream_interval),
+                                    timeout=timeout_s)
                       for rid in self.request_ids]
 
     def read_one(self, index: int = 0) -> tuple[int, grpc.StatusCode, str]:

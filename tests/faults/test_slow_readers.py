@@ -151,6 +151,22 @@ def test_streams_nobody_reads_are_cut_and_the_gateway_stays_responsive(stack, re
     assert memory_mib(pid)["rss"] - rss_before < GROWTH_MIB
 
 
+def test_a_stream_whose_first_message_never_fits_is_cut_with_its_status(stack):
+    # 100 tokens with logprobs make a first message of several KiB: it never fits the 1 KiB
+    # window. A status cannot be sent beside a pending first send (which carries the headers):
+    # before the gateway sent the headers up front, such a stream was left to its deadline.
+    with NeverReading(stack.gateway_address, 1, PROMPT, MAX_TOKENS, tag="first", stream_interval=100,
+                      logprobs=5) as hostile:
+        ended = wait_ended(stack, hostile.request_ids, timeout_s=60)
+        assert ended["first-0"] == ("aborted", f"the client did not read its stream for "
+                                               f"{SLOW_READER_TIMEOUT_S:g} s (--slow-reader-timeout-s)")
+        start = time.monotonic()
+        read, code, details = hostile.read_one(0)
+        assert read <= 1 and code == grpc.StatusCode.RESOURCE_EXHAUSTED and "did not read" in details
+        assert time.monotonic() - start < 30, "the status came at once, not at the call's deadline"
+    wait_pages_at_baseline(stack, stack.baseline, timeout_s=60)
+
+
 def test_a_burst_past_the_queue_limit_is_refused_and_the_rest_served(stack, reference):
     # 100 at once on one gateway: more than the limit, more than the 64 threads that once
     # served the gateway. Each admitted request lasts at least 200 slowed steps (4 s), so none
