@@ -16,8 +16,9 @@ running on the workers (whose cleanup frees their pages) and hands the job to ``
 which writes the terminal state to Redis once. Later calls return False and change nothing,
 so no path has to know whether another got there first.
 
-``events`` carries ``Tokens`` (in order, each token once, also across retries) and then one
-``Finished``; the Generate handler turns them into the client's stream.
+``events`` (an ``Outbox``) carries ``Tokens`` (in order, each token once, also across retries,
+merged while the client is behind) and then one ``Finished``; the Generate handler turns them
+into the client's stream.
 """
 from __future__ import annotations
 
@@ -25,12 +26,14 @@ import asyncio
 import dataclasses
 import enum
 import time
-from dataclasses import dataclass, field
 from typing import Callable
 
 import grpc
 
 from engine.sampling_params import SamplingParams
+from gateway.outbox import Finished, Outbox, Tokens
+
+__all__ = ["Job", "JobState", "Tokens", "Finished", "cancelled", "deadline_exceeded", "unavailable"]
 
 
 class JobState(str, enum.Enum):
@@ -39,26 +42,6 @@ class JobState(str, enum.Enum):
     PLACING = "placing"  # claimed: workers being chosen, pages reserved
     RUNNING = "running"  # on its workers: prefilling, then decoding
     FINISHED = "finished"  # ended, once and for all
-
-
-@dataclass
-class Tokens:
-    token_ids: list[int]
-    logprobs: list = field(default_factory=list)  # TokenLogprobs protos, one per token when asked
-    text: str = ""  # their text, as far as it is safe to show (see gateway.detokenizer.TextStream)
-
-
-@dataclass
-class Finished:
-    finish_reason: str  # length | eos | stop | aborted | deadline | error
-    status: grpc.StatusCode | None = None  # set when the request failed
-    message: str = ""
-
-    @property
-    def terminal_state(self) -> str:
-        """The request's terminal state in Redis."""
-        return {"length": "finished", "eos": "finished", "stop": "finished", "aborted": "aborted",
-                "deadline": "deadline"}.get(self.finish_reason, "failed")
 
 
 def cancelled(message: str = "cancelled") -> Finished:
@@ -87,7 +70,7 @@ class Job:
         self.text = text
         self.state = JobState.ADMITTING
         self.outcome: Finished | None = None
-        self.events: asyncio.Queue = asyncio.Queue()
+        self.events = Outbox()  # what the client has yet to take: Tokens, then one Finished
         self.epoch = 0  # of the current claim (fences the Redis writes of stale attempts)
         self.attempt = 0
         self.gated = True  # the current claim holds the placement gate (placing may take capacity)

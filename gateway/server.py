@@ -38,13 +38,14 @@ def model_info(args):
 
 
 async def _serve(args) -> int:
+    from gateway.backpressure import Backpressure
     from gateway.dispatch import Dispatcher
     from gateway.health_monitor import GatewayHealth
     from gateway.redis_state import RedisState, make_async_client
     from gateway.servicer import GenerationServicer
     from gateway.workers import WorkerDirectory
     from splitserve.grpc_server import start_server, stop_event
-    from splitserve.limits import RequestLimits
+    from splitserve.limits import OutputLimits, RequestLimits
     from splitserve.metrics import GatewayMetrics, serve_metrics
     from splitserve.security import Security
     from splitserve.v1 import generation_pb2_grpc
@@ -62,8 +63,12 @@ async def _serve(args) -> int:
     await dispatcher.start()
     limits = RequestLimits.from_args(args).resolve(info.max_model_len, tokenizer)
     log.info("request limits: %s", ", ".join(f"{k} {v}" for k, v in dataclasses.asdict(limits).items()))
+    output_limits = OutputLimits.from_args(args)
+    log.info("output limits: %s", ", ".join(f"{k} {v}" for k, v in dataclasses.asdict(output_limits).items()))
+    backpressure = Backpressure(output_limits, on_cut=metrics.slow_readers_cut.inc).start()
+    metrics.unread_output.set_function(lambda: backpressure.buffered_bytes)
     servicer = GenerationServicer(state, dispatcher, tokenizer, info, limits, metrics=metrics,
-                                  metrics_address=metrics_address)
+                                  metrics_address=metrics_address, backpressure=backpressure)
 
     def register(server):
         generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
@@ -85,6 +90,7 @@ async def _serve(args) -> int:
     if http is not None:
         await http.stop()
     await server.stop(grace=2)
+    await backpressure.stop()
     await dispatcher.stop()
     await directory.close()
     return 0

@@ -3,9 +3,10 @@
 ``Generate`` validates and tokenizes (the only validation of a request: everything after it
 receives resolved parameters), admits the request into the Redis queue in one atomic step and
 streams what its ``Job`` yields: token ids plus incrementally detokenized text, cut at stop
-strings, ``stream_interval`` tokens per message, then one ``final`` message with the finish
-reason, usage and timeline. A client that goes away, or whose deadline passes, ends its job
-(``Job.finish``), which aborts the request on every worker.
+strings, ``stream_interval`` tokens per message (more when the client reads slower than tokens
+come: ``gateway/outbox.py``), then one ``final`` message with the finish reason, usage and
+timeline. A client that goes away, or whose deadline passes, ends its job (``Job.finish``), which
+aborts the request on every worker; one that stops reading is cut (``gateway/backpressure.py``).
 """
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ import uuid
 import jinja2
 from google.protobuf import json_format
 
+from gateway.backpressure import Backpressure
 from gateway.detokenizer import TextStream
 from gateway.dispatch import Dispatcher
 from gateway.job import Finished, Job, Tokens, cancelled, deadline_exceeded
@@ -37,8 +39,10 @@ RETRY_AFTER_S = 1.0
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     def __init__(self, state, dispatcher: Dispatcher, tokenizer, model_info: generation_pb2.ModelInfo,
-                 limits: RequestLimits, metrics: GatewayMetrics | None = None, metrics_address: str = ""):
-        """``limits``: resolved for this model (``RequestLimits.resolve``)."""
+                 limits: RequestLimits, metrics: GatewayMetrics | None = None, metrics_address: str = "",
+                 backpressure: Backpressure | None = None):
+        """``limits``: resolved for this model (``RequestLimits.resolve``); ``backpressure``: the
+        bounds on unread output (default ones, not watching for slow readers, if not given)."""
         self.state = state
         self.dispatcher = dispatcher
         self.ledger = dispatcher.ledger
@@ -50,18 +54,31 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self.metrics_address = metrics_address
         self.draining = False  # SIGTERM: in-flight requests finish, new ones are refused
         self.health = None  # the GatewayHealth monitor, once the server runs
+        self.backpressure = backpressure or Backpressure()
 
     # ---- Generate ----------------------------------------------------------------------
     async def Generate(self, request, context):
         job = await self.admit(request, context.time_remaining())
         # However the RPC ends (cancelled, deadline, the stream done), the job has ended by then.
         context.add_done_callback(lambda _: job.finish(self._rpc_gone(job)))
+        stream = self.backpressure.open(job, context)
         try:
+            # The headers go now rather than with the first message: a status (a slow reader's
+            # cut) cannot be sent beside a pending first send, which carries them.
+            stream.sending_since = time.monotonic()
+            await context.send_initial_metadata(())
+            stream.sending_since = None
             async for response in self._stream(job, request.stream_interval or 1, context):
+                # The yield returns once gRPC took the message: it waits as long as the client's
+                # HTTP/2 window is full, which is what the slow-reader timeout measures.
+                stream.sending_since = time.monotonic()
                 yield response
+                stream.sending_since = None
         except BaseException:
             job.finish(self._rpc_gone(job))  # the client left mid-stream (this task is cancelled)
             raise
+        finally:
+            self.backpressure.close(stream)
 
     async def admit(self, request: generation_pb2.GenerateRequest, remaining_s: float | None) -> Job:
         """Validate, tokenize and admit ``request`` (the one path of every API: gRPC and HTTP);
@@ -72,6 +89,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self._check_sizes(request)
         if self.health is not None and self.health.no_workers:
             raise Unavailable(f"this gateway cannot serve now: {self.health.reason}")
+        self.backpressure.check_room()
         token_ids = self._tokenize(request)
         params = resolve_sampling(request.sampling, len(token_ids), self.model_info.max_model_len)
         if not PRIORITY_MIN <= request.priority <= PRIORITY_MAX:

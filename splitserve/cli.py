@@ -43,6 +43,11 @@ def _request_limits():
     return RequestLimits
 
 
+def _output_limits():
+    from splitserve.limits import OutputLimits
+    return OutputLimits
+
+
 def _command(name: str, help: str, params: list[click.Option], run: Callable[[argparse.Namespace], int],
              configs: tuple[Callable[[], type], ...] = ()) -> click.Command:
     def callback(**values):
@@ -111,10 +116,10 @@ def build() -> click.Group:
     group.add_command(_command("prefill", "Run a prefill worker.", options("prefill"), _run("prefill_worker.server"),
                                configs=(_engine_config,)))
     group.add_command(_command("gateway", "Run the public gRPC gateway.", options("gateway"), _run("gateway.server"),
-                               configs=(_request_limits,)))
+                               configs=(_request_limits, _output_limits)))
     group.add_command(_command("up", "Start Redis, a gateway, prefill and decode workers on this machine, and "
                                      "supervise them.", _up_params(), _run("splitserve.launcher", "cmd_up"),
-                               configs=(_engine_config, _request_limits)))
+                               configs=(_engine_config, _request_limits, _output_limits)))
     group.add_command(_command("generate", "Stream a generation from a running gateway to the terminal.",
                                _generate_params(), _run("splitserve.client", "cmd_generate")))
     return group

@@ -4,7 +4,8 @@ A ``Flag`` says which process kinds take it (``decode``, ``prefill``, ``gateway`
 default and help, and how ``up`` hands it on. The engine's flags are not written here: they
 are derived from ``engine.config.EngineConfig``, one per field, with the field's comment as
 help, so a new config field gets its flag by itself; the gateway's request size limits
-(``--max-prompt-bytes``...) are derived the same way from ``splitserve.limits.RequestLimits``.
+(``--max-prompt-bytes``...) and bounds on unread output (``--slow-reader-timeout-s``...) are
+derived the same way from ``splitserve.limits.RequestLimits`` and ``OutputLimits``.
 Each flag also reads the environment
 variable ``SPLITSERVE_<NAME>`` (click's ``envvar``); ``--help`` shows the default and the
 variable, and a bad value is a usage error naming the flag, not a traceback.
@@ -23,7 +24,7 @@ from dataclasses import dataclass
 import click
 
 from engine.config import ATTENTION_BACKENDS, BATCHING_MODES, DTYPES, PREEMPTION_MODES, SCHEDULING_POLICIES, EngineConfig
-from splitserve.limits import RequestLimits
+from splitserve.limits import OutputLimits, RequestLimits
 
 ENV_PREFIX = "SPLITSERVE_"
 WORKERS = frozenset({"decode", "prefill"})
@@ -124,8 +125,10 @@ def engine_flags() -> list[Flag]:
 
 
 def limit_flags() -> list[Flag]:
-    """The gateway's request size limits (``splitserve.limits.RequestLimits``), one flag per field."""
-    return _dataclass_flags(RequestLimits, lambda name: frozenset({"gateway"}))
+    """The gateway's request size limits and bounds on unread output (``splitserve.limits``), one
+    flag per field."""
+    gateway = lambda name: frozenset({"gateway"})  # noqa: E731
+    return _dataclass_flags(RequestLimits, gateway) + _dataclass_flags(OutputLimits, gateway)
 
 
 # ---- the services' own flags -----------------------------------------------------------

@@ -1,4 +1,6 @@
-"""How much one request may carry: the gateway's size limits, checked before any work starts.
+"""How much one request may carry (``RequestLimits``, checked before any work starts), and how much
+of its output the gateway keeps for a client that does not read it (``OutputLimits``, enforced by
+``gateway/backpressure.py``).
 
 A gRPC message may be as large as ``--max-message-mb`` (16 MiB), and inside it a client can put
 far more than any request needs: a 12 MB text prompt that the tokenizer would turn into
@@ -7,8 +9,8 @@ every decode step would scan. Each field that can grow has a limit here; the gat
 request over any of them with INVALID_ARGUMENT (``splitserve.api_convert.check_sizes``) before
 it tokenizes, admits or reserves anything.
 
-Every field is a gateway flag (``--max-prompt-bytes``...; ``splitserve/flags.py`` derives them
-from this dataclass, with the comments as help). A field left at 0 is derived from the served
+Every field of both is a gateway flag (``--max-prompt-bytes``...; ``splitserve/flags.py`` derives
+them from these dataclasses, with the comments as help). A field left at 0 is derived from the served
 model by ``resolve``:
 
 * ``max_prompt_bytes``: ``max_model_len`` times the longest token of the tokenizer's vocabulary
@@ -29,7 +31,7 @@ from dataclasses import dataclass
 
 from tokenizers import decoders
 
-__all__ = ["RequestLimits", "longest_token_bytes"]
+__all__ = ["RequestLimits", "OutputLimits", "longest_token_bytes"]
 
 # A token stands for at least one character, which may take 4 bytes in UTF-8: the floor of the
 # derived bytes-per-token figure, whatever a (tiny, test) vocabulary says.
@@ -73,6 +75,32 @@ class RequestLimits:
     @classmethod
     def from_args(cls, args) -> "RequestLimits":
         """The limits given on a gateway's command line (its flags carry the field names)."""
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+
+
+@dataclass(frozen=True)
+class OutputLimits:
+    """Bounds on generated output that waits at the gateway for its client (see
+    ``gateway/backpressure.py``)."""
+
+    # generated tokens that may wait at the gateway for one client that is not taking them (its
+    # HTTP/2 window is full); past it the request ends with RESOURCE_EXHAUSTED
+    max_buffered_tokens_per_stream: int = 4096
+    # bytes of generated output (ids, text, logprobs) waiting at the gateway for all its clients
+    # together; past it new Generate calls get RESOURCE_EXHAUSTED with a retry hint
+    max_buffered_bytes: int = 64 * 2**20
+    # seconds a streamed message may wait for its client to take it; then the request ends with
+    # RESOURCE_EXHAUSTED
+    slow_reader_timeout_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ValueError(f"{f.name} must be > 0, got {value!r}")
+
+    @classmethod
+    def from_args(cls, args) -> "OutputLimits":
         return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
 
 

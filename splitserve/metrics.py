@@ -97,6 +97,12 @@ class GatewayMetrics:
         self.retries = Counter("splitserve:request_retries", "Attempts that failed because a worker died, froze "
                                "or voided its handoff (the request went back to the queue or gave up)",
                                registry=registry)
+        self.unread_output = Gauge("splitserve:unread_output_bytes", "Generated output waiting at the gateway for "
+                                   "clients that have not taken it (estimated bytes; --max-buffered-bytes)",
+                                   registry=registry)
+        self.slow_readers_cut = Counter("splitserve:slow_readers_cut", "Requests ended because their client did "
+                                        "not read its stream (--slow-reader-timeout-s, "
+                                        "--max-buffered-tokens-per-stream)", registry=registry)
 
 
 def serve_metrics(port: int, host: str = "0.0.0.0") -> tuple[CollectorRegistry, str]:

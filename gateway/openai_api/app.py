@@ -19,6 +19,7 @@ import dataclasses
 import hmac
 import json
 import logging
+import time
 from pathlib import Path
 
 from fastapi import FastAPI, Request
@@ -153,23 +154,40 @@ async def _disconnected(request: Request) -> None:
 
 async def _events(servicer, job: Job, responses: Responses, usage: bool):
     """The server-sent events of a streamed request. Starlette cancels this generator when the
-    client disconnects: the ``finally`` then ends the request (aborting it on its workers)."""
-    try:
+    client disconnects: the ``finally`` then ends the request (aborting it on its workers). A
+    client that stops reading is bounded like a gRPC one (``gateway.backpressure``): each yield
+    returns once the event was written, so the time spent in it is the time the client did not
+    read, and a cut cancels this generator's task."""
+    stream = servicer.backpressure.open(job, None)
+
+    async def bodies():
         if responses.chat:
             yield _sse(responses.chunk("", [], role=True, with_usage=usage))
         async for event in servicer.outputs(job):
             if event.text or event.logprobs or (responses.token_ids and event.token_ids):
                 yield _sse(responses.chunk(event.text, event.logprobs, with_usage=usage, token_ids=event.token_ids))
-        finished = job.outcome
-        if finished.status is not None:
-            yield _sse(http_error_of_status(finished.status, finished.message).body())
-        else:
-            yield _sse(responses.chunk("", [], finish_reason=finished.finish_reason, with_usage=usage))
-            if usage:
-                yield _sse(responses.usage_chunk(job))
-        yield "data: [DONE]\n\n"
+        for body in _last_events(job, responses, usage):
+            yield body
+    try:
+        async for body in bodies():
+            stream.sending_since = time.monotonic()
+            yield body
+            stream.sending_since = None
     finally:
+        servicer.backpressure.close(stream)
         job.finish(cancelled("client went away"))  # no effect once the request has ended
+
+
+def _last_events(job: Job, responses: Responses, usage: bool) -> list[str]:
+    """How a stream ends: its finish reason (and usage), or its error; then [DONE]."""
+    finished = job.outcome
+    if finished.status is not None:
+        events = [_sse(http_error_of_status(finished.status, finished.message).body())]
+    else:
+        events = [_sse(responses.chunk("", [], finish_reason=finished.finish_reason, with_usage=usage))]
+        if usage:
+            events.append(_sse(responses.usage_chunk(job)))
+    return [*events, "data: [DONE]\n\n"]
 
 
 def _sse(body: dict) -> str:

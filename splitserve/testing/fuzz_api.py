@@ -11,7 +11,8 @@ just or far past its limit; those must be INVALID_ARGUMENT naming that field.
 
 A Generate that is accepted is read for at most ``READ_BUDGET`` (messages and seconds), then
 cancelled by the client: huge ``max_tokens`` must not make a run slow, and the cut exercises
-the cancel path too.
+the cancel path too. ``stalled_call`` is the other careless client: it stops reading for a
+while (a 1 KiB window, so the gateway's sends block), then reads on.
 """
 from __future__ import annotations
 
@@ -170,6 +171,26 @@ def generate_requests(draw, max_tokens=None):
     return req
 
 
+@st.composite
+def long_streams(draw):
+    """Legal Generate requests with long outputs of varied shapes (chunk sizes, logprobs, any
+    text, stop strings, sampling), for clients that stop reading."""
+    req = generation_pb2.GenerateRequest(stream_interval=draw(st.one_of(st.integers(0, 4),
+                                                                         st.sampled_from([64, UINT32_MAX]))))
+    kind = draw(st.sampled_from(["text", "token_ids", "messages"]))
+    if kind == "text":
+        req.text = draw(texts.filter(bool))
+    elif kind == "token_ids":
+        req.token_ids.extend(draw(st.lists(st.integers(0, 258), min_size=1, max_size=40)))
+    else:
+        req.messages.extend(draw(good_chat))
+    req.sampling.CopyFrom(generation_pb2.SamplingParams(
+        max_tokens=draw(st.integers(100, 900)), temperature=draw(st.sampled_from([0.0, 0.7, 1.5])),
+        logprobs=draw(st.integers(0, 5)), ignore_eos=draw(st.booleans()),
+        stop=draw(st.lists(texts.filter(bool), max_size=2))))
+    return req
+
+
 def tokenize_requests():
     return st.builds(generation_pb2.TokenizeRequest, text=st.one_of(texts, big_texts), messages=chat,
                      add_generation_prompt=st.booleans())
@@ -256,6 +277,26 @@ def call(stub, rpc: str, request, read_budget=READ_BUDGET) -> tuple[str, str]:
         return "OK", ""
     except grpc.RpcError as e:
         return e.code().name, e.details() or ""
+
+
+def stalled_call(address: str, request, read_first: int, stall_s: float) -> tuple[str, str]:
+    """(status name, details) of a Generate whose client reads ``read_first`` messages, stops
+    reading for ``stall_s`` (its small HTTP/2 window fills up), then reads on to the end."""
+    from splitserve.testing.hostile import loopback_channel
+    from splitserve.v1 import generation_pb2_grpc
+    with loopback_channel(address) as channel:
+        stream = generation_pb2_grpc.GenerationStub(channel).Generate(request, timeout=RPC_TIMEOUT_S)
+        try:
+            messages = iter(stream)
+            for _ in range(read_first):
+                if next(messages, None) is None:
+                    return "OK", ""
+            time.sleep(stall_s)
+            for _ in messages:
+                pass
+            return "OK", ""
+        except grpc.RpcError as e:
+            return e.code().name, e.details() or ""
 
 
 def describe(rpc: str, request, limit: int = 60) -> str:

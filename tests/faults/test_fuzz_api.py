@@ -11,8 +11,11 @@ field just or far past its limit must be INVALID_ARGUMENT naming that field.
 
 A Generate that is accepted is read for at most ``READ_BUDGET`` (messages and seconds), then
 cancelled by the client: huge ``max_tokens`` must not make the suite slow, and the cut
-exercises the cancel path too. The strategies live in ``splitserve/testing/fuzz_api.py``; the long version is
-``bench/fuzz.py`` (more examples, counts per status code in JSON).
+exercises the cancel path too. Fuzzed Generate requests also come from a client that stops
+reading for longer than the gateway's ``--slow-reader-timeout-s``: each ends OK (its output fit
+the window, or it ended first) or with a client-error status, never hangs, and nothing leaks.
+The strategies live in ``splitserve/testing/fuzz_api.py``; the long version is ``bench/fuzz.py``
+(more examples, counts per status code in JSON).
 """
 from __future__ import annotations
 
@@ -27,13 +30,18 @@ from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
 from splitserve.limits import RequestLimits
-from splitserve.testing.fuzz_api import ALLOWED, CHAT_TEMPLATE, call, describe, oversized_requests, requests
+from splitserve.testing.fuzz_api import (ALLOWED, CHAT_TEMPLATE, call, describe, long_streams, oversized_requests,
+                                        requests, stalled_call)
 from splitserve.testing.stack import live_request_keys, queued_request_ids, start_stack, wait_pages_at_baseline
 from splitserve.v1 import generation_pb2
 
 
 # The tiny test Llama's context (max_position_embeddings; the gateway gets no --max-model-len).
 MAX_MODEL_LEN = 1024
+# The gateway cuts a stream whose message waits this long for its client; stalled clients stop
+# reading for longer.
+SLOW_READER_TIMEOUT_S = 2.0
+STALL_S = SLOW_READER_TIMEOUT_S + 2.0
 
 
 # ---- the tests -----------------------------------------------------------------------------
@@ -51,7 +59,8 @@ def fuzz_model(tiny_model_dirs, tmp_path_factory):
 def stack(fuzz_model, tmp_path_factory):
     # Decode reservations outlive every wait here: leaked pages cannot come back by lease expiry.
     running = start_stack(fuzz_model, tmp_path_factory, prefill=1, decode=1,
-                          worker_args=["--num-threads", "1"], role_args={"decode": ["--lease-ttl-s", "600"]})
+                          worker_args=["--num-threads", "1"], role_args={"decode": ["--lease-ttl-s", "600"]},
+                          gateway_args=["--slow-reader-timeout-s", str(SLOW_READER_TIMEOUT_S)])
     try:
         running.baseline = running.free_pages()
         yield running
@@ -92,6 +101,22 @@ def test_a_field_past_its_limit_is_invalid_argument_naming_it(stack, limits, dat
     event(f"{rpc}: {path}")
     code, details = call(stack.stub, rpc, request)
     assert code == "INVALID_ARGUMENT" and details.startswith(path), f"{code} {details!r} for {describe(rpc, request)}"
+
+
+# Why a stalled client's request may end RESOURCE_EXHAUSTED (anything else is a wrong answer).
+STALL_REASONS = ("did not read its stream", "--max-buffered-tokens-per-stream", "--max-buffered-bytes", "queue full")
+
+
+@settings(max_examples=10, deadline=None, derandomize=True, database=None, print_blob=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.large_base_example])
+@given(request=long_streams(), read_first=st.integers(0, 3))
+def test_a_client_that_stops_reading_is_cut_or_served(stack, request, read_first):
+    code, details = stalled_call(stack.gateway_address, request, read_first, STALL_S)
+    event(f"stalled Generate: {code}")
+    assert code in ALLOWED, f"{code} {details!r} for {describe('Generate', request)}"
+    if code == "RESOURCE_EXHAUSTED":
+        assert any(reason in details for reason in STALL_REASONS), details
+    assert_up(stack)
 
 
 def test_out_of_vocab_stop_token_is_refused_before_any_page_is_reserved(stack):
