@@ -210,3 +210,42 @@ def test_configurations_that_open_the_workers_to_clients_do_not_start(tiny_model
     # The internal token equal to a client's would let that client call the workers.
     out = _refused(gateway, {"SPLITSERVE_AUTH_TOKEN": "same", "SPLITSERVE_INTERNAL_TOKEN": "same"})
     assert "must differ" in out.stderr
+
+
+def test_up_gives_one_internal_token_to_every_child_when_security_is_on(tmp_path):
+    from splitserve.cli import parse
+    from splitserve.launcher import plan
+
+    def envs(argv, env):
+        old = dict(os.environ)
+        os.environ.update(env)
+        try:
+            specs = plan(parse(["up", "--prefill", "1", "--decode", "1", *argv]), "redis://127.0.0.1:1/0",
+                         str(tmp_path))
+        finally:
+            os.environ.clear()
+            os.environ.update(old)
+        return {s.name: (s.env, s.argv) for s in specs if s.name != "redis"}
+
+    secured = envs([], {"SPLITSERVE_AUTH_TOKEN": "client", "SPLITSERVE_ADMIN_TOKEN": "adm"})
+    made = {env["SPLITSERVE_INTERNAL_TOKEN"] for env, _ in secured.values()}
+    assert len(made) == 1 and made.pop() not in ("", "client", "adm")
+    for name, (env, argv) in secured.items():
+        assert ("SPLITSERVE_AUTH_TOKEN" in env) == ("SPLITSERVE_ADMIN_TOKEN" in env) == (name == "gateway"), name
+        assert not {"client", "adm", env["SPLITSERVE_INTERNAL_TOKEN"]} & set(argv), name
+    # One given is used as it is; without security none is made (workers as open as the gateway).
+    given = envs([], {"SPLITSERVE_AUTH_TOKEN": "client", "SPLITSERVE_INTERNAL_TOKEN": "mine"})
+    assert {env["SPLITSERVE_INTERNAL_TOKEN"] for env, _ in given.values()} == {"mine"}
+    assert all("SPLITSERVE_INTERNAL_TOKEN" not in env for env, _ in envs([], {}).values())
+
+
+def test_token_file_lines(tmp_path):
+    from splitserve.authz import read_token_file
+    path = tmp_path / "tokens"
+    path.write_text("# clients\n  alpha  \n\nbeta\n  # indented comment\n")
+    assert read_token_file(str(path)) == ["alpha", "beta"]
+    path.write_text("# nothing but comments\n")
+    with pytest.raises(ValueError, match="holds no token"):
+        read_token_file(str(path))
+    with pytest.raises(ValueError, match="cannot read --token-file"):
+        read_token_file(str(tmp_path / "missing"))
