@@ -130,12 +130,12 @@ def gateway_credentials(args):
     admin = getattr(args, "admin_token", "") or ""
     clients = [t for t in public.accepted_tokens if t != admin]
     if admin and admin in (args.auth_token, *read_token_file(getattr(args, "token_file", ""))):
-        raise SystemExit("splitserve: --admin-token must differ from every client token (--auth-token, --token-file)")
+        raise SystemExit("--admin-token must differ from every client token (--auth-token, --token-file)")
     if internal.token and internal.token in public.accepted_tokens:
-        raise SystemExit("splitserve: --internal-token must differ from every client and admin token: whoever "
+        raise SystemExit("--internal-token must differ from every client and admin token: whoever "
                          "holds it can call the workers directly")
     if (public.accepted_tokens or public.mutual_tls) and not internal.token:
-        raise SystemExit("splitserve: the gateway has client credentials (a token or mutual TLS) but no "
+        raise SystemExit("the gateway has client credentials (a token or mutual TLS) but no "
                          "--internal-token (SPLITSERVE_INTERNAL_TOKEN): give one to the gateway and every worker, "
                          "else anyone who reaches a worker's port can call it (Reserve, Prefill...)")
     return Authorizer(clients, [admin], mutual_tls=public.mutual_tls), public, internal

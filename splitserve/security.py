@@ -118,7 +118,7 @@ class Security:
                                 max_message_mb=args.max_message_mb)
             return dataclasses.replace(security, more_tokens=tuple(t for t in more if t))
         except ValueError as e:
-            raise SystemExit(f"splitserve: {e}") from None
+            raise SystemExit(str(e)) from None
 
     @classmethod
     def internal_from_args(cls, args) -> "Security":
@@ -128,7 +128,7 @@ class Security:
             return cls.load(args.tls_cert, args.tls_key, args.tls_ca, getattr(args, "internal_token", ""),
                             max_message_mb=args.max_message_mb)
         except ValueError as e:
-            raise SystemExit(f"splitserve: {e}") from None
+            raise SystemExit(str(e)) from None
 
     @property
     def accepted_tokens(self) -> tuple[str, ...]:

@@ -74,7 +74,7 @@ def worker_security(args) -> Security:
     worker (an old configuration that handed ``--auth-token`` to every process) is refused: it
     would let every client call Reserve and Prefill here directly."""
     if getattr(args, "auth_token", ""):
-        raise SystemExit("splitserve: workers take --internal-token (SPLITSERVE_INTERNAL_TOKEN), the gateway's "
+        raise SystemExit("workers take --internal-token (SPLITSERVE_INTERNAL_TOKEN), the gateway's "
                          "credential, not the clients' --auth-token (SPLITSERVE_AUTH_TOKEN): give the token to the "
                          "gateway only, and one internal token to the gateway and every worker")
     return Security.internal_from_args(args)
