@@ -14,6 +14,7 @@ One ``Security`` per process, built from its flags (``Security.from_args``):
   ``more_tokens``), or it fails with ``UNAUTHENTICATED``. ``grpc.health.v1.Health`` stays open
   so load balancers and orchestrators can probe; reflection needs a token like the rest.
   The client side attaches ``token`` to every call it makes.
+* ``max_message_bytes`` (``--max-message-mb``): the largest message a port accepts or sends.
 
 Two sides, two sets of tokens (``from_args`` and ``internal_from_args``):
 
@@ -21,7 +22,6 @@ Two sides, two sets of tokens (``from_args`` and ``internal_from_args``):
   and the admin token (``--admin-token``); who is who is ``splitserve.authz``'s business;
 * a worker's port accepts only ``--internal-token``, and the gateway sends it on its calls to
   the workers, so a client token cannot call ``Reserve`` or ``Prefill`` directly.
-* ``max_message_bytes`` (``--max-message-mb``): the largest message a port accepts or sends.
 
 No bytes that arrive from the network are ever unpickled anywhere in splitserve (protobuf,
 JSON and fixed binary headers only); ``tests/service/test_security.py`` guards that.
