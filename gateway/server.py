@@ -31,7 +31,8 @@ def model_info(args):
     config = load_config(model_dir)
     eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
     info = generation_pb2.ModelInfo(
-        model=public_model_name(args.model), max_model_len=args.max_model_len or getattr(config, "max_position_embeddings", 2048),
+        model=public_model_name(args.model),
+        max_model_len=args.max_model_len or getattr(config, "max_position_embeddings", 2048),
         vocab_size=config.vocab_size, eos_token_ids=[eos] if isinstance(eos, int) else list(eos or []),
         block_size=args.block_size, dtype=args.dtype)
     return info, load_tokenizer(model_dir)
@@ -82,7 +83,7 @@ async def _serve(args) -> int:
                                               reflection_enabled=not args.no_reflection, security=security)
     monitor = await GatewayHealth(health, [SERVICE], state, directory).start()
     servicer.health = monitor
-    http = await _start_http(args, servicer, security) if args.http_port >= 0 else None
+    http = await _start_http(args, servicer, authorizer) if args.http_port >= 0 else None
     if http is not None:
         print(f"gateway {dispatcher.gateway_id} HTTP (OpenAI API) on {args.host}:{http.port}", flush=True)
     print(f"gateway {dispatcher.gateway_id} serving on {args.host}:{port}", flush=True)
@@ -100,9 +101,9 @@ async def _serve(args) -> int:
     return 0
 
 
-async def _start_http(args, servicer, security):
-    """The OpenAI-compatible HTTP API on ``--http-port`` (same host, TLS / mutual TLS and token as gRPC)."""
+async def _start_http(args, servicer, authorizer):
+    """The OpenAI-compatible HTTP API on ``--http-port`` (same host, TLS / mutual TLS and tokens as gRPC)."""
     from gateway.openai_api.app import build_app
     from gateway.openai_api.server import HttpServer
-    return await HttpServer(build_app(servicer, token=security.token), args.host, args.http_port,
+    return await HttpServer(build_app(servicer, authorizer, model_aliases=[args.model]), args.host, args.http_port,
                             ssl_certfile=args.tls_cert, ssl_keyfile=args.tls_key, ssl_ca=args.tls_ca).start()

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import uuid
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
@@ -68,8 +69,8 @@ class Authorizer:
 
     def __init__(self, client_tokens: Iterable[str] = (), admin_tokens: Iterable[str] = (),
                  mutual_tls: bool = False) -> None:
-        # (sha256 of "Bearer <token>", admin?) per accepted token; digests so every comparison
-        # has the same length and takes the same time.
+        # (sha256 of "Bearer <token>", admin?, owner) per accepted token; digests so every
+        # comparison has the same length and takes the same time.
         self._known = [(_digest(AUTH_SCHEME + t), False, token_owner(t)) for t in client_tokens if t]
         self._known += [(_digest(AUTH_SCHEME + t), True, token_owner(t)) for t in admin_tokens if t]
         self.mutual_tls = mutual_tls
@@ -79,25 +80,42 @@ class Authorizer:
         """No credential names anybody: every caller is the anonymous admin."""
         return not self._known and not self.mutual_tls
 
-    def caller(self, context) -> Caller:
-        """Who made the call of this handler ``context`` (the interceptor already let it in)."""
+    @property
+    def tokens_required(self) -> bool:
+        """Every call must carry one of the tokens."""
+        return bool(self._known)
+
+    def identify(self, authorization: str | None, subject: str = "") -> Caller | None:
+        """The caller presenting ``authorization`` (the header's value, "Bearer <token>") and, under
+        mutual TLS, the certificate ``subject``; None when a token is required and this is not one."""
         if self.open:
             return Caller("", True)
         admin, parts = False, []
-        presented = _bearer(context.invocation_metadata())
-        if presented is not None:
-            digest = _digest(presented)
+        if authorization is not None:
+            digest = _digest(authorization)
             for known, is_admin, owner in self._known:  # no early exit: constant work per token
                 if hmac.compare_digest(digest, known):
                     admin = admin or is_admin
                     parts.append(owner)
+        if self.tokens_required and not parts:
+            return None
         if admin:
             return Caller(parts[0], True)
-        subject = _certificate_subject(context.auth_context()) if self.mutual_tls else ""
         if subject:
             parts.append("x509:" + subject)
-        # Nobody named (a credential the interceptor does not check): an owner nobody else has.
-        return Caller("/".join(parts) if parts else "unidentified", False)
+        return Caller("/".join(parts), False) if parts else _unidentified()
+
+    def caller(self, context) -> Caller:
+        """Who made the call of this gRPC handler ``context`` (the interceptor already let it in)."""
+        subject = _certificate_subject(context.auth_context()) if self.mutual_tls else ""
+        caller = self.identify(_bearer(context.invocation_metadata()), subject)
+        return caller if caller is not None else _unidentified()
+
+
+def _unidentified() -> Caller:
+    """A caller nothing names (mutual TLS without a subject): an owner of its own that no later
+    caller has, so only the admin may touch what it creates."""
+    return Caller("unidentified:" + uuid.uuid4().hex, False)
 
 
 def _digest(text: str) -> bytes:

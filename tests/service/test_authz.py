@@ -17,10 +17,12 @@ import time
 from pathlib import Path
 
 import grpc
+import httpx
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from splitserve.client import Client
+from splitserve.launcher import free_port
 from splitserve.security import Security
 from splitserve.testing.redis_server import RedisServer
 from splitserve.testing.stack import DEFAULT_WORKER_ARGS, start_process
@@ -51,15 +53,18 @@ def stack(tiny_model_dirs, tmp_path_factory):
         procs.append(decode)
         prefill, prefill_addr = start_process(["prefill", *common], d / "prefill.log", env=worker_env)
         procs.append(prefill)
+        http_port = free_port()
         gateway, gateway_addr = start_process(
             ["gateway", "--model", model, "--host", "127.0.0.1", "--port", "0", "--redis-url", redis_server.url,
-             "--block-size", "8", "--metrics-port", "0", "--token-file", str(d / "tokens.txt")], d / "gateway.log",
+             "--block-size", "8", "--metrics-port", "0", "--token-file", str(d / "tokens.txt"),
+             "--http-port", str(http_port)], d / "gateway.log",
             env={**worker_env, "SPLITSERVE_AUTH_TOKEN": tokens["a"], "SPLITSERVE_ADMIN_TOKEN": tokens["admin"]})
         procs.append(gateway)
         clients = {name: Client(gateway_addr, token=tokens[name]) for name in ("a", "b", "admin")}
         wait_until(lambda: {w.address for w in clients["admin"].server_info().workers} >= {decode_addr, prefill_addr},
                    60, "the gateway to list both workers")
-        yield {"model": model, "tokens": tokens, "gateway": gateway_addr, "decode": decode_addr,
+        yield {"model": model, "tokens": tokens, "gateway": gateway_addr, "http": f"http://127.0.0.1:{http_port}",
+               "decode": decode_addr,
                "prefill": prefill_addr, "clients": clients}
         for client in clients.values():
             client.close()
@@ -165,6 +170,26 @@ def test_model_info_has_no_local_path(stack):
         info = stack["clients"][name].stub.GetModelInfo(generation_pb2.GetModelInfoRequest(), timeout=RPC_TIMEOUT_S)
         assert info.model == Path(stack["model"]).name and "/" not in info.model, info.model
         assert stack["model"].encode() not in info.SerializeToString()
+
+
+def test_http_requests_belong_to_their_token_too(stack):
+    """The OpenAI API takes the same client and admin tokens, not the internal one, and its
+    requests are owned like gRPC ones (read back over gRPC)."""
+    tokens, http = stack["tokens"], stack["http"]
+
+    def post(token: str, request_id: str) -> httpx.Response:
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        return httpx.post(http + "/v1/completions", timeout=60, headers=headers,
+                          json={"prompt": [3, 4, 5], "max_tokens": 2, "ignore_eos": True, "request_id": request_id})
+    rid = f"http-b-{secrets.token_hex(4)}"
+    assert post(tokens["b"], rid).status_code == 200
+    assert get_request(stack["clients"]["b"], rid).state == "finished"
+    assert rpc_error(lambda: get_request(stack["clients"]["a"], rid)).code() == grpc.StatusCode.NOT_FOUND
+    assert get_request(stack["clients"]["admin"], rid).request_id == rid
+    assert post(tokens["internal"], "http-internal").status_code == 401
+    assert post("", "http-none").status_code == 401
+    models = httpx.get(http + "/v1/models", timeout=10, headers={"Authorization": f"Bearer {tokens['admin']}"})
+    assert [m["id"] for m in models.json()["data"]] == [Path(stack["model"]).name]
 
 
 def test_worker_ports_accept_only_the_internal_token(stack):
