@@ -3,10 +3,11 @@ from __future__ import annotations
 
 import uuid
 
-from worker_runtime.serve import engine_config, run_worker
+from worker_runtime.serve import engine_config, run_worker, worker_security
 
 
 def serve(args) -> int:
+    worker_security(args)  # a refused security configuration stops here, before the model loads
     from decode_worker.servicer import DecodeWorkerServicer
     from engine.llm_engine import LLMEngine
     from kvtransfer import build_decode

@@ -60,12 +60,12 @@ class Dispatcher:
 
     # ---- jobs -----------------------------------------------------------------------------
     def new_job(self, request_id: str, prompt_token_ids: list[int], params, priority: int, arrival_s: float,
-                deadline: float | None, text=None) -> Job | None:
+                deadline: float | None, text=None, owner: str = "") -> Job | None:
         """A job for a request about to be admitted; None if this gateway already runs that id."""
         if request_id in self.jobs:
             return None
         job = Job(request_id, prompt_token_ids, params, priority, arrival_s, deadline, on_finish=self._ended,
-                  text=text)
+                  text=text, owner=owner)
         self.jobs[request_id] = job
         return job
 

@@ -58,9 +58,12 @@ def unavailable(message: str) -> Finished:
 
 class Job:
     def __init__(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams, priority: int,
-                 arrival_s: float, deadline: float | None, on_finish: Callable[["Job"], None], text=None):
-        """``text``: a ``TextStream`` for the client's text and stop strings (None: ids only)."""
+                 arrival_s: float, deadline: float | None, on_finish: Callable[["Job"], None], text=None,
+                 owner: str = ""):
+        """``text``: a ``TextStream`` for the client's text and stop strings (None: ids only);
+        ``owner``: the identity that created it (``splitserve.authz``), who may abort it."""
         self.request_id = request_id
+        self.owner = owner
         self.prompt_token_ids = prompt_token_ids
         self.params = params  # resolved at the edge; workers apply no defaults
         self.priority = priority

@@ -25,6 +25,8 @@ key                            type    holds
                                        gateway), ``arrival`` (Unix s), ``score``, ``attempt``
                                        and ``epoch`` (both +1 per claim; the epoch fences
                                        writes of stale attempts), ``payload`` (JSON object),
+                                       ``owner`` (who may read and abort it:
+                                       ``splitserve.authz``; never a token itself),
                                        ``admit_token`` (makes a retried admit call idempotent)
                                        and whatever ``update``/``finish`` write (worker ids,
                                        timings, ``error``...). No TTL while live; EXPIRE
@@ -70,7 +72,8 @@ Scripts
 ``UPDATE``        HSET fields iff the epoch matches and the request is claimed, not terminal.
 ``EXTEND``        move the lease deadline iff the epoch matches.
 ``FINISH``        terminal state: out of every queue, fields written, EXPIRE.
-``CANCEL``        a still-queued request leaves the queue as ``aborted``.
+``CANCEL``        a still-queued request leaves the queue as ``aborted`` (only for its owner,
+                  when one is given).
 ``REGISTER`` / ``HEARTBEAT`` / ``WORKERS`` / ``DEREGISTER``: the worker registry.
 
 Limitations
@@ -99,7 +102,7 @@ Limitations
 TERMINAL_LUA = "local TERMINAL = {finished=true, aborted=true, failed=true, deadline=true}\n"
 
 # KEYS: req, pending, inflight, wake channel.
-# ARGV: id, gateway, priority, arrival, score, payload, limit, token, terminal ttl_s, id reuse after s.
+# ARGV: id, gateway, priority, arrival, score, payload, limit, token, terminal ttl_s, id reuse after s, owner.
 # Returns {status, depth, state}; depth counts every unfinished request (queued or in flight).
 # The id of a terminal request is taken again once `id reuse after s` have passed since its end,
 # read off its record's remaining TTL (every terminal write sets EXPIRE `terminal ttl_s`). The
@@ -124,7 +127,7 @@ end
 redis.call('DEL', KEYS[1])
 redis.call('HSET', KEYS[1], 'state', 'queued', 'priority', ARGV[3], 'gateway', ARGV[2],
            'attempt', 0, 'epoch', epoch, 'arrival', ARGV[4], 'score', ARGV[5],
-           'payload', ARGV[6], 'admit_token', ARGV[8])
+           'payload', ARGV[6], 'admit_token', ARGV[8], 'owner', ARGV[11])
 redis.call('ZADD', KEYS[2], ARGV[5], ARGV[1])
 redis.call('PUBLISH', KEYS[4], 'admit')
 return {'admitted', depth + 1, 'queued'}
@@ -245,9 +248,12 @@ redis.call('PUBLISH', KEYS[5], 'end ' .. ARGV[1])
 return 1
 """
 
-# KEYS: req, pending, wake channel. ARGV: id, ttl_s, reason.
+# KEYS: req, pending, wake channel. ARGV: id, ttl_s, reason, owner check ('1': only for the owner), owner.
+# Another owner's request is left alone and answers 0, as an unknown one does.
 CANCEL = """
-local state = redis.call('HGET', KEYS[1], 'state')
+local cur = redis.call('HMGET', KEYS[1], 'state', 'owner')
+local state = cur[1]
+if ARGV[4] == '1' and (cur[2] or '') ~= ARGV[5] then return 0 end
 if state == 'aborted' then return 1 end
 if state ~= 'queued' then return 0 end
 redis.call('ZREM', KEYS[2], ARGV[1])

@@ -55,7 +55,7 @@ PRIORITY_MAX = (1 << (53 - ARRIVAL_BITS - 1)) - 1  # 2047
 
 # Fields owned by the scripts; update()/finish() may not write them.
 _RESERVED_FIELDS = frozenset({"epoch", "attempt", "gateway", "priority", "arrival", "score",
-                              "payload", "admit_token"})
+                              "payload", "admit_token", "owner"})
 _INT_FIELDS = ("attempt", "epoch", "priority")
 _FLOAT_FIELDS = ("arrival", "score")
 
@@ -201,8 +201,10 @@ class RedisState:
 
     # ---- requests
 
-    def admit(self, request_id: str, gateway_id: str, priority: int, arrival_s: float, payload: dict):
-        """Queue a new request atomically -> ``AdmitResult``: a duplicate id (a live request's, or
+    def admit(self, request_id: str, gateway_id: str, priority: int, arrival_s: float, payload: dict,
+              owner: str = ""):
+        """Queue a new request atomically -> ``AdmitResult``. ``owner``: who may read and abort it
+        (``splitserve.authz``; "" anonymous). A duplicate id (a live request's, or
         one that ended less than ``id_reuse_after_s`` ago) writes nothing and reports the existing
         state; an older terminal request's record is replaced; when ``queue_limit`` requests are unfinished (queued or in
         flight, over all gateways) it writes nothing and reports "full"."""
@@ -212,7 +214,7 @@ class RedisState:
             args=[request_id, _check_id(gateway_id), int(priority), _float_arg(arrival_s),
                   queue_score(priority, arrival_s, self.priority_aging_per_s),
                   json.dumps(payload, separators=(",", ":")), self.queue_limit, token,
-                  self.terminal_ttl_s, self.id_reuse_after_s])
+                  self.terminal_ttl_s, self.id_reuse_after_s, owner])
         return _then(reply, lambda r: AdmitResult(_s(r[0]), int(r[1]), _s(r[2]) if r[2] else None))
 
     def claim(self, gateway_id: str, lease_s: float, now_s: float, place_s: float = 5.0):
@@ -291,12 +293,14 @@ class RedisState:
                                    self.terminal_ttl_s, *_pairs(fields)])
         return _then(reply, bool)
 
-    def cancel_pending(self, request_id: str, reason: str = "cancelled before dispatch"):
+    def cancel_pending(self, request_id: str, reason: str = "cancelled before dispatch", owner: str | None = None):
         """A queued request whose client went away: out of the queue, state ``aborted``.
         True if it is aborted afterwards; False if it was already claimed (cancel it on its
-        workers instead), is in another terminal state, or is unknown."""
+        workers instead), is in another terminal state, or is unknown. With ``owner``, only a
+        request of that owner (checked in the same atomic step); None: any."""
         return _then(self._cancel(keys=[self.request_key(request_id), self.pending_key, self.wake_channel],
-                                  args=[request_id, self.terminal_ttl_s, reason]), bool)
+                                  args=[request_id, self.terminal_ttl_s, reason, "0" if owner is None else "1",
+                                        owner or ""]), bool)
 
     def get(self, request_id: str):
         """The request's fields (ints: attempt, epoch, priority; floats: arrival, score;

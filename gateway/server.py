@@ -31,10 +31,19 @@ def model_info(args):
     config = load_config(model_dir)
     eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
     info = generation_pb2.ModelInfo(
-        model=args.model, max_model_len=args.max_model_len or getattr(config, "max_position_embeddings", 2048),
+        model=public_model_name(args.model),
+        max_model_len=args.max_model_len or getattr(config, "max_position_embeddings", 2048),
         vocab_size=config.vocab_size, eos_token_ids=[eos] if isinstance(eos, int) else list(eos or []),
         block_size=args.block_size, dtype=args.dtype)
     return info, load_tokenizer(model_dir)
+
+
+def public_model_name(model: str) -> str:
+    """What ModelInfo calls the model: a local checkpoint directory by its last component only
+    (the server's file system is nobody's business), a hub id or built-in name as given."""
+    from pathlib import Path
+    path = Path(model).expanduser()
+    return path.resolve().name if path.exists() else model
 
 
 async def _serve(args) -> int:
@@ -47,17 +56,19 @@ async def _serve(args) -> int:
     from splitserve.grpc_server import start_server, stop_event
     from splitserve.limits import OutputLimits, RequestLimits
     from splitserve.metrics import GatewayMetrics, serve_metrics
-    from splitserve.security import Security
+    from splitserve.authz import gateway_credentials
     from splitserve.v1 import generation_pb2_grpc
     from gateway.memory import return_big_buffers
     return_big_buffers()
+    # Checked before anything starts: the client and admin tokens of the public port, the
+    # internal token of the calls to the workers.
+    authorizer, security, internal = gateway_credentials(args)
     info, tokenizer = model_info(args)
     state = RedisState(make_async_client(args.redis_url, password=args.redis_password or None),
                        queue_limit=args.queue_limit, priority_aging_per_s=args.priority_aging_per_s)
     registry, metrics_address = serve_metrics(args.metrics_port, args.host)
-    security = Security.from_args(args)  # the public port, and the calls to the workers
     metrics = GatewayMetrics(registry)
-    directory = WorkerDirectory(state, block_size=args.block_size, channel_factory=security.aio_channel)
+    directory = WorkerDirectory(state, block_size=args.block_size, channel_factory=internal.aio_channel)
     dispatcher = Dispatcher(state, directory, args.gateway_id or f"gw-{uuid.uuid4().hex[:8]}",
                             max_attempts=args.max_attempts, on_retry=lambda reason: metrics.retries.inc())
     await dispatcher.start()
@@ -68,7 +79,8 @@ async def _serve(args) -> int:
     backpressure = Backpressure(output_limits, on_cut=metrics.slow_readers_cut.inc).start()
     metrics.unread_output.set_function(lambda: backpressure.buffered_bytes)
     servicer = GenerationServicer(state, dispatcher, tokenizer, info, limits, metrics=metrics,
-                                  metrics_address=metrics_address, backpressure=backpressure)
+                                  metrics_address=metrics_address, backpressure=backpressure,
+                                  authorizer=authorizer)
 
     def register(server):
         generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
@@ -77,7 +89,7 @@ async def _serve(args) -> int:
                                               reflection_enabled=not args.no_reflection, security=security)
     monitor = await GatewayHealth(health, [SERVICE], state, directory).start()
     servicer.health = monitor
-    http = await _start_http(args, servicer, security) if args.http_port >= 0 else None
+    http = await _start_http(args, servicer, authorizer) if args.http_port >= 0 else None
     if http is not None:
         print(f"gateway {dispatcher.gateway_id} HTTP (OpenAI API) on {args.host}:{http.port}", flush=True)
     print(f"gateway {dispatcher.gateway_id} serving on {args.host}:{port}", flush=True)
@@ -96,9 +108,9 @@ async def _serve(args) -> int:
     return 0
 
 
-async def _start_http(args, servicer, security):
-    """The OpenAI-compatible HTTP API on ``--http-port`` (same host, TLS / mutual TLS and token as gRPC)."""
+async def _start_http(args, servicer, authorizer):
+    """The OpenAI-compatible HTTP API on ``--http-port`` (same host, TLS / mutual TLS and tokens as gRPC)."""
     from gateway.openai_api.app import build_app
     from gateway.openai_api.server import HttpServer
-    return await HttpServer(build_app(servicer, token=security.token), args.host, args.http_port,
+    return await HttpServer(build_app(servicer, authorizer, model_aliases=[args.model]), args.host, args.http_port,
                             ssl_certfile=args.tls_cert, ssl_keyfile=args.tls_key, ssl_ca=args.tls_ca).start()

@@ -7,6 +7,12 @@ strings, ``stream_interval`` tokens per message (more when the client reads slow
 come: ``gateway/outbox.py``), then one ``final`` message with the finish reason, usage and
 timeline. A client that goes away, or whose deadline passes, ends its job (``Job.finish``), which
 aborts the request on every worker; one that stops reading is cut (``gateway/backpressure.py``).
+
+Who may touch what (``splitserve.authz``): a request belongs to the identity that created it;
+``Abort`` and ``GetRequest`` of another identity's request answer as for an unknown id (found
+false, NOT_FOUND), so ids of others cannot be probed; the admin may do both for every request.
+``GetServerInfo`` lists worker and metrics addresses to the admin only; ``GetModelInfo`` names
+the model, never a local path.
 """
 from __future__ import annotations
 
@@ -25,6 +31,7 @@ from gateway.job import Finished, Job, Tokens, cancelled, deadline_exceeded
 from gateway.memory import Collector
 from gateway.redis_state import PRIORITY_MAX, PRIORITY_MIN, TERMINAL_STATES
 from splitserve.api_convert import check_sizes, prompt_from_request, resolve_sampling
+from splitserve.authz import Authorizer
 from splitserve.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted, Unavailable
 from splitserve.limits import RequestLimits
 from splitserve.logs import request_id_var
@@ -40,9 +47,11 @@ RETRY_AFTER_S = 1.0
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     def __init__(self, state, dispatcher: Dispatcher, tokenizer, model_info: generation_pb2.ModelInfo,
                  limits: RequestLimits, metrics: GatewayMetrics | None = None, metrics_address: str = "",
-                 backpressure: Backpressure | None = None):
+                 backpressure: Backpressure | None = None, authorizer: Authorizer | None = None):
         """``limits``: resolved for this model (``RequestLimits.resolve``); ``backpressure``: the
-        bounds on unread output (default ones, not watching for slow readers, if not given)."""
+        bounds on unread output (default ones, not watching for slow readers, if not given);
+        ``authorizer``: who callers are (default: no credentials, every caller the anonymous admin)."""
+        self.authorizer = authorizer or Authorizer()
         self.state = state
         self.dispatcher = dispatcher
         self.ledger = dispatcher.ledger
@@ -58,7 +67,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     # ---- Generate ----------------------------------------------------------------------
     async def Generate(self, request, context):
-        job = await self.admit(request, context.time_remaining())
+        job = await self.admit(request, context.time_remaining(), owner=self.authorizer.caller(context).owner)
         # However the RPC ends (cancelled, deadline, the stream done), the job has ended by then.
         context.add_done_callback(lambda _: job.finish(self._rpc_gone(job)))
         stream = self.backpressure.open(job, context)
@@ -80,9 +89,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         finally:
             self.backpressure.close(stream)
 
-    async def admit(self, request: generation_pb2.GenerateRequest, remaining_s: float | None) -> Job:
+    async def admit(self, request: generation_pb2.GenerateRequest, remaining_s: float | None,
+                    owner: str = "") -> Job:
         """Validate, tokenize and admit ``request`` (the one path of every API: gRPC and HTTP);
-        ``remaining_s``: time left before the client's deadline (None or huge: no deadline).
+        ``remaining_s``: time left before the client's deadline (None or huge: no deadline);
+        ``owner``: the caller's identity (``splitserve.authz``), who may read and abort it.
         The caller streams ``outputs(job)`` and must end the job if its client goes away."""
         if self.draining:
             raise Unavailable("the gateway is shutting down; send the request to another one")
@@ -102,12 +113,12 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         arrival_s = time.time()
         job = self.dispatcher.new_job(request_id, token_ids, params, request.priority, arrival_s,
                                       deadline=time.monotonic() + remaining_s if has_deadline else None,
-                                      text=TextStream(self.tokenizer, token_ids, params.stop))
+                                      text=TextStream(self.tokenizer, token_ids, params.stop), owner=owner)
         if job is None:  # this gateway runs it (its record may not even be in Redis yet)
             raise AlreadyExists(_duplicate_message(request_id, "running", self.state.id_reuse_after_s))
         try:
             result = await self.ledger.now(self.state.admit(request_id, self.dispatcher.gateway_id, request.priority,
-                                                            arrival_s, {"prompt_tokens": len(token_ids)}))
+                                                            arrival_s, {"prompt_tokens": len(token_ids)}, owner))
         except BaseException:
             self.dispatcher.forget(job)
             raise
@@ -222,13 +233,17 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         return self.tokenizer.encode(prompt)
 
     async def Abort(self, request, context):
-        found = self.dispatcher.cancel(request.request_id)
-        found = await self.ledger.now(self.state.cancel_pending(request.request_id)) or found
+        caller = self.authorizer.caller(context)
+        job = self.dispatcher.jobs.get(request.request_id)
+        found = job is not None and caller.may_touch(job.owner) and self.dispatcher.cancel(request.request_id)
+        owner = None if caller.admin else caller.owner  # checked in the same atomic step as the cancel
+        found = await self.ledger.now(self.state.cancel_pending(request.request_id, owner=owner)) or found
         return generation_pb2.AbortResponse(found=found)
 
     async def GetRequest(self, request, context):
+        caller = self.authorizer.caller(context)
         info = await self.ledger.now(self.state.get(request.request_id))
-        if info is None:
+        if info is None or not caller.may_touch(info.get("owner")):
             raise NotFound(f"no request {request.request_id!r} (finished requests are kept for a while, then expire)")
         timeline = info.get("timeline")
         if isinstance(timeline, str):
@@ -259,15 +274,19 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         return self.model_info
 
     async def GetServerInfo(self, request, context):
+        # Addresses are the admin's: anyone else learns roles and load, not where to connect.
+        admin = self.authorizer.caller(context).admin
         info = generation_pb2.ServerInfo(queue_depth=await self.ledger.now(self.state.queue_depth()))
         if self.metrics is not None:
             self.metrics.queue_depth.set(info.queue_depth)
-        info.workers.add(worker_id=self.dispatcher.gateway_id, role="gateway", metrics_address=self.metrics_address)
+        info.workers.add(worker_id=self.dispatcher.gateway_id, role="gateway",
+                         metrics_address=self.metrics_address if admin else "")
         for w in await self.ledger.now(self.dispatcher.directory.list()):
-            info.workers.add(worker_id=w.worker_id, role=w.role, address=w.address, transports=w.transports,
-                             kv_blocks_total=w.kv_blocks_total, kv_blocks_free=w.kv_blocks_free,
-                             kv_blocks_cached=w.kv_blocks_cached, num_running=w.num_running,
-                             num_waiting=w.num_waiting, metrics_address=w.metrics_address)
+            info.workers.add(worker_id=w.worker_id, role=w.role, address=w.address if admin else "",
+                             transports=w.transports, kv_blocks_total=w.kv_blocks_total,
+                             kv_blocks_free=w.kv_blocks_free, kv_blocks_cached=w.kv_blocks_cached,
+                             num_running=w.num_running, num_waiting=w.num_waiting,
+                             metrics_address=w.metrics_address if admin else "")
         return info
 
 

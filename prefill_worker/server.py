@@ -3,10 +3,11 @@ from __future__ import annotations
 
 import uuid
 
-from worker_runtime.serve import engine_config, run_worker
+from worker_runtime.serve import engine_config, run_worker, worker_security
 
 
 def serve(args) -> int:
+    worker_security(args)  # a refused security configuration stops here, before the model loads
     from kvtransfer import TRANSPORTS, build_prefill
     from prefill_worker.servicer import PrefillWorkerServicer
     from splitserve.metrics import EngineMetrics, TransferMetrics, serve_metrics

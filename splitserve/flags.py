@@ -153,9 +153,17 @@ def _flags() -> list[Flag]:
         f("tls_key", s, "", "PEM private key of --tls-cert", ALL),
         f("tls_ca", s, "", "PEM CA bundle: with --tls-cert, clients must present a certificate it signed "
           "(mutual TLS); for calls this process makes, the root servers are verified with", ALL),
-        f("auth_token", s, "", "require 'authorization: Bearer <token>' on every call (health checks stay "
-          "open); prefer the environment variable, a command line is visible to every local user", ALL,
-          secret=True),
+        f("auth_token", s, "", "gateway: a client token, required as 'authorization: Bearer <token>' on every "
+          "call (health checks stay open; its requests belong to it); prefer the environment variable, a "
+          "command line is visible to every local user. Workers refuse it: they take --internal-token", ALL,
+          up_to=gw, secret=True),
+        f("token_file", s, "", "file of further client tokens, one per line ('#' comments): each is its own "
+          "owner of the requests it creates; read at start", gw),
+        f("admin_token", s, "", "the admin token: may read and abort every request and sees worker and "
+          "metrics addresses in GetServerInfo", gw, secret=True),
+        f("internal_token", s, "", "the gateway's credential on the worker ports: workers require it, the "
+          "gateway sends it (never a client's token; up makes one when security is on and none is given)",
+          ALL, secret=True),
         f("max_message_mb", fl, 16.0, "largest gRPC message accepted or sent, in MiB", ALL),
         f("redis_url", s, "", "Redis holding the queue, request state and registries (workers: optional; "
           "up: a private redis-server when empty)", ALL),

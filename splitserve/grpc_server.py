@@ -61,7 +61,7 @@ async def start_server(register: Callable[[grpc.aio.Server], Iterable[str]], add
         if security.ca is not None:
             log.warning("--tls-ca without --tls-cert/--tls-key: %s serves plaintext (the CA only verifies "
                         "the servers this process calls)", address)
-        if security.token:
+        if security.accepted_tokens:
             log.warning("--auth-token without TLS: the token crosses the network in clear text")
         port = server.add_insecure_port(address)
     else:
@@ -71,7 +71,7 @@ async def start_server(register: Callable[[grpc.aio.Server], Iterable[str]], add
     await server.start()
     log.info("gRPC on %s: %s, token %s, messages up to %d MiB", address,
              "mutual TLS" if security.mutual_tls else "TLS" if security.server_tls else "plaintext",
-             "required" if security.token else "off", security.max_message_bytes // 2**20)
+             "required" if security.accepted_tokens else "off", security.max_message_bytes // 2**20)
     return server, health_servicer, port
 
 

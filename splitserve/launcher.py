@@ -24,8 +24,10 @@ then Redis, each with its drain.
 """
 from __future__ import annotations
 
+import argparse
 import ctypes
 import os
+import secrets
 import shutil
 import signal
 import socket
@@ -183,9 +185,21 @@ def memory_shares(total: float, prefill: int, decode: int) -> dict[str, float]:
     return {"prefill": total / weights, "decode": 2 * total / weights}
 
 
+def with_internal_token(args):
+    """``args`` with an ``--internal-token`` for the gateway's calls to the workers: the one given,
+    else, when any security is on (a client or admin token, TLS), a fresh random one that only
+    ``up``'s children learn (through their environment). Without security none is needed: the
+    workers' ports are as open as the gateway's."""
+    secured = args.auth_token or args.admin_token or args.token_file or args.tls_cert
+    if args.internal_token or not secured:
+        return args
+    return argparse.Namespace(**{**vars(args), "internal_token": secrets.token_urlsafe(32)})
+
+
 def plan(args, redis_url: str, workdir: str) -> list[ChildSpec]:
     """The processes of ``splitserve up <args>``: every flag reaches each child that takes it."""
     from splitserve.flags import forward
+    args = with_internal_token(args)
     cli = [sys.executable, "-m", "splitserve.cli", "--log-level", args.child_log_level]
     specs: list[ChildSpec] = []
     if not args.redis_url:
@@ -229,8 +243,8 @@ def plan(args, redis_url: str, workdir: str) -> list[ChildSpec]:
 def cmd_up(args) -> int:
     if args.gpu_memory_utilization and args.device.startswith("cpu"):
         raise SystemExit("--gpu-memory-utilization shares a GPU; on CPU size the KV pools with --kv-cache-memory-gb")
-    from splitserve.security import Security
-    Security.from_args(args)  # a bad --tls-* flag stops here, before anything starts
+    from splitserve.authz import gateway_credentials
+    gateway_credentials(with_internal_token(args))  # a bad security flag stops here, before anything starts
     workdir = tempfile.mkdtemp(prefix="splitserve-up-")
     redis_url = args.redis_url or f"redis://127.0.0.1:{free_port()}/0"
     supervisor = Supervisor(plan(args, redis_url, workdir))
@@ -284,7 +298,7 @@ def _demo(address: str, question: str, args) -> int:
     from splitserve.client import Client
     print(f"\nQ: {question}\nA: ", end="", flush=True)
     with Client(address, ca=args.tls_ca or None, cert=args.tls_cert or None, key=args.tls_key or None,
-                token=args.auth_token or None, max_message_mb=args.max_message_mb) as client:
+                token=args.auth_token or args.admin_token or None, max_message_mb=args.max_message_mb) as client:
         try:
             for event in client.generate(messages=[{"role": "user", "content": question}], max_tokens=64,
                                          temperature=0.0, timeout=300):

@@ -10,17 +10,26 @@ One ``Security`` per process, built from its flags (``Security.from_args``):
   deployment secures every internal hop. Such a cert needs ``subjectAltName`` entries for
   every name and IP the workers advertise (``--advertise-host``/``--host``) and, for mutual
   TLS, an extended key usage of both ``serverAuth`` and ``clientAuth`` (or none at all).
-* ``token`` (``--auth-token``): every call must carry ``authorization: Bearer <token>``
-  metadata, or it fails with ``UNAUTHENTICATED``. ``grpc.health.v1.Health`` stays open so
-  load balancers and orchestrators can probe; reflection needs the token like the rest.
-  The client side attaches the token to every call it makes.
+* ``token``: every call must carry ``authorization: Bearer <token>`` metadata (or one of
+  ``more_tokens``), or it fails with ``UNAUTHENTICATED``. ``grpc.health.v1.Health`` stays open
+  so load balancers and orchestrators can probe; reflection needs a token like the rest.
+  The client side attaches ``token`` to every call it makes.
 * ``max_message_bytes`` (``--max-message-mb``): the largest message a port accepts or sends.
+
+Two sides, two sets of tokens (``from_args`` and ``internal_from_args``):
+
+* the gateway's public port accepts the clients' tokens (``--auth-token``, ``--token-file``)
+  and the admin token (``--admin-token``); who is who is ``splitserve.authz``'s business;
+* a worker's port accepts only ``--internal-token``, and the gateway sends it on its calls to
+  the workers, so a client token cannot call ``Reserve`` or ``Prefill`` directly.
 
 No bytes that arrive from the network are ever unpickled anywhere in splitserve (protobuf,
 JSON and fixed binary headers only); ``tests/service/test_security.py`` guards that.
 """
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import hmac
 import logging
 import os
@@ -69,6 +78,8 @@ class Security:
     ca: bytes | None = field(default=None, repr=False)
     # Bearer token required by the server and sent by the client; '' for none.
     token: str = field(default="", repr=False)
+    # Further tokens the server accepts (the gateway: --token-file's and --admin-token); never sent.
+    more_tokens: tuple[str, ...] = field(default=(), repr=False)
     # Client side only: use TLS (system roots) even without ``ca`` or ``cert``.
     tls: bool = False
     # Largest message accepted or sent, in bytes.
@@ -77,9 +88,10 @@ class Security:
     def __post_init__(self) -> None:
         if (self.cert is None) != (self.key is None):
             raise ValueError("--tls-cert and --tls-key go together: give both (TLS) or neither (plaintext)")
-        if self.token and not (self.token.isascii() and self.token.isprintable() and self.token.strip() == self.token):
-            raise ValueError("--auth-token must be printable ASCII without surrounding spaces "
-                             "(it travels as a gRPC metadata value)")
+        for token in (self.token, *self.more_tokens):
+            if token and not (token.isascii() and token.isprintable() and token.strip() == token):
+                raise ValueError("--auth-token must be printable ASCII without surrounding spaces "
+                                 "(it travels as a gRPC metadata value); so must every other token")
         if self.max_message_bytes < 2**10:
             raise ValueError(f"--max-message-mb must be at least 1 (got {self.max_message_bytes} bytes)")
 
@@ -96,12 +108,32 @@ class Security:
 
     @classmethod
     def from_args(cls, args) -> "Security":
-        """From the CLI flags of ``splitserve.cli._server_flags``; a bad flag exits with its message."""
+        """The public side, from the CLI flags (``splitserve.flags``): the gateway's port accepts
+        ``--auth-token``, every token of ``--token-file`` and ``--admin-token``. A bad flag exits
+        with its message."""
+        from splitserve.authz import read_token_file
         try:
-            return cls.load(args.tls_cert, args.tls_key, args.tls_ca, args.auth_token,
+            more = (*read_token_file(getattr(args, "token_file", "")), getattr(args, "admin_token", ""))
+            security = cls.load(args.tls_cert, args.tls_key, args.tls_ca, args.auth_token,
+                                max_message_mb=args.max_message_mb)
+            return dataclasses.replace(security, more_tokens=tuple(t for t in more if t))
+        except ValueError as e:
+            raise SystemExit(str(e)) from None
+
+    @classmethod
+    def internal_from_args(cls, args) -> "Security":
+        """The internal side: a worker's port (accepts only ``--internal-token``) and the gateway's
+        calls to workers (send it). Same TLS settings as the public side."""
+        try:
+            return cls.load(args.tls_cert, args.tls_key, args.tls_ca, getattr(args, "internal_token", ""),
                             max_message_mb=args.max_message_mb)
         except ValueError as e:
-            raise SystemExit(f"splitserve: {e}") from None
+            raise SystemExit(str(e)) from None
+
+    @property
+    def accepted_tokens(self) -> tuple[str, ...]:
+        """Every token the server side lets in."""
+        return tuple(t for t in (self.token, *self.more_tokens) if t)
 
     # ---- server side
 
@@ -121,7 +153,7 @@ class Security:
                                            require_client_auth=self.ca is not None)
 
     def server_interceptors(self) -> list[grpc.aio.ServerInterceptor]:
-        return [TokenAuthInterceptor(self.token)] if self.token else []
+        return [TokenAuthInterceptor(self.accepted_tokens)] if self.accepted_tokens else []
 
     def message_options(self) -> list[tuple[str, int]]:
         return [("grpc.max_receive_message_length", self.max_message_bytes),
@@ -167,26 +199,34 @@ class Security:
 
 
 class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
-    """Refuses every call without ``authorization: Bearer <token>`` (constant-time comparison).
+    """Refuses every call without ``authorization: Bearer <token>`` for one of its tokens
+    (constant-time comparison with each of them).
 
     The refusal raises ``splitserve.errors.Unauthenticated`` from a handler of the method's own
     kind, so the error-mapping interceptor (placed before this one) turns it into
     ``UNAUTHENTICATED`` with its message. Health checks pass without a token.
     """
 
-    def __init__(self, token: str) -> None:
-        if not token:
+    def __init__(self, tokens: str | Sequence[str]) -> None:
+        tokens = [tokens] if isinstance(tokens, str) else [t for t in tokens if t]
+        if not tokens or not all(tokens):
             raise ValueError("TokenAuthInterceptor needs a non-empty token")
-        self._expected = (AUTH_SCHEME + token).encode()
+        # Compared as sha256 digests: equal lengths, so the time taken says nothing about a token.
+        self._expected = [hashlib.sha256((AUTH_SCHEME + t).encode()).digest() for t in tokens]
 
     def _check(self, metadata: Sequence[tuple[str, str | bytes]] | None) -> str | None:
         """None if authorized, else why not."""
         values = [v for k, v in (metadata or ()) if k == AUTH_METADATA_KEY]
         if not values:
             return ("missing credentials: this server requires the metadata 'authorization: Bearer <token>' "
-                    "(the token of its --auth-token)")
+                    "(a token it accepts: the gateway's --auth-token, --token-file or --admin-token; a worker's "
+                    "--internal-token)")
         value = values[0] if isinstance(values[0], bytes) else values[0].encode()
-        if len(values) > 1 or not hmac.compare_digest(value, self._expected):
+        digest = hashlib.sha256(value).digest()
+        matched = False
+        for expected in self._expected:  # no early exit: the same work whichever token matches
+            matched |= hmac.compare_digest(digest, expected)
+        if len(values) > 1 or not matched:
             return "invalid credentials: the 'authorization' bearer token is not accepted"
         return None
 

@@ -4,7 +4,8 @@
                       "splitserve.v1.DecodeWorker", args)
 
 ``args`` carries the server flags of ``splitserve.cli`` (host, port, advertise_host,
-no_reflection, redis_url, redis_password, drain_timeout_s and the security flags).
+no_reflection, redis_url, redis_password, drain_timeout_s and the security flags: the port
+takes TLS and ``--internal-token``, see ``worker_security``).
 """
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ async def _serve(servicer: WorkerServicer, add_to_server, service_name: str, arg
         return [service_name]
     server, health, port = await start_server(register, f"{args.host}:{args.port}",
                                               reflection_enabled=not args.no_reflection,
-                                              security=Security.from_args(args))
+                                              security=worker_security(args))
     servicer.address = advertised(args.host, args.advertise_host, port)
     heartbeat = None
     if args.redis_url:
@@ -66,6 +67,17 @@ async def _serve(servicer: WorkerServicer, add_to_server, service_name: str, arg
     await server.stop(grace=1)
     servicer.close()
     return code
+
+
+def worker_security(args) -> Security:
+    """A worker's port accepts only the gateway's ``--internal-token``. A client token given to a
+    worker (an old configuration that handed ``--auth-token`` to every process) is refused: it
+    would let every client call Reserve and Prefill here directly."""
+    if getattr(args, "auth_token", ""):
+        raise SystemExit("workers take --internal-token (SPLITSERVE_INTERNAL_TOKEN), the gateway's "
+                         "credential, not the clients' --auth-token (SPLITSERVE_AUTH_TOKEN): give the token to the "
+                         "gateway only, and one internal token to the gateway and every worker")
+    return Security.internal_from_args(args)
 
 
 async def _drain(servicer: WorkerServicer, timeout_s: float) -> None:

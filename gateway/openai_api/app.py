@@ -16,11 +16,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hmac
 import json
 import logging
 import time
-from pathlib import Path
+from typing import Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -30,6 +29,7 @@ from starlette.exceptions import HTTPException
 from gateway.job import Job, cancelled
 from gateway.openai_api.protocol import UNSUPPORTED_FIELDS, ChatCompletionRequest, CompletionRequest
 from gateway.openai_api.responses import Responses, new_request_id
+from splitserve.authz import Authorizer
 from splitserve.errors import HttpError, NotFound, Unauthenticated, http_error_for, http_error_of_status
 
 log = logging.getLogger(__name__)
@@ -37,26 +37,25 @@ log = logging.getLogger(__name__)
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-def public_model_name(model: str) -> str:
-    """The name clients use: a local checkpoint directory is known by its last part only."""
-    path = Path(model).expanduser()
-    return path.name if path.is_dir() else model
-
-
-def build_app(servicer, token: str = "") -> FastAPI:
-    """The app over ``servicer`` (a ``GenerationServicer``); ``token``: the bearer token every
-    ``/v1`` call must carry ('' for none; ``/health`` stays open, as the gRPC health service)."""
+def build_app(servicer, authorizer: Authorizer | None = None, model_aliases: Sequence[str] = ()) -> FastAPI:
+    """The app over ``servicer`` (a ``GenerationServicer``); ``authorizer``: the gateway's client and
+    admin tokens, one of which every ``/v1`` call must carry when there are any (``/health`` stays
+    open, as the gRPC health service), and whose identity owns the requests it creates (the
+    token alone: the HTTP server does not see a client certificate's subject). ``model_aliases``:
+    further names a request's ``model`` may give (the ``--model`` the gateway was started with)."""
     app = FastAPI(title="splitserve", docs_url=None, redoc_url=None, openapi_url=None)
-    model = public_model_name(servicer.model_info.model)
-    names = {model, servicer.model_info.model}
+    authorizer = authorizer or Authorizer()
+    model = servicer.model_info.model  # its public name: a local directory by its last part only
+    names = {model, *model_aliases}
 
     @app.middleware("http")
     async def authenticate(request: Request, call_next):
-        if token and request.url.path.startswith("/v1/"):
-            given = request.headers.get("authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
+        if request.url.path.startswith("/v1/"):
+            caller = authorizer.identify(request.headers.get("authorization"))
+            if caller is None:
                 return error_response(http_error_for(Unauthenticated(
                     "missing or wrong bearer token (header 'Authorization: Bearer <token>')")))
+            request.state.caller = caller
         return await call_next(request)
 
     @app.exception_handler(RequestValidationError)
@@ -104,7 +103,8 @@ def build_app(servicer, token: str = "") -> FastAPI:
         try:
             if body.model is not None and body.model not in names:
                 raise NotFound(f"model: the model {body.model!r} does not exist; this server serves {model!r}")
-            job = await servicer.admit(body.to_generate(request_id), remaining_s=None)
+            job = await servicer.admit(body.to_generate(request_id), remaining_s=None,
+                                       owner=request.state.caller.owner)
         except Exception as exc:  # a refused request: its error, as the gRPC API would say it
             error = http_error_for(exc, param=_param_of(exc))
             # Field paths of the gRPC request ("sampling.top_p") read as the HTTP body's ("top_p").

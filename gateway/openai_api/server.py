@@ -9,6 +9,10 @@ import ssl
 import uvicorn
 
 
+# Kernel send buffer of each HTTP connection: SSE events are small; this is many of them.
+SEND_BUFFER_BYTES = 64 * 1024
+
+
 class _Server(uvicorn.Server):
     # The gateway owns SIGTERM/SIGINT (its drain): uvicorn must not install its own handlers.
     @contextlib.contextmanager
@@ -29,6 +33,10 @@ class HttpServer:
         self._server = _Server(config)
         self._socket = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET,
                                             reuse_port=False)
+        # Connections inherit a fixed send buffer: left to autotuning, the kernel took a whole
+        # 900-token stream (~600 KB) for a client that never read, so its request ran to the end
+        # holding its pages, unseen by the slow-reader bound (gateway/backpressure.py).
+        self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, SEND_BUFFER_BYTES)
         self.port = self._socket.getsockname()[1]
         self._task: asyncio.Task | None = None
 

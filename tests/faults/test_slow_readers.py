@@ -20,6 +20,8 @@ for the request's own end. Every client is bounded: a fixed number of calls, eac
 """
 from __future__ import annotations
 
+import json
+import socket
 import threading
 import time
 
@@ -28,6 +30,7 @@ import pytest
 from grpc_health.v1 import health_pb2
 
 from splitserve.client import Client
+from splitserve.launcher import free_port
 from splitserve.testing.hostile import NeverReading
 from splitserve.testing.stack import gateway_health, start_process, wait_pages_at_baseline
 from splitserve.testing.streams import join_all, run_streams
@@ -46,6 +49,7 @@ MAX_TOKENS = 900
 ANSWER_WITHIN_S = 2.0
 # Gateway growth allowed over the whole test (measured: a few MiB).
 GROWTH_MIB = 100.0
+HTTP_PORT = free_port()
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +64,7 @@ def stack(tiny_model_dirs, tmp_path_factory):
                                        "--max-num-seqs", str(2 * QUEUE_LIMIT)],
                           role_env={"decode": {"SPLITSERVE_FAULT_STEP_DELAY_S": str(STEP_DELAY_S)}},
                           gateway_args=["--slow-reader-timeout-s", str(SLOW_READER_TIMEOUT_S),
-                                        "--queue-limit", str(QUEUE_LIMIT)])
+                                        "--queue-limit", str(QUEUE_LIMIT), "--http-port", str(HTTP_PORT)])
     try:
         running.baseline = running.free_pages()
         yield running
@@ -220,3 +224,48 @@ def test_the_gateway_bounds_unread_output_in_total_and_per_stream(stack, tmp_pat
         client.close()
         gateway.terminate()
         gateway.wait(30)
+
+
+def _never_read_http(request_id: str) -> socket.socket:
+    """A streamed /v1/completions whose client never reads (a 4 KiB receive buffer)."""
+    sock = socket.socket()
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.connect(("127.0.0.1", HTTP_PORT))
+    body = json.dumps({"prompt": PROMPT, "max_tokens": MAX_TOKENS, "ignore_eos": True, "stream": True,
+                       "logprobs": 5, "request_id": request_id}).encode()
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 + f"Content-Length: {len(body)}\r\n\r\n".encode() + body)
+    return sock
+
+
+def test_http_streams_nobody_reads_are_cut_too(stack):
+    """The OpenAI HTTP API's streams fall under the same timeout: cut (aborted, pages back on
+    every worker) long before their 900 tokens would have ended; the connection is closed."""
+    ids = [f"http-unread-{i}" for i in range(4)]
+    sockets = [_never_read_http(rid) for rid in ids]
+    try:
+        admitted = time.monotonic() + 30
+        while not all(_known(stack, rid) for rid in ids):  # the posts reach the gateway
+            assert time.monotonic() < admitted, "the HTTP requests were never admitted"
+            time.sleep(0.1)
+        ended = wait_ended(stack, ids, timeout_s=60)
+        assert all(state == "aborted" and "did not read its stream" in error for state, error in ended.values()), ended
+        wait_pages_at_baseline(stack, stack.baseline, timeout_s=60)
+        sockets[0].settimeout(10)
+        received = b""
+        while chunk := sockets[0].recv(65536):  # what fit the window, then the end of the connection
+            received += chunk
+        assert received.startswith(b"HTTP/1.1 200") and b"[DONE]" not in received
+    finally:
+        for sock in sockets:
+            sock.close()
+
+
+def _known(stack, request_id: str) -> bool:
+    try:
+        stack.stub.GetRequest(pb.GetRequestRequest(request_id=request_id), timeout=10)
+        return True
+    except grpc.RpcError as e:
+        if e.code() != grpc.StatusCode.NOT_FOUND:
+            raise
+        return False

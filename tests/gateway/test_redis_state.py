@@ -343,6 +343,21 @@ def test_cancel_pending(state, client):
     assert not state.cancel_pending("missing")
 
 
+def test_cancel_pending_of_an_owner_leaves_other_owners_requests_alone(state):
+    state.admit("mine", "g1", 0, T0, {}, owner="token:aaaa")
+    state.admit("legacy", "g1", 0, T0 + 1, {})  # admitted without an owner (security off)
+    assert state.get("mine")["owner"] == "token:aaaa"
+    assert not state.cancel_pending("mine", owner="token:bbbb")
+    assert not state.cancel_pending("mine", owner="")
+    assert state.get("mine")["state"] == "queued" and state.queue_depth() == 2
+    assert not state.cancel_pending("legacy", owner="token:bbbb")
+    assert state.cancel_pending("mine", owner="token:aaaa")
+    assert state.cancel_pending("legacy", owner="")  # the anonymous owner of an open gateway
+    assert state.queue_depth() == 0
+    with pytest.raises(ValueError, match="owned by the queue scripts"):
+        state.update("mine", 0, owner="token:bbbb")  # nobody rewrites an owner
+
+
 def test_inflight_expired_and_reaper_requeue(state):
     for i, rid in enumerate(["a", "b", "c"]):
         admit(state, rid, arrival=T0 + i)

@@ -212,12 +212,22 @@ def test_compose_layout():
     for e in envs:
         transports = e["SPLITSERVE_KV_TRANSPORT"].split(",")
         assert transports[0] == "cuda_ipc" and "nccl" not in transports
-    # TLS and auth pass through, off when unset.
+    # TLS and auth pass through, off when unset; client and admin tokens reach the gateway only
+    # (a worker refuses them), the internal token every process.
     for name in splitserve_services(compose):
         env = services[name]["environment"]
-        for var in ("SPLITSERVE_TLS_CERT", "SPLITSERVE_TLS_KEY", "SPLITSERVE_TLS_CA", "SPLITSERVE_AUTH_TOKEN"):
+        for var in ("SPLITSERVE_TLS_CERT", "SPLITSERVE_TLS_KEY", "SPLITSERVE_TLS_CA", "SPLITSERVE_INTERNAL_TOKEN"):
             assert env[var] == "", (name, var)
-    assert load_compose({"SPLITSERVE_AUTH_TOKEN": "t"})["services"]["decode"]["environment"]["SPLITSERVE_AUTH_TOKEN"] == "t"
+        if name != "gateway":
+            assert not {"SPLITSERVE_AUTH_TOKEN", "SPLITSERVE_ADMIN_TOKEN"} & set(env), name
+    assert services["gateway"]["environment"]["SPLITSERVE_AUTH_TOKEN"] == ""
+    assert services["gateway"]["environment"]["SPLITSERVE_ADMIN_TOKEN"] == ""
+    given = load_compose({"SPLITSERVE_AUTH_TOKEN": "t", "SPLITSERVE_ADMIN_TOKEN": "a",
+                          "SPLITSERVE_INTERNAL_TOKEN": "i"})["services"]
+    assert given["gateway"]["environment"]["SPLITSERVE_AUTH_TOKEN"] == "t"
+    assert given["gateway"]["environment"]["SPLITSERVE_ADMIN_TOKEN"] == "a"
+    assert given["decode"]["environment"]["SPLITSERVE_INTERNAL_TOKEN"] == "i"
+    assert "SPLITSERVE_AUTH_TOKEN" not in given["decode"]["environment"]
     with pytest.raises(ValueError, match="SPLITSERVE_REDIS_PASSWORD"):
         interpolated(yaml.safe_load(COMPOSE.read_text()), {})
 

@@ -184,7 +184,10 @@ def test_token_and_queue_limit_on_a_second_gateway(stack, tmp_path):
     """401 without the bearer token (health stays open); 429 with Retry-After once the queue is full."""
     port = free_port()
     gateway, _ = start_process([*stack.argv["gateway"], "--http-port", str(port), "--queue-limit", "1"],
-                               tmp_path / "gateway-token.log", env={"SPLITSERVE_AUTH_TOKEN": TOKEN})
+                               tmp_path / "gateway-token.log",
+                               # A gateway with a client token needs an internal one too (the stack's
+                               # workers, started without, accept it like any other call).
+                               env={"SPLITSERVE_AUTH_TOKEN": TOKEN, "SPLITSERVE_INTERNAL_TOKEN": TOKEN + "-internal"})
     base = f"http://127.0.0.1:{port}"
     try:
         assert httpx.get(base + "/health").status_code == 200

@@ -2,8 +2,9 @@
 against real processes on loopback; and the guard that nothing is unpickled from the network.
 
 One stack (Redis with ``--requirepass``, gateway, prefill and decode worker) runs with mutual
-TLS and a token on every gRPC port, so every internal hop (gateway -> workers) must present
-the deployment certificate and the token too. A lone prefill worker with plain TLS (no client
+TLS on every gRPC port, the client token on the gateway's and the internal token on the
+workers', so every internal hop (gateway -> workers) must present the deployment certificate
+and the internal token. A lone prefill worker with plain TLS (no client
 certificates, no token) and ``--no-reflection`` covers the TLS-only and reflection-off cases.
 Certificates are made at test time with the ``openssl`` command.
 """
@@ -28,7 +29,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from splitserve.client import Client, AsyncClient
 from splitserve.security import Security
-from splitserve.v1 import worker_pb2, worker_pb2_grpc
+from splitserve.v1 import generation_pb2, worker_pb2, worker_pb2_grpc
 from splitserve.testing.redis_server import RedisServer
 from splitserve.testing.prompts import mixed_prompts
 from splitserve.testing.tools import grpcurl as _grpcurl
@@ -116,12 +117,13 @@ def stop_all(procs: list[subprocess.Popen]) -> None:
 def secure_stack(pki, tiny_model_dirs, tmp_path_factory):
     model = str(tiny_model_dirs["llama"])
     token = secrets.token_urlsafe(24)
+    internal = secrets.token_urlsafe(24)
     password = secrets.token_urlsafe(16)
     redis_server = RedisServer(password=password).start()
     # The password travels as its own flag (and env below), not inside the URL.
     url = f"redis://127.0.0.1:{redis_server.port}/0"
     tls = ["--tls-cert", pki["node"], "--tls-key", pki["node_key"], "--tls-ca", pki["ca"]]
-    env = {"SPLITSERVE_AUTH_TOKEN": token}  # the token as compose passes it: environment
+    env = {"SPLITSERVE_INTERNAL_TOKEN": internal}  # tokens as compose passes them: environment
     common = ["--model", model, "--dtype", "float32", "--block-size", "8", "--num-gpu-blocks", "128",
               "--max-num-batched-tokens", "128", "--redis-url", url, "--redis-password", password, *tls]
     log_dir = tmp_path_factory.mktemp("logs")
@@ -134,9 +136,10 @@ def secure_stack(pki, tiny_model_dirs, tmp_path_factory):
         procs.append(prefill)
         gateway, gateway_addr = start(["gateway", "--model", model, "--host", "127.0.0.1", "--port", "0",
                                        "--redis-url", url, "--block-size", "8", *tls, "--max-message-mb", "1"],
-                                      {**env, "SPLITSERVE_REDIS_PASSWORD": password}, logs["gateway"])
+                                      {**env, "SPLITSERVE_AUTH_TOKEN": token, "SPLITSERVE_REDIS_PASSWORD": password},
+                                      logs["gateway"])
         procs.append(gateway)
-        stack = {"model": model, "token": token, "password": password, "redis": redis_server, "pki": pki,
+        stack = {"model": model, "token": token, "internal": internal, "password": password, "redis": redis_server, "pki": pki,
                  "gateway": gateway_addr, "decode": decode_addr, "prefill": prefill_addr, "log_dir": log_dir}
         with good_client(stack) as client:
             deadline = time.monotonic() + 30
@@ -233,8 +236,8 @@ def test_mutual_tls_refuses_a_client_without_a_certificate(secure_stack):
     pki = secure_stack["pki"]
     with good_client(secure_stack, cert=None, key=None) as client:
         assert rpc_error(client.server_info).code() == grpc.StatusCode.UNAVAILABLE
-    # The internal ports too, even to a caller with the token.
-    no_cert = Security.load(ca=pki["ca"], token=secure_stack["token"])
+    # The internal ports too, even to a caller with the internal token.
+    no_cert = Security.load(ca=pki["ca"], token=secure_stack["internal"])
     err = rpc_error(lambda: worker_stub(secure_stack["prefill"], no_cert).GetWorkerInfo(
         worker_pb2.WorkerInfoRequest(), timeout=RPC_TIMEOUT_S))
     assert err.code() == grpc.StatusCode.UNAVAILABLE
@@ -250,7 +253,7 @@ def test_mutual_tls_serves_a_client_with_a_certificate(secure_stack):
     with good_client(secure_stack) as client:
         assert {w.role for w in client.server_info().workers} == {"gateway", "decode", "prefill"}
     pki = secure_stack["pki"]
-    node = Security.load(pki["node"], pki["node_key"], pki["ca"], secure_stack["token"])
+    node = Security.load(pki["node"], pki["node_key"], pki["ca"], secure_stack["internal"])
     info = worker_pb2_grpc.DecodeWorkerStub(node.channel(secure_stack["decode"])).GetWorkerInfo(
         worker_pb2.WorkerInfoRequest(), timeout=RPC_TIMEOUT_S)
     assert info.role == "decode"
@@ -274,15 +277,35 @@ def test_missing_or_wrong_token_is_unauthenticated(secure_stack):
         assert "gateway" in {w.role for w in client.server_info().workers}
 
 
-def test_internal_ports_require_the_token(secure_stack):
+def test_internal_ports_require_the_internal_token(secure_stack):
+    """Not the clients' token: with it and a CA-signed certificate, a client still cannot call a worker."""
     pki = secure_stack["pki"]
     for address, stub_class in ((secure_stack["prefill"], worker_pb2_grpc.PrefillWorkerStub),
                                 (secure_stack["decode"], worker_pb2_grpc.DecodeWorkerStub)):
-        for token in ("", "wrong-token"):
+        for token in ("", "wrong-token", secure_stack["token"]):
             security = Security.load(pki["node"], pki["node_key"], pki["ca"], token)
             err = rpc_error(lambda: stub_class(security.channel(address)).GetWorkerInfo(
                 worker_pb2.WorkerInfoRequest(), timeout=RPC_TIMEOUT_S))
             assert err.code() == grpc.StatusCode.UNAUTHENTICATED, (address, token)
+
+
+def test_a_request_belongs_to_the_token_and_the_certificate_together(secure_stack):
+    """Under mutual TLS the client certificate's subject is part of the owner: the same token
+    from another CA-signed certificate does not reach the request."""
+    pki = secure_stack["pki"]
+    rid = f"mtls-{secrets.token_hex(4)}"
+    with good_client(secure_stack) as client:
+        client.complete([1, 2, 3], request_id=rid, max_tokens=2, timeout=60)
+        assert client.stub.GetRequest(generation_pb2.GetRequestRequest(request_id=rid), timeout=RPC_TIMEOUT_S).state \
+            == "finished"
+    with good_client(secure_stack, cert=pki["node"], key=pki["node_key"]) as other:
+        err = rpc_error(lambda: other.stub.GetRequest(generation_pb2.GetRequestRequest(request_id=rid),
+                                                      timeout=RPC_TIMEOUT_S))
+        assert err.code() == grpc.StatusCode.NOT_FOUND
+        assert other.abort(rid) is False
+    # Redis names the owner by a digest of the token and the certificate's subject; never the token.
+    owner = secure_stack["redis"].client().hget(f"{{ss}}:req:{rid}", "owner")
+    assert owner.startswith("token:") and "CN=client" in owner and secure_stack["token"] not in owner, owner
 
 
 def test_health_check_needs_no_token(secure_stack):
@@ -389,17 +412,21 @@ def test_flags_and_environment_reach_every_process_and_up_passes_them_on(monkeyp
     monkeypatch.setenv("SPLITSERVE_TLS_KEY", pki["node_key"])
     monkeypatch.setenv("SPLITSERVE_TLS_CA", pki["ca"])
     monkeypatch.setenv("SPLITSERVE_AUTH_TOKEN", "tok")
+    monkeypatch.setenv("SPLITSERVE_INTERNAL_TOKEN", "itok")
     monkeypatch.setenv("SPLITSERVE_MAX_MESSAGE_MB", "4")
     for command in ("gateway", "prefill", "decode", "up"):
         args = parse([command])
-        security = Security.from_args(args)
-        assert security.mutual_tls and security.token == "tok" and security.max_message_bytes == 4 * 2**20, command
+        public, internal = Security.from_args(args), Security.internal_from_args(args)
+        assert public.mutual_tls and public.token == "tok" and public.max_message_bytes == 4 * 2**20, command
+        assert internal.mutual_tls and internal.token == "itok" and internal.accepted_tokens == ("itok",), command
     for kind in ("gateway", "prefill", "decode"):
         argv, env = forward(parse(["up"]), kind)
         for flag, value in (("--tls-cert", pki["node"]), ("--tls-key", pki["node_key"]), ("--tls-ca", pki["ca"]),
                             ("--max-message-mb", "4.0")):
             assert argv[argv.index(flag) + 1] == value, (kind, flag)
-        assert env == {"SPLITSERVE_AUTH_TOKEN": "tok"} and "tok" not in argv  # never on a command line
+        # Secrets never on a command line; the client token to the gateway only.
+        expected = {"SPLITSERVE_INTERNAL_TOKEN": "itok"} | ({"SPLITSERVE_AUTH_TOKEN": "tok"} if kind == "gateway" else {})
+        assert env == expected and "tok" not in argv and "itok" not in argv, kind
 
 
 # ---- nothing unpickled from the network

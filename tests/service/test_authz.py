@@ -1,0 +1,276 @@
+"""Who may touch what (README, Who may do what), against real processes on loopback.
+
+One stack: Redis, a decode and a prefill worker that require the internal token, and a gateway
+with two client identities (``--auth-token`` A, B from ``--token-file``), an admin token and the
+internal token. Checked: a request belongs to the token that created it (B can neither read nor
+abort A's, the admin can do both); worker and metrics addresses only for the admin; no local
+path in ModelInfo; a worker port refuses every credential but the internal token (a direct
+Reserve takes no page) while the gateway keeps serving; configurations that would leave the
+workers open to clients do not start.
+"""
+import os
+import secrets
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import grpc
+import httpx
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from splitserve.client import Client
+from splitserve.launcher import free_port
+from splitserve.security import Security
+from splitserve.testing.redis_server import RedisServer
+from splitserve.testing.stack import DEFAULT_WORKER_ARGS, start_process
+from splitserve.testing.streams import wait_until
+from splitserve.v1 import generation_pb2, worker_pb2, worker_pb2_grpc
+
+ROOT = Path(__file__).resolve().parents[2]
+RPC_TIMEOUT_S = 10
+# Each decode step of the stack's decode worker takes at least this long, so a request of
+# LONG_TOKENS tokens stays running (~10 s) while other callers try to touch it.
+STEP_DELAY_S = "0.05"
+LONG_TOKENS = 200
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_model_dirs, tmp_path_factory):
+    model = str(tiny_model_dirs["llama"])
+    d = tmp_path_factory.mktemp("authz")
+    tokens = {name: secrets.token_urlsafe(16) for name in ("a", "b", "admin", "internal")}
+    (d / "tokens.txt").write_text(f"# further client tokens\n\n{tokens['b']}\n")
+    redis_server = RedisServer().start()
+    worker_env = {"SPLITSERVE_INTERNAL_TOKEN": tokens["internal"]}
+    common = ["--model", model, *DEFAULT_WORKER_ARGS, "--redis-url", redis_server.url, "--metrics-port", "0"]
+    procs = []
+    try:
+        decode, decode_addr = start_process(["decode", *common], d / "decode.log",
+                                            env={**worker_env, "SPLITSERVE_FAULT_STEP_DELAY_S": STEP_DELAY_S})
+        procs.append(decode)
+        prefill, prefill_addr = start_process(["prefill", *common], d / "prefill.log", env=worker_env)
+        procs.append(prefill)
+        http_port = free_port()
+        gateway, gateway_addr = start_process(
+            ["gateway", "--model", model, "--host", "127.0.0.1", "--port", "0", "--redis-url", redis_server.url,
+             "--block-size", "8", "--metrics-port", "0", "--token-file", str(d / "tokens.txt"),
+             "--http-port", str(http_port)], d / "gateway.log",
+            env={**worker_env, "SPLITSERVE_AUTH_TOKEN": tokens["a"], "SPLITSERVE_ADMIN_TOKEN": tokens["admin"]})
+        procs.append(gateway)
+        clients = {name: Client(gateway_addr, token=tokens[name]) for name in ("a", "b", "admin")}
+        wait_until(lambda: {w.address for w in clients["admin"].server_info().workers} >= {decode_addr, prefill_addr},
+                   60, "the gateway to list both workers")
+        yield {"model": model, "tokens": tokens, "gateway": gateway_addr, "http": f"http://127.0.0.1:{http_port}",
+               "decode": decode_addr,
+               "prefill": prefill_addr, "clients": clients}
+        for client in clients.values():
+            client.close()
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(5)
+        redis_server.close()
+
+
+def rpc_error(call) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as err:
+        call()
+    return err.value
+
+
+def get_request(client: Client, request_id: str) -> generation_pb2.RequestInfo:
+    return client.stub.GetRequest(generation_pb2.GetRequestRequest(request_id=request_id), timeout=RPC_TIMEOUT_S)
+
+
+class Stream:
+    """A long generation of one client, consumed on a thread; ``error`` is how it ended, if it failed."""
+
+    def __init__(self, client: Client, request_id: str):
+        self.tokens: list[int] = []
+        self.error: grpc.RpcError | None = None
+        self.thread = threading.Thread(target=self._run, args=(client, request_id), daemon=True)
+        self.thread.start()
+
+    def _run(self, client, request_id):
+        try:
+            for event in client.generate([5, 6, 7, 8, 9, 10, 11, 12], request_id=request_id, max_tokens=LONG_TOKENS,
+                                         ignore_eos=True, temperature=0.0, timeout=120):
+                self.tokens += event.token_ids
+        except grpc.RpcError as e:
+            self.error = e
+
+    def join(self) -> None:
+        self.thread.join(120)
+        assert not self.thread.is_alive(), "the stream did not end"
+
+
+def test_a_request_belongs_to_the_token_that_created_it(stack):
+    a, b, admin = (stack["clients"][n] for n in ("a", "b", "admin"))
+    rid = f"owned-{secrets.token_hex(4)}"
+    stream = Stream(a, rid)
+    wait_until(lambda: stream.tokens, 60, "A's request to stream")
+    # B: the request looks like no request at all, and B's Abort changes nothing.
+    err = rpc_error(lambda: get_request(b, rid))
+    assert err.code() == grpc.StatusCode.NOT_FOUND
+    unknown = rpc_error(lambda: get_request(b, "no-such-id")).details()
+    assert err.details() == unknown.replace("no-such-id", rid)  # nothing tells them apart
+    assert b.abort(rid) is False
+    assert get_request(a, rid).state not in ("aborted", "finished")
+    assert stream.thread.is_alive() and stream.error is None
+    # The admin reads it and aborts it; A's stream ends as aborted.
+    assert get_request(admin, rid).request_id == rid
+    assert admin.abort(rid) is True
+    stream.join()
+    assert stream.error is not None and stream.error.code() == grpc.StatusCode.CANCELLED
+    assert len(stream.tokens) < LONG_TOKENS
+    wait_until(lambda: get_request(a, rid).state == "aborted", 10, "the abort to be recorded")
+    # Ended, it is still A's (read above) and not B's.
+    assert rpc_error(lambda: get_request(b, rid)).code() == grpc.StatusCode.NOT_FOUND
+
+
+def test_the_owner_may_abort_its_own_request_and_the_other_one_its_own(stack):
+    a, b = stack["clients"]["a"], stack["clients"]["b"]
+    rid_b = f"b-{secrets.token_hex(4)}"
+    stream = Stream(b, rid_b)  # B (a --token-file token) owns this one
+    wait_until(lambda: stream.tokens, 60, "B's request to stream")
+    assert a.abort(rid_b) is False and stream.thread.is_alive()
+    assert get_request(b, rid_b).request_id == rid_b
+    assert b.abort(rid_b) is True
+    stream.join()
+    assert stream.error is not None and stream.error.code() == grpc.StatusCode.CANCELLED
+
+
+def test_server_info_lists_addresses_to_the_admin_only(stack):
+    internal = {stack["decode"], stack["prefill"]}
+    seen = stack["clients"]["admin"].server_info().workers
+    assert internal <= {w.address for w in seen}
+    assert all(w.metrics_address for w in seen)  # the gateway's included
+    for name in ("a", "b"):
+        workers = stack["clients"][name].server_info().workers
+        assert {w.role for w in workers} == {"gateway", "decode", "prefill"}
+        assert all(not w.address and not w.metrics_address for w in workers), name
+        decode = next(w for w in workers if w.role == "decode")
+        assert decode.kv_blocks_total == 256  # the load is still there
+    # Nothing else in the answer names a worker's port.
+    public = stack["clients"]["a"].server_info().SerializeToString()
+    for address in internal:
+        assert address.encode() not in public
+
+
+def test_model_info_has_no_local_path(stack):
+    for name in ("a", "admin"):
+        info = stack["clients"][name].stub.GetModelInfo(generation_pb2.GetModelInfoRequest(), timeout=RPC_TIMEOUT_S)
+        assert info.model == Path(stack["model"]).name and "/" not in info.model, info.model
+        assert stack["model"].encode() not in info.SerializeToString()
+
+
+def test_http_requests_belong_to_their_token_too(stack):
+    """The OpenAI API takes the same client and admin tokens, not the internal one, and its
+    requests are owned like gRPC ones (read back over gRPC)."""
+    tokens, http = stack["tokens"], stack["http"]
+
+    def post(token: str, request_id: str) -> httpx.Response:
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        return httpx.post(http + "/v1/completions", timeout=60, headers=headers,
+                          json={"prompt": [3, 4, 5], "max_tokens": 2, "ignore_eos": True, "request_id": request_id})
+    rid = f"http-b-{secrets.token_hex(4)}"
+    assert post(tokens["b"], rid).status_code == 200
+    assert get_request(stack["clients"]["b"], rid).state == "finished"
+    assert rpc_error(lambda: get_request(stack["clients"]["a"], rid)).code() == grpc.StatusCode.NOT_FOUND
+    assert get_request(stack["clients"]["admin"], rid).request_id == rid
+    assert post(tokens["internal"], "http-internal").status_code == 401
+    assert post("", "http-none").status_code == 401
+    models = httpx.get(http + "/v1/models", timeout=10, headers={"Authorization": f"Bearer {tokens['admin']}"})
+    assert [m["id"] for m in models.json()["data"]] == [Path(stack["model"]).name]
+
+
+def test_worker_ports_accept_only_the_internal_token(stack):
+    tokens = stack["tokens"]
+    internal = Security(token=tokens["internal"])
+    decode = worker_pb2_grpc.DecodeWorkerStub(internal.channel(stack["decode"]))
+    free = decode.GetWorkerInfo(worker_pb2.WorkerInfoRequest(), timeout=RPC_TIMEOUT_S).kv_blocks_free
+    for token in ("", tokens["a"], tokens["b"], tokens["admin"]):
+        stub = worker_pb2_grpc.DecodeWorkerStub(Security(token=token).channel(stack["decode"]))
+        err = rpc_error(lambda: stub.Reserve(worker_pb2.ReserveRequest(request_id="direct", num_prompt_tokens=1000),
+                                             timeout=RPC_TIMEOUT_S))
+        assert err.code() == grpc.StatusCode.UNAUTHENTICATED, token
+        prefill = worker_pb2_grpc.PrefillWorkerStub(Security(token=token).channel(stack["prefill"]))
+        err = rpc_error(lambda: prefill.GetWorkerInfo(worker_pb2.WorkerInfoRequest(), timeout=RPC_TIMEOUT_S))
+        assert err.code() == grpc.StatusCode.UNAUTHENTICATED, token
+    # No page was taken; health probes stay open; the gateway (with the internal token) still serves.
+    assert decode.GetWorkerInfo(worker_pb2.WorkerInfoRequest(), timeout=RPC_TIMEOUT_S).kv_blocks_free == free
+    for address in (stack["decode"], stack["prefill"]):
+        health = health_pb2_grpc.HealthStub(grpc.insecure_channel(address))
+        assert health.Check(health_pb2.HealthCheckRequest(), timeout=RPC_TIMEOUT_S).status == \
+            health_pb2.HealthCheckResponse.SERVING
+    text, final = stack["clients"]["a"].complete([3, 4, 5], max_tokens=4, ignore_eos=True, timeout=60)
+    assert final.finish_reason == "length" and final.usage.completion_tokens == 4
+
+
+def _refused(argv: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
+    base = {k: v for k, v in os.environ.items() if not k.startswith("SPLITSERVE_")}
+    out = subprocess.run([sys.executable, "-m", "splitserve.cli", *argv], capture_output=True, text=True,
+                         timeout=120, env={**base, "PYTHONPATH": str(ROOT), **env})
+    assert out.returncode != 0 and "serving on" not in out.stdout, out.stdout + out.stderr
+    return out
+
+
+def test_configurations_that_open_the_workers_to_clients_do_not_start(tiny_model_dirs):
+    model = str(tiny_model_dirs["llama"])
+    # A worker handed the clients' token (an old "same token everywhere" configuration).
+    out = _refused(["decode", "--model", model, *DEFAULT_WORKER_ARGS], {"SPLITSERVE_AUTH_TOKEN": "client"})
+    assert "--internal-token" in out.stderr
+    # A gateway with client credentials but nothing to present to (and require at) the workers.
+    gateway = ["gateway", "--model", model, "--redis-url", "redis://127.0.0.1:1/0", "--port", "0"]
+    out = _refused(gateway, {"SPLITSERVE_AUTH_TOKEN": "client"})
+    assert "--internal-token" in out.stderr
+    # The internal token equal to a client's would let that client call the workers.
+    out = _refused(gateway, {"SPLITSERVE_AUTH_TOKEN": "same", "SPLITSERVE_INTERNAL_TOKEN": "same"})
+    assert "must differ" in out.stderr
+
+
+def test_up_gives_one_internal_token_to_every_child_when_security_is_on(tmp_path):
+    from splitserve.cli import parse
+    from splitserve.launcher import plan
+
+    def envs(argv, env):
+        old = dict(os.environ)
+        os.environ.update(env)
+        try:
+            specs = plan(parse(["up", "--prefill", "1", "--decode", "1", *argv]), "redis://127.0.0.1:1/0",
+                         str(tmp_path))
+        finally:
+            os.environ.clear()
+            os.environ.update(old)
+        return {s.name: (s.env, s.argv) for s in specs if s.name != "redis"}
+
+    secured = envs([], {"SPLITSERVE_AUTH_TOKEN": "client", "SPLITSERVE_ADMIN_TOKEN": "adm"})
+    made = {env["SPLITSERVE_INTERNAL_TOKEN"] for env, _ in secured.values()}
+    assert len(made) == 1 and made.pop() not in ("", "client", "adm")
+    for name, (env, argv) in secured.items():
+        assert ("SPLITSERVE_AUTH_TOKEN" in env) == ("SPLITSERVE_ADMIN_TOKEN" in env) == (name == "gateway"), name
+        assert not {"client", "adm", env["SPLITSERVE_INTERNAL_TOKEN"]} & set(argv), name
+    # One given is used as it is; without security none is made (workers as open as the gateway).
+    given = envs([], {"SPLITSERVE_AUTH_TOKEN": "client", "SPLITSERVE_INTERNAL_TOKEN": "mine"})
+    assert {env["SPLITSERVE_INTERNAL_TOKEN"] for env, _ in given.values()} == {"mine"}
+    assert all("SPLITSERVE_INTERNAL_TOKEN" not in env for env, _ in envs([], {}).values())
+
+
+def test_token_file_lines(tmp_path):
+    from splitserve.authz import read_token_file
+    path = tmp_path / "tokens"
+    path.write_text("# clients\n  alpha  \n\nbeta\n  # indented comment\n")
+    assert read_token_file(str(path)) == ["alpha", "beta"]
+    path.write_text("# nothing but comments\n")
+    with pytest.raises(ValueError, match="holds no token"):
+        read_token_file(str(path))
+    with pytest.raises(ValueError, match="cannot read --token-file"):
+        read_token_file(str(tmp_path / "missing"))
