@@ -95,7 +95,8 @@ def stack(model_dir: Path, limit_s: float, device: str = "cuda") -> dict:
     env = {**os.environ, "SPLITSERVE_ENFORCE_EAGER": "1",  # the compiled step is engine_exact's
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     cmd = [sys.executable, "-m", "splitserve.cli", "up", "--model", str(model_dir), "--device", device,
-           "--dtype", "bfloat16", "--port", str(port), "--metrics-port", "0"]
+           "--dtype", "bfloat16", "--port", str(port), "--metrics-port", "0",
+           "--http-port", "-1"]  # the HTTP API's packages are not carried (gRPC is what is checked)
     cmd += ["--gpu-memory-utilization", "0.3"] if device == "cuda" else ["--num-gpu-blocks", "256"]
     expected = "cuda_ipc" if device == "cuda" else "shm"
     proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
