@@ -159,3 +159,17 @@ def test_resumed_request_replays_its_generated_tokens(llm):
 def test_invalid_specs_name_the_field(kwargs, match):
     with pytest.raises(ValueError, match=re.escape(match)):
         check_grammar(StructuredOutput(**kwargs))
+
+
+def test_a_retried_job_carries_its_streamed_tokens_to_the_grammar():
+    """The gateway's retry puts the streamed tokens in the prompt and says how many there are;
+    the worker's engine replays exactly those (test_resumed_request_replays_its_generated_tokens)."""
+    from gateway.job import Job
+    from splitserve.api_convert import sampling_from_worker, sampling_to_worker
+    job = Job("r", [1, 2, 3], SamplingParams(max_tokens=10, structured_output=SCHEMA_SPEC), 0, 0.0, None,
+              on_finish=lambda j: None)
+    job.generated = [90, 91, 92, 93]
+    prompt, params = job.resume_inputs()
+    assert prompt == [1, 2, 3, 90, 91, 92, 93] and params.max_tokens == 6
+    over_the_wire = sampling_from_worker(sampling_to_worker(params)).structured_output
+    assert over_the_wire == SCHEMA_SPEC.resumed(4) and over_the_wire.key == SCHEMA_SPEC.key
