@@ -29,9 +29,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 # Installed here at the versions the suite runs with; the GPU machine gets the same ones.
 PACKAGES = ["grpcio", "grpcio-health-checking", "grpcio-reflection", "protobuf", "redis", "pytest", "pluggy",
-            "iniconfig", "pygments", "pytest-timeout",
-            # Structured output (engine/structured_output.py) and what xgrammar imports.
-            "xgrammar", "apache-tvm-ffi", "pydantic", "pydantic-core", "annotated-types", "typing-inspection"]
+            "iniconfig", "pygments", "pytest-timeout"]
 PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64"]
 MODEL_FILES = ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                "chat_template.jinja", "special_tokens_map.json"]
