@@ -4,9 +4,13 @@
    when present, for comparison), walk the tokens of a valid output of the JSON schema below
    and time, per token, filling the next-token bitmask for the model's vocabulary, applying it
    to one row of logits on the engine's device, and advancing the matcher.
-2. ``engine``: ``--batch`` chat prompts through ``LLM.generate``, greedy, once constrained by
+2. ``sampler``: one sampler call for ``--batch`` greedy rows, every row constrained (a fresh
+   matcher per row, walked along the sample output, each token accepted as decoding would) vs
+   no row constrained: the whole per-step cost of structured output, median over the walk.
+3. ``engine``: ``--batch`` chat prompts through ``LLM.generate``, greedy, once constrained by
    the schema and once unconstrained with ``ignore_eos`` and ``max_tokens`` equal to the longest
-   constrained output (so both runs decode about as many steps); tokens/s of each.
+   constrained output (so both runs decode about as many steps); tokens/s of each, the arms
+   alternating for ``--rounds`` rounds (medians).
 
     python -m bench.structured_output --batch 8 --out bench/results/structured_output.json
 """
@@ -111,7 +115,40 @@ def mask_costs(tokenizer, vocab: int, device: torch.device, reps: int) -> dict:
     return out
 
 
-def engine_throughput(model: str, batch: int, max_tokens: int) -> dict:
+def sampler_overhead(tokenizer, vocab: int, device: torch.device, batch: int, reps: int) -> dict:
+    from engine.sampler import Sampler, SamplingRow
+    from engine.sampling_params import SamplingParams
+    from engine.structured_output import GrammarCompiler, StructuredOutput
+
+    spec = StructuredOutput(json_schema=json.dumps(SCHEMA))
+    compiler = GrammarCompiler(tokenizer, vocab, [tokenizer.eos_token_id])
+    ids = tokenizer.encode(json.dumps(SAMPLE), add_special_tokens=False)
+    sampler = Sampler([tokenizer.eos_token_id])
+    logits = torch.randn(batch, vocab, device=device)
+    constrained = SamplingParams(temperature=0, max_tokens=64, structured_output=spec)
+    free = [SamplingRow(SamplingParams(temperature=0, max_tokens=64), [], [])] * batch
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    with_s, without_s = [], []
+    for _ in range(reps):
+        grammars = [compiler.grammar(spec) for _ in range(batch)]
+        for t in ids:
+            rows = [SamplingRow(constrained, [], [], None, g) for g in grammars]
+            sync()
+            a = time.perf_counter()
+            sampler(logits, rows)  # .tolist() inside waits for the device
+            for g in grammars:
+                g.accept(t)
+            b = time.perf_counter()
+            sampler(logits, free)
+            c = time.perf_counter()
+            with_s.append(b - a)
+            without_s.append(c - b)
+    w, wo = median(with_s), median(without_s)
+    return {"batch": batch, "with_grammar_ms": round(1e3 * w, 3), "without_grammar_ms": round(1e3 * wo, 3),
+            "overhead_us_per_row": round(1e6 * (w - wo) / batch, 1)}
+
+
+def engine_throughput(model: str, batch: int, max_tokens: int, rounds: int) -> dict:
     from engine import LLM, SamplingParams
     from engine.structured_output import StructuredOutput
     llm = LLM(model, dtype="float32", max_num_seqs=max(batch, 8))
@@ -126,22 +163,27 @@ def engine_throughput(model: str, batch: int, max_tokens: int) -> dict:
     llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4, structured_output=spec))
     llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
 
-    start = time.perf_counter()
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, structured_output=spec))
-    with_s = time.perf_counter() - start
-    with_tokens = sum(len(o.token_ids) for o in outs)
+    # The arms alternate, round after round (medians reported): on shared cores the load
+    # changes by the minute, and one run of each would measure that instead.
+    constrained = SamplingParams(temperature=0, max_tokens=max_tokens, structured_output=spec)
+    outs = llm.generate(prompts, constrained)
     valid = sum(1 for o in outs if _valid(o.text))
     longest = max(len(o.token_ids) for o in outs)
-
-    start = time.perf_counter()
-    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=longest, ignore_eos=True))
-    without_s = time.perf_counter() - start
-    without_tokens = sum(len(o.token_ids) for o in outs)
-    return {"batch": batch, "device": str(llm.engine.runner.device),
-            "with_grammar": {"tokens": with_tokens, "seconds": round(with_s, 3),
-                             "tokens_per_s": round(with_tokens / with_s, 1), "valid_outputs": valid},
-            "without_grammar": {"tokens": without_tokens, "seconds": round(without_s, 3),
-                                "tokens_per_s": round(without_tokens / without_s, 1)}}
+    free = SamplingParams(temperature=0, max_tokens=longest, ignore_eos=True)
+    rates: dict[str, list[float]] = {"with_grammar": [], "without_grammar": []}
+    tokens = {}
+    for _ in range(rounds):
+        for arm, params in (("with_grammar", constrained), ("without_grammar", free)):
+            start = time.perf_counter()
+            outs = llm.generate(prompts, params)
+            seconds = time.perf_counter() - start
+            tokens[arm] = sum(len(o.token_ids) for o in outs)
+            rates[arm].append(round(tokens[arm] / seconds, 1))
+    return {"batch": batch, "device": str(llm.engine.runner.device), "rounds": rounds,
+            "with_grammar": {"tokens": tokens["with_grammar"], "tokens_per_s": median(rates["with_grammar"]),
+                             "rounds_tokens_per_s": rates["with_grammar"], "valid_outputs": valid},
+            "without_grammar": {"tokens": tokens["without_grammar"], "tokens_per_s": median(rates["without_grammar"]),
+                                "rounds_tokens_per_s": rates["without_grammar"]}}
 
 
 def _valid(text: str) -> bool:
@@ -159,6 +201,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--reps", type=int, default=5, help="walks of the sample output per library")
+    ap.add_argument("--rounds", type=int, default=3, help="alternating engine runs per arm")
     ap.add_argument("--skip-engine", action="store_true")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
@@ -174,8 +217,11 @@ def main(argv=None) -> dict:
     for lib, r in result["mask_per_token"].items():
         print(f"{lib:11s} per token on {device}: fill {r['fill_us']} us, apply {r['apply_us']} us, "
               f"accept {r['accept_us']} us (total {r['total_us']} us)")
+    s = result["sampler"] = sampler_overhead(tokenizer, vocab, device, args.batch, args.reps)
+    print(f"sampler, batch {s['batch']} on {device}: {s['with_grammar_ms']} ms with every row constrained, "
+          f"{s['without_grammar_ms']} ms without ({s['overhead_us_per_row']} us per constrained row)")
     if not args.skip_engine:
-        e = result["engine"] = engine_throughput(args.model, args.batch, args.max_tokens)
+        e = result["engine"] = engine_throughput(args.model, args.batch, args.max_tokens, args.rounds)
         print(f"engine, batch {e['batch']} on {e['device']}: {e['with_grammar']['tokens_per_s']} tokens/s with the "
               f"schema ({e['with_grammar']['valid_outputs']}/{e['batch']} valid), "
               f"{e['without_grammar']['tokens_per_s']} tokens/s without")
