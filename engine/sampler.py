@@ -8,8 +8,8 @@ a handful of [B, vocab] kernels rather than Python loops over the vocabulary.
 Processing order for every row (as vLLM):
 
 0. structured output (``engine.structured_output.apply_grammar_bitmask``): a row with a grammar
-   gets -inf on every token its grammar does not allow next; later steps only ever lower
-   logits further, so whatever is sampled (greedy or random) is a token the grammar accepts
+   gets -inf on every token its grammar does not allow next; -inf stays -inf through every
+   later step (min_tokens' undo restores the masked values), so whatever is sampled (greedy or random) is a token the grammar accepts
    (and logprobs, step 3, describe the constrained distribution);
 1. penalties on the raw logits (``apply_penalties``):
    * repetition (HF-style): for tokens that appear in the prompt *or* the output so far,
