@@ -1,7 +1,9 @@
 """Structured output on each device: the token bitmask applied to CPU and CUDA logits alike, and
 the engine on a tiny random Llama (byte-level tokenizer) whose outputs only the grammar can
-make valid. The ``cuda`` cases run under ``make gpu-check`` (no weights travel to the GPU machine,
-hence the random model); the real-model tests are in tests/test_structured_output.py."""
+make valid. The ``cuda`` cases (``-m gpu``) need no weights on the GPU machine, hence the random
+model; they are not in ``bench.gpu_check``'s list, since its carry has no room for xgrammar's
+wheels (xgrammar, apache-tvm-ffi, pydantic: ~27 MB unpacked). The real-model tests are in
+tests/test_structured_output.py."""
 import json
 import re
 
