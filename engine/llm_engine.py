@@ -17,6 +17,7 @@ from engine.outputs import RequestMetrics, RequestOutput
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
+from engine.structured_output import GrammarCompiler
 
 
 class LLMEngine:
@@ -34,6 +35,7 @@ class LLMEngine:
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
                                  num_cpu_blocks=config.num_cpu_blocks if config.preemption_mode == "swap" else 0)
         self.scheduler = Scheduler(config, self.kv, self.max_model_len, clock=clock)
+        self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.runner.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
 
@@ -60,6 +62,7 @@ class LLMEngine:
         request = Request(request_id, token_ids, params, eos_token_ids=self.runner.eos_token_ids,
                           priority=priority, arrival_time=self.clock() if arrival_time is None else arrival_time,
                           prompt=text)
+        request.grammar = self._grammar(params, token_ids)
         self.requests[request_id] = request
         self.scheduler.add(request)
         return request
@@ -82,6 +85,7 @@ class LLMEngine:
         _, token_ids = self._prompt_tokens(list(prompt_token_ids))
         request = Request(request_id, token_ids, params, eos_token_ids=self.runner.eos_token_ids,
                           priority=priority, arrival_time=self.clock() if arrival_time is None else arrival_time)
+        request.grammar = self._grammar(params, token_ids)  # the first token is accepted below
         if sampler_state:
             request.restore_sampler_state(sampler_state)
         request.num_computed_tokens = len(token_ids)
@@ -95,6 +99,17 @@ class LLMEngine:
         if reason is not None:
             self.scheduler.finish(request, reason)
         return self._output(request)
+
+    def _grammar(self, params: SamplingParams, token_ids: list[int]):
+        """The request's structured-output matcher (None without a constraint), having replayed
+        the tokens a retried request's prompt ends with (generated under it before)."""
+        spec = params.structured_output
+        if spec is None:
+            return None
+        if spec.resumed_tokens >= len(token_ids):
+            raise ValueError(f"structured_output.resumed_tokens ({spec.resumed_tokens}) must be less than the "
+                             f"prompt's {len(token_ids)} tokens")
+        return self.grammars.grammar(spec, token_ids[len(token_ids) - spec.resumed_tokens:])
 
     def _prompt_tokens(self, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):

@@ -156,7 +156,7 @@ class ModelRunner:
             return {}
         logits = self.model.lm_head(hidden[step.sample_index])
         requests = [chunk.request for chunk in step.sample_chunks]
-        rows = [SamplingRow(r.sampling_params, r.prompt_token_ids, r.output_token_ids, r.generator)
+        rows = [SamplingRow(r.sampling_params, r.prompt_token_ids, r.output_token_ids, r.generator, r.grammar)
                 for r in requests]
         out = self.sampler(logits, rows)
         logprobs = out.logprobs or [None] * len(requests)

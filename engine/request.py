@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.sampling_params import SamplingParams
+from engine.structured_output import Grammar
 
 
 class RequestStatus(enum.Enum):
@@ -52,6 +53,9 @@ class Request:
     generator: torch.Generator | None = None
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
+    # The structured-output matcher (set by the engine when the params ask for one); it advances
+    # with every appended token, so preemption (recompute or swap) keeps it as it is.
+    grammar: Grammar | None = None
 
     def __post_init__(self) -> None:
         # prompt + output, maintained incrementally: the scheduler reads it every step.
@@ -88,6 +92,8 @@ class Request:
     def append_token(self, token_id: int, logprobs: list[tuple[int, float]] | None) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+        if self.grammar is not None:
+            self.grammar.accept(token_id)
         if logprobs is not None:
             self.output_logprobs.append(logprobs)
 
@@ -101,6 +107,10 @@ class Request:
                 return FinishReason.EOS
             if last in params.stop_token_ids:
                 return FinishReason.STOP
+        # The grammar is complete (it took a stop token, e.g. EOS under ignore_eos) or refused a
+        # token: nothing valid can follow.
+        if self.grammar is not None and (self.grammar.is_terminated or not self.grammar.ok):
+            return FinishReason.STOP
         if n_out >= params.max_tokens or self.num_tokens >= max_model_len:
             return FinishReason.LENGTH
         return None

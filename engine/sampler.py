@@ -7,6 +7,10 @@ a handful of [B, vocab] kernels rather than Python loops over the vocabulary.
 
 Processing order for every row (as vLLM):
 
+0. structured output (``engine.structured_output.apply_grammar_bitmask``): a row with a grammar
+   gets -inf on every token its grammar does not allow next; -inf stays -inf through every
+   later step (min_tokens' undo restores the masked values), so whatever is sampled (greedy or random) is a token the grammar accepts
+   (and logprobs, step 3, describe the constrained distribution);
 1. penalties on the raw logits (``apply_penalties``):
    * repetition (HF-style): for tokens that appear in the prompt *or* the output so far,
      positive logits are divided by the penalty and negative ones multiplied by it;
@@ -42,6 +46,7 @@ import numpy as np
 import torch
 
 from engine.sampling_params import SamplingParams
+from engine.structured_output import Grammar, apply_grammar_bitmask
 
 __all__ = [
     "SamplingRow",
@@ -70,6 +75,8 @@ class SamplingRow:
     # Per-request generator when params.seed is set (torch.Generator().manual_seed(seed));
     # None otherwise (the row then uses the sampler's shared generator).
     generator: torch.Generator | None = None
+    # The request's structured-output matcher (None: unconstrained).
+    grammar: Grammar | None = None
 
 
 @dataclass
@@ -252,14 +259,17 @@ class Sampler:
         need_pen = any(p.has_penalties for p in params)
         need_min = any(len(r.output_token_ids) < r.params.min_tokens for r in rows)
         lp_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        need_grammar = any(r.grammar is not None for r in rows)
 
-        if all_greedy and not (need_pen or need_min or lp_rows):
+        if all_greedy and not (need_pen or need_min or lp_rows or need_grammar):
             return SamplerOutput(token_ids=logits.argmax(dim=-1).tolist(), logprobs=None)
 
         dev = logits.device
         work = logits.float()
-        if (need_pen or need_min) and work.data_ptr() == logits.data_ptr():
+        if (need_pen or need_min or need_grammar) and work.data_ptr() == logits.data_ptr():
             work = work.clone()  # never modify the caller's tensor
+        if need_grammar:
+            apply_grammar_bitmask(work, [r.grammar for r in rows])
         if need_pen:
             apply_penalties(work, rows)
         if need_min:

@@ -14,6 +14,8 @@ import math
 import numbers
 from dataclasses import dataclass, field
 
+from engine.structured_output import StructuredOutput
+
 # Temperatures below this are treated as greedy (dividing logits by ~0 overflows); same
 # threshold as vLLM.
 SAMPLING_EPS = 1e-5
@@ -65,6 +67,8 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     stop: list[str] = field(default_factory=list)
     logprobs: int | None = None
+    # Constrain the output to a JSON schema / JSON object / regex / choice (engine.structured_output).
+    structured_output: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         # --- integers -------------------------------------------------------------------
@@ -156,6 +160,10 @@ class SamplingParams:
             if not isinstance(s, str) or not s:
                 raise ValueError(f"stop must contain only non-empty strings, got element {s!r}")
         self.stop = list(self.stop)
+
+        if self.structured_output is not None and not isinstance(self.structured_output, StructuredOutput):
+            raise ValueError("structured_output must be None or an engine.structured_output.StructuredOutput, "
+                             f"got {type(self.structured_output).__name__}")
 
     # --- convenience --------------------------------------------------------------------
     @property

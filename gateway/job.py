@@ -141,7 +141,10 @@ class Job:
         left = self.params.max_tokens - done
         if left < 1:
             return None
-        params = dataclasses.replace(self.params, max_tokens=left, min_tokens=max(0, self.params.min_tokens - done))
+        structured = self.params.structured_output
+        params = dataclasses.replace(self.params, max_tokens=left, min_tokens=max(0, self.params.min_tokens - done),
+                                     # the grammar state covers the streamed tokens: the worker replays them
+                                     structured_output=structured.resumed(done) if structured else None)
         return self.prompt_token_ids + self.generated, params
 
     # ---- what is recorded ------------------------------------------------------------

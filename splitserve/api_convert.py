@@ -21,6 +21,7 @@ import time
 from typing import TYPE_CHECKING, Sequence
 
 from engine.sampling_params import SamplingParams
+from engine.structured_output import StructuredOutput, check_grammar
 from splitserve.errors import InvalidArgument
 from splitserve.v1 import generation_pb2, worker_pb2
 
@@ -31,7 +32,7 @@ if TYPE_CHECKING:  # kvtransfer.base imports torch; the gateway converts descrip
 __all__ = [
     "DEFAULT_MAX_TOKENS", "DEFAULT_TEMPERATURE", "PROMPT_FIELDS", "sampling_from_proto", "resolve_sampling",
     "sampling_to_worker", "sampling_from_worker", "arrival_to_monotonic", "check_sizes", "prompt_from_request",
-    "descriptor_to_proto", "descriptor_from_proto", "logprobs_to_proto", "logprobs_from_proto",
+    "structured_output_from_proto", "structured_output_to_proto", "descriptor_to_proto", "descriptor_from_proto", "logprobs_to_proto", "logprobs_from_proto",
 ]
 
 DEFAULT_MAX_TOKENS = 256
@@ -65,12 +66,17 @@ def sampling_from_proto(msg: generation_pb2.SamplingParams | None) -> SamplingPa
         kwargs["stop_token_ids"] = list(msg.stop_token_ids)
         kwargs["ignore_eos"] = msg.ignore_eos
     try:
+        if msg is not None and msg.HasField("structured_output"):
+            kwargs["structured_output"] = structured_output_from_proto(msg.structured_output)
+            # The same library the workers use compiles it here, so a schema or regex it cannot
+            # take is refused before the request is queued, not when a worker meets it.
+            check_grammar(kwargs["structured_output"])
         return SamplingParams(**kwargs)
     except ValueError as exc:
         # The engine's messages start with the field name ("top_k must be ..."); prefix the
         # message path so a JSON caller sees exactly what to fix.
         text = str(exc)
-        first = text.split(" ", 1)[0]
+        first = text.split(" ", 1)[0].split(".", 1)[0]
         path = f"sampling.{text}" if first in _ENGINE_SAMPLING_FIELDS else f"invalid sampling: {text}"
         raise InvalidArgument(path) from exc
 
@@ -98,6 +104,24 @@ def resolve_sampling(msg: generation_pb2.SamplingParams | None, num_prompt_token
                               f"{num_prompt_tokens}-token prompt (max_model_len {max_model_len})") from exc
 
 
+def structured_output_from_proto(msg: generation_pb2.StructuredOutput, resumed_tokens: int = 0) -> StructuredOutput:
+    """The proto's oneof -> the engine's spec (ValueError naming the field if it is empty or bad)."""
+    kind = msg.WhichOneof("kind")
+    if kind is None:
+        raise ValueError("structured_output must set one of json_schema, json_object, regex, choice")
+    if kind == "choice":
+        return StructuredOutput(choice=tuple(msg.choice.values), resumed_tokens=resumed_tokens)
+    if kind == "json_object" and not msg.json_object:
+        raise ValueError("structured_output.json_object must be true when set")
+    return StructuredOutput(**{kind: getattr(msg, kind)}, resumed_tokens=resumed_tokens)
+
+
+def structured_output_to_proto(spec: StructuredOutput) -> generation_pb2.StructuredOutput:
+    if spec.kind == "choice":
+        return generation_pb2.StructuredOutput(choice=generation_pb2.StringList(values=spec.choice))
+    return generation_pb2.StructuredOutput(**{spec.kind: getattr(spec, spec.kind)})
+
+
 def sampling_to_worker(params: SamplingParams) -> worker_pb2.ResolvedSampling:
     """Resolved engine parameters -> the internal message (every field set)."""
     msg = worker_pb2.ResolvedSampling(
@@ -110,6 +134,9 @@ def sampling_to_worker(params: SamplingParams) -> worker_pb2.ResolvedSampling:
         msg.seed = params.seed
     if params.logprobs is not None:
         msg.logprobs = params.logprobs
+    if params.structured_output is not None:
+        msg.structured_output.CopyFrom(structured_output_to_proto(params.structured_output))
+        msg.structured_output_resumed_tokens = params.structured_output.resumed_tokens
     return msg
 
 
@@ -117,8 +144,11 @@ def sampling_from_worker(msg: worker_pb2.ResolvedSampling) -> SamplingParams:
     """The internal message -> engine parameters, taken as given (the engine still checks them:
     a gateway of another version must not crash a worker)."""
     try:
+        structured = None
+        if msg.HasField("structured_output"):
+            structured = structured_output_from_proto(msg.structured_output, msg.structured_output_resumed_tokens)
         return SamplingParams(
-            max_tokens=msg.max_tokens, min_tokens=msg.min_tokens, temperature=msg.temperature,
+            structured_output=structured, max_tokens=msg.max_tokens, min_tokens=msg.min_tokens, temperature=msg.temperature,
             top_p=msg.top_p, top_k=msg.top_k, min_p=msg.min_p,
             seed=msg.seed if msg.HasField("seed") else None,
             repetition_penalty=msg.repetition_penalty, frequency_penalty=msg.frequency_penalty,

@@ -7,10 +7,11 @@ are refused with a 400 naming them, never ignored: a caller relying on them must
 """
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from gateway.openai_api.structured import structured_output
 from splitserve.errors import InvalidArgument
 from splitserve.v1 import generation_pb2
 
@@ -50,6 +51,12 @@ class _Sampling(BaseModel):
     request_id: str | None = None
     return_token_ids: bool = False  # vLLM's: each choice (and stream chunk) also carries its token ids
     user: str | None = None  # OpenAI's end-user id: accepted, not used
+    # Structured output (gateway.openai_api.structured): shapes are checked when translated.
+    response_format: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    structured_outputs: Any = None
 
     def unsupported(self) -> None:
         """A 400 for a field this server does not implement, set to anything that matters."""
@@ -79,6 +86,9 @@ class _Sampling(BaseModel):
             if tok < 0:
                 raise InvalidArgument(f"stop_token_ids[{i}] must be >= 0, got {tok}")
         s.stop_token_ids.extend(self.stop_token_ids or [])
+        spec = structured_output({name: getattr(self, name) for name in STRUCTURED_OUTPUT_FIELDS})
+        if spec is not None:
+            s.structured_output.CopyFrom(spec)
         return s
 
     def request(self, sampling: generation_pb2.SamplingParams, request_id: str) -> generation_pb2.GenerateRequest:
@@ -86,9 +96,9 @@ class _Sampling(BaseModel):
 
 
 # Fields of OpenAI's API (and vLLM's extras) that this server does not implement.
-UNSUPPORTED_FIELDS = ("logit_bias", "response_format", "guided_json", "guided_regex", "guided_choice",
-                "guided_grammar", "structured_outputs", "tools", "tool_choice", "functions", "function_call",
+UNSUPPORTED_FIELDS = ("logit_bias", "guided_grammar", "tools", "tool_choice", "functions", "function_call",
                 "best_of", "suffix", "echo", "prompt_logprobs", "allowed_token_ids", "bad_words")
+STRUCTURED_OUTPUT_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice", "structured_outputs")
 # Values of those fields that ask for nothing (best_of=1 is what every request does).
 _HARMLESS = {"best_of": (None, 1)}
 

@@ -168,8 +168,8 @@ def test_bad_requests_get_openai_errors_naming_the_field(client, stack):
     assert e.value.body["param"] == "n"
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=DEFAULT_MODEL, messages=[{"role": "user", "content": "x"}],
-                                       response_format={"type": "json_object"})
-    assert e.value.body["param"] == "response_format"
+                                       extra_body={"guided_grammar": "root ::= \"x\""})
+    assert e.value.body["param"] == "guided_grammar"
     with pytest.raises(openai.NotFoundError) as e:
         client.completions.create(model="gpt-4", prompt="x")
     assert e.value.body["param"] == "model"

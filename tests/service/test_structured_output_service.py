@@ -1,0 +1,126 @@
+"""Structured output through a real disaggregated stack (Redis, gateway, one prefill and one
+decode worker) serving SmolLM2 in fp32: the prefill worker samples the first token under the
+grammar, the decode worker replays it and constrains the rest. Through gRPC and through the
+OpenAI HTTP API (the ``openai`` package); invalid schemas and regexes are refused at the edge."""
+import json
+import re
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import jsonschema
+import openai
+import pytest
+
+from engine.model_loader import DEFAULT_MODEL
+from splitserve.launcher import free_port
+from splitserve.testing.stack import start_stack
+from splitserve.v1 import generation_pb2
+
+pytestmark = pytest.mark.slow
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "city": {"type": "string", "enum": ["Paris", "London", "Tokyo", "Lima"]},
+    },
+    "required": ["name", "age", "city"],
+}
+NAMES = ["Alice", "Bob", "Chen", "Dmitri", "Eve", "Fatima"]
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    port = free_port()
+    running = start_stack(DEFAULT_MODEL, tmp_path_factory, prefill=1, decode=1,
+                          gateway_args=["--http-port", str(port)])
+    running.http = f"http://127.0.0.1:{port}"
+    try:
+        yield running
+    finally:
+        running.close()
+
+
+@pytest.fixture(scope="module")
+def client(stack):
+    with openai.OpenAI(base_url=stack.http + "/v1", api_key="unused", max_retries=0) as c:
+        yield c
+
+
+def ask(name: str) -> list[dict]:
+    return [{"role": "user", "content": f"Write a JSON record for a user called {name}: name, age and city."}]
+
+
+def test_grpc_json_schema_concurrent_requests_validate(stack):
+    spec = generation_pb2.StructuredOutput(json_schema=json.dumps(SCHEMA))
+
+    def one(name):
+        return stack.client.complete(messages=ask(name), max_tokens=48, temperature=0.0, structured_output=spec)
+
+    with ThreadPoolExecutor(len(NAMES)) as pool:  # concurrent: they share the decode worker's batch
+        results = list(pool.map(one, NAMES))
+    for text, last in results:
+        assert last.finish_reason == "eos", (text, last)
+        jsonschema.validate(json.loads(text), SCHEMA)
+    info = stack.client.get_request(results[0][1].request_id)
+    assert info.timeline.prefill_worker and info.timeline.decode_worker  # the handoff path ran
+
+
+def test_grpc_choice_and_regex(stack):
+    text, _ = stack.client.complete(messages=[{"role": "user", "content": "Is the sky blue?"}], max_tokens=8,
+                                    temperature=0.0, structured_output=generation_pb2.StructuredOutput(
+                                        choice=generation_pb2.StringList(values=["yes", "no"])))
+    assert text in ("yes", "no")
+    text, _ = stack.client.complete(messages=[{"role": "user", "content": "A ticket code please."}],
+                                    max_tokens=20, temperature=0.0,
+                                    structured_output=generation_pb2.StructuredOutput(regex=r"[A-Z]{2}-[0-9]{4}"))
+    assert re.fullmatch(r"[A-Z]{2}-[0-9]{4}", text), text
+
+
+def test_grpc_invalid_schema_is_invalid_argument_naming_the_field(stack):
+    for spec, field in ((generation_pb2.StructuredOutput(json_schema='{"type": "strin"}'), "json_schema"),
+                        (generation_pb2.StructuredOutput(regex="(ab"), "regex")):
+        with pytest.raises(grpc.RpcError) as e:
+            stack.client.complete("x", max_tokens=4, structured_output=spec)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert f"sampling.structured_output.{field}" in e.value.details()
+
+
+def test_openai_response_format_json_schema_and_json_object(client):
+    for name in NAMES[:3]:
+        out = client.chat.completions.create(
+            model=DEFAULT_MODEL, messages=ask(name), max_tokens=48, temperature=0,
+            response_format={"type": "json_schema", "json_schema": {"name": "user", "schema": SCHEMA}})
+        assert out.choices[0].finish_reason == "stop"
+        jsonschema.validate(json.loads(out.choices[0].message.content), SCHEMA)
+    out = client.chat.completions.create(model=DEFAULT_MODEL, messages=[{"role": "user", "content": "A cat as JSON."}],
+                                         max_tokens=64, temperature=0, response_format={"type": "json_object"})
+    assert isinstance(json.loads(out.choices[0].message.content), dict)
+
+
+def test_openai_vllm_guided_fields(client):
+    out = client.completions.create(model=DEFAULT_MODEL, prompt="Is water wet? Answer:", max_tokens=8, temperature=0,
+                                    extra_body={"guided_choice": ["yes", "no"]})
+    assert out.choices[0].text in ("yes", "no")
+    out = client.completions.create(model=DEFAULT_MODEL, prompt="My zip code is", max_tokens=8, temperature=0,
+                                    extra_body={"structured_outputs": {"regex": "[0-9]{5}"}})
+    assert re.fullmatch("[0-9]{5}", out.choices[0].text)
+    out = client.completions.create(model=DEFAULT_MODEL, prompt="User record:", max_tokens=48, temperature=0,
+                                    extra_body={"guided_json": SCHEMA})
+    jsonschema.validate(json.loads(out.choices[0].text), SCHEMA)
+
+
+def test_openai_refusals(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=DEFAULT_MODEL, prompt="x", max_tokens=4,
+                                  extra_body={"guided_regex": "(ab"})
+    assert "structured_output.regex" in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=DEFAULT_MODEL, prompt="x", max_tokens=4,
+                                  extra_body={"guided_regex": "a", "guided_choice": ["a"]})
+    assert "only one structured-output constraint" in e.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model=DEFAULT_MODEL, messages=[{"role": "user", "content": "x"}],
+                                       response_format={"type": "json_schema", "json_schema": {"name": "x"}})
+    assert e.value.body["param"] == "response_format"

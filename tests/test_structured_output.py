@@ -1,0 +1,175 @@
+"""Structured output through the engine with the real default model (SmolLM2-135M-Instruct).
+
+Every constrained output must parse and validate; unconstrained requests batched beside them
+must still equal transformers' greedy output; preemption and a resumed (retried) request keep
+the grammar's state.
+"""
+import json
+import re
+
+import jsonschema
+import pytest
+
+from engine import SamplingParams
+from engine.model_loader import DEFAULT_MODEL, resolve_model
+from engine.structured_output import StructuredOutput, check_grammar
+from tests.test_engine_correctness import mixed_prompts
+
+# Short valid outputs: bounded strings and integers, so 64 tokens always hold a whole object.
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "city": {"type": "string", "enum": ["Paris", "London", "Tokyo", "Lima"]},
+        "admin": {"type": "boolean"},
+    },
+    "required": ["name", "age", "city", "admin"],
+}
+SCHEMA_SPEC = StructuredOutput(json_schema=json.dumps(SCHEMA))
+PEOPLE = ["Alice", "Bob", "Chen", "Dmitri", "Eve", "Fatima", "Gabriel", "Hana", "Ivan", "Jun", "Kofi", "Lena",
+          "Mateo", "Nadia", "Omar", "Priya", "Quinn", "Rosa", "Sven", "Tariq", "Uma", "Victor"]
+
+
+@pytest.fixture(scope="module")
+def smollm2_dir():
+    return resolve_model(DEFAULT_MODEL)
+
+
+@pytest.fixture(scope="module")
+def llm(smollm2_dir):
+    from engine import LLM
+    llm = LLM(model=str(smollm2_dir), dtype="float32", num_gpu_blocks=256, block_size=16, enforce_eager=True)
+    yield llm
+    llm.engine.assert_idle()
+
+
+def chat(llm, text: str) -> list[int]:
+    tok = llm.get_tokenizer()
+    return tok.encode(tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                              tokenize=False))
+
+
+def person_prompt(llm, name: str) -> list[int]:
+    return chat(llm, f"Write a JSON record for a user called {name}: name, age, city and whether they are an admin.")
+
+
+def test_json_schema_outputs_validate_beside_unconstrained_greedy_rows(llm, smollm2_dir, hf_reference):
+    """22 constrained requests (18 greedy, 4 seeded random) and 3 unconstrained ones, one batch."""
+    constrained = [person_prompt(llm, name) for name in PEOPLE]
+    params = [SamplingParams(temperature=0, max_tokens=64, structured_output=SCHEMA_SPEC) for _ in PEOPLE[:18]]
+    params += [SamplingParams(temperature=1.0, seed=i, max_tokens=64, structured_output=SCHEMA_SPEC)
+               for i in range(4)]
+    free = mixed_prompts(3, seed=7, lo=5, hi=40, vocab=49152)
+    free_params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    # Interleaved, so constrained and unconstrained rows share every step.
+    prompts = constrained[:1] + free[:1] + constrained[1:12] + free[1:2] + constrained[12:] + free[2:]
+    all_params = params[:1] + [free_params] + params[1:12] + [free_params] + params[12:] + [free_params]
+    outputs = llm.generate(prompts, all_params)
+
+    ref = hf_reference(smollm2_dir)
+    free_outs = [outputs[1], outputs[13], outputs[-1]]
+    for prompt, out in zip(free, free_outs):
+        assert out.token_ids == ref.greedy(prompt, 8)
+    json_outs = [o for i, o in enumerate(outputs) if i not in (1, 13, len(outputs) - 1)]
+    assert len(json_outs) == 22
+    for out in json_outs:
+        value = json.loads(out.text)
+        jsonschema.validate(value, SCHEMA)
+        assert out.finish_reason == "eos", out  # the grammar ended and only EOS was allowed
+
+
+def test_unconstrained_greedy_differs_so_the_constraint_is_doing_the_work(llm):
+    """The same prompts without a schema do not give schema-valid JSON: the test above is not
+    passing on the model's own habits."""
+    outs = llm.generate([person_prompt(llm, name) for name in PEOPLE[:4]],
+                        SamplingParams(temperature=0, max_tokens=64))
+    valid = 0
+    for out in outs:
+        try:
+            jsonschema.validate(json.loads(out.text), SCHEMA)
+            valid += 1
+        except (ValueError, jsonschema.ValidationError):
+            pass
+    assert valid < len(outs)
+
+
+def test_regex_choice_and_json_object(llm):
+    regex = r"[0-9]{3}-[a-z]{2,6}"
+    choices = ("yes", "no", "maybe")
+    prompts = [chat(llm, f"Give me a ticket code for order {i}.") for i in range(4)]
+    prompts += [chat(llm, q) for q in ("Is the sky blue?", "Is fire cold?", "Will it rain tomorrow?")]
+    prompts += [chat(llm, "Describe a cat as a JSON object.")]
+    params = [SamplingParams(temperature=0, max_tokens=40, structured_output=StructuredOutput(regex=regex))] * 4
+    params += [SamplingParams(temperature=0, max_tokens=40, structured_output=StructuredOutput(choice=choices))] * 3
+    params += [SamplingParams(temperature=0, max_tokens=80, structured_output=StructuredOutput(json_object=True))]
+    outs = llm.generate(prompts, params)
+    for out in outs[:4]:
+        assert re.fullmatch(regex, out.text), out.text
+    for out in outs[4:7]:
+        assert out.text in choices
+    assert outs[7].finish_reason == "eos"
+    assert isinstance(json.loads(outs[7].text), dict)
+
+
+def test_preemption_by_recompute_keeps_the_grammar(smollm2_dir):
+    """A pool too small for the batch preempts constrained requests mid-output; they re-prefill
+    and go on, with the same output as without preemption."""
+    from engine import LLM
+    prompts = None
+    results = []
+    for blocks in (256, 14):
+        llm = LLM(model=str(smollm2_dir), dtype="float32", num_gpu_blocks=blocks, block_size=16, enforce_eager=True)
+        prompts = prompts or [person_prompt(llm, name) for name in PEOPLE[:5]]
+        results.append(llm.generate(prompts, SamplingParams(temperature=0, max_tokens=64,
+                                                            structured_output=SCHEMA_SPEC)))
+        llm.engine.assert_idle()
+    roomy, tight = results
+    assert sum(o.num_preemptions for o in tight) > 0
+    for a, b in zip(roomy, tight):
+        assert b.token_ids == a.token_ids
+        jsonschema.validate(json.loads(b.text), SCHEMA)
+
+
+def test_resumed_request_replays_its_generated_tokens(llm):
+    """A retry's prompt ends with the tokens already streamed: the matcher replays them and
+    the rest equals the uninterrupted output (without the replay the grammar would force a
+    fresh '{' and the output would differ)."""
+    prompt = person_prompt(llm, "Alice")
+    [full] = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=64, structured_output=SCHEMA_SPEC))
+    k = 6
+    assert len(full.token_ids) > k
+    [rest] = llm.generate([prompt + full.token_ids[:k]],
+                          SamplingParams(temperature=0, max_tokens=64 - k, structured_output=SCHEMA_SPEC.resumed(k)))
+    assert rest.token_ids == full.token_ids[k:]
+    with pytest.raises(ValueError, match="does not fit"):
+        # The replayed tokens must be output the grammar accepts: a prompt tail is not.
+        llm.engine.add_request("bad", prompt, SamplingParams(structured_output=SCHEMA_SPEC.resumed(3)))
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"json_schema": "{not json"}, "json_schema is not valid JSON"),
+    ({"json_schema": "[1, 2]"}, "json_schema must be a JSON object"),
+    ({"regex": "(ab"}, "regex is not supported: Regex parsing error"),
+    ({"json_schema": '{"type": "strin"}'}, 'json_schema is not supported: Unsupported type "strin"'),
+    ({"choice": ()}, "choice must be a non-empty list"),
+    ({"regex": "a", "choice": ("a",)}, "exactly one of"),
+    ({}, "exactly one of"),
+])
+def test_invalid_specs_name_the_field(kwargs, match):
+    with pytest.raises(ValueError, match=re.escape(match)):
+        check_grammar(StructuredOutput(**kwargs))
+
+
+def test_a_retried_job_carries_its_streamed_tokens_to_the_grammar():
+    """The gateway's retry puts the streamed tokens in the prompt and says how many there are;
+    the worker's engine replays exactly those (test_resumed_request_replays_its_generated_tokens)."""
+    from gateway.job import Job
+    from splitserve.api_convert import sampling_from_worker, sampling_to_worker
+    job = Job("r", [1, 2, 3], SamplingParams(max_tokens=10, structured_output=SCHEMA_SPEC), 0, 0.0, None,
+              on_finish=lambda j: None)
+    job.generated = [90, 91, 92, 93]
+    prompt, params = job.resume_inputs()
+    assert prompt == [1, 2, 3, 90, 91, 92, 93] and params.max_tokens == 6
+    over_the_wire = sampling_from_worker(sampling_to_worker(params)).structured_output
+    assert over_the_wire == SCHEMA_SPEC.resumed(4) and over_the_wire.key == SCHEMA_SPEC.key
