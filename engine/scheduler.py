@@ -82,7 +82,9 @@ class Scheduler:
         self.waiting.append(request)
 
     def add_running(self, request: Request) -> None:
-        """A request whose KV is already computed (handed over by a prefill worker)."""
+        """A request whose KV is already computed (handed over by a prefill worker). It may take
+        ``running`` past ``max_num_seqs`` (its pages were reserved up front); ``schedule`` then
+        steps at most ``max_num_seqs`` of them at a time, most urgent first."""
         request.status = RequestStatus.RUNNING
         self.running.append(request)
 
@@ -116,6 +118,10 @@ class Scheduler:
         scheduled: set[str] = set()
 
         for request in list(self.running):
+            if len(out.chunks) >= self._max_running():
+                # Handed-over requests (add_running) may outnumber the batch's rows: the least
+                # urgent keep their pages and wait for a row (the step holds max_num_seqs).
+                break
             if request not in self.running:  # preempted earlier in this loop
                 continue
             padding = request.is_finished

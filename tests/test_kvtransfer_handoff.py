@@ -116,6 +116,17 @@ def test_greedy_output_after_shm_handoff_equals_transformers(pair, block_size, f
         decode.engine.kv.free(rid)
 
 
+def test_handed_over_requests_past_max_num_seqs_wait_for_a_slot(pair, tiny_model_dirs, hf_reference):
+    """More handoffs than the decode batch holds: the extra ones keep their pages and wait (a
+    decode worker used to fail its step with 65 rows for 64 slots)."""
+    prefill, decode = pair(decode_kw={"max_num_seqs": 2})
+    prompts = mixed_prompts(5, seed=7, lo=3, hi=30)
+    outputs, _ = handoff(prefill, decode, prompts)
+    ref = hf_reference(tiny_model_dirs["llama"])
+    for prompt, out in zip(prompts, outputs):
+        assert out.token_ids == ref.greedy(prompt, 8)
+
+
 @pytest.mark.parametrize("num_layers", [1, 3])
 def test_decode_pages_equal_prefill_pages_byte_for_byte(pair, tmp_path, num_layers, transport):
     from splitserve.testing.tiny_models import make_tiny_model
