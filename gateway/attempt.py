@@ -276,6 +276,9 @@ class _Attempt:
                     self.job.cached_prompt_tokens = chunk.cached_prompt_tokens
                 if chunk.token_ids:
                     self.job.emit(list(chunk.token_ids), list(chunk.logprobs))
+                    if self.job.finished:  # a stop string matched here: the worker must stop too
+                        call.cancel()  # (Job.finish cannot cancel this task: it runs in it)
+                        return
                 if chunk.HasField("finish_reason"):
                     self.job.finish(Finished(chunk.finish_reason))
                     return

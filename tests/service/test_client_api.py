@@ -10,7 +10,8 @@ import pytest
 
 from splitserve.client import AsyncClient, Client
 from splitserve.errors import RETRY_PUSHBACK_METADATA_KEY
-from splitserve.testing.stack import start_process, start_stack, wait_pages_at_baseline
+from splitserve.testing.stack import start_process, start_stack, wait_pages_at_baseline, worker_info
+from splitserve.testing.tools import scrape
 
 PROMPT = [40 + i % 50 for i in range(19)]  # token ids of the tiny byte-level model
 
@@ -98,3 +99,24 @@ def test_a_request_refused_for_a_full_queue_is_retried_by_the_channel(stack, tmp
     finally:
         gateway.terminate()
         gateway.wait(30)
+
+
+def test_a_stop_string_matched_at_the_gateway_stops_the_worker_too(stack, llama_reference):
+    """The gateway matches stop strings on the text; the worker, which only knows token ids,
+    must hear of it and stop generating (it used to go on to max_tokens, holding its pages)."""
+    reference = llama_reference.greedy(PROMPT, 40)
+    text = stack.client.detokenize(reference)
+    stop = next(text[i:i + 2] for i in range(4, len(text)) if text[i:i + 2] not in text[:i + 1] and
+                text[i:i + 2].strip() == text[i:i + 2] and len(text[i:i + 2]) == 2)
+    name = stack.names("both")[0]
+    before = scrape(stack.metrics_ports[name])["vllm:generation_tokens_total"]
+    *_, final = stack.client.generate(PROMPT, max_tokens=900, temperature=0.0, ignore_eos=True, stop=[stop],
+                                      timeout=120)
+    assert final.finish_reason == "stop" and final.usage.completion_tokens < 40
+    deadline = time.monotonic() + 120
+    while worker_info(stack.worker_stub(name)).num_running:  # the worker let go of it
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    generated = scrape(stack.metrics_ports[name])["vllm:generation_tokens_total"] - before
+    assert generated < 100, f"the worker generated {generated:.0f} tokens for a request stopped after " \
+                            f"{final.usage.completion_tokens}"
