@@ -63,6 +63,10 @@ async def _serve(args) -> int:
     # Checked before anything starts: the client and admin tokens of the public port, the
     # internal token of the calls to the workers.
     authorizer, security, internal = gateway_credentials(args)
+    http_socket = None
+    if args.http_port >= 0:
+        from gateway.openai_api.server import bind
+        http_socket = bind(args.host, args.http_port)
     info, tokenizer = model_info(args)
     state = RedisState(make_async_client(args.redis_url, password=args.redis_password or None),
                        queue_limit=args.queue_limit, priority_aging_per_s=args.priority_aging_per_s)
@@ -89,7 +93,7 @@ async def _serve(args) -> int:
                                               reflection_enabled=not args.no_reflection, security=security)
     monitor = await GatewayHealth(health, [SERVICE], state, directory).start()
     servicer.health = monitor
-    http = await _start_http(args, servicer, authorizer) if args.http_port >= 0 else None
+    http = await _start_http(args, servicer, authorizer, http_socket) if http_socket is not None else None
     if http is not None:
         print(f"gateway {dispatcher.gateway_id} HTTP (OpenAI API) on {args.host}:{http.port}", flush=True)
     print(f"gateway {dispatcher.gateway_id} serving on {args.host}:{port}", flush=True)
@@ -108,9 +112,9 @@ async def _serve(args) -> int:
     return 0
 
 
-async def _start_http(args, servicer, authorizer):
+async def _start_http(args, servicer, authorizer, sock):
     """The OpenAI-compatible HTTP API on ``--http-port`` (same host, TLS / mutual TLS and tokens as gRPC)."""
     from gateway.openai_api.app import build_app
     from gateway.openai_api.server import HttpServer
-    return await HttpServer(build_app(servicer, authorizer, model_aliases=[args.model]), args.host, args.http_port,
+    return await HttpServer(build_app(servicer, authorizer, model_aliases=[args.model]), sock,
                             ssl_certfile=args.tls_cert, ssl_keyfile=args.tls_key, ssl_ca=args.tls_ca).start()

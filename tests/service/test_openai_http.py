@@ -7,6 +7,8 @@ import asyncio
 import json
 import socket
 import subprocess
+import sys
+from pathlib import Path
 import time
 
 import grpc
@@ -178,6 +180,14 @@ def test_bad_requests_get_openai_errors_naming_the_field(client, stack):
     assert bad_json.status_code == 400 and "not valid JSON" in bad_json.json()["error"]["message"]
     wrong_type = httpx.post(stack.http + "/v1/completions", json={"prompt": 5})
     assert wrong_type.status_code == 400 and wrong_type.json()["error"]["param"] == "prompt"
+
+
+def test_a_gateway_whose_http_port_is_taken_exits_at_once_saying_so(stack, tmp_path):
+    port = stack.http.rsplit(":", 1)[1]
+    proc = subprocess.run([sys.executable, "-m", "splitserve.cli", *stack.argv["gateway"], "--http-port", port],
+                          capture_output=True, text=True, timeout=120, cwd=Path(__file__).resolve().parents[2])
+    assert proc.returncode != 0
+    assert f"--http-port {port}: cannot listen on" in proc.stderr, proc.stderr[-2000:]
 
 
 def test_token_and_queue_limit_on_a_second_gateway(stack, tmp_path):
