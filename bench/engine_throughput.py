@@ -36,7 +36,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Callable
 
 import torch
 

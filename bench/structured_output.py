@@ -23,17 +23,9 @@ import time
 import torch
 
 from bench.common import git_commit, machine, median, write_json
+from splitserve.testing.schemas import PERSON_SCHEMA
 
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 12},
-        "age": {"type": "integer", "minimum": 0, "maximum": 120},
-        "city": {"type": "string", "enum": ["Paris", "London", "Tokyo", "Lima"]},
-        "admin": {"type": "boolean"},
-    },
-    "required": ["name", "age", "city", "admin"],
-}
+SCHEMA = PERSON_SCHEMA
 SAMPLE = {"name": "Alice Smith", "age": 31, "city": "Paris", "admin": False}
 
 

@@ -24,6 +24,7 @@ gateway's OpenAI-compatible API (``gateway/openai_api``), so both APIs fail alik
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import math
@@ -188,8 +189,8 @@ class HttpError:
 def http_error_for(exc: BaseException, param: str | None = None) -> HttpError:
     """The HTTP answer to ``exc`` (through ``status_for``: the same code as over gRPC)."""
     code, message = status_for(exc)
-    status, kind = _HTTP.get(code, (500, "internal_error"))
-    return HttpError(status, kind, message, param, getattr(exc, "retry_after_s", None))
+    return dataclasses.replace(http_error_of_status(code, message), param=param,
+                               retry_after_s=getattr(exc, "retry_after_s", None))
 
 
 def http_error_of_status(code: grpc.StatusCode, message: str) -> HttpError:

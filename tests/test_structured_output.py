@@ -13,19 +13,11 @@ import pytest
 from engine import SamplingParams
 from engine.model_loader import DEFAULT_MODEL, resolve_model
 from engine.structured_output import StructuredOutput, check_grammar
+from splitserve.testing.schemas import PERSON_SCHEMA
 from tests.test_engine_correctness import mixed_prompts
 
 # Short valid outputs: bounded strings and integers, so 64 tokens always hold a whole object.
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 12},
-        "age": {"type": "integer", "minimum": 0, "maximum": 120},
-        "city": {"type": "string", "enum": ["Paris", "London", "Tokyo", "Lima"]},
-        "admin": {"type": "boolean"},
-    },
-    "required": ["name", "age", "city", "admin"],
-}
+SCHEMA = PERSON_SCHEMA
 SCHEMA_SPEC = StructuredOutput(json_schema=json.dumps(SCHEMA))
 PEOPLE = ["Alice", "Bob", "Chen", "Dmitri", "Eve", "Fatima", "Gabriel", "Hana", "Ivan", "Jun", "Kofi", "Lena",
           "Mateo", "Nadia", "Omar", "Priya", "Quinn", "Rosa", "Sven", "Tariq", "Uma", "Victor"]

@@ -150,6 +150,7 @@ class Stack:
     log_dir: Path
     log_paths: dict[str, Path]             # name -> JSON-lines log file
     metrics_ports: dict[str, int] = field(default_factory=dict)  # name -> Prometheus port (if enabled)
+    http: str = ""                         # base URL of the gateway's OpenAI HTTP API (if enabled)
     argv: dict[str, list[str]] = field(default_factory=dict)     # name -> CLI arguments it was started with
     env: dict[str, dict[str, str]] = field(default_factory=dict)  # name -> environment it got on top of ours
     _channels: dict[str, grpc.Channel] = field(default_factory=dict, repr=False)
@@ -262,7 +263,7 @@ def start_stack(model: str | os.PathLike, log_dir: str | os.PathLike | None = No
                 decode: int = 1, both: int = 0, worker_args: Sequence[str] = (),
                 role_args: dict[str, Sequence[str]] | None = None,
                 role_env: dict[str, dict[str, str]] | None = None, gateway_args: Sequence[str] = (),
-                redis_kwargs: dict | None = None, metrics: bool = True,
+                redis_kwargs: dict | None = None, metrics: bool = True, http: bool = False,
                 worker_defaults: Sequence[str] = DEFAULT_WORKER_ARGS) -> Stack:
     """Redis, ``decode`` decode workers, ``prefill`` prefill workers, ``both`` colocated workers
     (booted in parallel), then a gateway; returns once the gateway lists every worker.
@@ -274,7 +275,8 @@ def start_stack(model: str | os.PathLike, log_dir: str | os.PathLike | None = No
     ``role_env[role]`` is added to the environment of the workers of that role (fault injection:
     ``{"prefill": {"SPLITSERVE_FAULT_STEP_DELAY_S": "0.5"}}``).
     ``redis_kwargs`` go to ``RedisServer`` (default: append-only, in ``<log_dir>/redis``).
-    ``metrics``: every process serves Prometheus metrics on a free port (``metrics_ports``).
+    ``metrics``: every process serves Prometheus metrics on a free port (``metrics_ports``);
+    ``http``: the gateway serves its OpenAI HTTP API on a free port (``stack.http``).
     On any failure, whatever was started is stopped before the error propagates.
     """
     if hasattr(log_dir, "mktemp"):
@@ -314,6 +316,11 @@ def start_stack(model: str | os.PathLike, log_dir: str | os.PathLike | None = No
         argv = ["gateway", "--model", model, "--host", "127.0.0.1", "--port", "0", "--redis-url", redis_server.url,
                 "--block-size", _flag_value([*worker_defaults, *worker_args], "--block-size", "16"),
                 *metrics_flag, *gateway_args]
+        if http:
+            from splitserve.launcher import free_port
+            port = free_port()
+            argv += ["--http-port", str(port)]
+            stack.http = f"http://127.0.0.1:{port}"
         stack.argv["gateway"], stack.log_paths["gateway"] = argv, log_dir / "gateway.log"
         stack.procs["gateway"], stack.gateway_address = start_process(argv, stack.log_paths["gateway"])
         stack.client = Client(stack.gateway_address)

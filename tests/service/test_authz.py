@@ -13,7 +13,6 @@ import secrets
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import grpc

@@ -18,7 +18,7 @@ import pytest
 
 from engine.model_loader import DEFAULT_MODEL, load_tokenizer, resolve_model
 from splitserve.launcher import free_port
-from splitserve.testing.stack import start_process, start_stack, wait_pages_at_baseline
+from splitserve.testing.stack import start_process, wait_pages_at_baseline
 from splitserve.v1 import generation_pb2
 
 pytestmark = pytest.mark.slow
@@ -28,15 +28,8 @@ TOKEN = "http-test-token"
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory):
-    port = free_port()
-    running = start_stack(DEFAULT_MODEL, tmp_path_factory, prefill=1, decode=1,
-                          gateway_args=["--http-port", str(port)])
-    running.http = f"http://127.0.0.1:{port}"
-    try:
-        yield running
-    finally:
-        running.close()
+def stack(smollm2_stack):
+    return smollm2_stack
 
 
 @pytest.fixture(scope="module")
@@ -50,9 +43,8 @@ def reference(hf_reference):
 
 
 @pytest.fixture(scope="module")
-def client(stack):
-    with openai.OpenAI(base_url=stack.http + "/v1", api_key="unused", max_retries=0) as c:
-        yield c
+def client(openai_client):
+    return openai_client
 
 
 @pytest.fixture

@@ -12,40 +12,23 @@ import openai
 import pytest
 
 from engine.model_loader import DEFAULT_MODEL
-from splitserve.launcher import free_port
-from splitserve.testing.stack import start_stack
+from splitserve.testing.schemas import PERSON_SCHEMA
 from splitserve.v1 import generation_pb2
 
 pytestmark = pytest.mark.slow
 
-SCHEMA = {
-    "type": "object",
-    "properties": {
-        "name": {"type": "string", "maxLength": 12},
-        "age": {"type": "integer", "minimum": 0, "maximum": 120},
-        "city": {"type": "string", "enum": ["Paris", "London", "Tokyo", "Lima"]},
-    },
-    "required": ["name", "age", "city"],
-}
+SCHEMA = PERSON_SCHEMA
 NAMES = ["Alice", "Bob", "Chen", "Dmitri", "Eve", "Fatima"]
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory):
-    port = free_port()
-    running = start_stack(DEFAULT_MODEL, tmp_path_factory, prefill=1, decode=1,
-                          gateway_args=["--http-port", str(port)])
-    running.http = f"http://127.0.0.1:{port}"
-    try:
-        yield running
-    finally:
-        running.close()
+def stack(smollm2_stack):
+    return smollm2_stack
 
 
 @pytest.fixture(scope="module")
-def client(stack):
-    with openai.OpenAI(base_url=stack.http + "/v1", api_key="unused", max_retries=0) as c:
-        yield c
+def client(openai_client):
+    return openai_client
 
 
 def ask(name: str) -> list[dict]:
