@@ -18,6 +18,7 @@ import pytest
 
 from engine.model_loader import DEFAULT_MODEL, load_tokenizer, resolve_model
 from splitserve.launcher import free_port
+from splitserve.testing.redis_server import RedisServer
 from splitserve.testing.stack import start_process, wait_pages_at_baseline
 from splitserve.v1 import generation_pb2
 
@@ -172,6 +173,25 @@ def test_bad_requests_get_openai_errors_naming_the_field(client, stack):
     assert bad_json.status_code == 400 and "not valid JSON" in bad_json.json()["error"]["message"]
     wrong_type = httpx.post(stack.http + "/v1/completions", json={"prompt": 5})
     assert wrong_type.status_code == 400 and wrong_type.json()["error"]["param"] == "prompt"
+
+
+def test_a_gateway_without_workers_answers_503(stack, tmp_path):
+    """A gateway on a Redis no worker registered with: /health and a completion are 503."""
+    with RedisServer() as empty:
+        argv = [*stack.argv["gateway"], "--redis-url", empty.url, "--http-port", str(free_port())]
+        gateway, _ = start_process(argv, tmp_path / "gateway-alone.log")
+        base = f"http://127.0.0.1:{argv[-1]}"
+        try:
+            deadline = time.monotonic() + 30
+            while (health := httpx.get(base + "/health")).status_code != 503:  # its first check runs
+                assert time.monotonic() < deadline, health.text
+                time.sleep(0.2)
+            answer = httpx.post(base + "/v1/completions", json={"prompt": "x", "max_tokens": 2})
+            assert answer.status_code == 503 and answer.json()["error"]["type"] == "service_unavailable"
+            assert "cannot serve" in answer.json()["error"]["message"]
+        finally:
+            gateway.terminate()
+            gateway.wait(30)
 
 
 def test_a_gateway_whose_http_port_is_taken_exits_at_once_saying_so(stack, tmp_path):
