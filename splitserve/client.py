@@ -10,21 +10,24 @@ Against a secured gateway (see README, Security): ``Client(address, ca="ca.pem")
 plus ``cert="client.pem", key="client.key"`` for mutual TLS, and ``token=...`` for the bearer
 token; ``tls=True`` alone verifies the server against the system's roots.
 
-Calls refused with UNAVAILABLE or RESOURCE_EXHAUSTED before any token came back are retried
-by the channel itself (gRPC's retryPolicy, honouring the server's pushback: see
-``splitserve.grpc_options``); ``retry=False`` turns that off. Every event carries its
-request's id (the server's own when none was given), so a stream can be aborted from its
-first event on.
+With ``retry=True``, a ``generate`` refused with UNAVAILABLE or RESOURCE_EXHAUSTED before any
+token came back is sent again after the server's pushback (or a backoff), within its deadline
+(``splitserve.grpc_options.retry_delay``); off by default, so a caller sees every refusal. Every
+event carries its request's id (the server's own when none was given), so a stream can be
+aborted from its first event on.
 """
 from __future__ import annotations
 
+import asyncio
+import itertools
 import sys
+import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Iterator, Sequence
 
 import grpc
 
-from splitserve.grpc_options import client_options
+from splitserve.grpc_options import client_options, retry_delay
 from splitserve.security import DEFAULT_MAX_MESSAGE_MB, Security
 from splitserve.v1 import generation_pb2, generation_pb2_grpc
 
@@ -82,6 +85,11 @@ def _tokenize_request(text: str | None, messages: Sequence[dict] | None,
     return request
 
 
+def _left(deadline: float | None) -> float | None:
+    """Seconds to ``deadline`` (monotonic), at least 0; None without one."""
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+
 def client_security(tls: bool = False, ca=None, cert=None, key=None, token: str | None = None,
                     max_message_mb: float = DEFAULT_MAX_MESSAGE_MB) -> Security:
     """The client side of ``Security``: ``ca``/``cert``/``key`` are PEM paths or PEM bytes."""
@@ -94,14 +102,27 @@ class Client:
 
     def __init__(self, address: str = "localhost:50051", credentials: grpc.ChannelCredentials | None = None, *,
                  tls: bool = False, ca=None, cert=None, key=None, token: str | None = None,
-                 max_message_mb: float = DEFAULT_MAX_MESSAGE_MB, retry: bool = True):
+                 max_message_mb: float = DEFAULT_MAX_MESSAGE_MB, retry: bool = False):
         security = client_security(tls, ca, cert, key, token, max_message_mb)
-        self.channel = security.channel(address, credentials, options=client_options(retry))
+        self.channel = security.channel(address, credentials, options=client_options())
         self.stub = generation_pb2_grpc.GenerationStub(self.channel)
+        self.retry = retry
 
     def generate(self, prompt=None, *, timeout: float | None = None, **kwargs) -> Iterator[Event]:
-        for response in self.stub.Generate(build_request(prompt, **kwargs), timeout=timeout):
-            yield _event(response)
+        request = build_request(prompt, **kwargs)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for attempt in itertools.count(1):
+            streamed = False
+            try:
+                for response in self.stub.Generate(request, timeout=_left(deadline)):
+                    streamed = True
+                    yield _event(response)
+                return
+            except grpc.RpcError as e:
+                delay = retry_delay(e, attempt, streamed, _left(deadline)) if self.retry else None
+                if delay is None:
+                    raise
+            time.sleep(delay)
 
     def complete(self, prompt=None, **kwargs) -> tuple[str, Event]:
         """The whole text and the final event."""
@@ -146,14 +167,27 @@ class AsyncClient:
 
     def __init__(self, address: str = "localhost:50051", credentials: grpc.ChannelCredentials | None = None, *,
                  tls: bool = False, ca=None, cert=None, key=None, token: str | None = None,
-                 max_message_mb: float = DEFAULT_MAX_MESSAGE_MB, retry: bool = True):
+                 max_message_mb: float = DEFAULT_MAX_MESSAGE_MB, retry: bool = False):
         security = client_security(tls, ca, cert, key, token, max_message_mb)
-        self.channel = security.aio_channel(address, credentials, options=client_options(retry))
+        self.channel = security.aio_channel(address, credentials, options=client_options())
         self.stub = generation_pb2_grpc.GenerationStub(self.channel)
+        self.retry = retry
 
     async def generate(self, prompt=None, *, timeout: float | None = None, **kwargs) -> AsyncIterator[Event]:
-        async for response in self.stub.Generate(build_request(prompt, **kwargs), timeout=timeout):
-            yield _event(response)
+        request = build_request(prompt, **kwargs)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        for attempt in itertools.count(1):
+            streamed = False
+            try:
+                async for response in self.stub.Generate(request, timeout=_left(deadline)):
+                    streamed = True
+                    yield _event(response)
+                return
+            except grpc.RpcError as e:
+                delay = retry_delay(e, attempt, streamed, _left(deadline)) if self.retry else None
+                if delay is None:
+                    raise
+            await asyncio.sleep(delay)
 
     async def abort(self, request_id: str) -> bool:
         return (await self.stub.Abort(generation_pb2.AbortRequest(request_id=request_id))).found

@@ -8,15 +8,18 @@ FIN (power loss, a cut cable) has its streams cancelled and its requests' KV pag
 instead of waiting for TCP's own timeout (hours). The server accepts client pings down to
 ``MIN_CLIENT_PING_S`` apart: clients configured as here are never told "too many pings".
 
-Retries (gRPC's retry design, A6): ``retry_service_config`` lets a channel retry a call that
+Retries (``retry_delay``, used by ``splitserve.client`` when asked: ``retry=True``): a call that
 failed with UNAVAILABLE or RESOURCE_EXHAUSTED *before any response message arrived* -- for
-``Generate``, before the first token -- after an exponential backoff, or after the server's
-``grpc-retry-pushback-ms`` when it sends one (a full queue does). Once a token has been
-streamed the call is committed and never retried: nothing is generated twice.
+``Generate``, before the first token -- is sent again after the server's
+``grpc-retry-pushback-ms`` when it sent one (a full queue does), else after an exponential
+backoff, up to ``RETRY_MAX_ATTEMPTS`` tries and never past the call's deadline. Once a token has
+been streamed the call is never retried: nothing is generated twice. Not gRPC's own
+``retryPolicy`` service config: with grpcio 1.85 a server-streaming call whose every try
+failed hung past its deadline (reproduced with a server that always answers UNAVAILABLE).
 """
 from __future__ import annotations
 
-import json
+import grpc
 
 CLIENT_KEEPALIVE_S = 30
 SERVER_KEEPALIVE_S = 60
@@ -37,21 +40,34 @@ SERVER_KEEPALIVE = [
     ("grpc.http2.max_pings_without_data", 0),
 ]
 
-# The public service: retried before any response; the worker services are the gateway's own
-# business (it retries attempts itself, on another worker).
-PUBLIC_SERVICE = "splitserve.v1.Generation"
-RETRY_MAX_ATTEMPTS = 5  # gRPC caps maxAttempts at 5
+RETRY_MAX_ATTEMPTS = 5
+RETRY_INITIAL_BACKOFF_S = 0.2
+RETRY_MAX_BACKOFF_S = 5.0
+RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED})
+PUSHBACK_KEY = "grpc-retry-pushback-ms"
 
 
-def retry_service_config(service: str = PUBLIC_SERVICE, max_attempts: int = RETRY_MAX_ATTEMPTS) -> str:
-    """The channel option value (``grpc.service_config``) of the retry policy described above."""
-    policy = {"maxAttempts": max_attempts, "initialBackoff": "0.2s", "maxBackoff": "5s", "backoffMultiplier": 2,
-              "retryableStatusCodes": ["UNAVAILABLE", "RESOURCE_EXHAUSTED"]}
-    return json.dumps({"methodConfig": [{"name": [{"service": service}], "retryPolicy": policy}]})
+def client_options() -> list[tuple[str, object]]:
+    """The channel options of a client: keepalive (retries are the client's own, see above)."""
+    return list(CLIENT_KEEPALIVE)
 
 
-def client_options(retry: bool) -> list[tuple[str, object]]:
-    """Keepalive, and with ``retry`` the public API's retry policy (and retries turned on)."""
-    if not retry:
-        return [*CLIENT_KEEPALIVE, ("grpc.enable_retries", 0)]
-    return [*CLIENT_KEEPALIVE, ("grpc.enable_retries", 1), ("grpc.service_config", retry_service_config())]
+def retry_delay(error: grpc.RpcError, attempt: int, streamed: bool, time_left_s: float | None) -> float | None:
+    """Seconds to wait before trying ``error``'s call again (``attempt`` tries so far), or None
+    when it must not be retried: a response already arrived, a status that a retry cannot fix,
+    the last try, a negative pushback (the server says: do not retry), or the deadline first."""
+    if streamed or error.code() not in RETRYABLE or attempt >= RETRY_MAX_ATTEMPTS:
+        return None
+    pushback = dict(error.trailing_metadata() or ()).get(PUSHBACK_KEY)
+    if pushback is not None:
+        try:
+            delay = int(pushback) / 1000
+        except ValueError:
+            return None
+        if delay < 0:
+            return None
+    else:
+        delay = min(RETRY_MAX_BACKOFF_S, RETRY_INITIAL_BACKOFF_S * 2 ** (attempt - 1))
+    if time_left_s is not None and delay >= time_left_s:
+        return None
+    return delay

@@ -2,6 +2,7 @@
 Llama): every call it offers, the request id on every event, logprobs on the events, the
 async client's abort, and the channel's retry of a request refused before its first token."""
 import asyncio
+import signal
 import threading
 import time
 
@@ -74,13 +75,13 @@ def test_the_async_client_aborts_a_running_request_by_the_id_of_its_first_event(
     wait_pages_at_baseline(stack, baseline)
 
 
-def test_a_request_refused_for_a_full_queue_is_retried_by_the_channel(stack, tmp_path):
+def test_a_request_refused_for_a_full_queue_is_retried_by_a_retrying_client(stack, tmp_path):
     """A second gateway with --queue-limit 1: while one request runs, another is refused with
-    RESOURCE_EXHAUSTED and gRPC's pushback; a client without retries sees the refusal, the
-    default client's channel waits the pushback, retries and gets its answer once room is free."""
+    RESOURCE_EXHAUSTED and gRPC's pushback; the default client sees the refusal, a client with
+    retry=True waits the pushback, retries and gets its answer once room is free."""
     gateway, address = start_process([*stack.argv["gateway"], "--queue-limit", "1"], tmp_path / "gateway.log")
     try:
-        with Client(address, retry=False) as plain, Client(address) as retrying:
+        with Client(address) as plain, Client(address, retry=True) as retrying:
             holder = plain.generate(PROMPT, max_tokens=1000, ignore_eos=True, timeout=60)
             first = next(holder)  # it runs: the one place in the queue is taken
             with pytest.raises(grpc.RpcError) as e:
@@ -120,3 +121,23 @@ def test_a_stop_string_matched_at_the_gateway_stops_the_worker_too(stack, llama_
     generated = scrape(stack.metrics_ports[name])["vllm:generation_tokens_total"] - before
     assert generated < 100, f"the worker generated {generated:.0f} tokens for a request stopped after " \
                             f"{final.usage.completion_tokens}"
+
+
+def test_a_retrying_client_gives_up_within_the_deadline_on_a_gateway_that_refuses(stack, tmp_path):
+    """Every try refused (a draining gateway): the last refusal comes back, never a hang (gRPC's
+    own retryPolicy hung past the deadline here, which is why the client retries itself)."""
+    gateway, address = start_process(stack.argv["gateway"], tmp_path / "gateway-draining.log")
+    try:
+        with Client(address, retry=True) as client:
+            assert client.model_info().vocab_size > 0
+            gateway.send_signal(signal.SIGTERM)  # drains: new requests are refused with UNAVAILABLE
+            started = time.monotonic()
+            with pytest.raises(grpc.RpcError) as e:
+                list(client.generate(PROMPT, max_tokens=2, timeout=20))
+            # UNAVAILABLE while it drains; once it stops, a try in flight is CANCELLED by the
+            # server's stop, then the port refuses (UNAVAILABLE): whichever the last try met.
+            assert e.value.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
+            assert time.monotonic() - started < 25
+    finally:
+        gateway.kill()
+        gateway.wait(30)
