@@ -69,7 +69,12 @@ class DecodeWorkerServicer(WorkerServicer, worker_pb2_grpc.DecodeWorkerServicer)
         if not request.request_id or request.num_prompt_tokens < 1:
             raise InvalidArgument("request_id and num_prompt_tokens >= 1 are required")
         self.refuse_if_draining()
-        desc = await self.loop.run(lambda: self.connector.reserve(request.request_id, request.num_prompt_tokens))
+        prompt = list(request.prompt_token_ids) or None
+        if prompt is not None and len(prompt) != request.num_prompt_tokens:
+            raise InvalidArgument(f"prompt_token_ids has {len(prompt)} tokens, num_prompt_tokens says "
+                                  f"{request.num_prompt_tokens}")
+        desc = await self.loop.run(lambda: self.connector.reserve(request.request_id, request.num_prompt_tokens,
+                                                                  prompt))
         if desc is None:
             raise ResourceExhausted(f"no free KV pages for {request.num_prompt_tokens} tokens on {self.worker_id}",
                                     retry_after_s=0.5)

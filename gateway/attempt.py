@@ -161,6 +161,8 @@ class _Attempt:
         self.prompt, params = inputs
         self.sampling = sampling_to_worker(params)
         candidates = await self.directory.decode_candidates()
+        if job.prefer_decode is not None:  # stable: the others keep their order by load
+            candidates.sort(key=lambda w: w.worker_id != job.prefer_decode)
         if not job.gated:  # claimed without the gate: only a placement that takes no capacity
             candidates = [w for w in candidates if w.role == "both"]
         has_prefill = await self.directory.pick_prefill() is not None
@@ -176,7 +178,10 @@ class _Attempt:
                 return True
             try:
                 response = await self.directory.decode_stub(worker).Reserve(
-                    worker_pb2.ReserveRequest(request_id=job.request_id, num_prompt_tokens=len(self.prompt)),
+                    # With the prompt, the worker serves its head from its prefix cache: a shared
+                    # prefix (the other samples of an n > 1 request, a system prompt) crosses once.
+                    worker_pb2.ReserveRequest(request_id=job.request_id, num_prompt_tokens=len(self.prompt),
+                                              prompt_token_ids=self.prompt),
                     timeout=job.timeout(RESERVE_TIMEOUT_S))
             except grpc.RpcError as e:
                 # A Reserve that timed out may still run when a frozen worker wakes up: the worker
@@ -272,6 +277,7 @@ class _Attempt:
     async def _relay(self, call) -> None:
         try:
             async for chunk in call:
+                self.job.decoding = True
                 if chunk.cached_prompt_tokens and not self.job.generated:
                     self.job.cached_prompt_tokens = chunk.cached_prompt_tokens
                 if chunk.token_ids:

@@ -84,6 +84,11 @@ class Job:
         self.prefill_worker = None  # WorkerView of the current (last) attempt
         self.decode_worker = None
         self.cached_prompt_tokens = 0
+        # A decode worker to try first (a later sample of an n > 1 request: where the first
+        # sample's prompt KV sits, its pages are shared rather than sent again).
+        self.prefer_decode: str | None = None
+        # Its decode worker has streamed to it: the prompt's KV is in that worker's prefix cache.
+        self.decoding = False
 
     @property
     def finished(self) -> bool:

@@ -79,6 +79,13 @@ class Outbox:
             self._count(len(event.token_ids), event.nbytes())
         self._ready.set()
 
+    def share_wakeup(self, ready: asyncio.Event) -> None:
+        """Set ``ready`` (instead of this outbox's own event) whenever something arrives: one
+        reader waits on several outboxes (the samples of an n > 1 request) with one event."""
+        self._ready = ready
+        if not self.empty():
+            ready.set()
+
     def get_nowait(self) -> Tokens | Finished:
         """Everything pending as one ``Tokens``; once none is left, the ``Finished`` (once)."""
         if self._pending is not None:

@@ -103,6 +103,10 @@ class AdmitResult:
         return self.state if self.status == "duplicate" else self.depth
 
 
+# The queue limit of an admission whose place was counted before (2**53: exact in Lua's doubles).
+_NO_LIMIT = 2 ** 53
+
+
 class Claimed(str):
     """A claimed request id (a plain ``str``) that also carries the claim's ``epoch`` (the
     fencing token for ``update``/``extend_lease``/``finish``) and ``attempt``."""
@@ -202,18 +206,21 @@ class RedisState:
     # ---- requests
 
     def admit(self, request_id: str, gateway_id: str, priority: int, arrival_s: float, payload: dict,
-              owner: str = ""):
+              owner: str = "", room: int = 1):
         """Queue a new request atomically -> ``AdmitResult``. ``owner``: who may read and abort it
         (``splitserve.authz``; "" anonymous). A duplicate id (a live request's, or
         one that ended less than ``id_reuse_after_s`` ago) writes nothing and reports the existing
-        state; an older terminal request's record is replaced; when ``queue_limit`` requests are unfinished (queued or in
-        flight, over all gateways) it writes nothing and reports "full"."""
+        state; an older terminal request's record is replaced; when fewer than ``room`` more
+        requests fit under ``queue_limit`` unfinished ones (queued or in flight, over all gateways)
+        it writes nothing and reports "full". ``room`` 0: the place was counted before (the later
+        samples of an n > 1 request, whose first sample's admission asked room for all)."""
         token = uuid.uuid4().hex  # same for redis-py's own retries of this call
         reply = self._admit(
             keys=[self.request_key(request_id), self.pending_key, self.inflight_key, self.wake_channel],
             args=[request_id, _check_id(gateway_id), int(priority), _float_arg(arrival_s),
                   queue_score(priority, arrival_s, self.priority_aging_per_s),
-                  json.dumps(payload, separators=(",", ":")), self.queue_limit, token,
+                  json.dumps(payload, separators=(",", ":")),
+                  self.queue_limit - room + 1 if room > 0 else _NO_LIMIT, token,
                   self.terminal_ttl_s, self.id_reuse_after_s, owner])
         return _then(reply, lambda r: AdmitResult(_s(r[0]), int(r[1]), _s(r[2]) if r[2] else None))
 

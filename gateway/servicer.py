@@ -20,6 +20,8 @@ import json
 import logging
 import time
 import uuid
+import weakref
+from dataclasses import dataclass
 
 import jinja2
 from google.protobuf import json_format
@@ -30,6 +32,7 @@ from gateway.dispatch import Dispatcher
 from gateway.job import Finished, Job, Tokens, cancelled, deadline_exceeded
 from gateway.memory import Collector
 from gateway.redis_state import PRIORITY_MAX, PRIORITY_MIN, TERMINAL_STATES
+from gateway.samples import MAX_N, SampleGroup, sample_params
 from splitserve.api_convert import check_sizes, prompt_from_request, resolve_sampling
 from splitserve.authz import Authorizer
 from splitserve.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted, Unavailable
@@ -64,37 +67,43 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self.draining = False  # SIGTERM: in-flight requests finish, new ones are refused
         self.health = None  # the GatewayHealth monitor, once the server runs
         self.backpressure = backpressure or Backpressure()
+        # The n > 1 requests running here, by id (gone with their last reference).
+        self._groups: weakref.WeakValueDictionary[str, SampleGroup] = weakref.WeakValueDictionary()
 
     # ---- Generate ----------------------------------------------------------------------
     async def Generate(self, request, context):
-        job = await self.admit(request, context.time_remaining(), owner=self.authorizer.caller(context).owner)
-        # However the RPC ends (cancelled, deadline, the stream done), the job has ended by then.
-        context.add_done_callback(lambda _: job.finish(self._rpc_gone(job)))
-        stream = self.backpressure.open(job, context)
+        group = await self.admit(request, context.time_remaining(), owner=self.authorizer.caller(context).owner)
+        # However the RPC ends (cancelled, deadline, the stream done), the request has ended by then.
+        context.add_done_callback(lambda _: group.finish(self._rpc_gone(group.leader)))
+        streams = []
+        group.watch(lambda job: streams.append(self.backpressure.open(job, context)))
         try:
             # The headers go now rather than with the first message: a status (a slow reader's
             # cut) cannot be sent beside a pending first send, which carries them.
-            stream.sending_since = time.monotonic()
+            streams[0].sending_since = time.monotonic()
             await context.send_initial_metadata(())
-            stream.sending_since = None
-            async for response in self._stream(job, request.stream_interval or 1, context):
+            streams[0].sending_since = None
+            async for response in self._stream(group, request.stream_interval or 1, context):
                 # The yield returns once gRPC took the message: it waits as long as the client's
-                # HTTP/2 window is full, which is what the slow-reader timeout measures.
-                stream.sending_since = time.monotonic()
+                # HTTP/2 window is full, which is what the slow-reader timeout measures (on the
+                # first sample's stream: a cut of any sample ends the request).
+                streams[0].sending_since = time.monotonic()
                 yield response
-                stream.sending_since = None
+                streams[0].sending_since = None
         except BaseException:
-            job.finish(self._rpc_gone(job))  # the client left mid-stream (this task is cancelled)
+            group.finish(self._rpc_gone(group.leader))  # the client left mid-stream (this task is cancelled)
             raise
         finally:
-            self.backpressure.close(stream)
+            for stream in streams:
+                self.backpressure.close(stream)
 
     async def admit(self, request: generation_pb2.GenerateRequest, remaining_s: float | None,
-                    owner: str = "") -> Job:
+                    owner: str = "") -> SampleGroup:
         """Validate, tokenize and admit ``request`` (the one path of every API: gRPC and HTTP);
         ``remaining_s``: time left before the client's deadline (None or huge: no deadline);
         ``owner``: the caller's identity (``splitserve.authz``), who may read and abort it.
-        The caller streams ``outputs(job)`` and must end the job if its client goes away."""
+        Returns its samples (one unless ``sampling.n`` > 1: ``gateway.samples``). The caller
+        streams ``outputs(group)`` and must end the group if its client goes away."""
         if self.draining:
             raise Unavailable("the gateway is shutting down; send the request to another one")
         self._check_sizes(request)
@@ -103,22 +112,45 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self.backpressure.check_room()
         token_ids = self._tokenize(request)
         params = resolve_sampling(request.sampling, len(token_ids), self.model_info.max_model_len)
+        n = request.sampling.n if request.sampling.HasField("n") else 1
+        if not 1 <= n <= MAX_N:
+            raise InvalidArgument(f"sampling.n must be in [1, {MAX_N}], got {n}")
         if not PRIORITY_MIN <= request.priority <= PRIORITY_MAX:
             raise InvalidArgument(f"priority must be in [{PRIORITY_MIN}, {PRIORITY_MAX}], got {request.priority}")
         request_id = request.request_id or uuid.uuid4().hex
         request_id_var.set(request_id)
-        log.info("admitting %d prompt tokens, priority %d", len(token_ids), request.priority)
+        log.info("admitting %d prompt tokens, priority %d%s", len(token_ids), request.priority,
+                 f", {n} samples" if n > 1 else "")
         # No client deadline shows up as an infinite (or absurdly far) time remaining.
         has_deadline = remaining_s is not None and remaining_s < NO_DEADLINE_S
-        arrival_s = time.time()
-        job = self.dispatcher.new_job(request_id, token_ids, params, request.priority, arrival_s,
-                                      deadline=time.monotonic() + remaining_s if has_deadline else None,
-                                      text=TextStream(self.tokenizer, token_ids, params.stop), owner=owner)
+        deadline = time.monotonic() + remaining_s if has_deadline else None
+        admission = _Admission(token_ids, request.priority, time.time(), deadline, owner)
+        leader = await self._admit_job(admission, request_id, params, room=n)
+
+        async def admit_sample(index: int, prefer_decode: str | None) -> Job:
+            if self.draining:
+                raise Unavailable("the gateway is shutting down; send the request to another one")
+            return await self._admit_job(admission, f"{request_id}/{index}", sample_params(params, index), room=0,
+                                         prefer_decode=prefer_decode)
+        group = SampleGroup(leader, n, admit_sample)
+        if n > 1:
+            self._groups[request_id] = group  # Abort of the request's id ends every sample
+        return group
+
+    async def _admit_job(self, admission: "_Admission", request_id: str, params, room: int,
+                         prefer_decode: str | None = None) -> Job:
+        """One job into the Redis queue; ``room``: the queue places it needs (``state.admit``)."""
+        job = self.dispatcher.new_job(request_id, admission.token_ids, params, admission.priority,
+                                      admission.arrival_s, deadline=admission.deadline,
+                                      text=TextStream(self.tokenizer, admission.token_ids, params.stop),
+                                      owner=admission.owner)
         if job is None:  # this gateway runs it (its record may not even be in Redis yet)
             raise AlreadyExists(_duplicate_message(request_id, "running", self.state.id_reuse_after_s))
+        job.prefer_decode = prefer_decode
         try:
-            result = await self.ledger.now(self.state.admit(request_id, self.dispatcher.gateway_id, request.priority,
-                                                            arrival_s, {"prompt_tokens": len(token_ids)}, owner))
+            result = await self.ledger.now(self.state.admit(
+                request_id, self.dispatcher.gateway_id, admission.priority, admission.arrival_s,
+                {"prompt_tokens": len(admission.token_ids)}, admission.owner, room=room))
         except BaseException:
             self.dispatcher.forget(job)
             raise
@@ -131,53 +163,56 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self.dispatcher.admitted(job)
         return job
 
-    async def outputs(self, job: Job):
-        """The job's output as it comes: ``Tokens`` (the last one may carry only the text held back
-        for a stop string), until the job ends; then its metrics are recorded. ``job.outcome`` says
-        how it ended."""
-        token_times: list[float] = []
-        while True:
-            event = await job.events.get()
-            if not isinstance(event, Tokens):
-                break
-            token_times += [time.monotonic()] * len(event.token_ids)
-            yield event
-        finished = job.outcome
-        rest = job.text.finish() if finished.status is None else ""
-        if rest:
-            yield Tokens([], [], rest)
-        self._observe(job, finished, token_times)
+    async def outputs(self, group: SampleGroup):
+        """``(index, event)`` of the request's samples as they come: ``Tokens`` (the last of a
+        sample may carry only the text held back for a stop string), then the sample's
+        ``Finished``; each sample's metrics are recorded as it ends. A failed sample is the last
+        thing that comes (the others are ended)."""
+        token_times: dict[int, list[float]] = {}
+        async for index, event in group.events():
+            job = group.jobs[index]
+            if isinstance(event, Tokens):
+                token_times.setdefault(index, []).extend([time.monotonic()] * len(event.token_ids))
+                yield index, event
+                continue
+            rest = job.text.finish() if event.status is None else ""
+            if rest:
+                yield index, Tokens([], [], rest)
+            self._observe(job, event, token_times.get(index, []), prompt=index == 0)
+            yield index, event
 
     @staticmethod
     def _rpc_gone(job: Job) -> Finished:
         return deadline_exceeded() if job.deadline_passed() else cancelled("client went away")
 
-    async def _stream(self, job: Job, interval: int, context):
-        pending_ids: list[int] = []
-        pending_lp: list = []
-        pending_text = ""
-        async for event in self.outputs(job):
-            pending_ids += event.token_ids
-            pending_lp += event.logprobs
-            pending_text += event.text
-            if len(pending_ids) >= interval:
-                yield self._chunk(job, pending_ids, pending_text, pending_lp)
-                pending_ids, pending_text, pending_lp = [], "", []
-        if pending_ids or pending_text:
-            yield self._chunk(job, pending_ids, pending_text, pending_lp)
-        finished = job.outcome
-        if finished.status is not None:
-            await context.abort(finished.status, finished.message)
-        yield self._final(job, finished, job.text.matched)
+    async def _stream(self, group: SampleGroup, interval: int, context):
+        pending: dict[int, Tokens] = {}
+        async for index, event in self.outputs(group):
+            if isinstance(event, Tokens):
+                batch = pending.setdefault(index, Tokens([], [], ""))
+                batch.token_ids += event.token_ids
+                batch.logprobs += event.logprobs
+                batch.text += event.text
+                if len(batch.token_ids) >= interval:
+                    yield self._chunk(group, index, pending.pop(index))
+                continue
+            batch = pending.pop(index, None)
+            if batch is not None and (batch.token_ids or batch.text):
+                yield self._chunk(group, index, batch)
+            if event.status is not None:
+                await context.abort(event.status, event.message)
+            yield self._final(group, index, event)
 
-    def _observe(self, job: Job, finished: Finished, token_times: list[float]) -> None:
-        """vLLM's definitions: TTFT, ITL (every gap), TPOT = (e2e - ttft) / (tokens - 1), e2e."""
+    def _observe(self, job: Job, finished: Finished, token_times: list[float], prompt: bool = True) -> None:
+        """vLLM's definitions: TTFT, ITL (every gap), TPOT = (e2e - ttft) / (tokens - 1), e2e.
+        ``prompt``: count the prompt's tokens (once per request: not again for its later samples)."""
         m = self.metrics
         if m is None:
             return
         t = job.timeline
         arrival, end = t["arrival"], t.get("finished", time.monotonic())
-        m.prompt_tokens.inc(len(job.prompt_token_ids))
+        if prompt:
+            m.prompt_tokens.inc(len(job.prompt_token_ids))
         m.generation_tokens.inc(len(token_times))
         m.success.labels(finished_reason=finished.finish_reason).inc()
         m.e2e.observe(end - arrival)
@@ -196,19 +231,20 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     # ---- messages ------------------------------------------------------------------------
     @staticmethod
-    def _chunk(job: Job, ids, text, logprobs) -> generation_pb2.GenerateResponse:
-        chunk = generation_pb2.Chunk(token_ids=ids, text=text)
-        chunk.logprobs.extend(logprobs)
-        return generation_pb2.GenerateResponse(chunk=chunk, request_id=job.request_id)
+    def _chunk(group: SampleGroup, index: int, tokens: Tokens) -> generation_pb2.GenerateResponse:
+        chunk = generation_pb2.Chunk(token_ids=tokens.token_ids, text=tokens.text)
+        chunk.logprobs.extend(tokens.logprobs)
+        return generation_pb2.GenerateResponse(chunk=chunk, request_id=group.request_id, index=index)
 
-    def _final(self, job: Job, finished: Finished, matched) -> generation_pb2.GenerateResponse:
+    def _final(self, group: SampleGroup, index: int, finished: Finished) -> generation_pb2.GenerateResponse:
+        job = group.jobs[index]
         final = generation_pb2.Final(
-            finish_reason=finished.finish_reason, matched_stop=matched or "",
+            finish_reason=finished.finish_reason, matched_stop=job.text.matched or "",
             usage=generation_pb2.Usage(prompt_tokens=len(job.prompt_token_ids), completion_tokens=len(job.generated),
                                        cached_prompt_tokens=job.cached_prompt_tokens),
             timeline=generation_pb2.Timeline(**job.timeline_fields()),
             error=finished.message if finished.status else "")
-        return generation_pb2.GenerateResponse(final=final, request_id=job.request_id)
+        return generation_pb2.GenerateResponse(final=final, request_id=group.request_id, index=index)
 
     # ---- the other RPCs -------------------------------------------------------------------
     def _check_sizes(self, request) -> None:
@@ -236,6 +272,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         caller = self.authorizer.caller(context)
         job = self.dispatcher.jobs.get(request.request_id)
         found = job is not None and caller.may_touch(job.owner) and self.dispatcher.cancel(request.request_id)
+        group = self._groups.get(request.request_id)
+        if group is not None and caller.may_touch(group.leader.owner):
+            found = group.finish(cancelled("aborted")) or found  # its samples, the first one ended or not
         owner = None if caller.admin else caller.owner  # checked in the same atomic step as the cancel
         found = await self.ledger.now(self.state.cancel_pending(request.request_id, owner=owner)) or found
         return generation_pb2.AbortResponse(found=found)
@@ -288,6 +327,16 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                              num_running=w.num_running, num_waiting=w.num_waiting,
                              metrics_address=w.metrics_address if admin else "")
         return info
+
+
+@dataclass(frozen=True)
+class _Admission:
+    """What every sample of one request shares."""
+    token_ids: list[int]
+    priority: int
+    arrival_s: float  # Unix seconds: the request's (and each sample's) place in every queue
+    deadline: float | None  # time.monotonic() seconds
+    owner: str
 
 
 def _duplicate_message(request_id: str, state: str | None, reuse_after_s: float) -> str:

@@ -93,6 +93,14 @@ class TransferDescriptor:
     # Further (transport, address) pairs the same pages accept, slower ones last; the prefill
     # side takes the first offer it supports and can reach.
     alternatives: tuple[tuple[str, str], ...] = ()
+    # The first pages of ``block_ids`` that already hold the prompt's KV on the decode side (its
+    # prefix cache, maybe shared with other requests): nobody writes them, no lease covers them.
+    num_cached_blocks: int = 0
+
+    @property
+    def written_block_ids(self) -> tuple[int, ...]:
+        """The pages the transfer fills (and the lease fences)."""
+        return self.block_ids[self.num_cached_blocks:]
 
     @property
     def offers(self) -> tuple[tuple[str, str], ...]:
@@ -109,7 +117,8 @@ class TransferDescriptor:
         return cls(request_id=str(d["request_id"]), transport=str(d["transport"]), address=str(d["address"]),
                    block_ids=tuple(int(b) for b in d["block_ids"]), layout=KVLayout(**d["layout"]),
                    epoch=int(d["epoch"]), lease_deadline=float(d["lease_deadline"]),
-                   alternatives=tuple((str(t), str(a)) for t, a in d.get("alternatives", ())))
+                   alternatives=tuple((str(t), str(a)) for t, a in d.get("alternatives", ())),
+                   num_cached_blocks=int(d.get("num_cached_blocks", 0)))
 
 
 def coalesce(src_blocks: Sequence[int], dst_blocks: Sequence[int]) -> list[tuple[int, int, int]]:

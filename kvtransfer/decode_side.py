@@ -30,16 +30,30 @@ class DecodeConnector:
         self.layout = KVLayout.of_pool(engine.model_name, engine.runner.kv_cache)
         self.num_expired = 0
 
-    def reserve(self, request_id: str, num_prompt_tokens: int) -> TransferDescriptor | None:
-        """Pages for a prompt of ``num_prompt_tokens`` tokens, or None when the pool is short."""
+    def reserve(self, request_id: str, num_prompt_tokens: int,
+                prompt_token_ids: Sequence[int] | None = None) -> TransferDescriptor | None:
+        """Pages for a prompt of ``num_prompt_tokens`` tokens, or None when the pool is short.
+
+        Given the prompt itself, its head is served from this worker's prefix cache: those pages
+        are shared (a ref each, like an engine's own prefix hit) and the descriptor's
+        ``num_cached_blocks`` tells the prefill side not to send them. That is how the samples of
+        an ``n > 1`` request, and prompts with a common system prefix, hold one copy of their
+        shared KV here and cross the wire once."""
         if self.engine.kv.owns(request_id) or request_id in self.engine.requests:
             raise ValueError(f"request {request_id!r} already has pages on this worker")
-        if self.engine.kv.allocate(request_id, num_prompt_tokens) is None:
+        if prompt_token_ids is not None and len(prompt_token_ids) != num_prompt_tokens:
+            raise ValueError(f"prompt_token_ids has {len(prompt_token_ids)} tokens, num_prompt_tokens says "
+                             f"{num_prompt_tokens}")
+        hits = self.engine.kv.find_cached_prefix(prompt_token_ids) if prompt_token_ids else []
+        if self.engine.kv.allocate(request_id, num_prompt_tokens, cached_blocks=hits) is None:
             return None
-        lease = self.leases.grant(request_id, self.engine.kv.block_table(request_id))
+        table = self.engine.kv.block_table(request_id)
+        # Only the pages to be written are leased (fenced): a transport may never touch a shared one.
+        lease = self.leases.grant(request_id, table[len(hits):])
         first, *rest = self.receivers
-        return TransferDescriptor(request_id, first.name, first.address, lease.block_ids, self.layout,
-                                  lease.epoch, lease.deadline, tuple((r.name, r.address) for r in rest))
+        return TransferDescriptor(request_id, first.name, first.address, tuple(table), self.layout,
+                                  lease.epoch, lease.deadline, tuple((r.name, r.address) for r in rest),
+                                  num_cached_blocks=len(hits))
 
     def renew(self, request_id: str, epoch: int) -> float:
         """The handoff of ``request_id`` is still under way: its lease restarts. Returns the
@@ -61,7 +75,9 @@ class DecodeConnector:
         # From here the pages belong to the engine's request: no transport may write them.
         self.leases.release(request_id)
         if checksum is not None:
-            got = kv_checksum(self.engine.runner.kv_cache, lease.block_ids, len(prompt_token_ids))
+            # Over the pages that came (the cached head was never sent): the leased ones.
+            skipped = (len(self.engine.kv.block_table(request_id)) - len(lease.block_ids)) * self.layout.block_size
+            got = kv_checksum(self.engine.runner.kv_cache, lease.block_ids, len(prompt_token_ids) - skipped)
             if got != checksum:
                 self.engine.kv.free(request_id)
                 raise ChecksumMismatchError(f"request {request_id!r}: KV checksum {got:#010x} != "

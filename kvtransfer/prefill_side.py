@@ -195,9 +195,12 @@ class PrefillConnector:
             if transfer is None or transfer.error is not None:
                 continue
             bs = self.layout.block_size
-            # The first chunk also ships prefix-cache hits: pages this step did not write.
-            first = 0 if transfer.first_chunk else chunk.start // bs
+            # The first chunk also ships prefix-cache hits: pages this step did not write; the
+            # decode side's own cached head is never sent.
+            first = max(0 if transfer.first_chunk else chunk.start // bs, transfer.desc.num_cached_blocks)
             last = (chunk.start + chunk.num_tokens - 1) // bs
+            if first > last:
+                continue  # all of this chunk's pages are already there
             src = plan.block_tables[chunk.request.request_id][first:last + 1]
             runs = coalesce(src, transfer.desc.block_ids[first:last + 1])
             self._copies.put((transfer, layer, runs, ready))
@@ -205,9 +208,10 @@ class PrefillConnector:
                 transfer.first_chunk = False
                 if chunk.samples and self.verify_checksum:
                     self._copies.join()
+                    skipped = transfer.desc.num_cached_blocks
                     transfer.checksum = kv_checksum(self.engine.runner.kv_cache,
-                                                    plan.block_tables[chunk.request.request_id],
-                                                    len(transfer.prompt_token_ids))
+                                                    plan.block_tables[chunk.request.request_id][skipped:],
+                                                    len(transfer.prompt_token_ids) - skipped * bs)
 
     @contextlib.contextmanager
     def _after(self, ready):

@@ -275,6 +275,7 @@ def descriptor_to_proto(desc: "TransferDescriptor") -> worker_pb2.TransferDescri
         epoch=desc.epoch,
         lease_deadline=desc.lease_deadline,
         alternatives=[worker_pb2.TransportOffer(transport=t, address=a) for t, a in desc.alternatives],
+        num_cached_blocks=desc.num_cached_blocks,
     )
 
 
@@ -289,6 +290,9 @@ def descriptor_from_proto(msg: worker_pb2.TransferDescriptor, field: str = "desc
         raise InvalidArgument(f"{field}.layout must be set")
     if not msg.block_ids:
         raise InvalidArgument(f"{field}.block_ids must not be empty")
+    if msg.num_cached_blocks >= len(msg.block_ids):
+        raise InvalidArgument(f"{field}.num_cached_blocks ({msg.num_cached_blocks}) must be less than the "
+                              f"{len(msg.block_ids)} pages (the prompt's last page is always written)")
     lay = msg.layout
     layout = KVLayout(model=lay.model, num_layers=lay.num_layers, num_kv_heads=lay.num_kv_heads,
                       head_dim=lay.head_dim, block_size=lay.block_size, dtype=lay.dtype)
@@ -301,6 +305,7 @@ def descriptor_from_proto(msg: worker_pb2.TransferDescriptor, field: str = "desc
         epoch=msg.epoch,
         lease_deadline=msg.lease_deadline,
         alternatives=tuple((o.transport, o.address) for o in msg.alternatives),
+        num_cached_blocks=msg.num_cached_blocks,
     )
 
 

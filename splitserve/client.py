@@ -48,6 +48,7 @@ class Event:
     logprobs: list[generation_pb2.TokenLogprobs] = field(default_factory=list)  # one per token, when asked
     error: str = ""  # on the last event of a request that ended in error
     request_id: str = ""
+    index: int = 0  # the sample it belongs to (n > 1: each sample's events, its own last one included)
 
 
 def build_request(prompt: str | Sequence[int] | None = None, *, messages: Sequence[dict] | None = None,
@@ -72,10 +73,11 @@ def _event(response: generation_pb2.GenerateResponse) -> Event:
     if response.HasField("final"):
         f = response.final
         return Event(finished=True, finish_reason=f.finish_reason, matched_stop=f.matched_stop,
-                     usage=f.usage, timeline=f.timeline, error=f.error, request_id=response.request_id)
+                     usage=f.usage, timeline=f.timeline, error=f.error, request_id=response.request_id,
+                     index=response.index)
     chunk = response.chunk
     return Event(token_ids=list(chunk.token_ids), text=chunk.text, logprobs=list(chunk.logprobs),
-                 request_id=response.request_id)
+                 request_id=response.request_id, index=response.index)
 
 
 def _tokenize_request(text: str | None, messages: Sequence[dict] | None,
@@ -125,7 +127,10 @@ class Client:
             time.sleep(delay)
 
     def complete(self, prompt=None, **kwargs) -> tuple[str, Event]:
-        """The whole text and the final event."""
+        """The whole text and the final event (of one sample: read ``generate``'s events by
+        their ``index`` for n > 1)."""
+        if kwargs.get("n", 1) != 1:
+            raise ValueError("complete() returns one sample; iterate generate() and group events by index for n > 1")
         text, last = [], None
         for event in self.generate(prompt, **kwargs):
             text.append(event.text)

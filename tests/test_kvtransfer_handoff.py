@@ -71,11 +71,12 @@ def fragment(decode):
     return [f"frag{i}" for i in range(1, n, 2)]
 
 
-def handoff(prefill, decode, prompts, params=GREEDY, max_steps=500):
-    """Reserve, prefill with layer-by-layer transfer, complete, decode to the end."""
+def handoff(prefill, decode, prompts, params=GREEDY, max_steps=500, tag="r", share_prefix=False):
+    """Reserve, prefill with layer-by-layer transfer, complete, decode to the end.
+    ``share_prefix``: reserve with the prompt, so the decode side's prefix cache serves its head."""
     descs = {}
     for i, prompt in enumerate(prompts):
-        desc = decode.reserve(f"r{i}", len(prompt))
+        desc = decode.reserve(f"{tag}{i}", len(prompt), prompt if share_prefix else None)
         assert desc is not None
         descs[desc.request_id] = desc
         prefill.start(desc.request_id, prompt, params, desc)
@@ -83,7 +84,7 @@ def handoff(prefill, decode, prompts, params=GREEDY, max_steps=500):
     for _ in range(max_steps):
         for result in prefill.step():
             assert result.error is None, result.error
-            i = int(result.request_id[1:])
+            i = int(result.request_id[len(tag):])
             out = decode.complete(result.request_id, result.epoch, prompts[i], params, result.first_token,
                                   checksum=result.checksum)
             if out.finished:
@@ -92,7 +93,7 @@ def handoff(prefill, decode, prompts, params=GREEDY, max_steps=500):
             if out.finished:
                 finished[out.request_id] = out
         if len(finished) == len(prompts):
-            return [finished[f"r{i}"] for i in range(len(prompts))], descs
+            return [finished[f"{tag}{i}"] for i in range(len(prompts))], descs
     raise AssertionError("handoff did not finish")
 
 
@@ -114,6 +115,44 @@ def test_greedy_output_after_shm_handoff_equals_transformers(pair, block_size, f
     assert contiguous != fragmented or len(descs) == 0
     for rid in held:
         decode.engine.kv.free(rid)
+
+
+def test_a_prefix_the_decode_side_has_cached_is_not_sent_again(pair, tiny_model_dirs, hf_reference):
+    """Reserving with the prompt shares the decode side's cached head (the other samples of an
+    n > 1 request, a common system prompt): those pages are neither sent nor leased, the
+    checksum covers what came, and the output still equals transformers."""
+    prefill, decode = pair(8)
+    prefix = mixed_prompts(1, seed=3, lo=40, hi=40)[0]
+    [first], _ = handoff(prefill, decode, [prefix + [5]], tag="a")
+    # Then the same prompt again (as an n > 1 sibling comes) and one with another suffix.
+    prompts = [prefix + [5], prefix + [9, 10, 11]]
+    sent_before = sum(s.bytes_sent for s in prefill._senders.values())
+    outputs, descs = handoff(prefill, decode, prompts, tag="c", share_prefix=True)
+    sent = sum(s.bytes_sent for s in prefill._senders.values()) - sent_before
+    ref = hf_reference(tiny_model_dirs["llama"])
+    assert first.token_ids == ref.greedy(prefix + [5], 8)
+    for prompt, out in zip(prompts, outputs):
+        assert out.token_ids == ref.greedy(prompt, 8)
+    layout = decode.layout
+    for desc in descs.values():
+        assert desc.num_cached_blocks == 5  # 40 tokens = 5 full pages of 8; the last page always goes
+    # Per request: its last page per layer, K and V, instead of 6 pages.
+    assert sent == 2 * 2 * layout.num_layers * layout.page_bytes
+
+
+def test_a_reservation_leases_only_the_pages_it_writes(pair):
+    prefill, decode = pair(8)
+    prompt = mixed_prompts(1, seed=4, lo=33, hi=33)[0]
+    handoff(prefill, decode, [prompt], tag="a")
+    desc = decode.reserve("b", len(prompt), prompt)
+    assert desc.num_cached_blocks == 4
+    assert decode.leases.get("b").block_ids == desc.block_ids[4:]
+    # The shared head is the first request's cached pages, one more reference each.
+    kv = decode.engine.kv
+    assert all(kv.pool.blocks[b].ref_count == 1 for b in desc.block_ids[:4])
+    with pytest.raises(ValueError, match="num_prompt_tokens"):
+        decode.reserve("c", len(prompt) + 1, prompt)
+    decode.abort("b")
 
 
 def test_handed_over_requests_past_max_num_seqs_wait_for_a_slot(pair, tiny_model_dirs, hf_reference):
@@ -353,7 +392,9 @@ def test_handoff_across_processes_equals_transformers(transport_name, tiny_model
     """The prefill engine in its own process, as in the product; nccl (gloo on CPU) needs that."""
     import json
     model = tiny_model_dirs["llama"]
-    decode = build_decode(config(model, block_size=8), transport_name)
+    # Nobody renews these leases: they must outlive the child's boot (torch, the model), which
+    # took 37 s on a loaded 2-core box, past the default 30 s.
+    decode = build_decode(config(model, block_size=8), transport_name, lease_ttl_s=300)
     try:
         prompts = mixed_prompts(4, seed=77, lo=5, hi=50)
         jobs = [{"desc": decode.reserve(f"p{i}", len(p)).to_dict(), "prompt": p} for i, p in enumerate(prompts)]

@@ -19,6 +19,7 @@ import dataclasses
 import json
 import logging
 import time
+from collections import defaultdict
 from typing import Sequence
 
 from fastapi import FastAPI, Request
@@ -26,9 +27,10 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
-from gateway.job import Job, cancelled
+from gateway.job import Finished, cancelled
 from gateway.openai_api.protocol import UNSUPPORTED_FIELDS, ChatCompletionRequest, CompletionRequest
 from gateway.openai_api.responses import Responses, new_request_id
+from gateway.samples import SampleGroup
 from splitserve.authz import Authorizer
 from splitserve.errors import HttpError, NotFound, Unauthenticated, http_error_for, http_error_of_status
 
@@ -103,8 +105,8 @@ def build_app(servicer, authorizer: Authorizer | None = None, model_aliases: Seq
         try:
             if body.model is not None and body.model not in names:
                 raise NotFound(f"model: the model {body.model!r} does not exist; this server serves {model!r}")
-            job = await servicer.admit(body.to_generate(request_id), remaining_s=None,
-                                       owner=request.state.caller.owner)
+            group = await servicer.admit(body.to_generate(request_id), remaining_s=None,
+                                         owner=request.state.caller.owner)
         except Exception as exc:  # a refused request: its error, as the gRPC API would say it
             error = http_error_for(exc, param=_param_of(exc))
             # Field paths of the gRPC request ("sampling.top_p") read as the HTTP body's ("top_p").
@@ -112,21 +114,24 @@ def build_app(servicer, authorizer: Authorizer | None = None, model_aliases: Seq
         responses = Responses(chat, model, servicer.tokenizer, request_id, token_ids=body.return_token_ids)
         if body.stream:
             usage = body.stream_options is not None and body.stream_options.include_usage
-            return StreamingResponse(_events(servicer, job, responses, usage), media_type="text/event-stream",
+            return StreamingResponse(_events(servicer, group, responses, usage), media_type="text/event-stream",
                                      headers=SSE_HEADERS)
-        return await _whole(servicer, job, responses, request)
+        return await _whole(servicer, group, responses, request)
 
     return app
 
 
-async def _whole(servicer, job: Job, responses: Responses, request: Request):
+async def _whole(servicer, group: SampleGroup, responses: Responses, request: Request):
     """The answer once the request has ended; a client that disconnects first ends it."""
     async def collect():
-        text, logprobs = [], []
-        async for event in servicer.outputs(job):
-            text.append(event.text)
-            logprobs += event.logprobs
-        return "".join(text), logprobs
+        texts, logprobs, ends = defaultdict(list), defaultdict(list), {}
+        async for index, event in servicer.outputs(group):
+            if isinstance(event, Finished):
+                ends[index] = event
+                continue
+            texts[index].append(event.text)
+            logprobs[index] += event.logprobs
+        return ["".join(texts[i]) for i in range(group.n)], [logprobs[i] for i in range(group.n)], ends
 
     collecting = asyncio.ensure_future(collect())
     watching = asyncio.ensure_future(_disconnected(request))
@@ -135,15 +140,15 @@ async def _whole(servicer, job: Job, responses: Responses, request: Request):
     finally:
         watching.cancel()
         if not collecting.done():  # the client left (or this handler was cancelled)
-            job.finish(cancelled("client went away"))
+            group.finish(cancelled("client went away"))
             collecting.cancel()
     if collecting.cancelled():  # nobody is there to read an answer
-        return error_response(http_error_of_status(job.outcome.status, job.outcome.message))
-    text, logprobs = collecting.result()
-    finished = job.outcome
-    if finished.status is not None:
-        return error_response(http_error_of_status(finished.status, finished.message))
-    return JSONResponse(responses.whole(job, text, logprobs, finished))
+        return error_response(http_error_of_status(group.leader.outcome.status, group.leader.outcome.message))
+    texts, logprobs, ends = collecting.result()
+    failed = next((e for e in ends.values() if e.status is not None), None)
+    if failed is not None:
+        return error_response(http_error_of_status(failed.status, failed.message))
+    return JSONResponse(responses.whole(group, texts, logprobs, [ends[i] for i in range(group.n)]))
 
 
 async def _disconnected(request: Request) -> None:
@@ -152,42 +157,42 @@ async def _disconnected(request: Request) -> None:
         pass
 
 
-async def _events(servicer, job: Job, responses: Responses, usage: bool):
-    """The server-sent events of a streamed request. Starlette cancels this generator when the
-    client disconnects: the ``finally`` then ends the request (aborting it on its workers). A
-    client that stops reading is bounded like a gRPC one (``gateway.backpressure``): each yield
-    returns once the event was written, so the time spent in it is the time the client did not
-    read, and a cut cancels this generator's task."""
-    stream = servicer.backpressure.open(job, None)
+async def _events(servicer, group: SampleGroup, responses: Responses, usage: bool):
+    """The server-sent events of a streamed request: each sample's chunks carry its ``index``,
+    and its last one its finish reason. Starlette cancels this generator when the client
+    disconnects: the ``finally`` then ends the request (aborting it on its workers). A client
+    that stops reading is bounded like a gRPC one (``gateway.backpressure``): each yield returns
+    once the event was written, so the time spent in it is the time the client did not read,
+    and a cut cancels this generator's task."""
+    streams = []
+    group.watch(lambda job: streams.append(servicer.backpressure.open(job, None)))
 
     async def bodies():
         if responses.chat:
-            yield _sse(responses.chunk("", [], role=True, with_usage=usage))
-        async for event in servicer.outputs(job):
-            if event.text or event.logprobs or (responses.token_ids and event.token_ids):
-                yield _sse(responses.chunk(event.text, event.logprobs, with_usage=usage, token_ids=event.token_ids))
-        for body in _last_events(job, responses, usage):
-            yield body
+            for index in range(group.n):
+                yield _sse(responses.chunk("", [], role=True, with_usage=usage, index=index))
+        async for index, event in servicer.outputs(group):
+            if isinstance(event, Finished):
+                if event.status is not None:  # the request failed: its error, and the stream is over
+                    yield _sse(http_error_of_status(event.status, event.message).body())
+                    break
+                yield _sse(responses.chunk("", [], finish_reason=event.finish_reason, with_usage=usage, index=index))
+            elif event.text or event.logprobs or (responses.token_ids and event.token_ids):
+                yield _sse(responses.chunk(event.text, event.logprobs, with_usage=usage, token_ids=event.token_ids,
+                                           index=index))
+        else:
+            if usage:
+                yield _sse(responses.usage_chunk(group))
+        yield "data: [DONE]\n\n"
     try:
         async for body in bodies():
-            stream.sending_since = time.monotonic()
+            streams[0].sending_since = time.monotonic()
             yield body
-            stream.sending_since = None
+            streams[0].sending_since = None
     finally:
-        servicer.backpressure.close(stream)
-        job.finish(cancelled("client went away"))  # no effect once the request has ended
-
-
-def _last_events(job: Job, responses: Responses, usage: bool) -> list[str]:
-    """How a stream ends: its finish reason (and usage), or its error; then [DONE]."""
-    finished = job.outcome
-    if finished.status is not None:
-        events = [_sse(http_error_of_status(finished.status, finished.message).body())]
-    else:
-        events = [_sse(responses.chunk("", [], finish_reason=finished.finish_reason, with_usage=usage))]
-        if usage:
-            events.append(_sse(responses.usage_chunk(job)))
-    return [*events, "data: [DONE]\n\n"]
+        for stream in streams:
+            servicer.backpressure.close(stream)
+        group.finish(cancelled("client went away"))  # no effect once the request has ended
 
 
 def _sse(body: dict) -> str:

@@ -12,6 +12,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from gateway.openai_api.structured import structured_output
+from gateway.samples import MAX_N
 from splitserve.errors import InvalidArgument
 from splitserve.v1 import generation_pb2
 
@@ -64,8 +65,6 @@ class _Sampling(BaseModel):
             value = getattr(self, name) if name in type(self).model_fields else (self.model_extra or {}).get(name)
             if value not in _HARMLESS.get(name, (None, False, [], {})):
                 raise InvalidArgument(f"{name}: not supported by this server")
-        if self.n != 1:
-            raise InvalidArgument(f"n: only n=1 is supported, got {self.n}")
         if self.stream_options is not None and not self.stream:
             raise InvalidArgument("stream_options: only allowed when stream is true")
 
@@ -77,6 +76,7 @@ class _Sampling(BaseModel):
             if value is not None:
                 setattr(s, name, value)
         _set_int(s, "seed", self.seed, 0, 2**64 - 1)
+        _set_int(s, "n", self.n, 1, MAX_N)
         _set_int(s, "max_tokens", max_tokens, 1, 2**32 - 1)
         _set_int(s, "logprobs", logprobs, 0, 2**32 - 1)
         if self.min_tokens is not None and self.min_tokens < 0:

@@ -107,4 +107,4 @@ class ShmSender(KVSender):
 
     def flush(self, desc: TransferDescriptor) -> None:
         # Copies are synchronous stores into the shared mapping: nothing is in flight.
-        self._check_owned(desc, torch.tensor(desc.block_ids, dtype=torch.int64), "at the flush")
+        self._check_owned(desc, torch.tensor(desc.written_block_ids, dtype=torch.int64), "at the flush")

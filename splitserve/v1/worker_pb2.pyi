@@ -32,7 +32,7 @@ class TransportOffer(_message.Message):
     def __init__(self, transport: _Optional[str] = ..., address: _Optional[str] = ...) -> None: ...
 
 class TransferDescriptor(_message.Message):
-    __slots__ = ("request_id", "transport", "address", "block_ids", "layout", "epoch", "lease_deadline", "alternatives")
+    __slots__ = ("request_id", "transport", "address", "block_ids", "layout", "epoch", "lease_deadline", "alternatives", "num_cached_blocks")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -41,6 +41,7 @@ class TransferDescriptor(_message.Message):
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     LEASE_DEADLINE_FIELD_NUMBER: _ClassVar[int]
     ALTERNATIVES_FIELD_NUMBER: _ClassVar[int]
+    NUM_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     transport: str
     address: str
@@ -49,7 +50,8 @@ class TransferDescriptor(_message.Message):
     epoch: int
     lease_deadline: float
     alternatives: _containers.RepeatedCompositeFieldContainer[TransportOffer]
-    def __init__(self, request_id: _Optional[str] = ..., transport: _Optional[str] = ..., address: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., epoch: _Optional[int] = ..., lease_deadline: _Optional[float] = ..., alternatives: _Optional[_Iterable[_Union[TransportOffer, _Mapping]]] = ...) -> None: ...
+    num_cached_blocks: int
+    def __init__(self, request_id: _Optional[str] = ..., transport: _Optional[str] = ..., address: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., epoch: _Optional[int] = ..., lease_deadline: _Optional[float] = ..., alternatives: _Optional[_Iterable[_Union[TransportOffer, _Mapping]]] = ..., num_cached_blocks: _Optional[int] = ...) -> None: ...
 
 class ResolvedSampling(_message.Message):
     __slots__ = ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty", "frequency_penalty", "presence_penalty", "ignore_eos", "stop_token_ids", "logprobs", "structured_output", "structured_output_resumed_tokens")
@@ -86,12 +88,14 @@ class ResolvedSampling(_message.Message):
     def __init__(self, max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., ignore_eos: _Optional[bool] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[int] = ..., structured_output: _Optional[_Union[_generation_pb2.StructuredOutput, _Mapping]] = ..., structured_output_resumed_tokens: _Optional[int] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("request_id", "num_prompt_tokens")
+    __slots__ = ("request_id", "num_prompt_tokens", "prompt_token_ids")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     num_prompt_tokens: int
-    def __init__(self, request_id: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ...) -> None: ...
+    prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, request_id: _Optional[str] = ..., num_prompt_tokens: _Optional[int] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
     __slots__ = ("descriptor", "lease_ttl_s")

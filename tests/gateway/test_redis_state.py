@@ -268,6 +268,22 @@ def test_claimed_requests_count_against_the_limit_until_they_finish(client):
     assert admit(st, "c").admitted
 
 
+def test_an_admission_asks_room_for_all_its_samples_and_later_samples_need_none(client):
+    """An n > 1 request's first sample asks for n places at once; its later samples, admitted once
+    it has its first token, were counted then and are never refused for room -- even when other
+    requests took those places meanwhile (the limit is then passed by at most n - 1)."""
+    st = RedisState(client, queue_limit=4)
+    st.gateway_beat("g1", 600)
+    assert admit(st, "a").admitted
+    assert st.admit("n4", "g1", 0, T0, {}, room=4).status == "full"  # 1 + 4 > 4
+    assert st.admit("n3", "g1", 0, T0, {}, room=3).admitted  # 1 + 3 = 4
+    assert admit(st, "b").admitted  # the places are not held: b comes before n3's samples
+    assert st.admit("n3/1", "g1", 0, T0, {}, room=0).admitted
+    assert st.admit("n3/2", "g1", 0, T0, {}, room=0).admitted
+    assert st.queue_depth() == 5
+    assert admit(st, "c").status == "full"
+
+
 def test_claim_scans_a_bounded_window(client):
     st = RedisState(client, queue_limit=100, claim_scan=4)
     st.gateway_beat("g1", 600)

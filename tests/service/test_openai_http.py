@@ -106,6 +106,20 @@ def test_chat_streamed_equals_whole_and_the_template_applied(client, tokenizer, 
     assert all(c.usage is None for c in chunks[:-1])
 
 
+def test_chat_with_n_streams_every_choice_with_its_role_and_end(client, tokenizer, reference):
+    messages = [{"role": "user", "content": "Name a color."}]
+    ids = tokenizer.encode(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
+                           add_special_tokens=False)
+    want = expected_text(reference, tokenizer, ids, 6)
+    chunks = list(client.chat.completions.create(model=DEFAULT_MODEL, messages=messages, max_tokens=6, n=2,
+                                                 stream=True, stream_options={"include_usage": True}, **GREEDY))
+    for index in (0, 1):
+        mine = [c.choices[0] for c in chunks if c.choices and c.choices[0].index == index]
+        assert mine[0].delta.role == "assistant" and mine[-1].finish_reason == "length"
+        assert "".join(c.delta.content or "" for c in mine) == want  # greedy: equal samples
+    assert chunks[-1].usage.prompt_tokens == len(ids) and chunks[-1].usage.completion_tokens == 12
+
+
 def test_logprobs_and_stop_strings(client, tokenizer, reference):
     prompt = PROMPTS[0]
     ids = tokenizer.encode(prompt)
@@ -159,8 +173,8 @@ def test_bad_requests_get_openai_errors_naming_the_field(client, stack):
         client.completions.create(model=DEFAULT_MODEL, prompt="x", max_tokens=100_000)
     assert e.value.body["param"] == "max_tokens"
     with pytest.raises(openai.BadRequestError) as e:
-        client.completions.create(model=DEFAULT_MODEL, prompt="x", n=2)
-    assert e.value.body["param"] == "n"
+        client.completions.create(model=DEFAULT_MODEL, prompt="x", n=17)
+    assert e.value.body["param"] == "n" and "n must be in [1, 16], got 17" in e.value.body["message"]
     with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(model=DEFAULT_MODEL, messages=[{"role": "user", "content": "x"}],
                                        extra_body={"guided_grammar": "root ::= \"x\""})
