@@ -19,6 +19,8 @@ failed hung past its deadline (reproduced with a server that always answers UNAV
 """
 from __future__ import annotations
 
+import os
+
 import grpc
 
 CLIENT_KEEPALIVE_S = 30
@@ -31,14 +33,30 @@ CLIENT_KEEPALIVE = [
     ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_S * 1000),
     ("grpc.keepalive_permit_without_calls", 0),  # only while a call is open: idle channels stay quiet
     ("grpc.http2.max_pings_without_data", 0),  # a long prefill sends no data for a while: keep pinging
+    ("grpc.http2.ping_timeout_ms", KEEPALIVE_TIMEOUT_S * 1000),  # see server_options
 ]
 
-SERVER_KEEPALIVE = [
-    ("grpc.keepalive_time_ms", SERVER_KEEPALIVE_S * 1000),
-    ("grpc.keepalive_timeout_ms", KEEPALIVE_TIMEOUT_S * 1000),
-    ("grpc.http2.min_recv_ping_interval_without_data_ms", MIN_CLIENT_PING_S * 1000),
-    ("grpc.http2.max_pings_without_data", 0),
-]
+# The server's ping interval and ack timeout, in seconds, for networks that need other values
+# (a middlebox that drops idle connections sooner; a test that cuts one).
+SERVER_KEEPALIVE_ENV = "SPLITSERVE_SERVER_KEEPALIVE_S"
+KEEPALIVE_TIMEOUT_ENV = "SPLITSERVE_KEEPALIVE_TIMEOUT_S"
+
+
+def server_options() -> list[tuple[str, object]]:
+    """The keepalive options of every splitserve server (``SERVER_KEEPALIVE_ENV`` and
+    ``KEEPALIVE_TIMEOUT_ENV`` override the interval and the timeout)."""
+    every_s = float(os.environ.get(SERVER_KEEPALIVE_ENV, SERVER_KEEPALIVE_S))
+    timeout_s = float(os.environ.get(KEEPALIVE_TIMEOUT_ENV, KEEPALIVE_TIMEOUT_S))
+    return [
+        ("grpc.keepalive_time_ms", int(every_s * 1000)),
+        ("grpc.keepalive_timeout_ms", int(timeout_s * 1000)),
+        # What grpcio 1.85 waits for a ping's ack before closing the connection: without it a
+        # peer gone silent mid-stream was never dropped (a 40 s test stream ran to its deadline
+        # with keepalive_timeout_ms 1 s; tests/faults/test_keepalive.py).
+        ("grpc.http2.ping_timeout_ms", int(timeout_s * 1000)),
+        ("grpc.http2.min_recv_ping_interval_without_data_ms", MIN_CLIENT_PING_S * 1000),
+        ("grpc.http2.max_pings_without_data", 0),
+    ]
 
 RETRY_MAX_ATTEMPTS = 5
 RETRY_INITIAL_BACKOFF_S = 0.2

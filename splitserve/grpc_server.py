@@ -17,7 +17,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from splitserve.errors import ErrorMappingInterceptor
-from splitserve.grpc_options import SERVER_KEEPALIVE
+from splitserve.grpc_options import server_options
 from splitserve.security import Security
 
 log = logging.getLogger(__name__)
@@ -48,7 +48,7 @@ async def start_server(register: Callable[[grpc.aio.Server], Iterable[str]], add
     """
     security = security or Security()
     server = grpc.aio.server(interceptors=[ErrorMappingInterceptor(), *security.server_interceptors()],
-                             options=security.message_options() + BACKLOG_OPTIONS + SERVER_KEEPALIVE)
+                             options=security.message_options() + BACKLOG_OPTIONS + server_options())
     names = list(register(server))
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)

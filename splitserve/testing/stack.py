@@ -272,7 +272,8 @@ def start_stack(model: str | os.PathLike, log_dir: str | os.PathLike | None = No
     None makes a temporary one. ``worker_args`` are appended to every worker's command line
     after ``worker_defaults`` (so they override it), then ``role_args[role]`` to the workers of
     that role (e.g. ``{"decode": ["--lease-ttl-s", "300"]}``), ``gateway_args`` to the gateway's.
-    ``role_env[role]`` is added to the environment of the workers of that role (fault injection:
+    ``role_env[role]`` is added to the environment of the processes of that role (``"gateway"``
+    too; fault injection:
     ``{"prefill": {"SPLITSERVE_FAULT_STEP_DELAY_S": "0.5"}}``).
     ``redis_kwargs`` go to ``RedisServer`` (default: append-only, in ``<log_dir>/redis``).
     ``metrics``: every process serves Prometheus metrics on a free port (``metrics_ports``);
@@ -322,7 +323,9 @@ def start_stack(model: str | os.PathLike, log_dir: str | os.PathLike | None = No
             argv += ["--http-port", str(port)]
             stack.http = f"http://127.0.0.1:{port}"
         stack.argv["gateway"], stack.log_paths["gateway"] = argv, log_dir / "gateway.log"
-        stack.procs["gateway"], stack.gateway_address = start_process(argv, stack.log_paths["gateway"])
+        stack.env["gateway"] = dict((role_env or {}).get("gateway", {}))
+        stack.procs["gateway"], stack.gateway_address = start_process(argv, stack.log_paths["gateway"],
+                                                                      env=stack.env["gateway"])
         stack.client = Client(stack.gateway_address)
         _wait_registered(stack, metrics)
         return stack
