@@ -177,8 +177,11 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             return
         t = job.timeline
         arrival, end = t["arrival"], t.get("finished", time.monotonic())
+        # The stack's only count of served tokens (splitserve/metrics.py): workers count their work apart.
         m.prompt_tokens.inc(len(job.prompt_token_ids))
         m.generation_tokens.inc(len(token_times))
+        m.request_prompt_tokens.observe(len(job.prompt_token_ids))
+        m.request_generation_tokens.observe(len(token_times))
         m.success.labels(finished_reason=finished.finish_reason).inc()
         m.e2e.observe(end - arrival)
         if "dispatched" in t:

@@ -4,6 +4,25 @@ Each process owns one registry and serves it on ``--metrics-port`` (-1 = off, 0 
 port, reported through GetServerInfo). Gauges of the
 engine are refreshed on the engine-loop thread (the engine is not thread-safe), counters and
 histograms are updated where the events happen.
+
+Every series carries ``model_name``: the served model's public name (what GetModelInfo and
+/v1/models call it), as vLLM labels all its series, so vLLM's dashboards and ours filter on it.
+
+Sums across processes add up. A stack's scrapes are summed by the dashboards (``sum(rate(...))``
+over every target), so a count kept by two processes would be counted twice. Each fact is
+counted once, by the process that owns it:
+
+* ``vllm:prompt_tokens`` / ``vllm:generation_tokens`` (vLLM's names, what its dashboards read)
+  are the tokens *served*: counted by the gateway once per request when it ends, the prompt as
+  admitted and the tokens streamed to the client. Workers never export them.
+* ``splitserve:engine_prompt_tokens`` / ``splitserve:engine_generation_tokens`` are engine
+  *work*, per worker: prompt tokens a prefill (or colocated) worker computed, tokens an engine
+  sampled (a prefill worker samples the first token, the decode worker the rest). They exceed
+  the served counts when work is lost: a retried request's prompt is prefilled again, a
+  cancelled request's last tokens are sampled but never streamed.
+* ``vllm:request_success``, the request latency histograms and the Redis queue depth are the
+  gateway's; the engine gauges (running, waiting, KV usage), preemptions and prefix-cache
+  counters are per worker, and a prefill and a decode worker each count a request they both hold.
 """
 from __future__ import annotations
 
@@ -12,11 +31,28 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 # Seconds: from a 2-core CPU box to a GPU, first tokens land between milliseconds and seconds.
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                    40.0, 80.0)
+# Tokens per request (prompt or output), vLLM's 1-2-5 steps.
+TOKEN_COUNT_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
 TOKEN_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
 
 
+class ModelRegistry(CollectorRegistry):
+    """A registry whose every sample carries ``model_name`` (added when scraped, so no metric
+    definition can forget it)."""
+
+    def __init__(self, model_name: str):
+        super().__init__()
+        self.model_name = model_name
+
+    def collect(self):
+        for family in super().collect():  # fresh families on every collect: safe to edit
+            family.samples = [s._replace(labels={"model_name": self.model_name, **s.labels}) for s in family.samples]
+            yield family
+
+
 class EngineMetrics:
-    """What a worker's engine reports (vLLM names)."""
+    """What a worker's engine reports (vLLM names for the engine's state, splitserve's for its
+    token work: see the module docstring)."""
 
     def __init__(self, registry: CollectorRegistry, role: str):
         labels = {"role": role}
@@ -28,8 +64,11 @@ class EngineMetrics:
                                       registry=registry)
         self.prefix_hits = Counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache",
                                    registry=registry)
-        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens processed", registry=registry)
-        self.generation_tokens = Counter("vllm:generation_tokens", "Tokens generated", registry=registry)
+        self.prompt_tokens = Counter("splitserve:engine_prompt_tokens",
+                                     "Prompt tokens this engine computed (a retried request's again)",
+                                     registry=registry)
+        self.generation_tokens = Counter("splitserve:engine_generation_tokens",
+                                         "Tokens this engine sampled (streamed or not)", registry=registry)
         self.lease_expiries = Counter("splitserve:kv_lease_expiries",
                                       "Reservations freed because their KV did not arrive in time (decode)",
                                       registry=registry)
@@ -91,8 +130,15 @@ class GatewayMetrics:
                                 buckets=LATENCY_BUCKETS, registry=registry)
         self.success = Counter("vllm:request_success", "Finished requests by finish reason", ["finished_reason"],
                                registry=registry)
-        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens admitted", registry=registry)
+        # The stack's only vllm:prompt_tokens / vllm:generation_tokens (module docstring).
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens of the requests that ended",
+                                     registry=registry)
         self.generation_tokens = Counter("vllm:generation_tokens", "Tokens streamed to clients", registry=registry)
+        self.request_prompt_tokens = Histogram("vllm:request_prompt_tokens", "Prompt tokens per request",
+                                               buckets=TOKEN_COUNT_BUCKETS, registry=registry)
+        self.request_generation_tokens = Histogram("vllm:request_generation_tokens",
+                                                   "Tokens streamed per request", buckets=TOKEN_COUNT_BUCKETS,
+                                                   registry=registry)
         self.queue_depth = Gauge("splitserve:queue_depth", "Requests waiting in the Redis queue", registry=registry)
         self.retries = Counter("splitserve:request_retries", "Attempts that failed because a worker died, froze "
                                "or voided its handoff (the request went back to the queue or gave up)",
@@ -105,13 +151,23 @@ class GatewayMetrics:
                                         "--max-buffered-tokens-per-stream)", registry=registry)
 
 
-def serve_metrics(port: int, host: str = "0.0.0.0") -> tuple[CollectorRegistry, str]:
-    """A fresh registry served over HTTP on ``port`` (-1: not served; 0: any free port), on
+def serve_metrics(port: int, host: str = "0.0.0.0", model_name: str = "") -> tuple[CollectorRegistry, str]:
+    """A fresh registry labelling every series with ``model_name`` (the public name, see
+    ``public_model_name``), served over HTTP on ``port`` (-1: not served; 0: any free port), on
     ``host`` (all interfaces when the process listens on all). Returns (registry, address
     actually listened on)."""
     host = "0.0.0.0" if host in ("0.0.0.0", "") else host
-    registry = CollectorRegistry()
+    registry = ModelRegistry(model_name)
     if port < 0:
         return registry, ""
     server, _ = start_http_server(port, addr=host, registry=registry)
     return registry, f"{host}:{server.server_port}"
+
+
+def public_model_name(model: str) -> str:
+    """What ModelInfo and every metric call the model: a local checkpoint directory by its last
+    component only (the server's file system is nobody's business), a hub id or built-in name
+    as given. Every process of a stack computes it from its own ``--model``."""
+    from pathlib import Path
+    path = Path(model).expanduser()
+    return path.resolve().name if path.exists() else model
