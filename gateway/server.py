@@ -12,7 +12,7 @@ import uuid
 
 log = logging.getLogger(__name__)
 
-SERVICE = "splitserve.v1.Generation"
+SERVICE = "splitserve.v1.Generation"  # also its readiness name (splitserve.grpc_server)
 
 
 def serve(args) -> int:
@@ -82,8 +82,10 @@ async def _serve(args) -> int:
     def register(server):
         generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
         return [SERVICE]
+    # Not ready until the health monitor has seen Redis and a usable set of workers.
     server, health, port = await start_server(register, f"{args.host}:{args.port}",
-                                              reflection_enabled=not args.no_reflection, security=security)
+                                              reflection_enabled=not args.no_reflection, security=security,
+                                              ready=False)
     monitor = await GatewayHealth(health, [SERVICE], state, directory).start()
     servicer.health = monitor
     http = await _start_http(args, servicer, authorizer, http_socket) if http_socket is not None else None

@@ -174,7 +174,11 @@ def test_compose_layout():
         assert service.get("restart") == "unless-stopped", name
         assert service["healthcheck"]["test"], name
         if name in splitserve_services(compose):
-            assert "grpc_health" in service["healthcheck"]["test"][-1], name
+            kind, python, flag, script, *service_name = service["healthcheck"]["test"]
+            assert (kind, python, flag) == ("CMD", "python", "-c") and "grpc_health" in script, name
+            # The gateway's check is its readiness (healthy = can serve a request); a worker's is
+            # its liveness (a restart acts on it, and a draining worker must not be restarted).
+            assert service_name == (["splitserve.v1.Generation"] if name == "gateway" else []), name
             # Compose's stop timeout must outlast the drain, or in-flight requests are killed.
             assert seconds(service["stop_grace_period"]) > float(service["environment"]["SPLITSERVE_DRAIN_TIMEOUT_S"])
     # cpu: the decode pool is a file in /dev/shm, shared with prefill through the IPC namespace.
