@@ -17,7 +17,8 @@ def serve(args) -> int:
     registry, metrics_address = serve_metrics(args.metrics_port, args.host,
                                               model_name=public_model_name(args.model))
     servicer = PrefillWorkerServicer(connector, args.worker_id or f"prefill-{uuid.uuid4().hex[:8]}",
-                                     EngineMetrics(registry, "prefill"), TransferMetrics(registry))
+                                     EngineMetrics(registry, "prefill"),
+                                     TransferMetrics(registry, sorted(connector.sender_factories)))
     servicer.metrics_address = metrics_address
     return run_worker(servicer, worker_pb2_grpc.add_PrefillWorkerServicer_to_server, "splitserve.v1.PrefillWorker",
                       args)

@@ -97,7 +97,9 @@ class EngineMetrics:
 class TransferMetrics:
     """KV handoffs on a prefill worker (splitserve's own)."""
 
-    def __init__(self, registry: CollectorRegistry):
+    def __init__(self, registry: CollectorRegistry, transports: tuple[str, ...] | list[str] = ()):
+        """``transports``: the worker's own, whose series are exported at 0 from the start (a
+        failure count that appears only with the first failure reads as "no data", not as 0)."""
         self.bytes = Counter("splitserve:kv_transfer_bytes", "KV bytes written to decode workers", ["transport"],
                              registry=registry)
         self.seconds = Counter("splitserve:kv_transfer_seconds", "Seconds spent copying and flushing KV",
@@ -107,6 +109,9 @@ class TransferMetrics:
         self.handoff = Histogram("splitserve:kv_handoff_latency_seconds",
                                  "Prefill request received to KV flushed and first token sampled",
                                  buckets=LATENCY_BUCKETS, registry=registry)
+        for transport in transports:
+            for counter in (self.bytes, self.seconds, self.failures):
+                counter.labels(transport=transport)
 
 
 class GatewayMetrics:
