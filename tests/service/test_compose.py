@@ -33,6 +33,7 @@ from engine.model_loader import load_tokenizer
 from splitserve.client import Client
 from splitserve.sizing import load_shape, pages_for
 from splitserve.testing.redis_server import RedisServer, _die_with_parent
+from splitserve.testing.tools import scrape
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "compose.yaml"
@@ -523,11 +524,8 @@ def test_cpu_profile_serves_a_streamed_request(cpu_stack, hf_reference):
     assert "".join(e.text for e in chunks)
     assert final.timeline.prefill_worker and final.timeline.decode_worker  # disaggregated, not colocated
     # The KV crossed over shm: the decode pool in shared memory, as ipc: service:decode arranges.
-    metrics_port = cpu_stack["envs"]["prefill"]["SPLITSERVE_METRICS_PORT"]
-    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as response:
-        text = response.read().decode()
-    shm_bytes = re.search(r'^splitserve:kv_transfer_bytes_total\{transport="shm"\} (\S+)$', text, re.M)
-    assert shm_bytes and float(shm_bytes[1]) > 0, "no KV went over shm"
+    samples = scrape(int(cpu_stack["envs"]["prefill"]["SPLITSERVE_METRICS_PORT"]))
+    assert samples.get("splitserve:kv_transfer_bytes_total{transport=shm}", 0) > 0, "no KV went over shm"
     # The pools hold what python -m splitserve.sizing computes for the same settings.
     shape = load_shape(cpu_stack["model"])
     for worker in info.workers:
