@@ -5,6 +5,11 @@ port, reported through GetServerInfo). Gauges of the
 engine are refreshed on the engine-loop thread (the engine is not thread-safe), counters and
 histograms are updated where the events happen.
 
+/metrics always answers in Prometheus's classic text format, whatever the scraper's Accept
+header asks: prometheus_client 0.26's OpenMetrics output turns the colons of sample names into
+underscores under Prometheus 2's ``escaping=underscores`` (prometheus/client_python#1177), so
+Prometheus would store ``vllm_prompt_tokens_total`` and every vLLM dashboard would find nothing.
+
 Every series carries ``model_name``: the served model's public name (what GetModelInfo and
 /v1/models call it), as vLLM labels all its series, so vLLM's dashboards and ours filter on it.
 
@@ -26,7 +31,12 @@ counted once, by the process that owns it:
 """
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+import socket
+import threading
+from socketserver import ThreadingMixIn
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
 
 # Seconds: from a 2-core CPU box to a GPU, first tokens land between milliseconds and seconds.
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
@@ -165,8 +175,30 @@ def serve_metrics(port: int, host: str = "0.0.0.0", model_name: str = "") -> tup
     registry = ModelRegistry(model_name)
     if port < 0:
         return registry, ""
-    server, _ = start_http_server(port, addr=host, registry=registry)
+    # The address family of ``host`` (an IPv6 address or a name that resolves only to one works too).
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    server_class = type("MetricsServer", (_ThreadingServer,), {"address_family": family})
+    server = make_server(host, port, _classic_text(make_wsgi_app(registry)), server_class,
+                         handler_class=_QuietHandler)
+    threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True).start()
     return registry, f"{host}:{server.server_port}"
+
+
+def _classic_text(app):
+    """``app`` asked for no format in particular: the classic text format, colons kept (module docstring)."""
+    def classic(environ, start_response):
+        environ.pop("HTTP_ACCEPT", None)
+        return app(environ, start_response)
+    return classic
+
+
+class _ThreadingServer(ThreadingMixIn, WSGIServer):
+    daemon_threads = True  # a slow scraper never holds the process open
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format, *args):  # one line per scrape would drown the process's log
+        pass
 
 
 def public_model_name(model: str) -> str:

@@ -3,7 +3,8 @@
 * Token counters add up: summed over every process's scrape (as a dashboard sums its targets),
   ``vllm:prompt_tokens`` and ``vllm:generation_tokens`` equal the tokens the clients were served.
 * Every series carries ``model_name``, the public name GetModelInfo reports.
-* Every query of the Grafana dashboard (deploy/grafana) names a metric the processes export.
+* Every query of the Grafana dashboard (deploy/grafana) names a metric the processes export,
+  under the names Prometheus stores (vLLM's colons kept whatever format it asks for).
 * Liveness (``""``) and readiness (the process's own service) are apart: a draining process is
   alive and not ready.
 """
@@ -12,6 +13,7 @@ from __future__ import annotations
 import json
 import re
 import signal
+import urllib.request
 from pathlib import Path
 
 import pytest
@@ -19,7 +21,7 @@ import pytest
 from splitserve.testing.prompts import mixed_prompts
 from splitserve.testing.stack import NOT_SERVING, SERVING, health, start_stack
 from splitserve.testing.streams import join_all, run_streams, wait_until
-from splitserve.testing.tools import scrape, scrape_samples
+from splitserve.testing.tools import PROMETHEUS_ACCEPT, scrape, scrape_samples
 from worker_runtime.engine_loop import SLOW_STEP_ENV
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -84,6 +86,18 @@ def test_every_series_carries_the_public_model_name(stack, served):
         assert not unlabelled, f"{name}: series without model_name={public!r}: {unlabelled}"
 
 
+def test_metrics_keep_vllm_names_whatever_format_a_scraper_asks_for(stack):
+    """Prometheus asks for OpenMetrics first; the processes answer in the classic text format,
+    where the colons of vLLM's names survive (splitserve/metrics.py)."""
+    for name, port in stack.metrics_ports.items():
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/metrics", headers={"Accept": PROMETHEUS_ACCEPT})
+        with urllib.request.urlopen(request, timeout=10) as response:
+            assert response.headers["Content-Type"].startswith("text/plain; version=0.0.4"), name
+            text = response.read().decode()
+        assert re.search(r"^(vllm|splitserve):\w+", text, re.M), name
+        assert not re.search(r"^(vllm|splitserve)_", text, re.M), name
+
+
 # ---- the dashboard ------------------------------------------------------------------------
 
 _STRING = r'"(?:[^"\\]|\\.)*"'
@@ -146,6 +160,7 @@ def test_metric_selectors_reads_promql():
 def test_every_dashboard_query_names_a_metric_the_processes_export(stack, served):
     dashboard = json.loads(DASHBOARD.read_text())
     queries = dashboard_queries(dashboard)
+    # Scraped as Prometheus scrapes (its Accept header): the names it would store.
     exported = {s.name for port in stack.metrics_ports.values() for s in scrape_samples(port)}
     wanted: set[str] = set()
     for query in queries:
