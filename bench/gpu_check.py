@@ -123,7 +123,8 @@ def stack(model_dir: Path, limit_s: float, device: str = "cuda") -> dict:
         for worker in info.workers:
             if worker.role == "prefill" and worker.metrics_address:
                 text = urllib.request.urlopen(f"http://{worker.metrics_address}/metrics", timeout=5).read().decode()
-                for name, value in re.findall(r'splitserve:kv_transfer_bytes_total\{transport="(\w+)"\} (\S+)', text):
+                for name, value in re.findall(  # model_name is among the labels too
+                        r'^splitserve:kv_transfer_bytes_total\{[^}]*\btransport="(\w+)"[^}]*\} (\S+)$', text, re.M):
                     transports[name] = float(value)
         chunks = sum(1 for e in events if not e.finished)
         return {"ok": final.finish_reason == "length" and final.usage.completion_tokens == 32

@@ -72,8 +72,9 @@ def probe(address: str, interval_s: float) -> None:
             sent = time.time()
             t0 = time.perf_counter()
             try:
-                status = health_pb2.HealthCheckResponse.ServingStatus.Name(
-                    stub.Check(health_pb2.HealthCheckRequest(), timeout=10).status)
+                # Readiness, as a load balancer asks it: a loaded gateway must stay ready, not just alive.
+                status = health_pb2.HealthCheckResponse.ServingStatus.Name(stub.Check(
+                    health_pb2.HealthCheckRequest(service="splitserve.v1.Generation"), timeout=10).status)
             except grpc.RpcError as e:
                 status = e.code().name
             latency_ms = 1000 * (time.perf_counter() - t0)

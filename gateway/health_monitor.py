@@ -1,8 +1,9 @@
-"""The gateway's grpc.health.v1 status means "can do work now".
+"""The gateway's readiness (grpc.health.v1 ``splitserve.v1.Generation``) means "can do work now".
 
 SERVING only while Redis answers and the registry holds a set of workers that can serve a
 request (a prefill and a decode worker, or a colocated one), and not while draining. A load
 balancer or compose health check reading it stops sending traffic that would only fail.
+Liveness (the empty service name) stays SERVING meanwhile: see ``splitserve.grpc_server``.
 The status is refreshed by a task every ``interval_s``; a health check itself only reads it,
 so it is answered at once however busy the gateway is.
 """

@@ -12,7 +12,7 @@ import uuid
 
 log = logging.getLogger(__name__)
 
-SERVICE = "splitserve.v1.Generation"
+SERVICE = "splitserve.v1.Generation"  # also its readiness name (splitserve.grpc_server)
 
 
 def serve(args) -> int:
@@ -26,6 +26,7 @@ def model_info(args):
     from transformers import GenerationConfig
 
     from engine.model_loader import load_config, load_tokenizer, resolve_model
+    from splitserve.metrics import public_model_name
     from splitserve.v1 import generation_pb2
     model_dir = resolve_model(args.model)
     config = load_config(model_dir)
@@ -36,14 +37,6 @@ def model_info(args):
         vocab_size=config.vocab_size, eos_token_ids=[eos] if isinstance(eos, int) else list(eos or []),
         block_size=args.block_size, dtype=args.dtype)
     return info, load_tokenizer(model_dir)
-
-
-def public_model_name(model: str) -> str:
-    """What ModelInfo calls the model: a local checkpoint directory by its last component only
-    (the server's file system is nobody's business), a hub id or built-in name as given."""
-    from pathlib import Path
-    path = Path(model).expanduser()
-    return path.resolve().name if path.exists() else model
 
 
 async def _serve(args) -> int:
@@ -70,7 +63,7 @@ async def _serve(args) -> int:
     info, tokenizer = model_info(args)
     state = RedisState(make_async_client(args.redis_url, password=args.redis_password or None),
                        queue_limit=args.queue_limit, priority_aging_per_s=args.priority_aging_per_s)
-    registry, metrics_address = serve_metrics(args.metrics_port, args.host)
+    registry, metrics_address = serve_metrics(args.metrics_port, args.host, model_name=info.model)
     metrics = GatewayMetrics(registry)
     directory = WorkerDirectory(state, block_size=args.block_size, channel_factory=internal.aio_channel)
     dispatcher = Dispatcher(state, directory, args.gateway_id or f"gw-{uuid.uuid4().hex[:8]}",
@@ -89,8 +82,10 @@ async def _serve(args) -> int:
     def register(server):
         generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server)
         return [SERVICE]
+    # Not ready until the health monitor has seen Redis and a usable set of workers.
     server, health, port = await start_server(register, f"{args.host}:{args.port}",
-                                              reflection_enabled=not args.no_reflection, security=security)
+                                              reflection_enabled=not args.no_reflection, security=security,
+                                              ready=False)
     monitor = await GatewayHealth(health, [SERVICE], state, directory).start()
     servicer.health = monitor
     http = await _start_http(args, servicer, authorizer, http_socket) if http_socket is not None else None

@@ -169,17 +169,27 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         ``Finished``; each sample's metrics are recorded as it ends. A failed sample is the last
         thing that comes (the others are ended)."""
         token_times: dict[int, list[float]] = {}
-        async for index, event in group.events():
-            job = group.jobs[index]
-            if isinstance(event, Tokens):
-                token_times.setdefault(index, []).extend([time.monotonic()] * len(event.token_ids))
+        observed: set[int] = set()
+        try:
+            async for index, event in group.events():
+                job = group.jobs[index]
+                if isinstance(event, Tokens):
+                    token_times.setdefault(index, []).extend([time.monotonic()] * len(event.token_ids))
+                    yield index, event
+                    continue
+                rest = job.text.finish() if event.status is None else ""
+                if rest:
+                    yield index, Tokens([], [], rest)
+                observed.add(index)
+                self._observe(job, event, token_times.get(index, []), prompt=index == 0)
                 yield index, event
-                continue
-            rest = job.text.finish() if event.status is None else ""
-            if rest:
-                yield index, Tokens([], [], rest)
-            self._observe(job, event, token_times.get(index, []), prompt=index == 0)
-            yield index, event
+        finally:
+            # Left early (the client went away or its deadline passed, a sample failed): the
+            # samples end here (no effect on those that ended), and are recorded as they ended.
+            group.finish(self._rpc_gone(group.leader))
+            for index, job in enumerate(group.jobs):
+                if job is not None and index not in observed:
+                    self._observe(job, job.outcome, token_times.get(index, []), prompt=index == 0)
 
     @staticmethod
     def _rpc_gone(job: Job) -> Finished:
@@ -211,9 +221,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             return
         t = job.timeline
         arrival, end = t["arrival"], t.get("finished", time.monotonic())
+        # The stack's only count of served tokens (splitserve/metrics.py): workers count their work
+        # apart; a request's prompt counts once, not again for its later samples.
         if prompt:
             m.prompt_tokens.inc(len(job.prompt_token_ids))
+            m.request_prompt_tokens.observe(len(job.prompt_token_ids))
         m.generation_tokens.inc(len(token_times))
+        m.request_generation_tokens.observe(len(token_times))
         m.success.labels(finished_reason=finished.finish_reason).inc()
         m.e2e.observe(end - arrival)
         if "dispatched" in t:

@@ -12,6 +12,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from engine.kv_cache_manager import prefix_block_hashes
+from splitserve.grpc_server import WORKER_SERVICES
 from splitserve.v1 import worker_pb2_grpc
 
 # How long a listing of the workers is reused before Redis is asked again.
@@ -132,10 +133,11 @@ class WorkerDirectory:
 
     async def probe(self, worker: WorkerView) -> bool | None:
         """Ask the worker itself: True serving, False alive but not serving (draining, engine
-        dead), None no answer (dead, frozen or unreachable)."""
+        dead), None no answer (dead, frozen or unreachable). The question is the worker's
+        readiness (its own service's health): a draining worker is alive but takes nothing new."""
         try:
             reply = await health_pb2_grpc.HealthStub(self.channel(worker.address)).Check(
-                health_pb2.HealthCheckRequest(service=""), timeout=PROBE_TIMEOUT_S)
+                health_pb2.HealthCheckRequest(service=WORKER_SERVICES.get(worker.role, "")), timeout=PROBE_TIMEOUT_S)
         except grpc.RpcError:
             return None
         return reply.status == health_pb2.HealthCheckResponse.SERVING

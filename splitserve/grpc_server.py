@@ -4,6 +4,17 @@ The servers are ``grpc.aio`` servers: an open stream is a suspended coroutine, n
 so a process holds thousands of them and a health check is answered between two messages of
 any stream. Handlers must never block the event loop (the engines run on their own thread,
 see ``worker_runtime.engine_loop``).
+
+grpc.health.v1 answers two questions apart, as a liveness and a readiness probe ask them:
+
+* ``""`` (the empty service name): *is the process alive?* SERVING from the start until it
+  exits, draining included; NOT_SERVING only once a worker's engine died (it exits next). A
+  failed liveness check is a reason to restart the process.
+* the process's own service (``splitserve.v1.Generation`` on a gateway, ``splitserve.v1.DecodeWorker``
+  or ``splitserve.v1.PrefillWorker`` on a worker): *is it ready to serve?* A gateway only while
+  Redis answers and a usable set of workers is registered; a worker once its engine is loaded
+  (its port opens only then); neither while draining. A failed readiness check is a reason to
+  send traffic elsewhere, not to restart.
 """
 from __future__ import annotations
 
@@ -35,13 +46,22 @@ BACKLOG_OPTIONS = [("grpc.server.max_pending_requests", 20_000),
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 
+LIVENESS = ""  # grpc.health.v1's name for the server as a whole
+GENERATION = "splitserve.v1.Generation"
+DECODE_WORKER = "splitserve.v1.DecodeWorker"
+PREFILL_WORKER = "splitserve.v1.PrefillWorker"
+# The readiness service of a worker, by role (a colocated worker serves DecodeWorker).
+WORKER_SERVICES = {"prefill": PREFILL_WORKER, "decode": DECODE_WORKER, "both": DECODE_WORKER}
+
 
 async def start_server(register: Callable[[grpc.aio.Server], Iterable[str]], address: str,
-                       reflection_enabled: bool = True,
-                       security: Security | None = None) -> tuple[grpc.aio.Server, health.aio.HealthServicer, int]:
+                       reflection_enabled: bool = True, security: Security | None = None,
+                       ready: bool = True) -> tuple[grpc.aio.Server, health.aio.HealthServicer, int]:
     """A started server at ``address`` ("host:port", port 0 picks one); returns (server, health, port).
 
-    ``register`` adds the servicers and returns their full service names. ``security`` (default:
+    ``register`` adds the servicers and returns their full service names: SERVING at once when
+    ``ready``, else NOT_SERVING until ``set_health`` says otherwise; liveness (``""``) is SERVING
+    either way. ``security`` (default:
     plaintext, no token, 16 MiB messages) decides TLS/mutual TLS of the port, the bearer token and
     the message limit. The error mapping comes first so a refused token surfaces as
     ``UNAUTHENTICATED`` through the same mapping as every other error.
@@ -52,8 +72,8 @@ async def start_server(register: Callable[[grpc.aio.Server], Iterable[str]], add
     names = list(register(server))
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    for name in names + [""]:
-        await health_servicer.set(name, SERVING)
+    await health_servicer.set(LIVENESS, SERVING)
+    await set_health(health_servicer, names, serving=ready)
     if reflection_enabled:
         reflection.enable_server_reflection(names + [health.SERVICE_NAME, reflection.SERVICE_NAME], server)
     credentials = security.server_credentials()
@@ -91,5 +111,12 @@ def stop_event() -> asyncio.Event:
 
 
 async def set_health(health_servicer, services: Iterable[str], serving: bool) -> None:
-    for name in list(services) + [""]:
+    """Readiness of ``services``; liveness (``""``) is left as it is: a process that cannot serve
+    now (no workers, Redis down, draining) is still alive."""
+    for name in services:
         await health_servicer.set(name, SERVING if serving else NOT_SERVING)
+
+
+async def set_dead(health_servicer) -> None:
+    """Neither alive nor ready, for good: the process is about to exit on a fatal error."""
+    await health_servicer.enter_graceful_shutdown()

@@ -282,7 +282,8 @@ def _wait_serving(address: str, args) -> None:
         give_up = time.monotonic() + BOOT_TIMEOUT_S
         while time.monotonic() < give_up:
             try:
-                if stub.Check(health_pb2.HealthCheckRequest(), timeout=5).status == \
+                # Readiness: the gateway's own service, not liveness ("" is SERVING from its start).
+                if stub.Check(health_pb2.HealthCheckRequest(service="splitserve.v1.Generation"), timeout=5).status == \
                         health_pb2.HealthCheckResponse.SERVING:
                     return
             except grpc.RpcError:

@@ -4,19 +4,65 @@ Each process owns one registry and serves it on ``--metrics-port`` (-1 = off, 0 
 port, reported through GetServerInfo). Gauges of the
 engine are refreshed on the engine-loop thread (the engine is not thread-safe), counters and
 histograms are updated where the events happen.
+
+/metrics always answers in Prometheus's classic text format, whatever the scraper's Accept
+header asks: prometheus_client 0.26's OpenMetrics output turns the colons of sample names into
+underscores under Prometheus 2's ``escaping=underscores`` (prometheus/client_python#1177), so
+Prometheus would store ``vllm_prompt_tokens_total`` and every vLLM dashboard would find nothing.
+
+Every series carries ``model_name``: the served model's public name (what GetModelInfo and
+/v1/models call it), as vLLM labels all its series, so vLLM's dashboards and ours filter on it.
+
+Sums across processes add up. A stack's scrapes are summed by the dashboards (``sum(rate(...))``
+over every target), so a count kept by two processes would be counted twice. Each fact is
+counted once, by the process that owns it:
+
+* ``vllm:prompt_tokens`` / ``vllm:generation_tokens`` (vLLM's names, what its dashboards read)
+  are the tokens *served*: counted by the gateway once per request when it ends, the prompt as
+  admitted and the tokens streamed to the client. Workers never export them.
+* ``splitserve:engine_prompt_tokens`` / ``splitserve:engine_generation_tokens`` are engine
+  *work*, per worker: prompt tokens a prefill (or colocated) worker computed, tokens an engine
+  sampled (a prefill worker samples the first token, the decode worker the rest). They exceed
+  the served counts when work is lost: a retried request's prompt is prefilled again, a
+  cancelled request's last tokens are sampled but never streamed.
+* ``vllm:request_success``, the request latency histograms and the Redis queue depth are the
+  gateway's; the engine gauges (running, waiting, KV usage), preemptions and prefix-cache
+  counters are per worker, and a prefill and a decode worker each count a request they both hold.
 """
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+import socket
+import threading
+from socketserver import ThreadingMixIn
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
 
 # Seconds: from a 2-core CPU box to a GPU, first tokens land between milliseconds and seconds.
 LATENCY_BUCKETS = (0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
                    40.0, 80.0)
+# Tokens per request (prompt or output), vLLM's 1-2-5 steps.
+TOKEN_COUNT_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
 TOKEN_LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 1.0, 2.5)
 
 
+class ModelRegistry(CollectorRegistry):
+    """A registry whose every sample carries ``model_name`` (added when scraped, so no metric
+    definition can forget it)."""
+
+    def __init__(self, model_name: str):
+        super().__init__()
+        self.model_name = model_name
+
+    def collect(self):
+        for family in super().collect():  # fresh families on every collect: safe to edit
+            family.samples = [s._replace(labels={"model_name": self.model_name, **s.labels}) for s in family.samples]
+            yield family
+
+
 class EngineMetrics:
-    """What a worker's engine reports (vLLM names)."""
+    """What a worker's engine reports (vLLM names for the engine's state, splitserve's for its
+    token work: see the module docstring)."""
 
     def __init__(self, registry: CollectorRegistry, role: str):
         labels = {"role": role}
@@ -28,8 +74,11 @@ class EngineMetrics:
                                       registry=registry)
         self.prefix_hits = Counter("vllm:prefix_cache_hits", "Prompt tokens found in the prefix cache",
                                    registry=registry)
-        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens processed", registry=registry)
-        self.generation_tokens = Counter("vllm:generation_tokens", "Tokens generated", registry=registry)
+        self.prompt_tokens = Counter("splitserve:engine_prompt_tokens",
+                                     "Prompt tokens this engine computed (a retried request's again)",
+                                     registry=registry)
+        self.generation_tokens = Counter("splitserve:engine_generation_tokens",
+                                         "Tokens this engine sampled (streamed or not)", registry=registry)
         self.lease_expiries = Counter("splitserve:kv_lease_expiries",
                                       "Reservations freed because their KV did not arrive in time (decode)",
                                       registry=registry)
@@ -58,7 +107,9 @@ class EngineMetrics:
 class TransferMetrics:
     """KV handoffs on a prefill worker (splitserve's own)."""
 
-    def __init__(self, registry: CollectorRegistry):
+    def __init__(self, registry: CollectorRegistry, transports: tuple[str, ...] | list[str] = ()):
+        """``transports``: the worker's own, whose series are exported at 0 from the start (a
+        failure count that appears only with the first failure reads as "no data", not as 0)."""
         self.bytes = Counter("splitserve:kv_transfer_bytes", "KV bytes written to decode workers", ["transport"],
                              registry=registry)
         self.seconds = Counter("splitserve:kv_transfer_seconds", "Seconds spent copying and flushing KV",
@@ -68,6 +119,9 @@ class TransferMetrics:
         self.handoff = Histogram("splitserve:kv_handoff_latency_seconds",
                                  "Prefill request received to KV flushed and first token sampled",
                                  buckets=LATENCY_BUCKETS, registry=registry)
+        for transport in transports:
+            for counter in (self.bytes, self.seconds, self.failures):
+                counter.labels(transport=transport)
 
 
 class GatewayMetrics:
@@ -91,8 +145,15 @@ class GatewayMetrics:
                                 buckets=LATENCY_BUCKETS, registry=registry)
         self.success = Counter("vllm:request_success", "Finished requests by finish reason", ["finished_reason"],
                                registry=registry)
-        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens admitted", registry=registry)
+        # The stack's only vllm:prompt_tokens / vllm:generation_tokens (module docstring).
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prompt tokens of the requests that ended",
+                                     registry=registry)
         self.generation_tokens = Counter("vllm:generation_tokens", "Tokens streamed to clients", registry=registry)
+        self.request_prompt_tokens = Histogram("vllm:request_prompt_tokens", "Prompt tokens per request",
+                                               buckets=TOKEN_COUNT_BUCKETS, registry=registry)
+        self.request_generation_tokens = Histogram("vllm:request_generation_tokens",
+                                                   "Tokens streamed per request", buckets=TOKEN_COUNT_BUCKETS,
+                                                   registry=registry)
         self.queue_depth = Gauge("splitserve:queue_depth", "Requests waiting in the Redis queue", registry=registry)
         self.retries = Counter("splitserve:request_retries", "Attempts that failed because a worker died, froze "
                                "or voided its handoff (the request went back to the queue or gave up)",
@@ -105,13 +166,45 @@ class GatewayMetrics:
                                         "--max-buffered-tokens-per-stream)", registry=registry)
 
 
-def serve_metrics(port: int, host: str = "0.0.0.0") -> tuple[CollectorRegistry, str]:
-    """A fresh registry served over HTTP on ``port`` (-1: not served; 0: any free port), on
+def serve_metrics(port: int, host: str = "0.0.0.0", model_name: str = "") -> tuple[CollectorRegistry, str]:
+    """A fresh registry labelling every series with ``model_name`` (the public name, see
+    ``public_model_name``), served over HTTP on ``port`` (-1: not served; 0: any free port), on
     ``host`` (all interfaces when the process listens on all). Returns (registry, address
     actually listened on)."""
     host = "0.0.0.0" if host in ("0.0.0.0", "") else host
-    registry = CollectorRegistry()
+    registry = ModelRegistry(model_name)
     if port < 0:
         return registry, ""
-    server, _ = start_http_server(port, addr=host, registry=registry)
+    # The address family of ``host`` (an IPv6 address or a name that resolves only to one works too).
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    server_class = type("MetricsServer", (_ThreadingServer,), {"address_family": family})
+    server = make_server(host, port, _classic_text(make_wsgi_app(registry)), server_class,
+                         handler_class=_QuietHandler)
+    threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True).start()
     return registry, f"{host}:{server.server_port}"
+
+
+def _classic_text(app):
+    """``app`` asked for no format in particular: the classic text format, colons kept (module docstring)."""
+    def classic(environ, start_response):
+        environ.pop("HTTP_ACCEPT", None)
+        return app(environ, start_response)
+    return classic
+
+
+class _ThreadingServer(ThreadingMixIn, WSGIServer):
+    daemon_threads = True  # a slow scraper never holds the process open
+
+
+class _QuietHandler(WSGIRequestHandler):
+    def log_message(self, format, *args):  # one line per scrape would drown the process's log
+        pass
+
+
+def public_model_name(model: str) -> str:
+    """What ModelInfo and every metric call the model: a local checkpoint directory by its last
+    component only (the server's file system is nobody's business), a hub id or built-in name
+    as given. Every process of a stack computes it from its own ``--model``."""
+    from pathlib import Path
+    path = Path(model).expanduser()
+    return path.resolve().name if path.exists() else model

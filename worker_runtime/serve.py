@@ -13,7 +13,7 @@ import asyncio
 import logging
 import time
 
-from splitserve.grpc_server import advertised, start_server, stop_event
+from splitserve.grpc_server import advertised, set_dead, set_health, start_server, stop_event
 from splitserve.security import Security
 from worker_runtime.heartbeat import Heartbeat, engine_stats
 from worker_runtime.servicer import WorkerServicer
@@ -59,7 +59,11 @@ async def _serve(servicer: WorkerServicer, add_to_server, service_name: str, arg
             code = 1
             break
     servicer.draining = True  # refuse new work first: NOT_SERVING below promises it
-    await health.enter_graceful_shutdown()
+    if code == 0:
+        # Draining: not ready (gateways route nothing new here), still alive while it finishes.
+        await set_health(health, [service_name], serving=False)
+    else:
+        await set_dead(health)  # a dead engine: a liveness check must not call this process alive
     if heartbeat is not None:
         await heartbeat.stop()  # out of the registry: gateways route nothing new here
     if code == 0:

@@ -434,17 +434,20 @@ def wait_pages_at_baseline(stack: Stack, baseline: dict[str, int], timeout_s: fl
 
 
 def gateway_health(stack: Stack, timeout_s: float = 5.0):
-    """grpc.health.v1 status of the stack's gateway (or the code of the failed check)."""
-    return health(stack.client.channel, timeout_s)
+    """The readiness of the stack's gateway (grpc.health.v1 ``splitserve.v1.Generation``: can it
+    serve a request now?), or the code of the failed check."""
+    return health(stack.client.channel, timeout_s, service="splitserve.v1.Generation")
 
 
-def health(target, timeout_s: float = 5.0):
-    """grpc.health.v1 status of a server (its ``host:port`` or a channel to it), or the status
-    code of the failed check (UNAVAILABLE when nothing answers)."""
+def health(target, timeout_s: float = 5.0, service: str = ""):
+    """grpc.health.v1 status of ``service`` on a server (its ``host:port`` or a channel to it), or
+    the status code of the failed check (UNAVAILABLE when nothing answers). The default, ``""``,
+    asks whether the process is alive; its own service name, whether it is ready to serve."""
     from grpc_health.v1 import health_pb2_grpc
     channel = grpc.insecure_channel(target) if isinstance(target, str) else target
     try:
-        return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=timeout_s).status
+        return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service),
+                                                         timeout=timeout_s).status
     except grpc.RpcError as e:
         return e.code()
     finally:

@@ -16,17 +16,36 @@ def grpcurl() -> str | None:
     return path
 
 
+# The Accept header of Prometheus 2's scrapes (its default scrape protocols): a scrape sent with
+# it reads the names Prometheus would store (OpenMetrics output once turned vllm: into vllm_).
+PROMETHEUS_ACCEPT = ("application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75,"
+                     "text/plain;version=0.0.4;q=0.5,*/*;q=0.1")
+
+
+def scrape_samples(port: int) -> list:
+    """Every sample of a process's /metrics as prometheus_client ``Sample``s (name, labels, value),
+    asked for as Prometheus asks and parsed in the format the process answered in."""
+    request = urllib.request.Request(f"http://127.0.0.1:{port}/metrics", headers={"Accept": PROMETHEUS_ACCEPT})
+    with urllib.request.urlopen(request, timeout=10) as response:
+        openmetrics = response.headers.get("Content-Type", "").startswith("application/openmetrics-text")
+        text = response.read().decode()
+    if openmetrics:
+        from prometheus_client.openmetrics.parser import text_string_to_metric_families
+    else:
+        from prometheus_client.parser import text_string_to_metric_families
+    return [sample for family in text_string_to_metric_families(text) for sample in family.samples]
+
+
 def scrape(port: int) -> dict[str, float]:
-    """Every sample of a process's /metrics, keyed by name{labels} (histogram buckets left out)."""
-    from prometheus_client.parser import text_string_to_metric_families
-    text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    """Every sample of a process's /metrics, keyed by name{labels} (histogram buckets left out).
+    ``model_name`` is left out of the keys: a process serves one model, so it labels every
+    series alike (tests/service/test_observability.py checks that it does)."""
     samples = {}
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()) if k != "le")
-            key = f"{sample.name}{{{labels}}}" if labels else sample.name
-            if "le" not in sample.labels:
-                samples[key] = sample.value
+    for sample in scrape_samples(port):
+        if "le" in sample.labels:
+            continue
+        labels = ",".join(f"{k}={v}" for k, v in sorted(sample.labels.items()) if k != "model_name")
+        samples[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
     return samples
 
 

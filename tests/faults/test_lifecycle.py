@@ -36,7 +36,8 @@ def test_worker_drains_in_flight_requests_on_sigterm(stack, reference):
     wait_until(lambda: all(len(s.tokens) >= 3 for s in streams), 60, "every stream to be decoding")
     victim = stack.names("decode")[0]
     stack.procs[victim].send_signal(signal.SIGTERM)
-    wait_until(lambda: health(stack.addresses[victim]) != SERVING, 10, f"{victim} to stop reporting SERVING")
+    ready = lambda: health(stack.addresses[victim], service="splitserve.v1.DecodeWorker")  # noqa: E731
+    wait_until(lambda: ready() != SERVING, 10, f"{victim} to stop reporting ready")
     late = run_streams(stack, "after-sigterm", mixed_prompts(2, seed=32, lo=5, hi=30), max_tokens=8)
     join_all(streams + late)
     assert stack.procs[victim].wait(120) == 0

@@ -85,7 +85,7 @@ def test_a_killed_gateway_is_restarted_on_the_same_port(up, reference):
     # Its clients' streams end: the gateway held them.
     assert all(s.code == grpc.StatusCode.UNAVAILABLE for s in streams), [(s.code, s.error) for s in streams]
     up.wait_log("gateway is back")
-    wait_until(lambda: health(up.address) == SERVING, 60, "the new gateway to serve")
+    wait_until(lambda: health(up.address, service="splitserve.v1.Generation") == SERVING, 60, "the new gateway to serve")
     greedy_ok(up, reference, mixed_prompts(1, seed=95, lo=10, hi=10)[0])
     # The workers freed what the dead gateway's requests held as soon as its calls broke.
     for address in decode_workers(up).values():
@@ -113,7 +113,7 @@ def test_a_killed_redis_is_restarted_with_its_append_only_file_and_the_stack_rec
     os.kill(redis_pid, signal.SIGKILL)
     up.wait_log("redis is back")  # (the outage itself is too short to catch reliably; see test_redis_faults)
     assert f"redis (pid {redis_pid}) exited with code -9" in up.log()
-    wait_until(lambda: health(up.address) == SERVING, 60, "the gateway to serve again")
+    wait_until(lambda: health(up.address, service="splitserve.v1.Generation") == SERVING, 60, "the gateway to serve again")
     greedy_ok(up, reference, mixed_prompts(1, seed=96, lo=10, hi=10)[0])
     assert request_state(up, "before-redis-kill") == "finished"  # replayed from the append-only file
     assert up.proc.poll() is None

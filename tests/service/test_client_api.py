@@ -110,7 +110,7 @@ def test_a_stop_string_matched_at_the_gateway_stops_the_worker_too(stack, llama_
     stop = next(text[i:i + 2] for i in range(4, len(text)) if text[i:i + 2] not in text[:i + 1] and
                 text[i:i + 2].strip() == text[i:i + 2] and len(text[i:i + 2]) == 2)
     name = stack.names("both")[0]
-    before = scrape(stack.metrics_ports[name])["vllm:generation_tokens_total"]
+    before = scrape(stack.metrics_ports[name])["splitserve:engine_generation_tokens_total"]
     *_, final = stack.client.generate(PROMPT, max_tokens=900, temperature=0.0, ignore_eos=True, stop=[stop],
                                       timeout=120)
     assert final.finish_reason == "stop" and final.usage.completion_tokens < 40
@@ -118,7 +118,7 @@ def test_a_stop_string_matched_at_the_gateway_stops_the_worker_too(stack, llama_
     while worker_info(stack.worker_stub(name)).num_running:  # the worker let go of it
         assert time.monotonic() < deadline
         time.sleep(0.05)
-    generated = scrape(stack.metrics_ports[name])["vllm:generation_tokens_total"] - before
+    generated = scrape(stack.metrics_ports[name])["splitserve:engine_generation_tokens_total"] - before
     assert generated < 100, f"the worker generated {generated:.0f} tokens for a request stopped after " \
                             f"{final.usage.completion_tokens}"
 

@@ -33,6 +33,7 @@ from engine.model_loader import load_tokenizer
 from splitserve.client import Client
 from splitserve.sizing import load_shape, pages_for
 from splitserve.testing.redis_server import RedisServer, _die_with_parent
+from splitserve.testing.tools import scrape
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "compose.yaml"
@@ -174,7 +175,11 @@ def test_compose_layout():
         assert service.get("restart") == "unless-stopped", name
         assert service["healthcheck"]["test"], name
         if name in splitserve_services(compose):
-            assert "grpc_health" in service["healthcheck"]["test"][-1], name
+            kind, python, flag, script, *service_name = service["healthcheck"]["test"]
+            assert (kind, python, flag) == ("CMD", "python", "-c") and "grpc_health" in script, name
+            # The gateway's check is its readiness (healthy = can serve a request); a worker's is
+            # its liveness (a restart acts on it, and a draining worker must not be restarted).
+            assert service_name == (["splitserve.v1.Generation"] if name == "gateway" else []), name
             # Compose's stop timeout must outlast the drain, or in-flight requests are killed.
             assert seconds(service["stop_grace_period"]) > float(service["environment"]["SPLITSERVE_DRAIN_TIMEOUT_S"])
     # cpu: the decode pool is a file in /dev/shm, shared with prefill through the IPC namespace.
@@ -230,6 +235,88 @@ def test_compose_layout():
     assert "SPLITSERVE_AUTH_TOKEN" not in given["decode"]["environment"]
     with pytest.raises(ValueError, match="SPLITSERVE_REDIS_PASSWORD"):
         interpolated(yaml.safe_load(COMPOSE.read_text()), {})
+
+
+def bind_mounts(service: dict) -> dict[str, str]:
+    """Host path (relative to the repository) -> container path of a service's bind mounts."""
+    mounts = {}
+    for volume in service.get("volumes", []):
+        source, target, *_ = volume.split(":")
+        if source.startswith("./"):
+            mounts[source[2:]] = target
+    return mounts
+
+
+def test_observability_profile_scrapes_every_splitserve_process_and_provisions_grafana():
+    compose = load_compose()
+    services = compose["services"]
+    added = set(in_profile(compose, "observability")) - set(in_profile(compose, "no-such-profile"))
+    assert added == {"prometheus", "grafana"}
+    prometheus, grafana = services["prometheus"], services["grafana"]
+    for service in (prometheus, grafana):
+        for source in bind_mounts(service):
+            assert (ROOT / source).exists(), source  # compose would mount an empty directory instead
+    assert set(compose["volumes"]) >= {"prometheus-data", "grafana-data"}
+    # Host ports stay distinct across every profile (the gateway's /metrics is published on 9090).
+    published = [p.split(":")[-2] for s in services.values() for p in s.get("ports", [])]
+    assert len(published) == len(set(published)), published
+    # Prometheus: the config it is given names every splitserve service, at its metrics port.
+    config_path = next(p for p, target in bind_mounts(prometheus).items()
+                       if target == "/etc/prometheus/prometheus.yml")
+    assert "--config.file=/etc/prometheus/prometheus.yml" in prometheus["command"]
+    config = yaml.safe_load((ROOT / config_path).read_text())
+    [job] = config["scrape_configs"]
+    [dns] = job["dns_sd_configs"]
+    assert dns["type"] == "A"
+    splitserve = splitserve_services(compose)
+    assert set(dns["names"]) == set(splitserve)
+    for name, service in splitserve.items():
+        assert int(service["environment"]["SPLITSERVE_METRICS_PORT"]) == dns["port"], name
+    # Grafana: the data source is that Prometheus (service name, container port); the dashboards
+    # provider reads the directory the dashboard JSON is mounted at, and the JSON uses the source.
+    mounts = bind_mounts(grafana)
+    provisioning = ROOT / next(p for p, t in mounts.items() if t == "/etc/grafana/provisioning")
+    [source] = yaml.safe_load((provisioning / "datasources" / "prometheus.yaml").read_text())["datasources"]
+    container_port = prometheus["ports"][0].rsplit(":", 1)[1]
+    assert source["type"] == "prometheus" and source["url"] == f"http://prometheus:{container_port}"
+    [provider] = yaml.safe_load((provisioning / "dashboards" / "splitserve.yaml").read_text())["providers"]
+    dashboards = next(p for p, t in mounts.items() if t == provider["options"]["path"])
+    dashboard = json.loads((ROOT / dashboards / "splitserve.json").read_text())
+    assert grafana["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"] == \
+        f"{provider['options']['path']}/splitserve.json"
+    variables = {v["name"]: v for v in dashboard["templating"]["list"]}
+    assert variables["datasource"]["type"] == "datasource" and variables["datasource"]["query"] == "prometheus"
+    assert grafana["depends_on"]["prometheus"]["condition"] == "service_healthy"
+
+
+def health_check_argv(service: dict, service_name: str | None = None) -> dict:
+    """``service`` with its health check asking ``service_name`` instead (None: as compose.yaml has it)."""
+    check = dict(service["healthcheck"])
+    if service_name is not None:
+        check["test"] = check["test"][:4] + ([service_name] if service_name else [])
+    return {**service, "healthcheck": check}
+
+
+def test_gateway_health_check_is_readiness(tiny_model_dirs, tmp_path):
+    """compose's gateway check fails while the gateway is alive but cannot serve (Redis up, no
+    worker registered), where a liveness check of the same process passes."""
+    password = secrets.token_hex(8)
+    compose = load_compose({"SPLITSERVE_MODEL": str(tiny_model_dirs["llama"]), "SPLITSERVE_REDIS_PASSWORD": password})
+    service = compose["services"]["gateway"]
+    redis_server = RedisServer(password=password).start()
+    env = {k: str(v) for k, v in service["environment"].items()}
+    env.update(SPLITSERVE_HOST="127.0.0.1", SPLITSERVE_PORT=str(free_port()), SPLITSERVE_METRICS_PORT="-1",
+               SPLITSERVE_HTTP_PORT="-1",
+               SPLITSERVE_REDIS_URL=urlsplit(env["SPLITSERVE_REDIS_URL"])._replace(
+                   netloc=f"127.0.0.1:{redis_server.port}").geturl())
+    gateway = Process("gateway-alone", service["command"], env, tmp_path)
+    try:
+        gateway.wait_serving()
+        assert run_healthcheck(health_check_argv(service, ""), env)  # alive
+        assert not run_healthcheck(service, env)  # not ready: no worker
+    finally:
+        gateway.stop()
+        redis_server.close()
 
 
 def test_dockerfile_lints_clean_and_runs_splitserve():
@@ -437,11 +524,8 @@ def test_cpu_profile_serves_a_streamed_request(cpu_stack, hf_reference):
     assert "".join(e.text for e in chunks)
     assert final.timeline.prefill_worker and final.timeline.decode_worker  # disaggregated, not colocated
     # The KV crossed over shm: the decode pool in shared memory, as ipc: service:decode arranges.
-    metrics_port = cpu_stack["envs"]["prefill"]["SPLITSERVE_METRICS_PORT"]
-    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10) as response:
-        text = response.read().decode()
-    shm_bytes = re.search(r'^splitserve:kv_transfer_bytes_total\{transport="shm"\} (\S+)$', text, re.M)
-    assert shm_bytes and float(shm_bytes[1]) > 0, "no KV went over shm"
+    samples = scrape(int(cpu_stack["envs"]["prefill"]["SPLITSERVE_METRICS_PORT"]))
+    assert samples.get("splitserve:kv_transfer_bytes_total{transport=shm}", 0) > 0, "no KV went over shm"
     # The pools hold what python -m splitserve.sizing computes for the same settings.
     shape = load_shape(cpu_stack["model"])
     for worker in info.workers:

@@ -287,11 +287,11 @@ def test_metrics_of_every_process_count_the_requests(stack):
     assert delta(gw, "vllm:inter_token_latency_seconds_count") == 12
     # In seconds, and each TTFT within its request's time (the three ran one after another).
     assert 0 < delta(gw, "vllm:time_to_first_token_seconds_sum") < elapsed
-    assert delta("prefill", "vllm:prompt_tokens_total") == 99
+    assert delta("prefill", "splitserve:engine_prompt_tokens_total") == 99
     assert delta("prefill", "splitserve:kv_handoff_latency_seconds_count") == 3
     assert delta("prefill", "splitserve:kv_transfer_bytes_total{transport=shm}") > 0
     assert delta("prefill", "vllm:prefix_cache_hits_total") > 0  # the same prompt, three times
-    assert delta("decode", "vllm:generation_tokens_total") == 12  # the first token of each came from prefill
+    assert delta("decode", "splitserve:engine_generation_tokens_total") == 12  # the first token came from prefill
     assert after["decode"]["vllm:num_requests_running"] == 0
     assert 0 <= after["decode"]["vllm:kv_cache_usage_perc"] <= 1
 
