@@ -32,6 +32,7 @@ import grpc
 
 from engine.sampling_params import SamplingParams
 from gateway.outbox import Finished, Outbox, Tokens
+from splitserve.tracing import RequestTrace
 
 __all__ = ["Job", "JobState", "Tokens", "Finished", "cancelled", "deadline_exceeded", "unavailable"]
 
@@ -84,6 +85,7 @@ class Job:
         self.prefill_worker = None  # WorkerView of the current (last) attempt
         self.decode_worker = None
         self.cached_prompt_tokens = 0
+        self.trace = RequestTrace(recording=False)  # the servicer's, once it admits the request
 
     @property
     def finished(self) -> bool:
@@ -97,6 +99,8 @@ class Job:
         self.state = JobState.FINISHED
         self.timeline["finished"] = time.monotonic()
         self.events.put_nowait(outcome)
+        self.trace.end(outcome.finish_reason, f"{outcome.status.name}: {outcome.message}" if outcome.status else None,
+                       len(self.generated), self.attempt)
         task = self.task
         if task is not None and not task.done() and task is not _current_task():
             task.cancel()  # its cleanup aborts the request on its workers

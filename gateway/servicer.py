@@ -36,6 +36,7 @@ from splitserve.errors import AlreadyExists, InvalidArgument, NotFound, Resource
 from splitserve.limits import RequestLimits
 from splitserve.logs import request_id_var
 from splitserve.metrics import GatewayMetrics
+from splitserve.tracing import RequestTrace, incoming_context
 from splitserve.v1 import generation_pb2, generation_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -67,7 +68,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     # ---- Generate ----------------------------------------------------------------------
     async def Generate(self, request, context):
-        job = await self.admit(request, context.time_remaining(), owner=self.authorizer.caller(context).owner)
+        job = await self.admit(request, context.time_remaining(), owner=self.authorizer.caller(context).owner,
+                               trace_parent=incoming_context(dict(context.invocation_metadata() or ())))
         # However the RPC ends (cancelled, deadline, the stream done), the job has ended by then.
         context.add_done_callback(lambda _: job.finish(self._rpc_gone(job)))
         stream = self.backpressure.open(job, context)
@@ -90,11 +92,22 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             self.backpressure.close(stream)
 
     async def admit(self, request: generation_pb2.GenerateRequest, remaining_s: float | None,
-                    owner: str = "") -> Job:
+                    owner: str = "", trace_parent=None) -> Job:
         """Validate, tokenize and admit ``request`` (the one path of every API: gRPC and HTTP);
         ``remaining_s``: time left before the client's deadline (None or huge: no deadline);
-        ``owner``: the caller's identity (``splitserve.authz``), who may read and abort it.
+        ``owner``: the caller's identity (``splitserve.authz``), who may read and abort it;
+        ``trace_parent``: the trace context the client sent (``splitserve.tracing``), if any.
         The caller streams ``outputs(job)`` and must end the job if its client goes away."""
+        trace = RequestTrace(trace_parent)
+        try:
+            job = await self._admit(request, remaining_s, owner, trace)
+        except BaseException as exc:
+            trace.refused(exc)
+            raise
+        trace.admitted()
+        return job
+
+    async def _admit(self, request, remaining_s: float | None, owner: str, trace: RequestTrace) -> Job:
         if self.draining:
             raise Unavailable("the gateway is shutting down; send the request to another one")
         self._check_sizes(request)
@@ -116,6 +129,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                                       text=TextStream(self.tokenizer, token_ids, params.stop), owner=owner)
         if job is None:  # this gateway runs it (its record may not even be in Redis yet)
             raise AlreadyExists(_duplicate_message(request_id, "running", self.state.id_reuse_after_s))
+        job.trace = trace
+        trace.identify(request_id, len(token_ids), request.priority)
         try:
             result = await self.ledger.now(self.state.admit(request_id, self.dispatcher.gateway_id, request.priority,
                                                             arrival_s, {"prompt_tokens": len(token_ids)}, owner))
