@@ -263,6 +263,7 @@ def start_stack(model: str | os.PathLike, log_dir: str | os.PathLike | None = No
                 decode: int = 1, both: int = 0, worker_args: Sequence[str] = (),
                 role_args: dict[str, Sequence[str]] | None = None,
                 role_env: dict[str, dict[str, str]] | None = None, gateway_args: Sequence[str] = (),
+                gateway_env: dict[str, str] | None = None,
                 redis_kwargs: dict | None = None, metrics: bool = True, http: bool = False,
                 worker_defaults: Sequence[str] = DEFAULT_WORKER_ARGS) -> Stack:
     """Redis, ``decode`` decode workers, ``prefill`` prefill workers, ``both`` colocated workers
@@ -273,7 +274,7 @@ def start_stack(model: str | os.PathLike, log_dir: str | os.PathLike | None = No
     after ``worker_defaults`` (so they override it), then ``role_args[role]`` to the workers of
     that role (e.g. ``{"decode": ["--lease-ttl-s", "300"]}``), ``gateway_args`` to the gateway's.
     ``role_env[role]`` is added to the environment of the workers of that role (fault injection:
-    ``{"prefill": {"SPLITSERVE_FAULT_STEP_DELAY_S": "0.5"}}``).
+    ``{"prefill": {"SPLITSERVE_FAULT_STEP_DELAY_S": "0.5"}}``), ``gateway_env`` to the gateway's.
     ``redis_kwargs`` go to ``RedisServer`` (default: append-only, in ``<log_dir>/redis``).
     ``metrics``: every process serves Prometheus metrics on a free port (``metrics_ports``);
     ``http``: the gateway serves its OpenAI HTTP API on a free port (``stack.http``).
@@ -322,7 +323,9 @@ def start_stack(model: str | os.PathLike, log_dir: str | os.PathLike | None = No
             argv += ["--http-port", str(port)]
             stack.http = f"http://127.0.0.1:{port}"
         stack.argv["gateway"], stack.log_paths["gateway"] = argv, log_dir / "gateway.log"
-        stack.procs["gateway"], stack.gateway_address = start_process(argv, stack.log_paths["gateway"])
+        stack.env["gateway"] = dict(gateway_env or {})
+        stack.procs["gateway"], stack.gateway_address = start_process(argv, stack.log_paths["gateway"],
+                                                                      env=stack.env["gateway"])
         stack.client = Client(stack.gateway_address)
         _wait_registered(stack, metrics)
         return stack
