@@ -132,6 +132,15 @@ def incoming_context(metadata: Mapping[str, str] | None):
     return propagate.extract(metadata or {})
 
 
+def http_parent(headers: Mapping[str, str]):
+    """The parent of an HTTP request's ``generate`` span: the current context when the web
+    framework already traces the request (FastAPI does, in recent versions, once a tracer provider
+    is installed: its span continues the client's traceparent), else what the client sent."""
+    if trace.get_current_span().get_span_context().is_valid:
+        return None  # start_span(context=None) takes the current context
+    return incoming_context(headers)
+
+
 # ---- spans ---------------------------------------------------------------------------------
 
 def _record_failure(span: trace.Span, exc: BaseException) -> None:
@@ -195,7 +204,11 @@ class RequestTrace:
         if not recording:
             self.root = self._admit = trace.INVALID_SPAN
         else:
-            self.root = _tracer.start_span("generate", context=parent, kind=SpanKind.SERVER)
+            # A server span where the request enters this process; under a span of this process
+            # (the web framework's own HTTP span) an internal one.
+            local = trace.get_current_span(parent).get_span_context()
+            kind = SpanKind.INTERNAL if local.is_valid and not local.is_remote else SpanKind.SERVER
+            self.root = _tracer.start_span("generate", context=parent, kind=kind)
             self._admit = _tracer.start_span("admit", context=trace.set_span_in_context(self.root))
         self.context = trace.set_span_in_context(self.root)
         self._queue: trace.Span | None = None

@@ -1,10 +1,11 @@
 """Traces of a real stack: a gateway, a prefill and a decode worker, each appending its spans to
-its own file (SPLITSERVE_TRACES_FILE), and one request sent with a client's traceparent."""
+its own file (SPLITSERVE_TRACES_FILE); requests sent with a client's traceparent."""
 import json
 import secrets
 import time
 from datetime import datetime
 
+import httpx
 import pytest
 
 from splitserve.client import build_request
@@ -20,7 +21,7 @@ TRANSFER_BYTES = "splitserve:kv_transfer_bytes_total"
 def traced(tiny_model_dirs, tmp_path_factory):
     files = {name: tmp_path_factory.mktemp("traces") / f"{name}.jsonl" for name in PROCESSES}
     env = {name: {TRACES_FILE_ENV: str(path)} for name, path in files.items()}
-    stack = start_stack(tiny_model_dirs["llama"], tmp_path_factory, prefill=1, decode=1,
+    stack = start_stack(tiny_model_dirs["llama"], tmp_path_factory, prefill=1, decode=1, http=True,
                         role_env={"prefill": env["prefill"], "decode": env["decode"]}, gateway_env=env["gateway"])
     try:
         yield stack, files
@@ -33,13 +34,19 @@ def transfer_bytes(stack) -> float:
     return sum(v for k, v in scrape(stack.metrics_ports["prefill"]).items() if k.startswith(TRANSFER_BYTES))
 
 
-def read_spans(files, trace_id: str, wanted: dict[str, set[str]], timeout_s: float = 15.0) -> dict[str, list]:
-    """Every process's spans once each holds the span names in ``wanted`` for ``trace_id`` (a
-    worker ends its span a moment after the client has its last message)."""
+def lines(files) -> dict[str, int]:
+    """How many spans each file holds now (the spans of a test are those after)."""
+    return {name: len(path.read_text().splitlines()) if path.exists() else 0 for name, path in files.items()}
+
+
+def read_spans(files, since: dict[str, int], trace_id: str, wanted: dict[str, set[str]],
+               timeout_s: float = 15.0) -> dict[str, list]:
+    """Every process's spans after ``since`` once each holds the span names in ``wanted`` for
+    ``trace_id`` (a worker ends its span a moment after the client has its last message)."""
     give_up = time.monotonic() + timeout_s
     while True:
-        spans = {name: [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-                 for name, path in files.items()}
+        spans = {name: [json.loads(line) for line in path.read_text().splitlines()[since[name]:]]
+                 if path.exists() else [] for name, path in files.items()}
         seen = {name: {s["name"] for s in spans[name] if s["context"]["trace_id"] == trace_id} for name in files}
         if all(wanted[name] <= seen[name] for name in files) or time.monotonic() > give_up:
             return spans
@@ -57,7 +64,7 @@ def within(child, parent) -> bool:
 
 def test_one_request_is_one_trace_across_gateway_prefill_and_decode(traced):
     stack, files = traced
-    before = transfer_bytes(stack)
+    before, since = transfer_bytes(stack), lines(files)
     trace_id, client_span = secrets.token_hex(16), secrets.token_hex(8)
     request = build_request(list(range(5, 45)), request_id="traced-1", max_tokens=4, temperature=0.0,
                             ignore_eos=True)
@@ -70,7 +77,7 @@ def test_one_request_is_one_trace_across_gateway_prefill_and_decode(traced):
     trace_id = "0x" + trace_id
     wanted = {"gateway": {"generate", "admit", "queue", "reserve", "prefill", "decode"},
               "prefill": {"prefill", "kv_transfer"}, "decode": {"reserve", "decode"}}
-    spans = read_spans(files, trace_id, wanted)
+    spans = read_spans(files, since, trace_id, wanted)
     # One request, one trace: nothing else in these processes made spans (probes are not traced).
     for name in PROCESSES:
         assert {s["context"]["trace_id"] for s in spans[name]} == {trace_id}, name
@@ -118,3 +125,27 @@ def test_one_request_is_one_trace_across_gateway_prefill_and_decode(traced):
     assert transfer["parent_id"] == span_id(pf["prefill"]) and within(transfer, pf["prefill"])
     assert transfer["attributes"][ATTR_KV_BYTES] == transferred
     assert all(s["status"]["status_code"] == "UNSET" for name in PROCESSES for s in spans[name])
+
+
+def test_an_http_request_continues_the_clients_trace_too(traced):
+    stack, files = traced
+    since = lines(files)
+    trace_id, client_span = secrets.token_hex(16), secrets.token_hex(8)
+    answer = httpx.post(stack.http + "/v1/completions", timeout=60,
+                        json={"prompt": "tell me", "max_tokens": 3, "temperature": 0.0},
+                        headers={"traceparent": f"00-{trace_id}-{client_span}-01"})
+    assert answer.status_code == 200, answer.text
+    spans = read_spans(files, since, "0x" + trace_id, {"gateway": {"generate"}, "prefill": {"prefill"},
+                                                       "decode": {"decode"}})
+    (root,) = [s for s in spans["gateway"] if s["name"] == "generate"]
+    assert root["context"]["trace_id"] == "0x" + trace_id
+    # Its parent is the client's span, or FastAPI's own spans of the HTTP request (recent FastAPI
+    # versions trace requests once a tracer provider is installed), the first under the client's.
+    by_id = {s["context"]["span_id"]: s for s in spans["gateway"]}
+    span = root
+    while span["parent_id"] in by_id:
+        span = by_id[span["parent_id"]]
+    assert span["parent_id"] == "0x" + client_span and span["kind"] == "SpanKind.SERVER"
+    assert root["kind"] == ("SpanKind.SERVER" if span is root else "SpanKind.INTERNAL")
+    for name in ("prefill", "decode"):
+        assert {s["context"]["trace_id"] for s in spans[name]} == {"0x" + trace_id}, name
