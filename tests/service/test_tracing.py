@@ -3,10 +3,13 @@ its own file (SPLITSERVE_TRACES_FILE); requests sent with a client's traceparent
 import json
 import secrets
 import time
+from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime
 
+import grpc
 import httpx
 import pytest
+from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
 from splitserve.client import build_request
 from splitserve.testing.stack import start_stack
@@ -17,16 +20,39 @@ PROCESSES = ("gateway", "prefill", "decode")
 TRANSFER_BYTES = "splitserve:kv_transfer_bytes_total"
 
 
+class Collector(trace_service_pb2_grpc.TraceServiceServicer):
+    """An OTLP/gRPC receiver on loopback: the spans exported to it, as (service name, span)."""
+
+    def __init__(self):
+        self.spans = []
+        self.server = grpc.server(ThreadPoolExecutor(2))
+        trace_service_pb2_grpc.add_TraceServiceServicer_to_server(self, self.server)
+        self.port = self.server.add_insecure_port("127.0.0.1:0")
+        self.server.start()
+
+    def Export(self, request, context):
+        for resource_spans in request.resource_spans:
+            service = {a.key: a.value.string_value for a in resource_spans.resource.attributes}["service.name"]
+            self.spans += [(service, span) for scope in resource_spans.scope_spans for span in scope.spans]
+        return trace_service_pb2.ExportTraceServiceResponse()
+
+
 @pytest.fixture(scope="module")
 def traced(tiny_model_dirs, tmp_path_factory):
+    """The stack; each process appends its spans to its own file, and the gateway also exports
+    over OTLP to a collector (batches sent every 100 ms)."""
     files = {name: tmp_path_factory.mktemp("traces") / f"{name}.jsonl" for name in PROCESSES}
     env = {name: {TRACES_FILE_ENV: str(path)} for name, path in files.items()}
+    collector = Collector()
+    env["gateway"].update(OTEL_EXPORTER_OTLP_ENDPOINT=f"http://127.0.0.1:{collector.port}",
+                          OTEL_BSP_SCHEDULE_DELAY="100")
     stack = start_stack(tiny_model_dirs["llama"], tmp_path_factory, prefill=1, decode=1, http=True,
                         role_env={"prefill": env["prefill"], "decode": env["decode"]}, gateway_env=env["gateway"])
     try:
-        yield stack, files
+        yield stack, files, collector
     finally:
         stack.close()
+        collector.server.stop(0)
 
 
 def transfer_bytes(stack) -> float:
@@ -63,7 +89,7 @@ def within(child, parent) -> bool:
 
 
 def test_one_request_is_one_trace_across_gateway_prefill_and_decode(traced):
-    stack, files = traced
+    stack, files, collector = traced
     before, since = transfer_bytes(stack), lines(files)
     trace_id, client_span = secrets.token_hex(16), secrets.token_hex(8)
     request = build_request(list(range(5, 45)), request_id="traced-1", max_tokens=4, temperature=0.0,
@@ -126,9 +152,19 @@ def test_one_request_is_one_trace_across_gateway_prefill_and_decode(traced):
     assert transfer["attributes"][ATTR_KV_BYTES] == transferred
     assert all(s["status"]["status_code"] == "UNSET" for name in PROCESSES for s in spans[name])
 
+    # The gateway exports the same spans over OTLP/gRPC (OTEL_EXPORTER_OTLP_ENDPOINT).
+    give_up = time.monotonic() + 15
+    while len(exported := [(service, span) for service, span in collector.spans
+                           if "0x" + span.trace_id.hex() == trace_id]) < len(spans["gateway"]):
+        assert time.monotonic() < give_up, f"the collector got {len(exported)} spans of the trace"
+        time.sleep(0.1)
+    assert sorted(span.name for _, span in exported) == sorted(wanted["gateway"])
+    assert {service for service, _ in exported} == {"splitserve-gateway"}
+    assert {"0x" + span.span_id.hex() for _, span in exported} == {span_id(s) for s in spans["gateway"]}
+
 
 def test_an_http_request_continues_the_clients_trace_too(traced):
-    stack, files = traced
+    stack, files, _ = traced
     since = lines(files)
     trace_id, client_span = secrets.token_hex(16), secrets.token_hex(8)
     answer = httpx.post(stack.http + "/v1/completions", timeout=60,
