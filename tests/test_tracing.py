@@ -96,3 +96,70 @@ def test_traces_file_gets_one_json_span_per_line_named_after_the_process(clean_e
         assert provider.resource.attributes["service.instance.id"] == "prefill-7"
     finally:
         provider.shutdown()
+
+
+@pytest.fixture
+def recorded(monkeypatch):
+    """RequestTrace's spans, kept in memory (a local provider: the global one stays unset)."""
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(exporter))
+    monkeypatch.setattr(tracing, "_tracer", provider.get_tracer("test"))
+    yield exporter
+    provider.shutdown()
+
+
+def test_a_claim_that_beats_the_admitting_handler_still_leaves_admit_then_queue(recorded):
+    request = tracing.RequestTrace()
+    request.claimed(1)  # the claim loop ran before the handler resumed after the Redis admission
+    request.admitted()  # then a no-op
+    request.end("length", None, 4, 1)
+    spans = {s.name: s for s in recorded.get_finished_spans()}
+    assert sorted(spans) == ["admit", "generate", "queue"]
+    assert spans["admit"].end_time <= spans["queue"].start_time
+    assert spans["queue"].attributes["splitserve.attempt"] == 1
+
+
+def test_the_root_ends_after_the_call_the_request_ended_in(recorded):
+    request = tracing.RequestTrace()
+    request.admitted()
+    request.claimed(1)
+    with request.call("decode", "d0", 1) as metadata:
+        assert dict(metadata)["traceparent"].split("-")[1] == format(request.root.get_span_context().trace_id, "032x")
+        request.end("stop", None, 3, 1)  # Job.finish, on the finishing chunk
+        assert [s.name for s in recorded.get_finished_spans()] == ["admit", "queue"]
+    spans = {s.name: s for s in recorded.get_finished_spans()}
+    assert spans["decode"].end_time <= spans["generate"].end_time
+    assert spans["generate"].attributes["splitserve.finish_reason"] == "stop"
+    # Nothing after the end records anything.
+    request.queued()
+    with request.call("prefill", "p0", 2) as metadata:
+        assert metadata is None
+    assert len(recorded.get_finished_spans()) == 4
+
+
+def test_a_retry_waits_in_the_queue_again_and_failures_are_errors(recorded):
+    from splitserve.errors import ResourceExhausted
+    request = tracing.RequestTrace()
+    request.admitted()
+    request.claimed(1)
+    with pytest.raises(ConnectionError):
+        with request.call("prefill", "p0", 1):
+            raise ConnectionError("worker died")
+    request.queued()
+    request.claimed(2)
+    request.end("error", "UNAVAILABLE: gave up", 0, 2)
+    spans = recorded.get_finished_spans()
+    assert [s.attributes.get("splitserve.attempt") for s in spans if s.name == "queue"] == [1, 2]
+    (prefill,) = [s for s in spans if s.name == "prefill"]
+    assert prefill.status.status_code == trace.StatusCode.ERROR and "worker died" in prefill.status.description
+    (root,) = [s for s in spans if s.name == "generate"]
+    assert root.status.status_code == trace.StatusCode.ERROR and root.attributes["splitserve.attempts"] == 2
+    # A refused admission ends the request's spans with the error.
+    refused = tracing.RequestTrace()
+    refused.refused(ResourceExhausted("queue full (7 requests unfinished); retry later"))
+    more = recorded.get_finished_spans()[len(spans):]
+    assert [s.name for s in more] == ["admit", "generate"]
+    assert all("queue full" in s.status.description for s in more)
