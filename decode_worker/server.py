@@ -12,12 +12,14 @@ def serve(args) -> int:
     from engine.llm_engine import LLMEngine
     from kvtransfer import build_decode
     from splitserve.metrics import EngineMetrics, public_model_name, serve_metrics
+    from splitserve.tracing import setup as setup_tracing
     from splitserve.v1 import worker_pb2_grpc
     config = engine_config(args)
     registry, metrics_address = serve_metrics(args.metrics_port, args.host,
                                               model_name=public_model_name(args.model))
     metrics = EngineMetrics(registry, args.role)
     worker_id = args.worker_id or f"{args.role}-{uuid.uuid4().hex[:8]}"
+    setup_tracing(args.role, worker_id)
     if args.role == "both":
         servicer = DecodeWorkerServicer(LLMEngine(config), None, worker_id, metrics)
     else:

@@ -8,11 +8,13 @@ completes the handoff with the epoch and streams every later token. On a ``both`
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
 from kvtransfer.decode_side import DecodeConnector
+from splitserve import tracing
 from splitserve.api_convert import (arrival_to_monotonic, descriptor_to_proto, logprobs_from_proto,
                                     logprobs_to_proto, sampling_from_worker)
 from splitserve.errors import InvalidArgument, ResourceExhausted
@@ -64,6 +66,10 @@ class DecodeWorkerServicer(WorkerServicer, worker_pb2_grpc.DecodeWorkerServicer)
 
     # ---- RPCs ------------------------------------------------------------------------
     async def Reserve(self, request, context):
+        with tracing.server_span("reserve", context, request.request_id, self.worker_id):
+            return await self._reserve(request)
+
+    async def _reserve(self, request):
         if self.role == "both":
             raise InvalidArgument("this worker runs prefill and decode itself (role both): call Decode with epoch 0")
         if not request.request_id or request.num_prompt_tokens < 1:
@@ -93,6 +99,16 @@ class DecodeWorkerServicer(WorkerServicer, worker_pb2_grpc.DecodeWorkerServicer)
         return worker_pb2.RenewLeaseResponse(lease_ttl_s=ttl_s)
 
     async def Decode(self, request, context):
+        with tracing.server_span("decode", context, request.request_id, self.worker_id) as span:
+            tokens = 0
+            # aclosing: a caller that goes away closes the inner stream now, which aborts the request
+            async with contextlib.aclosing(self._decode(request)) as chunks:
+                async for chunk in chunks:
+                    tokens += len(chunk.token_ids)
+                    yield chunk
+            span.set_attribute("splitserve.tokens_streamed", tokens)
+
+    async def _decode(self, request):
         rid = request.request_id
         if not rid:
             raise InvalidArgument("request_id is required")

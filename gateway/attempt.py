@@ -177,12 +177,13 @@ class _Attempt:
                 job.decode_worker = worker
                 return True
             try:
-                response = await self.directory.decode_stub(worker).Reserve(
-                    # With the prompt, the worker serves its head from its prefix cache: a shared
-                    # prefix (the other samples of an n > 1 request, a system prompt) crosses once.
-                    worker_pb2.ReserveRequest(request_id=job.request_id, num_prompt_tokens=len(self.prompt),
-                                              prompt_token_ids=self.prompt),
-                    timeout=job.timeout(RESERVE_TIMEOUT_S))
+                with job.trace.call("reserve", worker.worker_id, job.attempt) as metadata:
+                    response = await self.directory.decode_stub(worker).Reserve(
+                        # With the prompt, the worker serves its head from its prefix cache: a shared
+                        # prefix (the other samples of an n > 1 request, a system prompt) crosses once.
+                        worker_pb2.ReserveRequest(request_id=job.request_id, num_prompt_tokens=len(self.prompt),
+                                                  prompt_token_ids=self.prompt),
+                        timeout=job.timeout(RESERVE_TIMEOUT_S), metadata=metadata)
             except grpc.RpcError as e:
                 # A Reserve that timed out may still run when a frozen worker wakes up: the worker
                 # stays on the attempt's list, whose end aborts the request there.
@@ -226,7 +227,9 @@ class _Attempt:
             request = worker_pb2.DecodeRequest(request_id=job.request_id, prompt_token_ids=self.prompt,
                                                sampling=self.sampling, priority=job.priority,
                                                arrival_time=job.arrival_s)
-            return await self._relay(self.directory.decode_stub(decode).Decode(request, timeout=job.timeout(None)))
+            with job.trace.call("decode", decode.worker_id, job.attempt) as metadata:
+                return await self._relay(self.directory.decode_stub(decode).Decode(
+                    request, timeout=job.timeout(None), metadata=metadata))
         prefill = await self.directory.pick_prefill(self.prompt)
         if prefill is None:
             raise WorkerLost("no prefill worker left")
@@ -234,11 +237,12 @@ class _Attempt:
         job.prefill_worker = prefill
         renewer = spawn(self._keep_lease(decode), name=f"lease-{job.request_id}")
         try:
-            first = await self.directory.prefill_stub(prefill).Prefill(
-                worker_pb2.PrefillRequest(request_id=job.request_id, prompt_token_ids=self.prompt,
-                                          sampling=self.sampling, priority=job.priority, descriptor=self.descriptor,
-                                          arrival_time=job.arrival_s),
-                timeout=job.timeout(PREFILL_TIMEOUT_S))
+            with job.trace.call("prefill", prefill.worker_id, job.attempt) as metadata:
+                first = await self.directory.prefill_stub(prefill).Prefill(
+                    worker_pb2.PrefillRequest(request_id=job.request_id, prompt_token_ids=self.prompt,
+                                              sampling=self.sampling, priority=job.priority,
+                                              descriptor=self.descriptor, arrival_time=job.arrival_s),
+                    timeout=job.timeout(PREFILL_TIMEOUT_S), metadata=metadata)
         finally:
             renewer.cancel()
         self.directory.affinity.record(self.directory.affinity.hashes(self.prompt), prefill.worker_id)
@@ -255,7 +259,9 @@ class _Attempt:
             request.first_logprobs.CopyFrom(first.first_logprobs)
         if first.HasField("checksum"):
             request.checksum = first.checksum
-        await self._relay(self.directory.decode_stub(decode).Decode(request, timeout=job.timeout(None)))
+        with job.trace.call("decode", decode.worker_id, job.attempt) as metadata:
+            await self._relay(self.directory.decode_stub(decode).Decode(request, timeout=job.timeout(None),
+                                                                        metadata=metadata))
 
     async def _keep_lease(self, decode: WorkerView) -> None:
         """Renew the reservation's lease on ``decode`` until cancelled (the prefill returned). A

@@ -121,6 +121,7 @@ class Dispatcher:
             return decided
         job.epoch, job.attempt, job.lost, job.gated = claimed.epoch, claimed.attempt, None, gated
         job.state = JobState.PLACING
+        job.trace.claimed(claimed.attempt)
         job.task = spawn(self._run(job, decided), name=f"attempt-{job.request_id}")
         return decided
 
@@ -158,6 +159,7 @@ class Dispatcher:
     async def _requeue(self, job: Job) -> None:
         """Back in the queue in its old place (Redis keeps its score)."""
         job.state = JobState.QUEUED
+        job.trace.queued()
         try:
             requeued = await self.ledger.requeue(job.request_id, job.epoch, stop=lambda: job.finished)
         except Unavailable as e:

@@ -32,6 +32,7 @@ import grpc
 
 from engine.sampling_params import SamplingParams
 from gateway.outbox import Finished, Outbox, Tokens
+from splitserve.tracing import RequestTrace
 
 __all__ = ["Job", "JobState", "Tokens", "Finished", "cancelled", "deadline_exceeded", "unavailable"]
 
@@ -89,6 +90,7 @@ class Job:
         self.prefer_decode: str | None = None
         # Its decode worker has streamed to it: the prompt's KV is in that worker's prefix cache.
         self.decoding = False
+        self.trace = RequestTrace(recording=False)  # the servicer's, once it admits the request
 
     @property
     def finished(self) -> bool:
@@ -102,6 +104,8 @@ class Job:
         self.state = JobState.FINISHED
         self.timeline["finished"] = time.monotonic()
         self.events.put_nowait(outcome)
+        self.trace.end(outcome.finish_reason, f"{outcome.status.name}: {outcome.message}" if outcome.status else None,
+                       len(self.generated), self.attempt)
         task = self.task
         if task is not None and not task.done() and task is not _current_task():
             task.cancel()  # its cleanup aborts the request on its workers

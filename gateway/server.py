@@ -49,6 +49,7 @@ async def _serve(args) -> int:
     from splitserve.grpc_server import start_server, stop_event
     from splitserve.limits import OutputLimits, RequestLimits
     from splitserve.metrics import GatewayMetrics, serve_metrics
+    from splitserve.tracing import setup as setup_tracing
     from splitserve.authz import gateway_credentials
     from splitserve.v1 import generation_pb2_grpc
     from gateway.memory import return_big_buffers
@@ -66,7 +67,9 @@ async def _serve(args) -> int:
     registry, metrics_address = serve_metrics(args.metrics_port, args.host, model_name=info.model)
     metrics = GatewayMetrics(registry)
     directory = WorkerDirectory(state, block_size=args.block_size, channel_factory=internal.aio_channel)
-    dispatcher = Dispatcher(state, directory, args.gateway_id or f"gw-{uuid.uuid4().hex[:8]}",
+    gateway_id = args.gateway_id or f"gw-{uuid.uuid4().hex[:8]}"
+    setup_tracing("gateway", gateway_id)
+    dispatcher = Dispatcher(state, directory, gateway_id,
                             max_attempts=args.max_attempts, on_retry=lambda reason: metrics.retries.inc())
     await dispatcher.start()
     limits = RequestLimits.from_args(args).resolve(info.max_model_len, tokenizer)

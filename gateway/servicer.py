@@ -39,6 +39,7 @@ from splitserve.errors import AlreadyExists, InvalidArgument, NotFound, Resource
 from splitserve.limits import RequestLimits
 from splitserve.logs import request_id_var
 from splitserve.metrics import GatewayMetrics
+from splitserve.tracing import RequestTrace, incoming_context
 from splitserve.v1 import generation_pb2, generation_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -72,7 +73,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     # ---- Generate ----------------------------------------------------------------------
     async def Generate(self, request, context):
-        group = await self.admit(request, context.time_remaining(), owner=self.authorizer.caller(context).owner)
+        group = await self.admit(request, context.time_remaining(), owner=self.authorizer.caller(context).owner,
+                                 trace_parent=incoming_context(dict(context.invocation_metadata() or ())))
         # However the RPC ends (cancelled, deadline, the stream done), the request has ended by then.
         context.add_done_callback(lambda _: group.finish(self._rpc_gone(group.leader)))
         streams = []
@@ -98,12 +100,24 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 self.backpressure.close(stream)
 
     async def admit(self, request: generation_pb2.GenerateRequest, remaining_s: float | None,
-                    owner: str = "") -> SampleGroup:
+                    owner: str = "", trace_parent=None) -> SampleGroup:
         """Validate, tokenize and admit ``request`` (the one path of every API: gRPC and HTTP);
         ``remaining_s``: time left before the client's deadline (None or huge: no deadline);
-        ``owner``: the caller's identity (``splitserve.authz``), who may read and abort it.
+        ``owner``: the caller's identity (``splitserve.authz``), who may read and abort it;
+        ``trace_parent``: the trace context the client sent (``splitserve.tracing``), if any.
         Returns its samples (one unless ``sampling.n`` > 1: ``gateway.samples``). The caller
         streams ``outputs(group)`` and must end the group if its client goes away."""
+        trace = RequestTrace(trace_parent)
+        try:
+            group = await self._admit(request, remaining_s, owner, trace, trace_parent)
+        except BaseException as exc:
+            trace.refused(exc)
+            raise
+        trace.admitted()
+        return group
+
+    async def _admit(self, request, remaining_s: float | None, owner: str, trace: RequestTrace,
+                     trace_parent) -> SampleGroup:
         if self.draining:
             raise Unavailable("the gateway is shutting down; send the request to another one")
         self._check_sizes(request)
@@ -125,19 +139,26 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         has_deadline = remaining_s is not None and remaining_s < NO_DEADLINE_S
         deadline = time.monotonic() + remaining_s if has_deadline else None
         admission = _Admission(token_ids, request.priority, time.time(), deadline, owner)
-        leader = await self._admit_job(admission, request_id, params, room=n)
+        leader = await self._admit_job(admission, request_id, params, trace, room=n)
 
         async def admit_sample(index: int, prefer_decode: str | None) -> Job:
-            if self.draining:
-                raise Unavailable("the gateway is shutting down; send the request to another one")
-            return await self._admit_job(admission, f"{request_id}/{index}", sample_params(params, index), room=0,
-                                         prefer_decode=prefer_decode)
+            sample_trace = RequestTrace(trace_parent)  # each sample's own request span
+            try:
+                if self.draining:
+                    raise Unavailable("the gateway is shutting down; send the request to another one")
+                job = await self._admit_job(admission, f"{request_id}/{index}", sample_params(params, index),
+                                            sample_trace, room=0, prefer_decode=prefer_decode)
+            except BaseException as exc:
+                sample_trace.refused(exc)
+                raise
+            sample_trace.admitted()
+            return job
         group = SampleGroup(leader, n, admit_sample)
         if n > 1:
             self._groups[request_id] = group  # Abort of the request's id ends every sample
         return group
 
-    async def _admit_job(self, admission: "_Admission", request_id: str, params, room: int,
+    async def _admit_job(self, admission: "_Admission", request_id: str, params, trace: RequestTrace, room: int,
                          prefer_decode: str | None = None) -> Job:
         """One job into the Redis queue; ``room``: the queue places it needs (``state.admit``)."""
         job = self.dispatcher.new_job(request_id, admission.token_ids, params, admission.priority,
@@ -147,6 +168,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         if job is None:  # this gateway runs it (its record may not even be in Redis yet)
             raise AlreadyExists(_duplicate_message(request_id, "running", self.state.id_reuse_after_s))
         job.prefer_decode = prefer_decode
+        job.trace = trace
+        trace.identify(request_id, len(admission.token_ids), admission.priority)
         try:
             result = await self.ledger.now(self.state.admit(
                 request_id, self.dispatcher.gateway_id, admission.priority, admission.arrival_s,

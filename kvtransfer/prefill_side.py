@@ -60,6 +60,10 @@ class PrefillResult:
     transport: str | None = None
     # Seconds spent copying and flushing this request's pages (overlapping the prefill compute).
     transfer_s: float = 0.0
+    # Wall clock (time.time_ns, as trace spans use) of the first page write and of the flush's
+    # end: the transfer's span in a trace (0: unknown, e.g. a transfer refused mid-prefill).
+    transfer_start_ns: int = 0
+    transfer_end_ns: int = 0
 
 
 @dataclass
@@ -74,6 +78,7 @@ class _Transfer:
     checksum: int | None = None
     error: TransferError | None = field(default=None)
     transfer_s: float = 0.0
+    first_write_ns: int = 0
 
 
 class PrefillConnector:
@@ -146,6 +151,7 @@ class PrefillConnector:
             result.bytes_sent = transfer.sender.bytes_sent - transfer.bytes_at_start
             result.transport = transfer.sender.name
             result.transfer_s = transfer.transfer_s
+            result.transfer_start_ns, result.transfer_end_ns = transfer.first_write_ns, time.time_ns()
             results.append(result)
         # Transfers refused mid-prefill stop computing at once.
         for request_id, transfer in list(self._transfers.items()):
@@ -231,6 +237,7 @@ class PrefillConnector:
             try:
                 if transfer.error is None:
                     start = time.perf_counter()
+                    transfer.first_write_ns = transfer.first_write_ns or time.time_ns()
                     with self._after(ready):
                         transfer.sender.write(transfer.desc, layer, runs)
                     transfer.transfer_s += time.perf_counter() - start

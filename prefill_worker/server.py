@@ -11,13 +11,15 @@ def serve(args) -> int:
     from kvtransfer import TRANSPORTS, build_prefill
     from prefill_worker.servicer import PrefillWorkerServicer
     from splitserve.metrics import EngineMetrics, TransferMetrics, public_model_name, serve_metrics
+    from splitserve.tracing import setup as setup_tracing
     from splitserve.v1 import worker_pb2_grpc
     transports = TRANSPORTS if args.kv_transport == "auto" else [t.strip() for t in args.kv_transport.split(",")]
     connector = build_prefill(engine_config(args), transports, verify_checksum=args.verify_checksum)
     registry, metrics_address = serve_metrics(args.metrics_port, args.host,
                                               model_name=public_model_name(args.model))
-    servicer = PrefillWorkerServicer(connector, args.worker_id or f"prefill-{uuid.uuid4().hex[:8]}",
-                                     EngineMetrics(registry, "prefill"),
+    worker_id = args.worker_id or f"prefill-{uuid.uuid4().hex[:8]}"
+    setup_tracing("prefill", worker_id)
+    servicer = PrefillWorkerServicer(connector, worker_id, EngineMetrics(registry, "prefill"),
                                      TransferMetrics(registry, sorted(connector.sender_factories)))
     servicer.metrics_address = metrics_address
     return run_worker(servicer, worker_pb2_grpc.add_PrefillWorkerServicer_to_server, "splitserve.v1.PrefillWorker",

@@ -15,6 +15,7 @@ import logging
 import time
 
 from kvtransfer.prefill_side import PrefillConnector, PrefillResult
+from splitserve import tracing
 from splitserve.api_convert import (arrival_to_monotonic, descriptor_from_proto, logprobs_to_proto,
                                     sampling_from_worker)
 from splitserve.errors import InvalidArgument
@@ -53,6 +54,10 @@ class PrefillWorkerServicer(WorkerServicer, worker_pb2_grpc.PrefillWorkerService
 
     # ---- RPCs ------------------------------------------------------------------------
     async def Prefill(self, request, context):
+        with tracing.server_span("prefill", context, request.request_id, self.worker_id) as span:
+            return await self._prefill(request, span)
+
+    async def _prefill(self, request, span):
         rid = request.request_id
         if not rid or not request.prompt_token_ids:
             raise InvalidArgument("request_id and prompt_token_ids are required")
@@ -74,6 +79,7 @@ class PrefillWorkerServicer(WorkerServicer, worker_pb2_grpc.PrefillWorkerService
             result = await next_event(events)
             done = True
             self._record(result, len(prompt), time.monotonic() - start)
+            tracing.record_transfer(span, result)  # its bytes are what _record added to the metric
             if result.error is not None:
                 raise result.error
             response = worker_pb2.PrefillResponse(

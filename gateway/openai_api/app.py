@@ -33,6 +33,7 @@ from gateway.openai_api.responses import Responses, new_request_id
 from gateway.samples import SampleGroup
 from splitserve.authz import Authorizer
 from splitserve.errors import HttpError, NotFound, Unauthenticated, http_error_for, http_error_of_status
+from splitserve.tracing import http_parent
 
 log = logging.getLogger(__name__)
 
@@ -106,7 +107,8 @@ def build_app(servicer, authorizer: Authorizer | None = None, model_aliases: Seq
             if body.model is not None and body.model not in names:
                 raise NotFound(f"model: the model {body.model!r} does not exist; this server serves {model!r}")
             group = await servicer.admit(body.to_generate(request_id), remaining_s=None,
-                                         owner=request.state.caller.owner)
+                                         owner=request.state.caller.owner,
+                                         trace_parent=http_parent(request.headers))
         except Exception as exc:  # a refused request: its error, as the gRPC API would say it
             error = http_error_for(exc, param=_param_of(exc))
             # Field paths of the gRPC request ("sampling.top_p") read as the HTTP body's ("top_p").

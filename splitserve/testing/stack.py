@@ -263,6 +263,7 @@ def start_stack(model: str | os.PathLike, log_dir: str | os.PathLike | None = No
                 decode: int = 1, both: int = 0, worker_args: Sequence[str] = (),
                 role_args: dict[str, Sequence[str]] | None = None,
                 role_env: dict[str, dict[str, str]] | None = None, gateway_args: Sequence[str] = (),
+                gateway_env: dict[str, str] | None = None,
                 redis_kwargs: dict | None = None, metrics: bool = True, http: bool = False,
                 worker_defaults: Sequence[str] = DEFAULT_WORKER_ARGS) -> Stack:
     """Redis, ``decode`` decode workers, ``prefill`` prefill workers, ``both`` colocated workers
@@ -273,7 +274,7 @@ def start_stack(model: str | os.PathLike, log_dir: str | os.PathLike | None = No
     after ``worker_defaults`` (so they override it), then ``role_args[role]`` to the workers of
     that role (e.g. ``{"decode": ["--lease-ttl-s", "300"]}``), ``gateway_args`` to the gateway's.
     ``role_env[role]`` is added to the environment of the processes of that role (``"gateway"``
-    too; fault injection:
+    too, as is ``gateway_env``; fault injection:
     ``{"prefill": {"SPLITSERVE_FAULT_STEP_DELAY_S": "0.5"}}``).
     ``redis_kwargs`` go to ``RedisServer`` (default: append-only, in ``<log_dir>/redis``).
     ``metrics``: every process serves Prometheus metrics on a free port (``metrics_ports``);
@@ -323,7 +324,7 @@ def start_stack(model: str | os.PathLike, log_dir: str | os.PathLike | None = No
             argv += ["--http-port", str(port)]
             stack.http = f"http://127.0.0.1:{port}"
         stack.argv["gateway"], stack.log_paths["gateway"] = argv, log_dir / "gateway.log"
-        stack.env["gateway"] = dict((role_env or {}).get("gateway", {}))
+        stack.env["gateway"] = {**(role_env or {}).get("gateway", {}), **(gateway_env or {})}
         stack.procs["gateway"], stack.gateway_address = start_process(argv, stack.log_paths["gateway"],
                                                                       env=stack.env["gateway"])
         stack.client = Client(stack.gateway_address)
