@@ -143,10 +143,13 @@ def unloaded_then_poisson(args, vocab: int):
                    for r in mixed(n_unloaded, vocab, seed=args.seed + 500)]
     base = mixed(n, vocab, seed=args.seed)
 
-    def phases(backend, i: int) -> Phases:
+    def phases(backend, i: int, arm: int = 0) -> Phases:
+        """``arm``: arms that share one stack (and so its prefix cache) get the same lengths and
+        arrival times but their own tokens, or the second would find the first's prompts cached."""
         requests = warmup_requests(vocab, args.seed) if i == 0 else base
-        return {"unloaded": run_load(backend, fresh_tokens(base_single, vocab, args.seed + 500 + i)),
-                "poisson": run_load(backend, fresh_tokens(requests, vocab, args.seed + i),
+        salt = 100_000 * arm
+        return {"unloaded": run_load(backend, fresh_tokens(base_single, vocab, args.seed + salt + 500 + i)),
+                "poisson": run_load(backend, fresh_tokens(requests, vocab, args.seed + salt + i),
                                     poisson_offsets(len(requests), rate, args.seed))}
     return phases, (n, n_unloaded, rate)
 
@@ -310,7 +313,7 @@ def cmd_http(args) -> int:
         grpc_backend, http_backend = GrpcBackend(stack.address), OpenAIBackend(stack.http, args.model)
         try:
             runs = run_interleaved({"grpc": lambda i: phases(grpc_backend, i),
-                                    "http": lambda i: phases(http_backend, i)}, 1 if args.quick else args.pairs)
+                                    "http": lambda i: phases(http_backend, i, arm=1)}, 1 if args.quick else args.pairs)
         finally:
             http_backend.close()
     systems, per_round = report(runs)
