@@ -8,6 +8,7 @@ completes the handoff with the epoch and streams every later token. On a ``both`
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 
@@ -79,8 +80,16 @@ class DecodeWorkerServicer(WorkerServicer, worker_pb2_grpc.DecodeWorkerServicer)
         if prompt is not None and len(prompt) != request.num_prompt_tokens:
             raise InvalidArgument(f"prompt_token_ids has {len(prompt)} tokens, num_prompt_tokens says "
                                   f"{request.num_prompt_tokens}")
-        desc = await self.loop.run(lambda: self.connector.reserve(request.request_id, request.num_prompt_tokens,
-                                                                  prompt))
+        try:
+            desc = await self.loop.run(lambda: self.connector.reserve(request.request_id, request.num_prompt_tokens,
+                                                                      prompt))
+        except asyncio.CancelledError:
+            # The caller gave up (its client left, its deadline passed) while the reservation was
+            # queued for the engine thread, which makes it all the same: nobody will use those
+            # pages, and the caller's Abort may have been handled before it (a cancel storm leaked
+            # 4 pages so, until the lease's end). Freed after it, in the loop's order.
+            self.abort_soon(request.request_id)
+            raise
         if desc is None:
             raise ResourceExhausted(f"no free KV pages for {request.num_prompt_tokens} tokens on {self.worker_id}",
                                     retry_after_s=0.5)
