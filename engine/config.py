@@ -64,6 +64,10 @@ class EngineConfig:
     linear_backend: str = "auto"
     # Run the model op by op instead of as one compiled graph (vLLM's escape hatch of the same name).
     enforce_eager: bool = False
+    # Colocated workers: size each step's share of prompt tokens (the chunked-prefill size) so that
+    # steps with decodes take about this many ms while prompts arrive (engine/step_budget.py);
+    # None: every step may fill max_num_batched_tokens.
+    target_tpot_ms: float | None = None
     # Engine seed (vLLM's name; requests are seeded by SamplingParams.seed, this is not read yet).
     seed: int = 0
 
@@ -91,6 +95,8 @@ class EngineConfig:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if not self.kv_cache_memory_gb > 0:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
+        if self.target_tpot_ms is not None and not self.target_tpot_ms > 0:
+            raise ValueError(f"target_tpot_ms must be > 0, got {self.target_tpot_ms}")
         if self.priority_aging_per_s < 0:
             raise ValueError(f"priority_aging_per_s must be >= 0, got {self.priority_aging_per_s}")
         one_of("scheduling_policy", SCHEDULING_POLICIES)

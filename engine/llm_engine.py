@@ -17,6 +17,7 @@ from engine.outputs import RequestMetrics, RequestOutput
 from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
+from engine.step_budget import StepBudget
 from engine.structured_output import GrammarCompiler
 
 
@@ -35,6 +36,8 @@ class LLMEngine:
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
                                  num_cpu_blocks=config.num_cpu_blocks if config.preemption_mode == "swap" else 0)
         self.scheduler = Scheduler(config, self.kv, self.max_model_len, clock=clock)
+        self.step_budget = StepBudget(config.target_tpot_ms, config.max_num_batched_tokens, config.block_size) \
+            if config.target_tpot_ms else None
         self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.runner.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
@@ -138,9 +141,22 @@ class LLMEngine:
     # ---- the loop --------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         plan = self.scheduler.schedule()
+        started = time.perf_counter()
         sampled = self.runner.run(plan)
+        seconds = time.perf_counter() - started
         changed = self.scheduler.update(plan, sampled)
+        self._budget_next_step(plan, seconds)
         return [self._output(r) for r in changed]
+
+    def _budget_next_step(self, plan, seconds: float) -> None:
+        """Under ``target_tpot_ms``: learn from this step's time, size the next one's budget."""
+        if self.step_budget is None or plan.is_empty:
+            return
+        decodes = sum(1 for c in plan.chunks if c.is_decode)
+        self.step_budget.observe(decodes, plan.num_batched_tokens - decodes, seconds)
+        decoding = sum(1 for r in self.scheduler.running
+                       if not r.is_finished and r.num_computed_tokens >= r.num_tokens - 1)
+        self.scheduler.token_budget = self.step_budget.budget(decoding)
 
     def _output(self, request: Request) -> RequestOutput:
         finished = request.is_finished

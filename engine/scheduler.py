@@ -76,6 +76,8 @@ class Scheduler:
         self.waiting: list[Request] = []
         self.running: list[Request] = []
         self.num_preemptions = 0
+        # Tokens the next step may hold; engine.step_budget lowers it under a latency target.
+        self.token_budget = config.max_num_batched_tokens
 
     # ---- queue management ------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -111,7 +113,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         now = self.clock()
         out = SchedulerOutput()
-        budget = self.config.max_num_batched_tokens
+        budget = self.token_budget
         if self.config.batching == "static" and all(r.is_finished for r in self.running):
             self._release_static_batch()
         self.running.sort(key=lambda r: self._rank(r, now))
@@ -178,7 +180,7 @@ class Scheduler:
                 # A more urgent arrival takes the pages of less urgent running work.
                 self._preempt(victim, out)
                 out.chunks = [c for c in out.chunks if c.request is not victim]
-                budget = self.config.max_num_batched_tokens - out.num_batched_tokens
+                budget = self.token_budget - out.num_batched_tokens
                 admitted = self._admit(request, out, budget)
             self.waiting.pop(0)
             request.status = RequestStatus.RUNNING

@@ -57,7 +57,9 @@ def _command(name: str, help: str, params: list[click.Option], run: Callable[[ar
         from splitserve.logs import configure
         configure(args.log_level, args.log_format, name)
         ctx.exit(run(args))
-    return click.Command(name, params=params, callback=callback, help=help, context_settings=CONTEXT)
+    from splitserve import config_file
+    return click.Command(name, params=[config_file.option(), *params], callback=callback, help=help,
+                         context_settings=CONTEXT)
 
 
 def _run(module: str, function: str = "serve") -> Callable[[argparse.Namespace], int]:
@@ -72,6 +74,10 @@ def _up_params() -> list[click.Option]:
         click.Option(["--prefill"], type=int, default=1, show_default=True,
                      help="prefill workers (0 with --decode 0: one colocated 'both' worker)"),
         click.Option(["--decode"], type=int, default=1, show_default=True, help="decode workers"),
+        click.Option(["--prefill-threads"], type=click.IntRange(min=0), default=0, show_default=True,
+                     help="torch threads of each prefill worker (0: --num-threads, else the cores split evenly)"),
+        click.Option(["--decode-threads"], type=click.IntRange(min=0), default=0, show_default=True,
+                     help="torch threads of each decode (or colocated) worker (0: as --prefill-threads)"),
         click.Option(["--demo"], metavar="QUESTION", default="",
                      help="ask one question through the stack, print the answer, then shut down"),
         click.Option(["--child-log-level"], default="WARNING", show_default=True,

@@ -222,11 +222,13 @@ def plan(args, redis_url: str, workdir: str) -> list[ChildSpec]:
         if args.gpu_memory_utilization else {}
     # Worker processes share the cores: with more threads than cores they only contend
     # (measured: 1 thread each for prefill + decode on 2 cores halved TTFT at 2 req/s).
-    threads = args.num_threads or max(1, (os.cpu_count() or 1) // len(roles))
+    even = args.num_threads or max(1, (os.cpu_count() or 1) // len(roles))
+    threads = {"prefill": args.prefill_threads or even, "decode": args.decode_threads or even,
+               "both": args.decode_threads or even}
     for k, (role, i) in enumerate(roles, start=1):
         flags, env = forward(args, "prefill" if role == "prefill" else "decode", skip=own)
         argv = ["decode", "--role", "both"] if role == "both" else [role]
-        argv += [*flags, "--redis-url", redis_url, "--num-threads", str(threads)]
+        argv += [*flags, "--redis-url", redis_url, "--num-threads", str(threads[role])]
         if shares:
             argv += ["--gpu-memory-utilization", f"{shares[role]:.4f}"]
         if args.metrics_port > 0:  # the gateway on the port given, workers on the ports after it
