@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install run test clean model kernels redis gpu-carry gpu-check
+.PHONY: install run test clean model kernels redis checkov gpu-carry gpu-check
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +29,20 @@ redis:
 		echo "installing redis-server with apt"; \
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; }
 
+# checkov (tests/deploy/test_kubernetes.py lints deploy/kubernetes with it) pins many dependencies of
+# its own: a venv of its own, so it cannot change what the project's venv holds.
+CHECKOV_VENV ?= .venv-checkov
+CHECKOV_SPEC ?= checkov==3.3.30
+CHECKOV_STAMP := $(CHECKOV_VENV)/.installed-$(subst =,-,$(CHECKOV_SPEC))
+
+$(CHECKOV_STAMP):
+	$(PYTHON) -m venv $(CHECKOV_VENV)
+	$(CHECKOV_VENV)/bin/python -m pip install -q --upgrade pip
+	$(CHECKOV_VENV)/bin/python -m pip install -q "$(CHECKOV_SPEC)"
+	touch $(CHECKOV_STAMP)
+
+checkov: $(CHECKOV_STAMP)
+
 model: install
 	$(PY) -m engine.model_loader smollm2-135m-instruct
 
@@ -42,8 +56,8 @@ run: model kernels redis
 	$(VENV)/bin/splitserve up --demo "What is the capital of France? Answer in one sentence."
 
 # Triton kernels are interpreted on CPU tensors only where no GPU can compile them (tests/conftest.py).
-test: install model kernels redis
-	$(PY) -m pytest -q -ra
+test: install model kernels redis checkov
+	CHECKOV="$(CURDIR)/$(CHECKOV_VENV)/bin/checkov" $(PY) -m pytest -q -ra
 
 # The GPU path, checked once on a GPU machine that has no network (README, "On GPUs").
 # gpu-carry, here: what that machine lacks, into .gpu-carry/ (git-ignored; carry it along).
@@ -57,4 +71,4 @@ gpu-check:
 		$(GPU_PYTHON) -m bench.gpu_check --out bench/results/gpu_check.json
 
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) $(CHECKOV_VENV) build *.egg-info
