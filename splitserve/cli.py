@@ -107,6 +107,37 @@ def _generate_params() -> list[click.Parameter]:
     ]
 
 
+def _tune_params() -> list[click.Option]:
+    o = click.Option
+    return [
+        o(["--slo-ttft-p99-ms"], type=float, required=True, help="SLO: TTFT p99 at most this (ms)"),
+        o(["--slo-tpot-p50-ms"], type=float, required=True, help="SLO: TPOT p50 at most this (ms)"),
+        o(["--workload"], type=click.Path(exists=True, dir_okay=False), default=None,
+          help="JSONL, one request a line: prompt (text) or prompt_token_ids, and max_tokens (default: --mixed)"),
+        o(["--mixed"], is_flag=True, help="the mixed workload of shared/BENCHMARKS.md (the default)"),
+        o(["--num-requests"], type=click.IntRange(min=1), default=32, show_default=True,
+          help="requests of the mixed workload in each probe"),
+        o(["--model"], default="smollm2-135m-instruct", show_default=True, envvar="SPLITSERVE_MODEL"),
+        o(["--dtype"], default="auto", show_default=True),
+        o(["--max-num-seqs"], default="16,64", show_default=True, help="values to sweep (comma list)"),
+        o(["--max-num-batched-tokens"], default="512,2048", show_default=True, help="values to sweep"),
+        o(["--block-size"], default="16", show_default=True, help="values to sweep"),
+        o(["--splits"], default="colocated,1:1", show_default=True,
+          help="prefill:decode splits to sweep: colocated, P:D (workers), P:D@p:d (and threads per worker)"),
+        o(["--up-args"], default="", help="further flags of every `splitserve up` it starts, e.g. "
+          "'--kv-cache-memory-gb 2'"),
+        o(["--address"], default="", help="measure the goodput of this running gateway instead (no sweep)"),
+        o(["--start-rate"], type=click.FloatRange(min=0, min_open=True), default=1.0, show_default=True,
+          help="first request rate (req/s) of each search"),
+        o(["--max-rate"], type=click.FloatRange(min=0, min_open=True), default=64.0, show_default=True),
+        o(["--search-steps"], type=click.IntRange(min=0), default=2, show_default=True,
+          help="bisections after the rate that broke the SLO"),
+        o(["--seed"], type=int, default=0, show_default=True),
+        o(["--out"], default="splitserve-tune", show_default=True, help="folder of tune.json and tune.png"),
+        o(["--config-out"], default="", help="the best point's config file (default: OUT/tuned.yaml)"),
+    ]
+
+
 def build() -> click.Group:
     group = click.Group("splitserve", context_settings=CONTEXT,
                         help="LLM serving with disaggregated prefill and decode.", params=[
@@ -126,6 +157,9 @@ def build() -> click.Group:
     group.add_command(_command("up", "Start Redis, a gateway, prefill and decode workers on this machine, and "
                                      "supervise them.", _up_params(), _run("splitserve.launcher", "cmd_up"),
                                configs=(_engine_config, _request_limits, _output_limits)))
+    group.add_command(_command("tune", "Find the configuration with the highest goodput within an SLO: start a "
+                                       "stack per point of a grid, search its highest request rate, write the "
+                                       "best as a --config file.", _tune_params(), _run("bench.tune", "cmd_tune")))
     group.add_command(_command("generate", "Stream a generation from a running gateway to the terminal.",
                                _generate_params(), _run("splitserve.client", "cmd_generate")))
     return group
