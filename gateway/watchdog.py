@@ -4,6 +4,9 @@ Every ``WATCH_INTERVAL_S`` it
 
 * refreshes this gateway's alive key (other gateways fail its queued requests once it lapses:
   nobody would be there to stream them);
+* fails the queued requests of gateways whose alive key lapsed (``RedisState.fail_orphans``),
+  wherever they wait in the queue, so a killed gateway's requests free their room within its
+  TTL plus a round instead of waiting behind a head that may not move for long;
 * checks the workers under running requests: one gone from the registry (no heartbeat) that
   also ignores a direct health probe is dead or frozen, so its requests' attempts are declared
   lost (``Job.lost``) and cancelled, and the dispatcher retries them elsewhere (the probe keeps
@@ -82,6 +85,7 @@ class Watchdog:
             await asyncio.sleep(WATCH_INTERVAL_S)
             try:
                 await self.beat()
+                await self.fail_orphans()
                 await self.check_workers()
                 if time.monotonic() - last_renewal > RENEW_S:
                     await self.renew_claims()
@@ -93,6 +97,11 @@ class Watchdog:
                 log.warning("watchdog: request store unreachable: %s", e)
             except Exception:
                 log.exception("watchdog failed")
+
+    async def fail_orphans(self) -> None:
+        failed = await self.state.fail_orphans()
+        if failed:
+            log.warning("failed %d queued requests of gateways that went away (nobody could stream them)", failed)
 
     async def check_workers(self) -> None:
         busy = [j for j in self.jobs() if j.state is JobState.RUNNING and j.lost is None and not j.finished]
