@@ -97,8 +97,16 @@ def handshake_by_hand(sock, key, sender_nonce):
     return receiver_nonce, proof, answer
 
 
-def send_answer(sock, answer):
-    sock.sendall(tcp.frame(tcp_auth.AUTH, b"", 0, payload_len=len(answer)) + answer)
+def answer_then_write(receiver, lease, nonce, choose):
+    """A connection that says HELLO, answers the CHALLENGE with ``choose(receiver proof, answer
+    under OTHER_KEY)``, then sends a hostile WRITE and a FLUSH; returns all the receiver said."""
+    with connect(receiver) as s:
+        _, proof, answer = handshake_by_hand(s, OTHER_KEY, nonce)
+        chosen = choose(proof, answer)
+        s.sendall(tcp.frame(tcp_auth.AUTH, b"", 0, payload_len=len(chosen)) + chosen)
+        s.sendall(hostile_write("victim", lease.epoch) + tcp.frame(tcp.FLUSH, b"victim", lease.epoch))
+        s.shutdown(socket.SHUT_WR)
+        return read_to_end(s)
 
 
 def authenticated_transfer(receiver, pool, leases, rid, dst_blocks, key=KEY):
@@ -138,12 +146,7 @@ def test_a_raw_writer_without_the_handshake_is_refused(victim):
 
 def test_a_wrong_answer_and_a_sender_with_another_key_are_refused(victim):
     receiver, pool, before, _, lease = victim
-    with connect(receiver) as s:
-        _, _, answer = handshake_by_hand(s, OTHER_KEY, b"n" * 32)
-        send_answer(s, answer)
-        s.sendall(hostile_write("victim", lease.epoch) + tcp.frame(tcp.FLUSH, b"victim", lease.epoch))
-        s.shutdown(socket.SHUT_WR)
-        reply = read_to_end(s)
+    reply = answer_then_write(receiver, lease, b"n" * 32, lambda proof, answer: answer)
     assert_refused(reply)
     assert b"authentication failed" in frames_of(reply)[-1][1]
     # The real sender with the other key notices the receiver's proof does not match, and says so.
@@ -157,25 +160,15 @@ def test_an_answer_replayed_from_another_connection_is_refused(victim):
     nonce = b"s" * 32
     with connect(receiver) as first:  # a genuine exchange the attacker recorded
         _, _, recorded = handshake_by_hand(first, KEY, nonce)
-    with connect(receiver) as s:  # same HELLO, but the receiver picks a fresh nonce
-        handshake_by_hand(s, OTHER_KEY, nonce)
-        send_answer(s, recorded)
-        s.sendall(hostile_write("victim", lease.epoch))
-        s.shutdown(socket.SHUT_WR)
-        reply = read_to_end(s)
-    assert_refused(reply)
+    # Same HELLO on a new connection, but the receiver picks a fresh nonce.
+    assert_refused(answer_then_write(receiver, lease, nonce, lambda proof, answer: recorded))
     assert untouched(pool, before)
 
 
 def test_the_receivers_own_proof_reflected_back_is_refused(victim):
     receiver, pool, before, _, lease = victim
-    with connect(receiver) as s:
-        _, proof, _ = handshake_by_hand(s, OTHER_KEY, b"r" * 32)
-        send_answer(s, proof)  # a valid MAC under the key, but the receiver's, not a sender's
-        s.sendall(hostile_write("victim", lease.epoch))
-        s.shutdown(socket.SHUT_WR)
-        reply = read_to_end(s)
-    assert_refused(reply)
+    # A valid MAC under the key, but the receiver's, not a sender's.
+    assert_refused(answer_then_write(receiver, lease, b"r" * 32, lambda proof, answer: proof))
     assert untouched(pool, before)
 
 
