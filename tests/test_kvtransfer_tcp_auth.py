@@ -219,3 +219,13 @@ def test_the_kv_key_comes_from_the_internal_token_and_is_not_it():
     assert Security().kv_key is None
     assert Security(token="t").kv_key == Security(token="t").kv_key != Security(token="u").kv_key
     assert b"t" != Security(token="t").kv_key and len(Security(token="t").kv_key) == 32
+
+
+def test_an_open_receiver_beyond_loopback_says_so(caplog):
+    pool = make_pool(1)
+    leases = LeaseTable(PageFence(torch.empty(BLOCKS, dtype=torch.int64)), ttl_s=60.0)
+    for host, key, warned in (("127.0.0.1", None, False), ("0.0.0.0", KEY, False), ("0.0.0.0", None, True)):
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="kvtransfer.transports.tcp"):
+            TcpReceiver(pool, leases, host=host, key=key).close()
+        assert ("accepts page writes from anyone" in caplog.text) == warned, (host, key)
