@@ -7,7 +7,7 @@ from worker_runtime.serve import engine_config, run_worker, worker_security
 
 
 def serve(args) -> int:
-    worker_security(args)  # a refused security configuration stops here, before the model loads
+    security = worker_security(args)  # a refused security configuration stops here, before the model loads
     from decode_worker.servicer import DecodeWorkerServicer
     from engine.llm_engine import LLMEngine
     from kvtransfer import build_decode
@@ -24,7 +24,7 @@ def serve(args) -> int:
         servicer = DecodeWorkerServicer(LLMEngine(config), None, worker_id, metrics)
     else:
         connector = build_decode(config, args.kv_transport, lease_ttl_s=args.lease_ttl_s, host=args.host,
-                                 advertise_host=args.advertise_host or None)
+                                 advertise_host=args.advertise_host or None, kv_key=security.kv_key)
         servicer = DecodeWorkerServicer(connector.engine, connector, worker_id, metrics)
     servicer.metrics_address = metrics_address
     return run_worker(servicer, worker_pb2_grpc.add_DecodeWorkerServicer_to_server, "splitserve.v1.DecodeWorker",

@@ -45,7 +45,7 @@ key                            type    holds
 =============================  ======  =====================================================
 
 Pub/sub channel ``{ss}:wake``: ``admit``, ``placed``, ``requeue`` and ``end <request id>``
-(FINISH, CANCEL, a claim that fails a dead gateway's request), so every gateway's claim loop
+(FINISH, CANCEL, a claim or reap that fails a dead gateway's request), so every gateway's claim loop
 wakes when the head of the queue or the free capacity may have changed, and the gateway that
 holds a request hears when someone else ended it.
 
@@ -66,6 +66,9 @@ Scripts
                   placement is open -> inflight with a lease, placement gate taken; ``attempt``
                   and ``epoch`` +1. Heads of dead gateways are failed on the way. Without the
                   gate (colocated workers only), several consecutive heads at once.
+``REAP_ORPHANS``  every queued request of a dead gateway (anywhere in the queue, not only
+                  ahead of the head) fails and frees its room; every live gateway's watchdog
+                  runs it each round, so they go within the gateway TTL plus a round.
 ``PLACED``        the placement gate opens.
 ``GATEWAY_BEAT``  the gateway's alive key.
 ``REQUEUE``       inflight -> pending with the request's original score, state ``queued``.
@@ -133,6 +136,18 @@ redis.call('PUBLISH', KEYS[4], 'admit')
 return {'admitted', depth + 1, 'queued'}
 """
 
+# A queued request whose admitting gateway is gone (its alive key lapsed): nobody holds its client
+# stream, so nobody could ever read its tokens. It leaves the queue as failed.
+FAIL_ORPHAN_LUA = """
+local function fail_orphan(pending, key, id, ttl_s, wake)
+  redis.call('ZREM', pending, id)
+  redis.call('HSET', key, 'state', 'failed', 'finish_reason', 'error',
+             'error', 'the gateway that admitted this request went away')
+  redis.call('EXPIRE', key, ttl_s)
+  redis.call('PUBLISH', wake, 'end ' .. id)
+end
+"""
+
 # KEYS: pending, inflight, placing, wake channel.
 # ARGV: gateway, lease deadline, scan, req key prefix, gateway alive-key prefix, now, placement deadline,
 # ttl_s, max claims, gate ('1': the claimed request holds the placement gate).
@@ -143,7 +158,7 @@ return {'admitted', depth + 1, 'queued'}
 # (placements that take no capacity, e.g. colocated workers that queue requests themselves),
 # up to `max claims` consecutive heads of the caller go at once.
 # Returns {'claimed', id, epoch, attempt, id, epoch, attempt, ...}, {'wait', why} or {'empty'}.
-CLAIM = """
+CLAIM = FAIL_ORPHAN_LUA + """
 redis.call('ZREMRANGEBYSCORE', KEYS[3], '-inf', ARGV[6])
 local placing = redis.call('ZRANGE', KEYS[3], 0, 0)
 if #placing > 0 then return {'wait', 'placing ' .. placing[1]} end
@@ -171,15 +186,37 @@ for _, id in ipairs(ids) do
     if #out > 1 then return out end
     return {'wait', 'head ' .. id .. ' of gateway ' .. gateway}
   else
-    redis.call('ZREM', KEYS[1], id)
-    redis.call('HSET', key, 'state', 'failed', 'finish_reason', 'error',
-               'error', 'the gateway that admitted this request went away')
-    redis.call('EXPIRE', key, ARGV[8])
-    redis.call('PUBLISH', KEYS[4], 'end ' .. id)
+    fail_orphan(KEYS[1], key, id, ARGV[8], KEYS[4])
   end
 end
 if #out > 1 then return out end
 return {'empty'}
+"""
+
+# KEYS: pending, wake channel. ARGV: req key prefix, gateway alive-key prefix, ttl_s, scan.
+# Every queued request (among the first `scan`) whose gateway is gone is failed, wherever it
+# stands in the queue: CLAIM only meets those ahead of the first live gateway's request, and a
+# head that waits for room would keep the rest -- and their room under queue_limit -- forever.
+# Returns how many were failed.
+REAP_ORPHANS = FAIL_ORPHAN_LUA + """
+local alive = {}
+local failed = 0
+for _, id in ipairs(redis.call('ZRANGE', KEYS[1], 0, tonumber(ARGV[4]) - 1)) do
+  local key = ARGV[1] .. id
+  local gateway = redis.call('HGET', key, 'gateway')
+  if not gateway then
+    redis.call('ZREM', KEYS[1], id)  -- no hash behind it: drop the stray id
+  else
+    if alive[gateway] == nil then
+      alive[gateway] = redis.call('EXISTS', ARGV[2] .. gateway .. ':alive') == 1
+    end
+    if not alive[gateway] then
+      fail_orphan(KEYS[1], key, id, ARGV[3], KEYS[2])
+      failed = failed + 1
+    end
+  end
+end
+return failed
 """
 
 # KEYS: placing, wake channel. ARGV: id. The request's placement is decided: the next may go.

@@ -178,6 +178,7 @@ class RedisState:
         self._admit = reg(scripts.ADMIT)
         self._claim = reg(scripts.CLAIM)
         self._placed = reg(scripts.PLACED)
+        self._reap_orphans = reg(scripts.REAP_ORPHANS)
         self._gateway_beat = reg(scripts.GATEWAY_BEAT)
         self._requeue = reg(scripts.REQUEUE)
         self._update = reg(scripts.UPDATE)
@@ -259,6 +260,15 @@ class RedisState:
     def gateway_leave(self, gateway_id: str):
         """Gateway ``gateway_id`` stops: its queued requests fail at the next claim."""
         return _then(self.client.delete(self.gateway_alive_key(gateway_id)), bool)
+
+    def fail_orphans(self):
+        """Fail every queued request whose admitting gateway is no longer alive (its client stream
+        died with it), wherever it stands in the queue, freeing its room -> how many. Looks at
+        the first ``max(1024, 2 * queue_limit)`` queued ids (the queue holds at most about
+        ``queue_limit``)."""
+        scan = max(1024, 2 * self.queue_limit)
+        return _then(self._reap_orphans(keys=[self.pending_key, self.wake_channel],
+                                        args=[self._req_prefix, self._gw_prefix, self.terminal_ttl_s, scan]), int)
 
     def requeue(self, request_id: str, epoch: int | None = None, now_s: float | None = None):
         """Put a claimed request back in the pending queue with its original score (no

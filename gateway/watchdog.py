@@ -4,6 +4,10 @@ Every ``WATCH_INTERVAL_S`` it
 
 * refreshes this gateway's alive key (other gateways fail its queued requests once it lapses:
   nobody would be there to stream them);
+* fails the queued requests of gateways whose alive key lapsed (``RedisState.fail_orphans``),
+  wherever they wait in the queue, so a killed gateway's requests free their room within its
+  TTL plus a round instead of waiting behind a head that may not move for long (only once Redis
+  answered for a whole TTL: after an outage the other gateways get time to beat again);
 * checks the workers under running requests: one gone from the registry (no heartbeat) that
   also ignores a direct health probe is dead or frozen, so its requests' attempts are declared
   lost (``Job.lost``) and cancelled, and the dispatcher retries them elsewhere (the probe keeps
@@ -78,10 +82,17 @@ class Watchdog:
 
     async def _run(self) -> None:
         last_renewal = last_queued_check = time.monotonic()
+        # Since when Redis has answered every round. Other gateways' alive keys may have lapsed
+        # during an outage (they beat once it is over, as this one does): judge them only once
+        # each had a whole TTL to beat again.
+        reachable_since: float | None = time.monotonic()
         while True:
             await asyncio.sleep(WATCH_INTERVAL_S)
             try:
                 await self.beat()
+                reachable_since = reachable_since or time.monotonic()
+                if time.monotonic() - reachable_since >= GATEWAY_TTL_S:
+                    await self.fail_orphans()
                 await self.check_workers()
                 if time.monotonic() - last_renewal > RENEW_S:
                     await self.renew_claims()
@@ -90,9 +101,15 @@ class Watchdog:
                     await self.check_queued()
                     last_queued_check = time.monotonic()
             except OUTAGE as e:  # the registry is in Redis: judge no one meanwhile
+                reachable_since = None
                 log.warning("watchdog: request store unreachable: %s", e)
             except Exception:
                 log.exception("watchdog failed")
+
+    async def fail_orphans(self) -> None:
+        failed = await self.state.fail_orphans()
+        if failed:
+            log.warning("failed %d queued requests of gateways that went away (nobody could stream them)", failed)
 
     async def check_workers(self) -> None:
         busy = [j for j in self.jobs() if j.state is JobState.RUNNING and j.lost is None and not j.finished]

@@ -44,10 +44,12 @@ def choose_transports(requested: str, device_type: str) -> list[str]:
 
 
 def build_decode(config, transport: str = "auto", lease_ttl_s: float = 30.0,
-                 clock: Callable[[], float] = time.time, host: str = "127.0.0.1", advertise_host: str | None = None):
+                 clock: Callable[[], float] = time.time, host: str = "127.0.0.1", advertise_host: str | None = None,
+                 kv_key: bytes | None = None):
     """A decode engine whose pool accepts KV over ``transport``; returns its DecodeConnector.
 
-    Network receivers listen on ``host`` and tell prefill workers to dial ``advertise_host``."""
+    Network receivers listen on ``host`` and tell prefill workers to dial ``advertise_host``;
+    with ``kv_key`` (``Security.kv_key``) the tcp receiver takes pages only from senders with it."""
     from engine.llm_engine import LLMEngine
     from engine.model_runner import default_pool, resolve_device
     from kvtransfer.decode_side import DecodeConnector
@@ -81,7 +83,7 @@ def build_decode(config, transport: str = "auto", lease_ttl_s: float = 30.0,
             receivers.append(ShmReceiver(pool, leases, Path(shared["directory"])))
         elif name == "tcp":
             from kvtransfer.transports.tcp import TcpReceiver
-            receivers.append(TcpReceiver(pool, leases, host=host, advertise_host=advertise_host))
+            receivers.append(TcpReceiver(pool, leases, host=host, advertise_host=advertise_host, key=kv_key))
         elif name == "nccl":
             from kvtransfer.transports.nccl import NcclReceiver
             receivers.append(NcclReceiver(pool, leases, host=host, advertise_host=advertise_host))
@@ -90,7 +92,7 @@ def build_decode(config, transport: str = "auto", lease_ttl_s: float = 30.0,
     return DecodeConnector(engine, receivers, leases)
 
 
-def sender_factories(pool: torch.Tensor, transports: Iterable[str]) -> dict:
+def sender_factories(pool: torch.Tensor, transports: Iterable[str], kv_key: bytes | None = None) -> dict:
     def make(name: str):
         def factory(address: str):
             if name == "shm":
@@ -101,17 +103,19 @@ def sender_factories(pool: torch.Tensor, transports: Iterable[str]) -> dict:
                 return CudaIpcSender(address, pool)
             if name == "tcp":
                 from kvtransfer.transports.tcp import TcpSender
-                return TcpSender(address, pool)
+                return TcpSender(address, pool, key=kv_key)
             from kvtransfer.transports.nccl import NcclSender
             return NcclSender(address, pool)
         return factory
     return {name: make(name) for name in transports}
 
 
-def build_prefill(config, transports: Iterable[str] = TRANSPORTS, verify_checksum: bool = False):
-    """A prefill engine that ships KV over any of ``transports``; returns its PrefillConnector."""
+def build_prefill(config, transports: Iterable[str] = TRANSPORTS, verify_checksum: bool = False,
+                  kv_key: bytes | None = None):
+    """A prefill engine that ships KV over any of ``transports``; returns its PrefillConnector.
+    ``kv_key``: the secret the tcp sender proves to decode workers (``Security.kv_key``)."""
     from engine.llm_engine import LLMEngine
     from kvtransfer.prefill_side import PrefillConnector
 
     engine = LLMEngine(config)
-    return PrefillConnector(engine, sender_factories(engine.runner.kv_cache, transports), verify_checksum)
+    return PrefillConnector(engine, sender_factories(engine.runner.kv_cache, transports, kv_key), verify_checksum)

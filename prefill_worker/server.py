@@ -7,14 +7,15 @@ from worker_runtime.serve import engine_config, run_worker, worker_security
 
 
 def serve(args) -> int:
-    worker_security(args)  # a refused security configuration stops here, before the model loads
+    security = worker_security(args)  # a refused security configuration stops here, before the model loads
     from kvtransfer import TRANSPORTS, build_prefill
     from prefill_worker.servicer import PrefillWorkerServicer
     from splitserve.metrics import EngineMetrics, TransferMetrics, public_model_name, serve_metrics
     from splitserve.tracing import setup as setup_tracing
     from splitserve.v1 import worker_pb2_grpc
     transports = TRANSPORTS if args.kv_transport == "auto" else [t.strip() for t in args.kv_transport.split(",")]
-    connector = build_prefill(engine_config(args), transports, verify_checksum=args.verify_checksum)
+    connector = build_prefill(engine_config(args), transports, verify_checksum=args.verify_checksum,
+                              kv_key=security.kv_key)
     registry, metrics_address = serve_metrics(args.metrics_port, args.host,
                                               model_name=public_model_name(args.model))
     worker_id = args.worker_id or f"prefill-{uuid.uuid4().hex[:8]}"

@@ -15,6 +15,8 @@ One ``Security`` per process, built from its flags (``Security.from_args``):
   so load balancers and orchestrators can probe; reflection needs a token like the rest.
   The client side attaches ``token`` to every call it makes.
 * ``max_message_bytes`` (``--max-message-mb``): the largest message a port accepts or sends.
+* ``kv_key``: derived from ``token``; the workers' tcp KV socket admits only senders that prove
+  it (a challenge-response per connection, ``kvtransfer/transports/tcp_auth.py``).
 
 Two sides, two sets of tokens (``from_args`` and ``internal_from_args``):
 
@@ -48,6 +50,8 @@ AUTH_SCHEME = "Bearer "
 # Services callable without a token: health probes must work from orchestrators.
 OPEN_SERVICES = ("/grpc.health.v1.Health/",)
 DEFAULT_MAX_MESSAGE_MB = 16
+# Derivation label of the KV transport's key (``Security.kv_key``); changing it breaks mixed versions.
+KV_KEY_LABEL = b"splitserve kv-tcp key v1"
 
 
 def _read(path: str | os.PathLike | bytes | None, flag: str) -> bytes | None:
@@ -129,6 +133,16 @@ class Security:
                             max_message_mb=args.max_message_mb)
         except ValueError as e:
             raise SystemExit(str(e)) from None
+
+    @property
+    def kv_key(self) -> bytes | None:
+        """The secret the workers' tcp KV transport authenticates with (``kvtransfer/transports/
+        tcp_auth.py``), derived from ``token`` (a worker's ``--internal-token``) so one secret
+        secures both the gRPC ports and the KV socket; a separate derivation, so the KV key
+        says nothing about the token. None without a token: the KV socket is as open as the port."""
+        if not self.token:
+            return None
+        return hmac.new(self.token.encode(), KV_KEY_LABEL, hashlib.sha256).digest()
 
     @property
     def accepted_tokens(self) -> tuple[str, ...]:

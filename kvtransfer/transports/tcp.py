@@ -5,7 +5,8 @@ Wire format (network byte order; never pickle). Every frame is a fixed 37-byte h
 
     magic        4s  b"SSKV"
     version      B   2 (1 had no PACKED)
-    type         B   WRITE=1, FLUSH=2, PACKED=5 (sender -> receiver); ACK=3, ERROR=4 (receiver -> sender)
+    type         B   WRITE=1, FLUSH=2, PACKED=5 (sender -> receiver); ACK=3, ERROR=4 (receiver -> sender);
+                     HELLO=6, CHALLENGE=7, AUTH=8: the handshake of a receiver with a key (``tcp_auth``)
     error kind   B   ERROR only: STALE=1, EXPIRED=2, ABORTED=3 (else 0)
     rid length   H   bytes of the UTF-8 request id that follows the header (<= 1024)
     epoch        q   the lease's fencing token
@@ -34,9 +35,16 @@ refused write (stale epoch, expired or released lease) is discarded and remember
 FLUSH for that request and epoch replies ERROR. Holding the fence while receiving makes
 ``release()`` wait for the current frame, so senders cut writes into frames of at most
 ``max_frame_bytes`` (4 MiB).
+
+A receiver with a ``key`` (the workers' ``--internal-token``, through ``Security.kv_key``) first
+runs the challenge-response of ``tcp_auth`` on every connection and reads no frame of pages
+before the sender has proven the key; without one, anyone who reaches the port may write.
+The header layout and frame types live in ``tcp_wire``.
 """
 from __future__ import annotations
 
+import ipaddress
+import logging
 import socket
 import struct
 import threading
@@ -48,36 +56,27 @@ import torch
 from kvtransfer.base import (KVLayout, LeaseExpiredError, StaleEpochError, TransferAbortedError,
                              TransferDescriptor, TransferError, TransportUnavailableError)
 from kvtransfer.lease import LeaseTable
+from kvtransfer.transports import tcp_auth
 from kvtransfer.transports.base import KVReceiver, KVSender, Run
+from kvtransfer.transports.tcp_wire import (ABORTED, ACK, ERROR, EXPIRED, FLUSH, HEADER, MAGIC, MAX_MESSAGE_BYTES,
+                                            MAX_RID_BYTES, PACKED, STALE, VERSION, WRITE, HELLO, PeerGone, PeerTimeout,
+                                            ProtocolError, frame, recv_exact)
 
-MAGIC = b"SSKV"
-VERSION = 2
-HEADER = struct.Struct("!4sBBBHqIIIQ")
-WRITE, FLUSH, ACK, ERROR, PACKED = 1, 2, 3, 4, 5
+log = logging.getLogger(__name__)
+
 PACK_MIN_RUNS = 4  # from this many runs in one write(), one gathered frame beats a frame per run
-STALE, EXPIRED, ABORTED = 1, 2, 3
-MAX_RID_BYTES = 1024
-MAX_MESSAGE_BYTES = 64 << 10
 _KIND_OF = {StaleEpochError: STALE, LeaseExpiredError: EXPIRED}
 _ERROR_OF = {STALE: StaleEpochError, EXPIRED: LeaseExpiredError}
 
 
-class _ProtocolError(Exception):
-    """A frame from the network that breaks the wire format: the connection is closed."""
-
-
-class _PeerGone(Exception):
-    """The peer closed the connection or made no progress within the timeout."""
-
-
-class _Timeout(_PeerGone):
-    """No progress within the socket timeout."""
-
-
-def frame(ftype: int, rid: bytes, epoch: int, layer: int = 0, dst: int = 0, num: int = 0,
-          payload_len: int = 0, kind: int = 0) -> bytes:
-    """Header plus request id of one frame (the payload is sent after it)."""
-    return HEADER.pack(MAGIC, VERSION, ftype, kind, len(rid), epoch, layer, dst, num, payload_len) + rid
+def _loopback(host: str) -> bool:
+    """Only this machine can reach a listener on ``host``."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _byte_view(t: torch.Tensor) -> memoryview:
@@ -99,24 +98,6 @@ def _flat_view(pool: torch.Tensor) -> memoryview | None:
     return _byte_view(pool) if pool.is_contiguous() and pool.device.type == "cpu" else None
 
 
-def _recv_exact(sock: socket.socket, view: memoryview, idle_ok: bool = False) -> bool:
-    """Fill ``view`` from ``sock``. With ``idle_ok``, a timeout before the first byte returns False."""
-    got = 0
-    while got < len(view):
-        try:
-            n = sock.recv_into(view[got:])
-        except socket.timeout:
-            if idle_ok and got == 0:
-                return False
-            raise _Timeout(f"no data for {sock.gettimeout()} s") from None
-        except OSError as e:
-            raise _PeerGone(f"connection lost ({e})") from None
-        if n == 0:
-            raise _PeerGone("connection closed by the peer" + (" in the middle of a frame" if got else ""))
-        got += n
-    return True
-
-
 def _scratch(holder: list, nbytes: int) -> torch.Tensor:
     """The first ``nbytes`` of a connection's reusable uint8 buffer, grown when too small."""
     if holder[0].numel() < nbytes:
@@ -128,10 +109,13 @@ class TcpReceiver(KVReceiver):
     name = "tcp"
 
     def __init__(self, pool: torch.Tensor, leases: LeaseTable, host: str = "127.0.0.1", port: int = 0,
-                 timeout_s: float = 10.0, max_frame_bytes: int = 64 << 20, advertise_host: str | None = None):
+                 timeout_s: float = 10.0, max_frame_bytes: int = 64 << 20, advertise_host: str | None = None,
+                 key: bytes | None = None):
         """Listens on ``host``; descriptors name ``advertise_host`` (default ``host``), the name
-        senders reach it by (e.g. a container's service name when listening on 0.0.0.0)."""
+        senders reach it by (e.g. a container's service name when listening on 0.0.0.0).
+        ``key``: only senders proving it may write (``tcp_auth``); None: anyone who reaches the port."""
         super().__init__(pool, leases)
+        self.key = key or None
         self.timeout_s = timeout_s  # a frame that stalls this long mid-payload drops its connection
         self.max_frame_bytes = max_frame_bytes
         self.layout = KVLayout.of_pool("", pool)
@@ -143,6 +127,9 @@ class TcpReceiver(KVReceiver):
         self._listener = socket.create_server((host, port), family=family)
         self._listener.settimeout(0.2)
         self._host, self._port = advertise_host or host, self._listener.getsockname()[1]
+        if self.key is None and not _loopback(host):
+            log.warning("tcp KV receiver on %s accepts page writes from anyone who reaches it: %s",
+                        self.address, tcp_auth.HINT)
         self._accept_thread = threading.Thread(target=self._accept_loop, name="tcp-kv-accept", daemon=True)
         self._accept_thread.start()
 
@@ -198,15 +185,22 @@ class TcpReceiver(KVReceiver):
         scratch = [torch.empty(0, dtype=torch.uint8)]  # PACKED pages and refused payloads land here
         header = bytearray(HEADER.size)
         try:
+            if self.key is not None:  # not one page byte is read from a peer that has not proven the key
+                try:
+                    tcp_auth.accept(conn, self.key)
+                except ProtocolError as e:
+                    log.warning("tcp KV receiver %s refused a connection: %s", self.address, e)
+                    self._fail(conn, str(e))
+                    return
             while not self._stop.is_set():
-                if not _recv_exact(conn, memoryview(header), idle_ok=True):
+                if not recv_exact(conn, memoryview(header), idle_ok=True):
                     continue  # idle between frames
                 try:
                     self._frame(conn, header, errors, scratch)
-                except _ProtocolError as e:
+                except ProtocolError as e:
                     self._fail(conn, str(e))
                     return
-        except (_PeerGone, OSError):
+        except (PeerGone, OSError):
             pass
         finally:
             with self._lock:
@@ -216,44 +210,46 @@ class TcpReceiver(KVReceiver):
     def _frame(self, conn: socket.socket, header: bytearray, errors: dict, scratch: list) -> None:
         magic, version, ftype, _, rid_len, epoch, layer, dst, num, nbytes = HEADER.unpack(header)
         if magic != MAGIC or version != VERSION:
-            raise _ProtocolError(f"bad frame header (magic {magic!r}, version {version}); "
+            raise ProtocolError(f"bad frame header (magic {magic!r}, version {version}); "
                                  f"expected {MAGIC!r} version {VERSION}")
         if rid_len > MAX_RID_BYTES:
-            raise _ProtocolError(f"request id of {rid_len} bytes (at most {MAX_RID_BYTES})")
+            raise ProtocolError(f"request id of {rid_len} bytes (at most {MAX_RID_BYTES})")
         rid_buf = bytearray(rid_len)
-        _recv_exact(conn, memoryview(rid_buf))
+        recv_exact(conn, memoryview(rid_buf))
         try:
             rid = rid_buf.decode()
         except UnicodeDecodeError:
-            raise _ProtocolError("request id is not UTF-8") from None
+            raise ProtocolError("request id is not UTF-8") from None
         if ftype == FLUSH:
             return self._flush(conn, rid_buf, rid, epoch, nbytes, errors)
+        if ftype == HELLO:  # a sender with a key: both sides must have one, and the same
+            raise ProtocolError(f"this receiver has no KV secret and does not authenticate; {tcp_auth.HINT}")
         if ftype not in (WRITE, PACKED):
-            raise _ProtocolError(f"unexpected frame type {ftype}")
+            raise ProtocolError(f"unexpected frame type {ftype}")
         layers, _, blocks = self.pool.shape[:3]
         packed = ftype == PACKED  # dst is then the number of runs in the table that starts the payload
         expected = 8 * dst * packed + 2 * num * self.layout.page_bytes
         if layer >= layers or packed and not 0 < dst <= num <= blocks:
-            raise _ProtocolError(f"layer {layer}" + (f", {num} pages in {dst} runs," if packed else "")
+            raise ProtocolError(f"layer {layer}" + (f", {num} pages in {dst} runs," if packed else "")
                                  + f" does not fit the pool ({layers} layers, {blocks} pages)")
         if nbytes != expected or nbytes > self.max_frame_bytes:
-            raise _ProtocolError(f"payload of {nbytes} bytes; {num} pages of K and V" + " and their run table" * packed
+            raise ProtocolError(f"payload of {nbytes} bytes; {num} pages of K and V" + " and their run table" * packed
                                  + f" are {expected} bytes (at most {self.max_frame_bytes} per frame)")
         runs = [(dst, num)]
         if packed:
             table = bytearray(8 * dst)
-            _recv_exact(conn, memoryview(table))
+            recv_exact(conn, memoryview(table))
             runs = list(struct.iter_unpack("!II", table))
         if any(n < 1 or d + n > blocks for d, n in runs) or sum(n for _, n in runs) != num:
-            raise _ProtocolError(f"runs {runs[:4]}{'...' * (len(runs) > 4)} of layer {layer} are outside the pool "
+            raise ProtocolError(f"runs {runs[:4]}{'...' * (len(runs) > 4)} of layer {layer} are outside the pool "
                                  f"({blocks} pages) or do not add up to {num} pages")
         pages = range(dst, dst + num)
         if packed:  # received before taking the fence, scattered under it
             pages = [d + i for d, n in runs for i in range(n)]
             if len(set(pages)) != num:
-                raise _ProtocolError(f"the run table of layer {layer} has overlapping runs")
+                raise ProtocolError(f"the run table of layer {layer} has overlapping runs")
             buf = _scratch(scratch, nbytes - 8 * dst)
-            _recv_exact(conn, _byte_view(buf))
+            recv_exact(conn, _byte_view(buf))
         refused = (rid, epoch) in errors
         if not refused:
             try:
@@ -278,11 +274,11 @@ class TcpReceiver(KVReceiver):
                     errors.pop(next(iter(errors)))
                 errors[(rid, epoch)] = e
         if refused and not packed:  # drain the payload so the stream stays in step
-            _recv_exact(conn, _byte_view(_scratch(scratch, nbytes)))
+            recv_exact(conn, _byte_view(_scratch(scratch, nbytes)))
 
     def _flush(self, conn: socket.socket, rid_buf: bytearray, rid: str, epoch: int, nbytes: int, errors: dict) -> None:
         if nbytes:
-            raise _ProtocolError(f"FLUSH with a {nbytes}-byte payload")
+            raise ProtocolError(f"FLUSH with a {nbytes}-byte payload")
         err = errors.pop((rid, epoch), None)
         if err is None:
             try:
@@ -298,11 +294,11 @@ class TcpReceiver(KVReceiver):
     def _recv_pages(self, conn: socket.socket, layer: int, kv: int, dst: int, num: int) -> None:
         if self._flat is not None:  # zero-copy: socket -> the bytes of pool[layer, kv, dst:dst+num]
             start = ((layer * 2 + kv) * self.pool.shape[2] + dst) * self.layout.page_bytes
-            _recv_exact(conn, self._flat[start:start + num * self.layout.page_bytes])
+            recv_exact(conn, self._flat[start:start + num * self.layout.page_bytes])
             return
         target = self.pool[layer, kv, dst:dst + num]
         staging = torch.empty(target.shape, dtype=target.dtype)  # strided or device pool
-        _recv_exact(conn, _byte_view(staging))
+        recv_exact(conn, _byte_view(staging))
         target.copy_(staging)
         if target.is_cuda:  # landed before the fence is let go (a copy from pageable memory may not have)
             torch.cuda.current_stream(target.device).synchronize()
@@ -325,7 +321,8 @@ class TcpSender(KVSender):
     name = "tcp"
 
     def __init__(self, address: str, src_pool: torch.Tensor, timeout_s: float = 10.0,
-                 max_frame_bytes: int = 4 << 20):
+                 max_frame_bytes: int = 4 << 20, key: bytes | None = None):
+        """``key``: prove it to the receiver (and check its proof) before any page; see ``tcp_auth``."""
         super().__init__(address, src_pool)
         self.timeout_s = timeout_s
         self.max_frame_bytes = max_frame_bytes
@@ -341,6 +338,13 @@ class TcpSender(KVSender):
             raise TransportUnavailableError(f"tcp KV receiver at {address!r} is not reachable ({e}); "
                                             "is the decode worker up and its port open from here?") from e
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if key:
+            try:
+                tcp_auth.connect(self.sock, key)
+            except (tcp_auth.AuthRefused, PeerGone, OSError) as e:
+                self.sock.close()
+                raise TransportUnavailableError(f"tcp KV receiver at {address!r} refused authentication or "
+                                                f"failed to authenticate itself: {e}") from e
 
     def write(self, desc: TransferDescriptor, layer: int, runs: Sequence[Run]) -> None:
         KVLayout.of_pool(desc.layout.model, self.src_pool).check_compatible(desc.layout)
@@ -430,17 +434,17 @@ class TcpSender(KVSender):
     def _read_reply(self) -> tuple[int, int, bytes, int, str]:
         header = bytearray(HEADER.size)
         try:
-            _recv_exact(self.sock, memoryview(header))
+            recv_exact(self.sock, memoryview(header))
             magic, version, ftype, kind, rid_len, epoch, _, _, _, nbytes = HEADER.unpack(header)
             if magic != MAGIC or version != VERSION or rid_len > MAX_RID_BYTES or nbytes > MAX_MESSAGE_BYTES:
                 self._raise_broken(f"malformed reply header {bytes(header)!r}")
             body = bytearray(rid_len + nbytes)
-            _recv_exact(self.sock, memoryview(body))
-        except _Timeout:
+            recv_exact(self.sock, memoryview(body))
+        except PeerTimeout:
             self._broken = f"no reply within {self.timeout_s} s"
             self.sock.close()
             raise TransferError(f"tcp receiver {self.address} did not answer the FLUSH within "
                                 f"{self.timeout_s} s; treat the transfer as failed") from None
-        except _PeerGone as e:
+        except PeerGone as e:
             self._raise_broken(str(e))
         return ftype, kind, bytes(body[:rid_len]), epoch, body[rid_len:].decode(errors="replace")

@@ -240,6 +240,26 @@ def test_a_live_gateways_head_waits_for_it(state):
     assert claim_placed(state, "g1") == "mine" and state.get("theirs")["state"] == "failed"
 
 
+def test_a_dead_gateways_requests_behind_a_waiting_head_are_failed_and_free_their_room(state):
+    admit(state, "head", gateway="g2", priority=0, arrival=T0)  # a live gateway's head that waits for room
+    for i in range(6):
+        admit(state, f"behind{i}", gateway="g1", priority=0, arrival=T0 + 1 + i)
+    admit(state, "last", gateway="g2", priority=0, arrival=T0 + 9)
+    assert admit(state, "new", gateway="g2").status == "full"  # the limit is 8
+    assert state.fail_orphans() == 0  # g1 is alive: nothing to do
+    state.gateway_leave("g1")
+    assert state.claim("g2", 30, T0) == "head"  # a claim meets only what is ahead of its head
+    assert state.requeue("head")
+    assert [state.get(f"behind{i}")["state"] for i in range(6)] == ["queued"] * 6
+    assert state.fail_orphans() == 6
+    assert state.pending_ids() == ["head", "last"]
+    for i in range(6):
+        got = state.get(f"behind{i}")
+        assert got["state"] == "failed" and got["attempt"] == 0 and "gateway" in got["error"]
+    assert state.fail_orphans() == 0
+    assert admit(state, "new", gateway="g2").admitted
+
+
 def test_claim_bumps_attempt_and_epoch_and_requeue_keeps_the_place(state):
     admit(state, "x", priority=2, arrival=T0)
     admit(state, "y", priority=2, arrival=T0 + 1)
