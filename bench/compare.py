@@ -1,6 +1,7 @@
 """The serving comparisons of shared/BENCHMARKS.md, each one command, A/B interleaved in one run.
 
     python -m bench.compare disagg    # 1 prefill + 1 decode vs one 'both' worker, interference workload
+    python -m bench.compare tpot-target  # one 'both' worker without vs with --target-tpot-ms, the same workload
     python -m bench.compare batching  # continuous vs static batching through the whole stack
     python -m bench.compare prefix    # prefix-cache hit vs miss TTFT through the whole stack
     python -m bench.compare overhead  # whole stack (gRPC + Redis + gateway) vs LLMEngine in-process
@@ -155,6 +156,23 @@ def unloaded_then_poisson(args, vocab: int):
 
 
 def cmd_disagg(args) -> int:
+    return interference_comparison(args, "disagg", [Stack("disaggregated", [*engine_args(args), *DISAGG]),
+                                                    Stack("colocated", [*engine_args(args), *COLOCATED])],
+                                   "disaggregated (1 prefill + 1 decode) vs colocated (one 'both' worker)")
+
+
+def cmd_tpot_target(args) -> int:
+    """Colocated, with and without --target-tpot-ms: what holding TPOT costs the long prompts' TTFT."""
+    target = ["--target-tpot-ms", f"{args.target_tpot_ms:g}"]
+    return interference_comparison(args, "tpot_target", [
+        Stack("colocated", [*engine_args(args), *COLOCATED]),
+        Stack("target", [*engine_args(args), *COLOCATED, *target])],
+        f"colocated, without and with --target-tpot-ms {args.target_tpot_ms:g}", extra={"target_tpot_ms":
+                                                                                        args.target_tpot_ms})
+
+
+def interference_comparison(args, name: str, stacks: list[Stack], title: str, extra: dict | None = None) -> int:
+    """The interference workload on two stacks, interleaved; ratios are the second over the first."""
     vocab, max_len = model_info(args.model)
     lo, hi = (256, 384) if args.quick else (args.long_min, args.long_max)
     if hi + 8 > max_len:
@@ -171,29 +189,27 @@ def cmd_disagg(args) -> int:
                                 long_prompt=(lo // 2, lo // 2), long_start_s=0.2)
         return fresh_tokens(base, vocab, args.seed + i), offsets
 
-    stacks = [Stack("disaggregated", [*engine_args(args), *DISAGG]),
-              Stack("colocated", [*engine_args(args), *COLOCATED])]
     with running(stacks):
         backends = {s.name: GrpcBackend(s.address) for s in stacks}
-        arms = {name: (lambda i, b=b: {"interference": run_load(b, *workload(i))}) for name, b in backends.items()}
+        arms = {n: (lambda i, b=b: {"interference": run_load(b, *workload(i))}) for n, b in backends.items()}
         runs = run_interleaved(arms, 1 if args.quick else args.pairs)
     systems, per_round = report(runs, by_kind=True)
+    first, second = stacks[0].name, stacks[1].name
     a, b = (systems[s.name]["interference"]["by_kind"] for s in stacks)
-    ratios = {f"{kind}_{m}_{q}_colocated_over_disagg": ratio(a[kind][f"{m}_ms"][q], b[kind][f"{m}_ms"][q])
+    ratios = {f"{kind}_{m}_{q}_{second}_over_{first}": ratio(a[kind][f"{m}_ms"][q], b[kind][f"{m}_ms"][q])
               for kind, m, q in (("decode", "tpot", "p50"), ("decode", "tpot", "p99"), ("decode", "itl", "p99"),
                                  ("long", "ttft", "p50"))}
-    out = write(args, "disagg", {
+    out = write(args, name, {
         "workload": {"name": "interference", "decodes": n_dec, "decode_tokens": dec_tokens, "decode_prompt": [32, 64],
                      "long": n_long, "long_prompt": [lo, hi], "long_tokens": 8, "long_start_s": args.long_start_s,
                      "long_every_s": args.long_every_s},
-        "commands": {s.name: " ".join(s.command) for s in stacks},
+        "commands": {s.name: " ".join(s.command) for s in stacks}, **(extra or {}),
         "systems": systems, "per_round": per_round, "ratios": ratios})
     print_ratios(ratios)
     records = {s.name: pooled(runs, s.name, "interference") for s in stacks}
     plot_cdfs([("ITL of the decoding requests", {n: metric_values(r, "itl", "decode") for n, r in records.items()}),
                ("TTFT of the long prompts", {n: metric_values(r, "ttft", "long") for n, r in records.items()})],
-              out.with_suffix(".png"),
-              "disaggregated (1 prefill + 1 decode) vs colocated (one 'both' worker), interference workload")
+              out.with_suffix(".png"), f"{title}, interference workload")
     return 0
 
 
@@ -392,14 +408,20 @@ def build_parser() -> argparse.ArgumentParser:
         p.set_defaults(func=func)
         return p
 
-    p = add("disagg", cmd_disagg, "disaggregated (1 prefill + 1 decode) vs colocated ('both') under interference")
-    p.add_argument("--decodes", type=int, default=6, help="short requests decoding from t=0")
-    p.add_argument("--decode-tokens", type=int, default=96)
-    p.add_argument("--long", type=int, default=2, help="long prompts arriving while they decode")
-    p.add_argument("--long-min", type=int, default=1024)
-    p.add_argument("--long-max", type=int, default=2048)
-    p.add_argument("--long-start-s", type=float, default=1.0)
-    p.add_argument("--long-every-s", type=float, default=3.0)
+    def interference_args(p: argparse.ArgumentParser) -> None:
+        p.add_argument("--decodes", type=int, default=6, help="short requests decoding from t=0")
+        p.add_argument("--decode-tokens", type=int, default=96)
+        p.add_argument("--long", type=int, default=2, help="long prompts arriving while they decode")
+        p.add_argument("--long-min", type=int, default=1024)
+        p.add_argument("--long-max", type=int, default=2048)
+        p.add_argument("--long-start-s", type=float, default=1.0)
+        p.add_argument("--long-every-s", type=float, default=3.0)
+
+    interference_args(add("disagg", cmd_disagg,
+                          "disaggregated (1 prefill + 1 decode) vs colocated ('both') under interference"))
+    p = add("tpot-target", cmd_tpot_target, "colocated without vs with --target-tpot-ms under interference")
+    interference_args(p)
+    p.add_argument("--target-tpot-ms", type=float, default=60.0)
 
     p = add("batching", cmd_batching, "continuous vs static batching through the whole stack (one 'both' worker)")
     p.add_argument("--num-requests", type=int, default=12)

@@ -172,7 +172,7 @@ def test_grpc_backend_retries_unavailable_only_before_the_first_token():
 
 def test_every_comparison_parses():
     parser = compare.build_parser()
-    for name in ("disagg", "batching", "prefix", "overhead", "http", "load"):
+    for name in ("disagg", "tpot-target", "batching", "prefix", "overhead", "http", "load"):
         args = parser.parse_args([name, "--quick"])
         assert args.func.__name__ == f"cmd_{name}" and args.quick
     assert parser.parse_args(["load", "--rates", "0.5,2"]).rates == [0.5, 2.0]
