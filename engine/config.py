@@ -9,6 +9,8 @@ BATCHING_MODES = ("continuous", "static")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # KV page formats, vLLM's names: "auto" is the model dtype; fp8 is fp8_e4m3 (engine/attention/kv_quant.py).
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
+# Bytes of the float32 scale that ends each quantized (token, head) row of 8-bit codes.
+KV_SCALE_BYTES = 4
 ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")
 # Linear layers: "onednn" (prepacked weights, fp32 on CPU; engine/cpu_linear.py) or "torch".
 LINEAR_BACKENDS = ("auto", "onednn", "torch")

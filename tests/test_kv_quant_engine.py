@@ -89,3 +89,34 @@ def test_mismatched_kv_dtypes_are_refused_before_any_byte_moves(prefill_kv, deco
     finally:
         prefill.close()
         decode.close()
+
+
+def test_capacity_nearly_doubles_and_sizing_and_worker_info_agree(tiny_model_dirs, make_llm):
+    """Pages per GiB: the engine's pool, splitserve.sizing and GetWorkerInfo say the same, and
+    8-bit pages give 2 * head_dim / (head_dim + 4) times bf16's (the scale costs 4 B a row)."""
+    from splitserve.api_convert import worker_info_to_proto
+    from splitserve.sizing import load_shape, pages_for
+
+    model = tiny_model_dirs["llama"]
+    shape = load_shape(str(model))
+    budget = 0.01
+    pools = {}
+    for kv in ("auto", "int8", "fp8"):
+        llm = make_llm(model, dtype="bfloat16", kv_cache_memory_gb=budget, kv_cache_dtype=kv)
+        runner = llm.engine.runner
+        assert runner.num_blocks == pages_for(budget, shape, "bfloat16", runner.block_size, kv)
+        info = worker_info_to_proto("w", "decode", "a:1", ["tcp"], llm.engine.stats())
+        assert info.kv_cache_dtype == kv and info.kv_blocks_total == runner.num_blocks
+        assert info.kv_page_bytes == runner.kv_cache[:, :, 0].numel() * runner.kv_cache.element_size()
+        pools[kv] = runner.num_blocks
+    d = shape.head_dim  # 16 here: 1.6x
+    for kv in ("int8", "fp8"):
+        assert pools[kv] / pools["auto"] == pytest.approx(2 * d / (d + 4), rel=0.01), pools
+
+
+@pytest.mark.parametrize("head_dim, at_least", [(64, 1.88), (128, 1.93)])
+def test_sizing_pages_per_gib_about_double_bf16(head_dim, at_least):
+    from splitserve.sizing import KVShape, pages_for
+    shape = KVShape("m", 30, 3, head_dim)  # SmolLM2's shape at 64
+    ratio = pages_for(20, shape, "bfloat16", 16, "int8") / pages_for(20, shape, "bfloat16", 16)
+    assert at_least <= ratio < 2

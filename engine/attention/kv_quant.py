@@ -20,9 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.config import KV_CACHE_DTYPES
-# Bytes of the scale that ends each quantized row (one float32).
-SCALE_BYTES = 4
+from engine.config import KV_CACHE_DTYPES, KV_SCALE_BYTES as SCALE_BYTES
 # How scales are laid out, as the handoff's KVLayout names it ("" for unquantized pools).
 SCALE_LAYOUT = "f32_per_token_head"
 
