@@ -120,3 +120,19 @@ def test_cpu_kernel_writes_the_rows_torch_writes(name, in_dtype):
     for got, want in ((k_cache, k_ref), (v_cache, v_ref)):
         torch.testing.assert_close(dequantize(got), dequantize(want), atol=0, rtol=2.0 ** -3)
         assert (got.view(torch.uint8) != want.view(torch.uint8)).float().mean() < 0.01
+
+
+@pytest.mark.parametrize("name", ["int8", "fp8_e4m3"])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_triton_decode_reads_quantized_pages(name, num_splits):
+    """The decode kernel whole and split into partitions (flash-decoding) over quantized pages."""
+    from engine.attention import triton_decode
+    _make("triton")  # skips without triton / the interpreter
+    fmt = kv_quant.kv_quant(name)
+    query, key, value, k_cache, v_cache, layout = make_batch([1, 1], [130, 37], 16, 16, 4, 2, 64, seed=4)
+    kq, vq = quantize(k_cache, fmt), quantize(v_cache, fmt)
+    out = triton_decode.paged_decode(query, kq, vq, layout.block_tables, layout.query_start_loc, layout.seq_lens,
+                                     0.125, num_splits=num_splits, split_len=64)
+    same_pages = reference.paged_attention(query, kq, vq, layout.block_tables, layout.query_start_loc,
+                                           layout.seq_lens, 0.125)
+    torch.testing.assert_close(out, same_pages, atol=2e-4, rtol=2e-4)
