@@ -136,3 +136,24 @@ def test_triton_decode_reads_quantized_pages(name, num_splits):
     same_pages = reference.paged_attention(query, kq, vq, layout.block_tables, layout.query_start_loc,
                                            layout.seq_lens, 0.125)
     torch.testing.assert_close(out, same_pages, atol=2e-4, rtol=2e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", FORMATS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_on_cuda_reads_quantized_pages(name, dtype):
+    """Compiled Triton on a GPU (not run on CPU-only machines): write, prefill and decode kernels."""
+    from engine.attention.triton_backend import TritonAttentionBackend
+    fmt = kv_quant.kv_quant(name)
+    query, key, value, k_cache, v_cache, layout = make_batch(Q_LENS, CTX_LENS, 8, 24, 6, 2, 64, seed=3)
+    kq, vq = quantize(k_cache, fmt), quantize(v_cache, fmt)
+    cuda = {f: getattr(layout, f).cuda() for f in ("slot_mapping", "query_start_loc", "seq_lens", "block_tables")}
+    layout_cuda = type(layout)(**{**layout.__dict__, **cuda})
+    attn = TritonAttentionBackend()
+    kq_d, vq_d = kq.cuda(), vq.cuda()
+    out = attn.forward(query.to(dtype).cuda(), key.to(dtype).cuda(), value.to(dtype).cuda(), kq_d, vq_d,
+                       layout_cuda, attn.prepare(layout_cuda), 0.125)
+    same_pages = reference.paged_attention(query, kq_d.cpu(), vq_d.cpu(), layout.block_tables,
+                                           layout.query_start_loc, layout.seq_lens, 0.125)
+    tol = 2e-3 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(out.float().cpu(), same_pages, atol=tol, rtol=tol)
