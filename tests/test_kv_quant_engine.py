@@ -5,12 +5,11 @@ for agreement, reported, not asserted equal; what is asserted is that the pool i
 every request runs to its length, and (handoff) the pages arrive byte for byte.
 """
 import pytest
-import torch
 
 from engine import EngineConfig, SamplingParams
-from kvtransfer import LayoutMismatchError, build_decode, build_prefill
+from kvtransfer import build_decode, build_prefill
 from tests.test_engine_correctness import mixed_prompts
-from tests.test_kvtransfer_handoff import handoff
+from tests.test_kvtransfer_handoff import assert_refused_before_any_byte_moves, handoff
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
@@ -77,18 +76,7 @@ def test_mismatched_kv_dtypes_are_refused_before_any_byte_moves(prefill_kv, deco
     model = tiny_model_dirs["llama"]
     decode = build_decode(_config(model, kv_cache_dtype=decode_kv), "tcp")
     prefill = build_prefill(_config(model, kv_cache_dtype=prefill_kv))
-    try:
-        before = decode.engine.runner.kv_cache.clone()
-        desc = decode.reserve("m", 10)
-        with pytest.raises(LayoutMismatchError, match="kv_cache_dtype"):
-            prefill.start("m", list(range(10)), GREEDY, desc)
-        assert torch.equal(before.view(torch.uint8), decode.engine.runner.kv_cache.view(torch.uint8))
-        assert not prefill.engine.has_unfinished_requests()
-        decode.abort("m")
-        decode.engine.assert_idle()
-    finally:
-        prefill.close()
-        decode.close()
+    assert_refused_before_any_byte_moves(prefill, decode, "kv_cache_dtype")
 
 
 def test_capacity_nearly_doubles_and_sizing_and_worker_info_agree(tiny_model_dirs, make_llm):
