@@ -108,3 +108,22 @@ def test_sizing_pages_per_gib_about_double_bf16(head_dim, at_least):
     shape = KVShape("m", 30, 3, head_dim)  # SmolLM2's shape at 64
     ratio = pages_for(20, shape, "bfloat16", 16, "int8") / pages_for(20, shape, "bfloat16", 16)
     assert at_least <= ratio < 2
+
+
+def test_swapped_out_quantized_pages_come_back_as_they_were(tiny_model_dirs, make_llm):
+    """Swap preemption moves fp8 pages (codes and scales) to the host pool and back as bytes: the
+    output equals that of an engine with room for everyone."""
+    model = tiny_model_dirs["llama"]
+    prompts = mixed_prompts(8, seed=21, lo=20, hi=35)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    roomy = make_llm(model, block_size=8, num_gpu_blocks=256, kv_cache_dtype="fp8").generate(prompts, params)
+    llm = make_llm(model, block_size=8, num_gpu_blocks=12, preemption_mode="swap", num_cpu_blocks=64,
+                   kv_cache_dtype="fp8")
+    outputs = llm.generate(prompts, params)
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in roomy]
+
+
+def test_config_names_the_kv_cache_dtypes():
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of"):
+        EngineConfig(kv_cache_dtype="int4")
