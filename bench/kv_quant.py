@@ -9,9 +9,12 @@
   prefix, share of equal positions.
 * Pages per GiB of KV memory (the engine's own pool sizing).
 * Decode step time, auto vs int8, ``--batch`` sequences of ``--context`` tokens, whole
-  ``engine.step()`` calls, the two engines interleaved round by round (A/B, B/A, ...).
+  ``engine.step()`` calls, the two engines interleaved round by round (A/B, B/A, ...); and the
+  CPU decode attention kernel alone (``splitserve_cpu::paged_decode``, SmolLM2's heads) over
+  model-dtype vs int8 pages at ``--kernel-contexts``, interleaved the same way.
 
     nice -n 10 python -m bench.kv_quant --out bench/results/kv_quant.json
+    nice -n 10 python -m bench.kv_quant --only-step-time --out bench/results/kv_quant_step_time.json
 """
 from __future__ import annotations
 
@@ -23,7 +26,7 @@ import time
 
 import torch
 
-from bench.common import median, write_json
+from bench.common import LoadSampler, median, write_json
 
 FORMATS = ("int8", "fp8_e4m3", "fp8_e5m2")
 
@@ -119,6 +122,37 @@ def step_time(llms: dict, batch: int, context: int, steps: int, rounds: int) -> 
     return {kv: {"median_ms": 1000 * median(t), "steps": len(t)} for kv, t in times.items()}
 
 
+def kernel_time(dtype: torch.dtype, batch: int, contexts: list[int], rounds: int, reps: int = 20) -> list[dict]:
+    """Median time of one paged_decode call (30 of them make a step) over `dtype` vs int8 pages."""
+    from engine.attention import cpu_kernels
+    from engine.attention.kv_quant import kv_quant, quantize
+    if not cpu_kernels.available():
+        return []
+    hq, hkv, d, bs = 9, 3, 64, 16  # SmolLM2-135M's attention
+    cells = []
+    for context in contexts:
+        pages = -(-context // bs)
+        gen = torch.Generator().manual_seed(context)
+        k, v = (torch.randn(batch * pages, bs, hkv, d, generator=gen) for _ in range(2))
+        caches = {"auto": (k.to(dtype), v.to(dtype)), "int8": (quantize(k, kv_quant("int8")), quantize(v, kv_quant("int8")))}
+        query = torch.randn(batch, hq, d, generator=gen).to(dtype)
+        tables = torch.arange(batch * pages, dtype=torch.int32).view(batch, pages)
+        lens = torch.full((batch,), context, dtype=torch.int32)
+        out = torch.empty_like(query)
+        times: dict[str, list[float]] = {"auto": [], "int8": []}
+        for r in range(rounds):
+            for kv in (("auto", "int8") if r % 2 == 0 else ("int8", "auto")):
+                for _ in range(reps):
+                    t0 = time.perf_counter()
+                    torch.ops.splitserve_cpu.paged_decode(out, query, *caches[kv], tables, lens, d ** -0.5)
+                    times[kv].append(time.perf_counter() - t0)
+        a, b = median(times["auto"]), median(times["int8"])
+        cells.append({"batch": batch, "context": context, "auto_us": 1e6 * a, "int8_us": 1e6 * b, "int8_vs_auto": b / a})
+        print(f"paged_decode kernel batch {batch} x context {context}: {dtype} {1e6 * a:.0f} us, int8 {1e6 * b:.0f} us "
+              f"({b / a:.2f}x)", flush=True)
+    return cells
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default="bench/results/kv_quant.json")
@@ -135,16 +169,19 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--rounds", type=int, default=6)
     p.add_argument("--skip-step-time", action="store_true")
+    p.add_argument("--only-step-time", action="store_true", help="the step and kernel timings, no quality figures")
+    p.add_argument("--kernel-contexts", default="512,2048,8192")
     args = p.parse_args(argv)
     formats = [f for f in args.formats.split(",") if f]
 
     text = fixed_text()
+    load = LoadSampler().start()  # the cores are shared: record how busy they were
     common = dict(dtype=args.dtype, attention_backend=args.attention_backend, max_num_seqs=max(args.prompts, args.batch),
                   max_model_len=max(args.ppl_tokens, args.context) + 256)
     results: dict = {"perplexity": {}, "greedy_agreement": {}, "pages_per_gib": {}}
     outputs = {}
     prompts = None
-    for kv in ["auto", *formats]:
+    for kv in ([] if args.only_step_time else ["auto", *formats]):
         t0 = time.perf_counter()
         llm = make_llm(args.model, kv, enforce_eager=True, kv_cache_memory_gb=1.0, **common)
         if prompts is None:
@@ -164,15 +201,18 @@ def main(argv=None) -> int:
         print(f"{kv}: ppl {ppl:.4f} ({100 * (ppl / base - 1):+.2f}%), pages/GiB {llm.engine.runner.num_blocks}, "
               f"{results['greedy_agreement'].get(kv, '')} ({time.perf_counter() - t0:.0f} s)", flush=True)
         del llm
-    base = results["perplexity"]["auto"]
-    results["perplexity_delta_pct"] = {kv: 100 * (v / base - 1) for kv, v in results["perplexity"].items()}
-    results["pages_per_gib_vs_auto"] = {kv: v / results["pages_per_gib"]["auto"]
-                                        for kv, v in results["pages_per_gib"].items()}
-    # "auto" is fp32 on a CPU without native bf16; the bf16 pool (GPUs, AMX CPUs) from the same arithmetic.
-    from splitserve.sizing import load_shape, pages_for
-    bf16 = pages_for(1.0, load_shape(args.model), "bfloat16", 16)
-    results["pages_per_gib_bf16"] = bf16
-    results["pages_per_gib_vs_bf16"] = {kv: v / bf16 for kv, v in results["pages_per_gib"].items()}
+    if args.only_step_time:
+        results = {}
+    else:
+        base = results["perplexity"]["auto"]
+        results["perplexity_delta_pct"] = {kv: 100 * (v / base - 1) for kv, v in results["perplexity"].items()}
+        results["pages_per_gib_vs_auto"] = {kv: v / results["pages_per_gib"]["auto"]
+                                            for kv, v in results["pages_per_gib"].items()}
+        # "auto" is fp32 on a CPU without native bf16; the bf16 pool (GPUs, AMX CPUs) from the same arithmetic.
+        from splitserve.sizing import load_shape, pages_for
+        bf16 = pages_for(1.0, load_shape(args.model), "bfloat16", 16)
+        results["pages_per_gib_bf16"] = bf16
+        results["pages_per_gib_vs_bf16"] = {kv: v / bf16 for kv, v in results["pages_per_gib"].items()}
 
     if not args.skip_step_time:
         pages = args.batch * (-(-(args.context + args.steps * args.rounds + 16) // 16)) + 64
@@ -185,10 +225,14 @@ def main(argv=None) -> int:
               f"({b / a:.2f}x)", flush=True)
         backend = llms["auto"].engine.runner.backend.name
         model_dtype = str(llms["auto"].engine.runner.dtype)
+        results["decode_kernel"] = kernel_time(llms["auto"].engine.runner.dtype, args.batch,
+                                               [int(c) for c in args.kernel_contexts.split(",")], args.rounds)
     else:
         backend = model_dtype = None
 
+    load.stop()
     write_json(args.out, {
+        "load": load.summary(),
         "benchmark": "kv_quant",
         "config": {**vars(args), "attention_backend_used": backend, "model_dtype": model_dtype,
                    "text": "inspect.getsource(argparse)", "text_sha256": hashlib.sha256(text.encode()).hexdigest(),
