@@ -23,7 +23,8 @@ from dataclasses import dataclass
 
 import click
 
-from engine.config import ATTENTION_BACKENDS, BATCHING_MODES, DTYPES, PREEMPTION_MODES, SCHEDULING_POLICIES, EngineConfig
+from engine.config import (ATTENTION_BACKENDS, BATCHING_MODES, DTYPES, KV_CACHE_DTYPES, PREEMPTION_MODES,
+                           SCHEDULING_POLICIES, EngineConfig)
 from splitserve.limits import OutputLimits, RequestLimits
 
 ENV_PREFIX = "SPLITSERVE_"
@@ -78,7 +79,8 @@ class Flag:
 # ---- the engine's flags, from EngineConfig ---------------------------------------------
 
 _CHOICES = {"scheduling_policy": SCHEDULING_POLICIES, "preemption_mode": PREEMPTION_MODES,
-            "batching": BATCHING_MODES, "dtype": DTYPES, "attention_backend": ATTENTION_BACKENDS}
+            "batching": BATCHING_MODES, "dtype": DTYPES, "attention_backend": ATTENTION_BACKENDS,
+            "kv_cache_dtype": KV_CACHE_DTYPES}
 # EngineConfig fields the gateway needs too (its tokenizer, limits, page size, queue order).
 _GATEWAY_FIELDS = {"model", "block_size", "max_model_len", "dtype", "priority_aging_per_s"}
 
