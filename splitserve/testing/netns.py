@@ -13,10 +13,11 @@ tests run in joins the bridge the same way (``10.77.0.1``), so a test's client r
 gateway, the workers and Redis as a client on another machine would; that adds one on-link
 route for the subnet in this namespace and nothing else (no default route, no iptables).
 
-A host's ``prefix`` runs a command inside its namespace (``ip netns exec``) with a private
-``/dev/shm`` (a fresh tmpfs in the mount namespace ``ip netns exec`` makes anyway): separate
-machines share no shared memory, so a decode worker's ``shm`` offer is unusable from another
-host and KV has to cross the network, as it would between real machines.
+A host's ``prefix`` runs a command inside its namespace (``ip netns exec``) with ``/dev/shm``
+replaced by a directory of that host's own (``/dev/shm/<prefix>-<name>`` bind-mounted over it,
+in the mount namespace ``ip netns exec`` makes anyway): processes of one host share it, as on a
+real machine, and separate hosts share nothing, so a decode worker's ``shm`` offer is unusable
+from another host and KV has to cross the network, as it would between real machines.
 
 Names carry a per-run prefix (``ssn<pid hex>``) so parallel or crashed runs do not collide;
 ``cleanup_stale()`` removes what a killed run of this machine left behind. Must run as root.
@@ -32,8 +33,9 @@ __all__ = ["Network", "Host", "unavailable", "netem_available", "cleanup_stale",
 
 PREFIX_ROOT = "ssn"  # every namespace and link this module makes starts with it
 BRIDGE = "br0"
-# A fresh tmpfs on /dev/shm, then the command: only this process tree sees that mount.
-_PRIVATE_SHM = 'mount -t tmpfs -o size=1g,mode=1777 splitserve-shm /dev/shm && exec "$@"'
+SHM = "/dev/shm"
+# The host's directory over /dev/shm, then the command: only this process tree sees that mount.
+_HOST_SHM = 'mount --bind "$0" /dev/shm && exec "$@"'
 
 
 def _ip(*args: str, ns: str | None = None, check: bool = True) -> subprocess.CompletedProcess:
@@ -86,7 +88,11 @@ def cleanup_stale() -> None:
             pass
         except PermissionError:
             continue
-        _ip("netns", "del", name, check=False) if name in listed else _ip("link", "del", name, check=False)
+        if name in listed:
+            _ip("netns", "del", name, check=False)
+            shutil.rmtree(os.path.join(SHM, name), ignore_errors=True)
+        else:
+            _ip("link", "del", name, check=False)
 
 
 def _root_links(text: str) -> set[str]:
@@ -150,9 +156,10 @@ class Network:
         number = self._next
         self._next += 1
         ns, port = f"{self.prefix}-{name}", f"p{number}"
-        host = Host(name, ns, f"{self.subnet}.{number}", port,
-                    ["ip", "netns", "exec", ns, "sh", "-c", _PRIVATE_SHM, "sh"])
+        shm = os.path.join(SHM, ns)
+        host = Host(name, ns, f"{self.subnet}.{number}", port, ["ip", "netns", "exec", ns, "sh", "-c", _HOST_SHM, shm])
         self.hosts[name] = host
+        os.makedirs(shm, mode=0o1777, exist_ok=True)
         _ip("netns", "add", ns)
         _ip("link", "set", "lo", "up", ns=ns)
         _ip("link", "add", port, "netns", self.bridge_ns, "type", "veth", "peer", "name", "eth0", "netns", ns)
@@ -199,6 +206,7 @@ class Network:
         """Delete every namespace (their veths go with them) and this namespace's leg."""
         for host in self.hosts.values():
             _ip("netns", "del", host.namespace, check=False)
+            shutil.rmtree(os.path.join(SHM, host.namespace), ignore_errors=True)
         _ip("link", "del", self.root_link, check=False)
         _ip("netns", "del", self.bridge_ns, check=False)
         self.hosts.clear()
