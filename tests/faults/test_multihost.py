@@ -14,7 +14,9 @@ their namespace's address, as they would on real machines. Real processes, Redis
 * the cable of the decode host a transfer is going to is pulled mid-transfer: the request is
   retried on the other decode host (exact) or ends UNAVAILABLE, within bounded time; the surviving
   workers' pages come back, nothing stays live in Redis, and once the cable is back the cut-off
-  worker's reserved pages come back too (its lease expired).
+  worker's reserved pages come back too (its lease expired). Seen here: the retry often needs a
+  third attempt, because the prefill worker's copier stays blocked on the dead socket until its
+  timeout and that stalls the prefill worker's whole step (the abort sent to it times out too).
 
 Skips where namespaces cannot be made (not root, no iproute2).
 """
