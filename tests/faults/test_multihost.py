@@ -181,3 +181,37 @@ def test_the_decode_hosts_cable_pulled_mid_transfer(stack, net, reference, basel
     assert not live and not any(queues.values()), (live, queues)
     # The cable is back: the cut-off worker's reservation expired with its lease; nothing leaked there.
     wait_pages_at_baseline(stack, baseline, names=[victim], timeout_s=LEASE_S + 30)
+
+
+# ---- gloo (the nccl transport between CPU pools) across hosts --------------------------------
+
+@pytest.fixture(scope="module")
+def gloo_stack(net, stack, tiny_model_dirs, tmp_path_factory):
+    """One more pair on two more hosts, the decode worker offering only the nccl transport (gloo
+    on CPU). gloo binds the address the host name resolves to unless told an interface: on real
+    hosts too, GLOO_SOCKET_IFNAME names the one the peers share. Redis and the gateway run in the
+    namespaces of the first stack's (other ports). Started after ``stack`` (one stack boots at a time)."""
+    hosts = {name: net.hosts.get(name) or net.add_host(name) for name in ("gloo-p", "gloo-d")}
+    where = {"prefill": hosts["gloo-p"], "decode": hosts["gloo-d"]}
+    redis = RedisServer(host=net.hosts["redis"].address, wrap=tuple(net.hosts["redis"].prefix))
+    env = {"GLOO_SOCKET_IFNAME": "eth0"}
+    with start_stack(tiny_model_dirs["llama"], tmp_path_factory, prefill=1, decode=1,
+                     role_args={"decode": ["--kv-transport", "nccl"]}, role_env={"prefill": env, "decode": env},
+                     wrap={"gateway": net.hosts["gateway"].prefix, **{n: h.prefix for n, h in where.items()}},
+                     name_args={n: ["--host", "0.0.0.0", "--advertise-host", h.address] for n, h in where.items()},
+                     gateway_host=net.hosts["gateway"].address, redis_server=redis,
+                     internal_token=secrets.token_urlsafe(16)) as st:
+        st.prefill_host = hosts["gloo-p"]
+        yield st
+
+
+def test_kv_crosses_hosts_over_gloo_exactly(gloo_stack, reference):
+    st = gloo_stack
+    metrics = f"{st.prefill_host.address}:{st.metrics_ports['prefill']}"
+    key = "splitserve:kv_transfer_bytes_total{transport=nccl}"
+    before = scrape(metrics).get(key, 0.0)
+    baseline = st.free_pages()
+    for i, prompt in enumerate(mixed_prompts(2, seed=184, lo=20, hi=90)):
+        assert generate(st, f"mh-gloo-{i}", prompt, max_tokens=8).tokens == reference.greedy(prompt, 8)
+    assert scrape(metrics).get(key, 0.0) > before, "no KV bytes went over nccl/gloo"
+    wait_pages_at_baseline(st, baseline)
