@@ -16,7 +16,9 @@ their namespace's address, as they would on real machines. Real processes, Redis
   workers' pages come back, nothing stays live in Redis, and once the cable is back the cut-off
   worker's reserved pages come back too (its lease expired). Seen here: the retry often needs a
   third attempt, because the prefill worker's copier stays blocked on the dead socket until its
-  timeout and that stalls the prefill worker's whole step (the abort sent to it times out too).
+  timeout and that stalls the prefill worker's whole step (the abort sent to it times out too);
+* a second, smaller stack on two more hosts whose decode worker offers only the nccl transport
+  moves KV over gloo (CPU pools) across hosts, exact.
 
 Skips where namespaces cannot be made (not root, no iproute2).
 """
@@ -90,7 +92,7 @@ def generate(stack, request_id: str, prompt: list[int], max_tokens: int) -> Stre
 
 
 def test_a_request_across_hosts_is_exact_and_its_kv_crosses_over_tcp(stack, net, reference, baseline):
-    assert len({h.address for h in net.hosts.values()}) == len(net.hosts)  # five hosts, five addresses
+    assert len({h.address for h in net.hosts.values()}) == len(net.hosts)  # every host its own address
     tcp0, shm0 = kv_bytes(stack, net, "tcp"), kv_bytes(stack, net, "shm")
     for i, prompt in enumerate(mixed_prompts(3, seed=181, lo=20, hi=90)):
         stream = generate(stack, f"mh-exact-{i}", prompt, max_tokens=8)
