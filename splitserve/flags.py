@@ -172,6 +172,8 @@ def _flags() -> list[Flag]:
         f("redis_password", s, "", "Redis AUTH password (prefer the environment variable)", ALL, secret=True),
         # Workers.
         f("worker_id", s, "", "id in the registry (default: <role>-<random>)", WORKERS, up=False),
+        f("host_id", s, "", "which workers share a host for shm / cuda_ipc (the gateway prefers such pairs); "
+          "default: the boot id and the shm directory this process sees", WORKERS, up=False),
         f("num_threads", i, 0, "torch CPU threads of the engine (0: torch's default; up splits the cores "
           "between its workers)", WORKERS),
         f("kv_transport", s, "auto", "KV transports: a decode worker offers them fastest first, a prefill "
