@@ -23,7 +23,8 @@ class StepInputs:
     input_ids: torch.Tensor  # [T] int64, on the device
     positions: torch.Tensor  # [T] int64, on the device
     layout: StepLayout
-    # Row of the hidden states whose logits are sampled, and the chunk it samples for.
+    # Rows of the hidden states whose logits are sampled, and the chunks they sample for: one row
+    # per chunk, or 1 + its proposals for a speculative decode (its last 1 + P rows, in order).
     sample_index: torch.Tensor  # [S] int64, on the device
     sample_chunks: list[ScheduledChunk]
 
@@ -45,7 +46,7 @@ class InputBuffers:
         self._qsl = host(max_seqs + 1, dtype=torch.int32)
         self._lens = host(max_seqs, dtype=torch.int32)
         self._tables = host(max_seqs, max_blocks_per_seq, dtype=torch.int32)
-        self._sample = host(max_seqs, dtype=torch.int64)
+        self._sample = host(max(max_seqs, max_tokens), dtype=torch.int64)  # speculative decodes sample every row
         self._host = [self._ids, self._pos, self._slots, self._qsl, self._lens, self._tables, self._sample]
         # Device side: the same tensors on CPU, copies of them elsewhere.
         self._dev = self._host if device.type == "cpu" else [t.to(device) for t in self._host]
@@ -99,6 +100,9 @@ class InputBuffers:
                 ids[lo] = tokens[-1]
             elif chunk.num_tokens == 1:
                 ids[lo] = tokens[chunk.start]
+            elif chunk.spec_token_ids:  # the newest token, then the proposals after it
+                ids[lo] = tokens[chunk.start]
+                ids[lo + 1:qsl[i + 1]] = chunk.spec_token_ids
             else:
                 ids[lo:qsl[i + 1]] = tokens[chunk.start:chunk.start + chunk.num_tokens]
             table = block_tables[chunk.request.request_id]
@@ -111,12 +115,17 @@ class InputBuffers:
         self._slots.numpy()[:num_tokens] = tables[seq_of_token, positions // bs].astype(np.int64) * bs + positions % bs
         self._lens.numpy()[:num_seqs] = seq_lens
         sample_chunks = [c for c in chunks if c.samples]
-        sample_at = qsl[1:][np.fromiter((c.samples for c in chunks), dtype=bool, count=num_seqs)] - 1
-        self._sample.numpy()[:len(sample_chunks)] = sample_at
+        ends = qsl[1:][np.fromiter((c.samples for c in chunks), dtype=bool, count=num_seqs)]
+        rows = np.fromiter((1 + len(c.spec_token_ids) for c in sample_chunks), dtype=np.int64,
+                           count=len(sample_chunks))
+        num_rows = int(rows.sum())
+        # Chunk j's rows: ends[j] - rows[j] .. ends[j] - 1.
+        first = np.cumsum(rows) - rows
+        self._sample.numpy()[:num_rows] = np.repeat(ends - rows - first, rows) + np.arange(num_rows)
 
         if pad_to is not None:
             self.fill_padding(num_seqs, pad_to)
-        ids_d, pos_d, slots_d, qsl_d, lens_d, tables_d, sample_d = self._to_device(num_tokens, num_seqs)
+        ids_d, pos_d, slots_d, qsl_d, lens_d, tables_d, sample_d = self._to_device(num_tokens, num_seqs, num_rows)
         layout = StepLayout(
             slot_mapping=slots_d[:num_tokens],
             query_start_loc=qsl_d[:num_seqs + 1],
@@ -128,13 +137,12 @@ class InputBuffers:
             query_start_list=qsl.tolist(),
             block_size=bs,
         )
-        return StepInputs(ids_d[:num_tokens], pos_d[:num_tokens], layout, sample_d[:len(sample_chunks)],
-                          sample_chunks)
+        return StepInputs(ids_d[:num_tokens], pos_d[:num_tokens], layout, sample_d[:num_rows], sample_chunks)
 
-    def _to_device(self, num_tokens: int, num_seqs: int) -> list[torch.Tensor]:
+    def _to_device(self, num_tokens: int, num_seqs: int, num_rows: int) -> list[torch.Tensor]:
         if self.device.type == "cpu":
             return self._dev
-        used = [num_tokens, num_tokens, num_tokens, num_seqs + 1, num_seqs, num_seqs, num_seqs]
+        used = [num_tokens, num_tokens, num_tokens, num_seqs + 1, num_seqs, num_seqs, num_rows]
         for host, dev, n in zip(self._host, self._dev, used):
             dev[:n].copy_(host[:n], non_blocking=True)
         self._copied.record()
