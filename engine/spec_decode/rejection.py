@@ -74,11 +74,10 @@ def _verify_random(sampler, logits, rows, chunks, spans, result) -> None:
     has = proposal >= 0
     safe = proposal.clamp(min=0).unsqueeze(1)
     p_d = p.gather(1, safe).squeeze(1)
-    residual = p.clone()
     q_rows = _draft_rows(chunks, spans, p)
     if q_rows is None:  # point masses: accept with p(d); on rejection, p without d
         accept = p_d
-        residual.scatter_(1, safe, 0.0)
+        residual = point_mass_residual(p, safe)
     else:
         q_d = q_rows.gather(1, safe).squeeze(1)
         accept = torch.where(q_d > 0, p_d / q_d.clamp(min=1e-30), torch.ones_like(p_d)).clamp(max=1.0)
@@ -88,7 +87,7 @@ def _verify_random(sampler, logits, rows, chunks, spans, result) -> None:
     empty = residual.sum(dim=-1, keepdim=True) <= 0
     residual = torch.where(empty, p, residual)
     generators = [r.generator for r in sub_rows]
-    u = _uniforms(generators, sampler.generator, dev)
+    u = _uniforms(generators, has.tolist(), sampler.generator, dev)
     fallback = sampler.race(residual, generators)
     keep = (u < accept).tolist()
     proposal_l = proposal.tolist()
@@ -101,6 +100,12 @@ def _verify_random(sampler, logits, rows, chunks, spans, result) -> None:
         tokens_per_chunk.append(proposal_l[at:at + kept] + [fallback[at + kept]])
         at += n + 1
     _emit(work, sub_rows, chunks, spans, tokens_per_chunk, result)
+
+
+def point_mass_residual(p: torch.Tensor, proposal: torch.Tensor) -> torch.Tensor:
+    """What a rejected point-mass proposal leaves: p with the proposed token ([rows, 1]) removed
+    (a test swaps in a wrong rule to show the distribution test catches it)."""
+    return p.clone().scatter_(1, proposal, 0.0)
 
 
 def _draft_rows(chunks, spans, p: torch.Tensor) -> torch.Tensor | None:
@@ -119,12 +124,18 @@ def _draft_rows(chunks, spans, p: torch.Tensor) -> torch.Tensor | None:
     return torch.cat(parts)
 
 
-def _uniforms(generators: list, shared: torch.Generator | None, dev) -> torch.Tensor:
-    """One U[0, 1) per row: from the row's own generator when it has one (seeded requests stay
-    reproducible), else from the sampler's shared one."""
-    u = torch.rand(len(generators), generator=shared, device=dev if shared is None else shared.device)
-    for i, g in enumerate(generators):
-        if g is not None:
+def _uniforms(generators: list, wanted: list[bool], shared: torch.Generator | None, dev) -> torch.Tensor:
+    """One U[0, 1) per row that verifies a proposal (1.0 elsewhere: never compared): from the
+    row's own generator when it has one (a seeded request stays reproducible), else from the
+    sampler's shared one. A row without a proposal draws nothing here, so a request's random
+    stream does not depend on whether other requests speculated in the same step."""
+    u = torch.ones(len(generators))
+    shared_rows = [i for i, (g, w) in enumerate(zip(generators, wanted)) if w and g is None]
+    if shared_rows:
+        u[shared_rows] = torch.rand(len(shared_rows), generator=shared,
+                                    device="cpu" if shared is None else shared.device).cpu()
+    for i, (g, w) in enumerate(zip(generators, wanted)):
+        if w and g is not None:
             u[i] = torch.rand(1, generator=g, device=g.device).item()
     return u.to(dev)
 
