@@ -297,3 +297,54 @@ def test_engine_sampling_with_speculation_matches_transformers(tiny_model_dirs, 
                             minlength=vocab * vocab).float()
     stat, df = _chi_square(counts, joint)
     assert stat < _chi_square_critical(df), (stat, df)
+
+
+# ---- draft model ---------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def tiny_draft(tmp_path_factory):
+    """A one-layer random draft with the tiny models' vocabulary (their byte tokenizer)."""
+    from splitserve.testing.tiny_models import make_tiny_model
+    return make_tiny_model(tmp_path_factory.mktemp("draft") / "llama", arch="llama", seed=5, num_layers=1)
+
+
+@pytest.mark.parametrize("mode", ["recompute", "swap"])
+def test_draft_model_greedy_matches_transformers(mode, tiny_model_dirs, tiny_draft, make_llm, hf_reference):
+    model = tiny_model_dirs["llama"]
+    ref = hf_reference(model)
+    prompts = mixed_prompts(8, seed=21, lo=20, hi=35)
+    llm = make_llm(model, block_size=8, num_gpu_blocks=12, preemption_mode=mode, num_cpu_blocks=64,
+                   speculative_method="draft", speculative_model=str(tiny_draft), num_speculative_tokens=3)
+    outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.scheduler.spec_stats.num_draft_tokens > 0
+    for prompt, out in zip(prompts, outputs):
+        assert out.token_ids == ref.greedy(prompt, 20)
+
+
+def test_the_model_as_its_own_draft_is_accepted(tiny_model_dirs, make_llm, hf_reference):
+    """A draft equal to the target proposes what the target picks: nearly everything is accepted,
+    greedy and sampled, which only holds if the draft's KV (caught up, extended, cut back after
+    rejections and preemptions) is right."""
+    model = tiny_model_dirs["llama"]
+    prompts = mixed_prompts(6, seed=3, lo=5, hi=40)
+    llm = make_llm(model, block_size=8, num_gpu_blocks=64, max_num_batched_tokens=32,
+                   speculative_method="draft", speculative_model=str(model), num_speculative_tokens=3)
+    outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))
+    ref = hf_reference(model)
+    assert all(o.token_ids == ref.greedy(p, 20) for p, o in zip(prompts, outputs))
+    stats = llm.engine.scheduler.spec_stats
+    assert stats.num_accepted_tokens >= 0.95 * stats.num_draft_tokens > 0
+    llm.generate(prompts, SamplingParams(temperature=1.0, max_tokens=20, ignore_eos=True, seed=1))
+    assert stats.num_accepted_tokens >= 0.95 * stats.num_draft_tokens
+
+
+def test_draft_must_share_the_vocabulary(tiny_model_dirs, tmp_path, make_llm):
+    from splitserve.testing.tiny_models import make_tiny_model
+    other = make_tiny_model(tmp_path / "other", arch="llama")
+    import json
+    config = json.loads((other / "config.json").read_text())
+    config["vocab_size"] = 300
+    (other / "config.json").write_text(json.dumps(config))
+    with pytest.raises(Exception, match="vocabulary"):
+        make_llm(tiny_model_dirs["llama"], speculative_method="draft", speculative_model=str(other))
