@@ -94,6 +94,8 @@ class Scheduler:
         # Tokens the next step may hold; engine.step_budget lowers it under a latency target.
         self.token_budget = config.max_num_batched_tokens
         self.spec_stats = SpecDecodeStats()
+        # Tokens appended by update() (a speculative step may append several per request).
+        self.num_sampled_tokens = 0
 
     # ---- queue management ------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -300,6 +302,7 @@ class Scheduler:
             reason = None
             for token in tokens:  # an accepted run ends early at a stop token or a limit
                 request.append_token(token.token_id, token.logprobs)
+                self.num_sampled_tokens += 1
                 reason = request.check_stop(self.max_model_len)
                 if reason is not None:
                     break
