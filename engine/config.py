@@ -73,12 +73,13 @@ class EngineConfig:
     # Engine seed (vLLM's name; requests are seeded by SamplingParams.seed, this is not read yet).
     seed: int = 0
     # Speculative decoding (vLLM's names): "ngram" (prompt lookup: the tokens that followed the
-    # sequence's last n-gram earlier in it) or "draft" (a small model, speculative_model); None: off.
+    # sequence's last n-gram earlier in it) or "draft" (a small model, speculative_model); unset: off.
     speculative_method: str | None = None
     # Tokens proposed per decoding sequence and step; the model verifies them in one forward.
     num_speculative_tokens: int = 3
-    # ngram: the longest and the shortest suffix n-gram looked up (longest first).
+    # ngram: the longest suffix n-gram looked up (longer ones first).
     prompt_lookup_max: int = 4
+    # ngram: the shortest suffix n-gram looked up.
     prompt_lookup_min: int = 2
     # draft: the draft model (alias or checkpoint directory) with the target's vocabulary.
     speculative_model: str | None = None
