@@ -100,7 +100,10 @@ class ModelRunner:
         self.eos_token_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
         self.sampler = Sampler(self.eos_token_ids)
         max_tokens = max(config.max_num_batched_tokens, config.max_num_seqs)
-        self.inputs = InputBuffers(max_tokens, config.max_num_seqs, -(-self.max_model_len // self.block_size),
+        # Speculative decoding verifies each proposal in a row of its own (engine.step_inputs.VerifyRow).
+        max_rows = config.max_num_seqs * (1 + config.num_speculative_tokens) if config.speculative_method \
+            else config.max_num_seqs
+        self.inputs = InputBuffers(max_tokens, min(max_rows, max_tokens), -(-self.max_model_len // self.block_size),
                                    self.block_size, self.device)
         # Called as (plan, layer) once a layer's K/V of the step are in the pool: the prefill
         # side of kvtransfer ships each layer while the next one computes.

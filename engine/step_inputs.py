@@ -9,7 +9,7 @@ in one non-blocking copy each from pinned memory.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -29,9 +29,47 @@ class StepInputs:
     sample_chunks: list[ScheduledChunk]
 
 
+@dataclass
+class VerifyRow:
+    """One position of a speculative decode, fed as a decode of its own: a chunk [newest token,
+    d_1..d_P] becomes P + 1 one-token rows over the same block table, row i at position start + i
+    attending to everything up to it. Each layer writes the step's K/V before it attends, so row
+    i sees d_1..d_i; and decode attention reads the pages where they lie, where a multi-token
+    chunk after cached context would gather that context once per layer (measured on the CPU
+    backend: the gathers and SDPA of such chunks cost more than the whole decode kernel)."""
+    request: object
+    start: int
+    token_id: int
+    num_tokens: int = 1
+    samples: bool = True
+    padding: bool = False
+    spec_token_ids: list = field(default_factory=list)
+
+    @property
+    def is_decode(self) -> bool:
+        return True
+
+
+def expand_verification(chunks: list[ScheduledChunk]) -> list:
+    """``chunks`` with every speculative decode replaced by its VerifyRows (in place, so the
+    sampled rows keep the chunks' order)."""
+    if not any(c.spec_token_ids for c in chunks):
+        return chunks
+    rows: list = []
+    for c in chunks:
+        if c.spec_token_ids:
+            fed = [c.request.all_token_ids[c.start], *c.spec_token_ids]
+            rows.extend(VerifyRow(c.request, c.start + i, t) for i, t in enumerate(fed))
+        else:
+            rows.append(c)
+    return rows
+
+
 class InputBuffers:
     def __init__(self, max_tokens: int, max_seqs: int, max_blocks_per_seq: int, block_size: int,
                  device: torch.device):
+        """``max_seqs``: rows of one step (sequences; with speculative decoding each verified
+        position is a row of its own)."""
         self.block_size = block_size
         self.device = device
         pin = device.type == "cuda"
@@ -46,7 +84,7 @@ class InputBuffers:
         self._qsl = host(max_seqs + 1, dtype=torch.int32)
         self._lens = host(max_seqs, dtype=torch.int32)
         self._tables = host(max_seqs, max_blocks_per_seq, dtype=torch.int32)
-        self._sample = host(max(max_seqs, max_tokens), dtype=torch.int64)  # speculative decodes sample every row
+        self._sample = host(max_seqs, dtype=torch.int64)
         self._host = [self._ids, self._pos, self._slots, self._qsl, self._lens, self._tables, self._sample]
         # Device side: the same tensors on CPU, copies of them elsewhere.
         self._dev = self._host if device.type == "cpu" else [t.to(device) for t in self._host]
@@ -74,12 +112,14 @@ class InputBuffers:
 
     def build(self, chunks: list[ScheduledChunk], block_tables: dict[str, list[int]],
               pad_to: int | None = None) -> StepInputs:
-        """Inputs of one step; ``chunks`` are ordered decodes first (the scheduler's order).
+        """Inputs of one step; ``chunks`` are ordered decodes (and speculative decodes) first.
 
         ``pad_to``: a pure-decode batch replayed by a CUDA graph of that many rows; the rows past
         the batch are written as padding too."""
         if self._copied is not None:
             self._copied.synchronize()
+        sample_chunks = [c for c in chunks if c.samples]
+        chunks = expand_verification(chunks)
         bs = self.block_size
         num_seqs = len(chunks)
         q_lens = np.fromiter((c.num_tokens for c in chunks), dtype=np.int64, count=num_seqs)
@@ -98,11 +138,10 @@ class InputBuffers:
             lo = qsl[i]
             if chunk.padding:  # static batching: keep the row busy with its last token
                 ids[lo] = tokens[-1]
+            elif isinstance(chunk, VerifyRow):
+                ids[lo] = chunk.token_id
             elif chunk.num_tokens == 1:
                 ids[lo] = tokens[chunk.start]
-            elif chunk.spec_token_ids:  # the newest token, then the proposals after it
-                ids[lo] = tokens[chunk.start]
-                ids[lo + 1:qsl[i + 1]] = chunk.spec_token_ids
             else:
                 ids[lo:qsl[i + 1]] = tokens[chunk.start:chunk.start + chunk.num_tokens]
             table = block_tables[chunk.request.request_id]
@@ -114,14 +153,9 @@ class InputBuffers:
         np.add(np.repeat(starts - qsl[:-1], q_lens), np.arange(num_tokens), out=positions)
         self._slots.numpy()[:num_tokens] = tables[seq_of_token, positions // bs].astype(np.int64) * bs + positions % bs
         self._lens.numpy()[:num_seqs] = seq_lens
-        sample_chunks = [c for c in chunks if c.samples]
-        ends = qsl[1:][np.fromiter((c.samples for c in chunks), dtype=bool, count=num_seqs)]
-        rows = np.fromiter((1 + len(c.spec_token_ids) for c in sample_chunks), dtype=np.int64,
-                           count=len(sample_chunks))
-        num_rows = int(rows.sum())
-        # Chunk j's rows: ends[j] - rows[j] .. ends[j] - 1.
-        first = np.cumsum(rows) - rows
-        self._sample.numpy()[:num_rows] = np.repeat(ends - rows - first, rows) + np.arange(num_rows)
+        sample_at = qsl[1:][np.fromiter((c.samples for c in chunks), dtype=bool, count=num_seqs)] - 1
+        num_rows = len(sample_at)
+        self._sample.numpy()[:num_rows] = sample_at
 
         if pad_to is not None:
             self.fill_padding(num_seqs, pad_to)

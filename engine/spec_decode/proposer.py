@@ -11,8 +11,9 @@ from engine.spec_decode.ngram import ngram_propose
 class Proposer(abc.ABC):
     def propose(self, plan: SchedulerOutput) -> None:
         """Fill each reserved decode's ``spec_token_ids`` (up to its lookahead; maybe none), then
-        make the plan what the runner expects: proposals counted in ``num_tokens``, and plain
-        decodes (one token) ahead of every multi-token chunk, as attention backends require."""
+        make the plan what the runner expects: proposals counted in ``num_tokens``, and decodes
+        (plain or speculative: those run as one-token rows, ``engine.step_inputs.VerifyRow``)
+        ahead of every prefill chunk, as attention backends require."""
         chunks = [c for c in plan.chunks if c.lookahead > 0]
         if not chunks:
             return
@@ -20,7 +21,7 @@ class Proposer(abc.ABC):
         for chunk in chunks:
             chunk.num_tokens = 1 + len(chunk.spec_token_ids)
             chunk.lookahead = 0
-        plan.chunks.sort(key=lambda c: not c.is_decode)  # stable: order within each kind is kept
+        plan.chunks.sort(key=lambda c: not (c.is_decode or c.spec_token_ids))  # stable sort
 
     @abc.abstractmethod
     def _propose(self, chunks: list[ScheduledChunk], plan: SchedulerOutput) -> None:
