@@ -7,6 +7,10 @@ SCHEDULING_POLICIES = ("fcfs", "priority")
 PREEMPTION_MODES = ("recompute", "swap")
 BATCHING_MODES = ("continuous", "static")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# KV page formats, vLLM's names: "auto" is the model dtype; fp8 is fp8_e4m3 (engine/attention/kv_quant.py).
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
+# Bytes of the float32 scale that ends each quantized (token, head) row of 8-bit codes.
+KV_SCALE_BYTES = 4
 ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")
 # Linear layers: "onednn" (prepacked weights, fp32 on CPU; engine/cpu_linear.py) or "torch".
 LINEAR_BACKENDS = ("auto", "onednn", "torch")
@@ -58,6 +62,9 @@ class EngineConfig:
     static_batch_size: int = 8
     # Weights and KV dtype; "auto" is bfloat16.
     dtype: str = "auto"
+    # KV pages: "auto" (the model dtype) or 8-bit codes with a float32 scale per token and head:
+    # "int8", "fp8"/"fp8_e4m3", "fp8_e5m2" (about half the bytes of bf16: ~1.9x the pages per GB).
+    kv_cache_dtype: str = "auto"
     # "auto" (CUDA when present), "cpu", "cuda", "cuda:N".
     device: str = "auto"
     # Paged attention kernels: "auto" (triton on CUDA, torch on CPU), "torch" or "triton".
@@ -116,6 +123,7 @@ class EngineConfig:
         one_of("preemption_mode", PREEMPTION_MODES)
         one_of("batching", BATCHING_MODES)
         one_of("dtype", DTYPES)
+        one_of("kv_cache_dtype", KV_CACHE_DTYPES)
         one_of("attention_backend", ATTENTION_BACKENDS)
         one_of("linear_backend", LINEAR_BACKENDS)
         self._check_speculative(positive)

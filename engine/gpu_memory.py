@@ -50,8 +50,8 @@ def profile_step_bytes(runner) -> int:
     device, config = runner.device, runner.config
     tokens = max(config.max_num_batched_tokens, config.max_num_seqs)
     blocks = -(-tokens // runner.block_size)
-    scratch = torch.zeros((runner.num_layers, 2, blocks, runner.block_size, runner.num_kv_heads, runner.head_dim),
-                          dtype=runner.dtype, device=device)
+    scratch = torch.zeros((runner.num_layers, 2, blocks, runner.block_size, runner.num_kv_heads, runner.kv_row),
+                          dtype=runner.kv_dtype, device=device)
     caches = [(scratch[i, 0], scratch[i, 1]) for i in range(runner.num_layers)]
     layout = StepLayout(slot_mapping=torch.arange(tokens, device=device),
                         query_start_loc=torch.tensor([0, tokens], dtype=torch.int32, device=device),

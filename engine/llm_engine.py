@@ -184,8 +184,10 @@ class LLMEngine:
         )
 
     # ---- checks ----------------------------------------------------------------------
-    def stats(self) -> dict[str, float]:
+    def stats(self) -> dict[str, float | str]:
         return {
+            "kv_cache_dtype": self.config.kv_cache_dtype,
+            "kv_page_bytes": self.runner.kv_bytes_per_token * self.runner.block_size,
             "kv_blocks_total": self.kv.num_total_blocks,
             "kv_blocks_free": self.kv.num_free_blocks,
             "kv_blocks_cached": self.kv.num_cached_blocks,

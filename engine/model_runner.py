@@ -15,6 +15,7 @@ from typing import Callable
 import torch
 
 from engine.attention import StepLayout, select_backend
+from engine.attention.kv_quant import kv_quant, row_width
 from engine.attention.hf_integration import ATTN_IMPLEMENTATION, StepContext, step_context
 from engine.compiled_forward import build_forward
 from engine.config import EngineConfig
@@ -88,12 +89,16 @@ class ModelRunner:
         self.head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
         self.block_size = config.block_size
         self.backend = select_backend(config.attention_backend, self.device.type, self.head_dim)
+        # Quantized pages (--kv-cache-dtype) are rows of 8-bit codes + a float32 scale; see kv_quant.
+        self.kv_quant = kv_quant(config.kv_cache_dtype)
+        self.kv_dtype = self.kv_quant.storage if self.kv_quant else self.dtype
+        self.kv_row = row_width(self.head_dim, self.kv_quant)
         self.num_blocks = config.num_gpu_blocks or self._pool_blocks()
-        shape = (self.num_layers, 2, self.num_blocks, self.block_size, self.num_kv_heads, self.head_dim)
-        self.kv_cache = pool_factory(shape, self.dtype, self.device)
+        shape = (self.num_layers, 2, self.num_blocks, self.block_size, self.num_kv_heads, self.kv_row)
+        self.kv_cache = pool_factory(shape, self.kv_dtype, self.device)
         self.cpu_cache = None
         if config.preemption_mode == "swap":
-            self.cpu_cache = torch.zeros((*shape[:2], config.num_cpu_blocks, *shape[3:]), dtype=self.dtype,
+            self.cpu_cache = torch.zeros((*shape[:2], config.num_cpu_blocks, *shape[3:]), dtype=self.kv_dtype,
                                          pin_memory=self.device.type == "cuda")
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(self.num_layers)]
         eos = self.model.generation_config.eos_token_id
@@ -116,18 +121,17 @@ class ModelRunner:
             self.graphs = DecodeGraphs(self.forward, self.backend, self.kv_caches, self.inputs, self.max_model_len,
                                        capture_sizes(config.max_num_seqs))
             self.graphs.capture()
-        log.info("model runner: %s on %s in %s, attention %s, linear %s, %s, %d KV blocks of %d tokens",
+        log.info("model runner: %s on %s in %s, attention %s, linear %s, %s, %d KV blocks of %d tokens (KV %s)",
                  model_dir.name, self.device, self.dtype, self.backend.name, self.linear_backend,
                  self.forward.describe(),
-                 self.num_blocks, self.block_size)
+                 self.num_blocks, self.block_size, config.kv_cache_dtype)
 
     @property
     def kv_bytes_per_token(self) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.kv_cache.element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.kv_row * torch.empty((), dtype=self.kv_dtype).element_size()
 
     def _pool_blocks(self) -> int:
-        per_block = 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.block_size \
-            * torch.empty((), dtype=self.dtype).element_size()
+        per_block = self.kv_bytes_per_token * self.block_size
         if self.config.gpu_memory_utilization is None:
             return max(1, int(self.config.kv_cache_memory_gb * 2**30) // per_block)
         if self.device.type != "cuda":

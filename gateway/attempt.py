@@ -230,7 +230,7 @@ class _Attempt:
             with job.trace.call("decode", decode.worker_id, job.attempt) as metadata:
                 return await self._relay(self.directory.decode_stub(decode).Decode(
                     request, timeout=job.timeout(None), metadata=metadata))
-        prefill = await self.directory.pick_prefill(self.prompt)
+        prefill = await self.directory.pick_prefill(self.prompt, decode)
         if prefill is None:
             raise WorkerLost("no prefill worker left")
         self._track(prefill)

@@ -13,6 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from engine.kv_cache_manager import prefix_block_hashes
 from splitserve.grpc_server import WORKER_SERVICES
+from splitserve.locality import transfer_cost
 from splitserve.v1 import worker_pb2_grpc
 
 # How long a listing of the workers is reused before Redis is asked again.
@@ -70,6 +71,7 @@ class WorkerView:
     num_running: int = 0
     num_waiting: int = 0
     metrics_address: str = ""
+    host_id: str = ""  # its shared-memory domain (splitserve/locality.py); "" when it does not say
 
     @classmethod
     def from_registry(cls, entry: dict) -> "WorkerView":
@@ -80,7 +82,7 @@ class WorkerView:
                    kv_blocks_free=int(stats.get("kv_blocks_free", 0)),
                    kv_blocks_cached=int(stats.get("kv_blocks_cached", 0)),
                    num_running=int(stats.get("num_running", 0)), num_waiting=int(stats.get("num_waiting", 0)),
-                   metrics_address=str(stats.get("metrics_address", "")))
+                   metrics_address=str(stats.get("metrics_address", "")), host_id=str(stats.get("host_id", "")))
 
 
 class WorkerDirectory:
@@ -145,20 +147,39 @@ class WorkerDirectory:
     async def responsive(self, worker: WorkerView) -> bool:
         return bool(await self.probe(worker))
 
-    async def decode_candidates(self) -> list[WorkerView]:
-        """Decode-capable workers, least loaded first: fewest requests in flight from this gateway
-        (counted from the moment a reservation is asked for, so a burst spreads out), then fewest
-        running and waiting as last heartbeated, then most free KV pages."""
-        workers = [w for w in await self.usable() if w.role in ("decode", "both")]
-        return sorted(workers, key=lambda w: (self.inflight.get(w.worker_id, 0), w.num_running + w.num_waiting,
-                                              -w.kv_blocks_free))
+    def path_cost(self, prefill: WorkerView, decode: WorkerView) -> float:
+        """What KV from ``prefill`` to ``decode`` costs, in requests of load (splitserve/locality.py):
+        nothing on one host over shm or cuda_ipc, more over the network."""
+        return transfer_cost(prefill.transports, prefill.host_id, decode.transports, decode.host_id)
 
-    async def pick_prefill(self, prompt_token_ids: Sequence[int] = ()) -> WorkerView | None:
-        """The least-loaded prefill worker, unless one that holds the prompt's prefix is nearly as free."""
+    async def decode_candidates(self) -> list[WorkerView]:
+        """Decode-capable workers, best first: fewest requests in flight from this gateway
+        (counted from the moment a reservation is asked for, so a burst spreads out) plus how much
+        worse than the best route in the stack its cheapest route from a prefill worker is (that
+        prefill worker's load plus the transfer's cost); then fewest running and waiting as last
+        heartbeated, then most free KV pages. Where every route costs the same (one host, or one
+        transport everywhere), this is the order by load alone."""
+        usable = await self.usable()
+        workers = [w for w in usable if w.role in ("decode", "both")]
+        prefills = [w for w in usable if w.role == "prefill"]
+        route = {w.worker_id: min((self.inflight.get(p.worker_id, 0) + self.path_cost(p, w) for p in prefills),
+                                  default=0.0)
+                 for w in workers if w.role == "decode"}
+        best = min(route.values(), default=0.0)
+        # A colocated worker moves no KV: its route is as good as the best one.
+        extra = lambda w: route[w.worker_id] - best if w.role == "decode" else 0.0  # noqa: E731
+        return sorted(workers, key=lambda w: (self.inflight.get(w.worker_id, 0) + extra(w),
+                                              w.num_running + w.num_waiting, -w.kv_blocks_free))
+
+    async def pick_prefill(self, prompt_token_ids: Sequence[int] = (), decode: WorkerView | None = None
+                           ) -> WorkerView | None:
+        """The least-loaded prefill worker, unless one that holds the prompt's prefix is nearly as
+        free; with ``decode``, the transfer to it counts as load (``path_cost``)."""
         workers = [w for w in await self.usable() if w.role == "prefill"]
         if not workers:
             return None
-        load = lambda w: self.inflight.get(w.worker_id, 0)  # noqa: E731
+        cost = (lambda w: self.path_cost(w, decode)) if decode is not None else (lambda w: 0.0)
+        load = lambda w: self.inflight.get(w.worker_id, 0) + cost(w)  # noqa: E731
         least = min(workers, key=lambda w: (load(w), w.num_running + w.num_waiting))
         overlap = self.affinity.overlap(self.affinity.hashes(prompt_token_ids)) if prompt_token_ids else {}
         holders = [w for w in workers if overlap.get(w.worker_id)]

@@ -14,6 +14,8 @@ from typing import Sequence
 
 import torch
 
+from engine.attention import kv_quant
+
 
 class TransferError(Exception):
     """A KV handoff failed; the message says why and what to do."""
@@ -52,14 +54,19 @@ class KVLayout:
     num_kv_heads: int
     head_dim: int
     block_size: int
-    dtype: str  # torch dtype name without the "torch." prefix, e.g. "bfloat16"
+    dtype: str  # torch dtype name of the pool without the "torch." prefix, e.g. "bfloat16", "int8"
+    # "auto" (pages in the model dtype) or the quantized format of the pages: "int8", "fp8_e4m3",
+    # "fp8_e5m2" (engine/attention/kv_quant.py; "fp8" is named fp8_e4m3 here).
+    kv_cache_dtype: str = "auto"
+    # Where a quantized page keeps its scales ("" when unquantized): kv_quant.SCALE_LAYOUT.
+    kv_scales: str = ""
 
     def check_compatible(self, other: "KVLayout") -> None:
         diffs = [f"{f.name}: {getattr(self, f.name)!r} here vs {getattr(other, f.name)!r} on the peer"
                  for f in fields(self) if getattr(self, f.name) != getattr(other, f.name)]
         if diffs:
             raise LayoutMismatchError("KV layout mismatch, no bytes moved; run both workers with the same "
-                                      "model, block size and dtype (" + "; ".join(diffs) + ")")
+                                      "model, block size, dtype and kv-cache-dtype (" + "; ".join(diffs) + ")")
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -67,16 +74,21 @@ class KVLayout:
 
     @property
     def page_bytes(self) -> int:
-        """Bytes of one page of one layer's K (or V)."""
-        return self.block_size * self.num_kv_heads * self.head_dim * torch.empty((), dtype=self.torch_dtype).element_size()
+        """Bytes of one page of one layer's K (or V), a quantized page's scales included."""
+        row = kv_quant.row_width(self.head_dim, kv_quant.of_storage(self.torch_dtype))
+        return self.block_size * self.num_kv_heads * row * torch.empty((), dtype=self.torch_dtype).element_size()
 
     @classmethod
     def of_pool(cls, model: str, pool: torch.Tensor) -> "KVLayout":
         """Layout of a pool tensor shaped [layers, 2, blocks, block_size, kv_heads, head_dim]."""
-        layers, two, _, block_size, kv_heads, head_dim = pool.shape
+        layers, two, _, block_size, kv_heads, _ = pool.shape
         if two != 2:
             raise ValueError(f"a KV pool is [layers, 2, blocks, block_size, kv_heads, head_dim], got {tuple(pool.shape)}")
-        return cls(model, layers, kv_heads, head_dim, block_size, str(pool.dtype).removeprefix("torch."))
+        # A quantized pool says so by its dtype (kv_quant): its rows are head_dim codes + a scale.
+        quant = kv_quant.of_storage(pool.dtype)
+        return cls(model, layers, kv_heads, kv_quant.head_dim_of(pool), block_size,
+                   str(pool.dtype).removeprefix("torch."), quant.name if quant else "auto",
+                   kv_quant.SCALE_LAYOUT if quant else "")
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,8 @@ from typing import Sequence
 import numpy as np
 import torch
 
+from engine.attention.kv_quant import as_bytes
+
 Run = tuple[int, int, int]  # (src_block, dst_block, num_blocks)
 
 # Past this many runs in one layer, one gathered operation beats a copy call per run.
@@ -57,6 +59,7 @@ def copy_runs(src: torch.Tensor, dst: torch.Tensor, runs: Sequence[Run]) -> int:
     if not runs:
         return 0
     runs = tuple(runs)
+    src, dst = as_bytes(src), as_bytes(dst)  # fp8 pages as bytes: CPU index_copy_ takes no fp8
     if src.device.type == dst.device.type == "cpu" and _native_cpu():
         torch.ops.splitserve_cpu.copy_pages(src, dst, *page_ids(runs))
         return 1

@@ -271,7 +271,8 @@ def descriptor_to_proto(desc: "TransferDescriptor") -> worker_pb2.TransferDescri
         block_ids=list(desc.block_ids),
         layout=worker_pb2.KVLayout(model=layout.model, num_layers=layout.num_layers,
                                    num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim,
-                                   block_size=layout.block_size, dtype=layout.dtype),
+                                   block_size=layout.block_size, dtype=layout.dtype,
+                                   kv_cache_dtype=layout.kv_cache_dtype, kv_scales=layout.kv_scales),
         epoch=desc.epoch,
         lease_deadline=desc.lease_deadline,
         alternatives=[worker_pb2.TransportOffer(transport=t, address=a) for t, a in desc.alternatives],
@@ -295,7 +296,8 @@ def descriptor_from_proto(msg: worker_pb2.TransferDescriptor, field: str = "desc
                               f"{len(msg.block_ids)} pages (the prompt's last page is always written)")
     lay = msg.layout
     layout = KVLayout(model=lay.model, num_layers=lay.num_layers, num_kv_heads=lay.num_kv_heads,
-                      head_dim=lay.head_dim, block_size=lay.block_size, dtype=lay.dtype)
+                      head_dim=lay.head_dim, block_size=lay.block_size, dtype=lay.dtype,
+                      kv_cache_dtype=lay.kv_cache_dtype or "auto", kv_scales=lay.kv_scales)
     return TransferDescriptor(
         request_id=msg.request_id,
         transport=msg.transport,
@@ -341,4 +343,5 @@ def worker_info_to_proto(worker_id: str, role: str, address: str, transports, st
         worker_id=worker_id, role=role, address=address, transports=list(transports),
         kv_blocks_total=int(stats.get("kv_blocks_total", 0)), kv_blocks_free=int(stats.get("kv_blocks_free", 0)),
         kv_blocks_cached=int(stats.get("kv_blocks_cached", 0)), num_running=int(stats.get("num_running", 0)),
-        num_waiting=int(stats.get("num_waiting", 0)), metrics_address=metrics_address)
+        num_waiting=int(stats.get("num_waiting", 0)), metrics_address=metrics_address,
+        kv_cache_dtype=str(stats.get("kv_cache_dtype", "")), kv_page_bytes=int(stats.get("kv_page_bytes", 0)))

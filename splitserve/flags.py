@@ -23,7 +23,8 @@ from dataclasses import dataclass
 
 import click
 
-from engine.config import ATTENTION_BACKENDS, BATCHING_MODES, DTYPES, PREEMPTION_MODES, SCHEDULING_POLICIES, EngineConfig
+from engine.config import (ATTENTION_BACKENDS, BATCHING_MODES, DTYPES, KV_CACHE_DTYPES, PREEMPTION_MODES,
+                           SCHEDULING_POLICIES, EngineConfig)
 from splitserve.limits import OutputLimits, RequestLimits
 
 ENV_PREFIX = "SPLITSERVE_"
@@ -78,7 +79,8 @@ class Flag:
 # ---- the engine's flags, from EngineConfig ---------------------------------------------
 
 _CHOICES = {"scheduling_policy": SCHEDULING_POLICIES, "preemption_mode": PREEMPTION_MODES,
-            "batching": BATCHING_MODES, "dtype": DTYPES, "attention_backend": ATTENTION_BACKENDS}
+            "batching": BATCHING_MODES, "dtype": DTYPES, "attention_backend": ATTENTION_BACKENDS,
+            "kv_cache_dtype": KV_CACHE_DTYPES}
 # EngineConfig fields the gateway needs too (its tokenizer, limits, page size, queue order).
 _GATEWAY_FIELDS = {"model", "block_size", "max_model_len", "dtype", "priority_aging_per_s"}
 
@@ -170,6 +172,8 @@ def _flags() -> list[Flag]:
         f("redis_password", s, "", "Redis AUTH password (prefer the environment variable)", ALL, secret=True),
         # Workers.
         f("worker_id", s, "", "id in the registry (default: <role>-<random>)", WORKERS, up=False),
+        f("host_id", s, "", "which workers share a host for shm / cuda_ipc (the gateway prefers such pairs); "
+          "default: the boot id and the shm directory this process sees", WORKERS, up=False),
         f("num_threads", i, 0, "torch CPU threads of the engine (0: torch's default; up splits the cores "
           "between its workers)", WORKERS),
         f("kv_transport", s, "auto", "KV transports: a decode worker offers them fastest first, a prefill "

@@ -9,7 +9,7 @@ pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason
 
 
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("shape", [(1, 48), (7, 48), (1, 5, 48), (64, 48)])
+@pytest.mark.parametrize("shape", [(1, 48), (7, 48), (1, 5, 48), (64, 48), (65, 48), (2, 100, 48), (300, 48)])
 def test_packed_linear_equals_nn_linear(bias, shape):
     torch.manual_seed(0)
     linear = torch.nn.Linear(48, 80, bias=bias)
@@ -19,6 +19,16 @@ def test_packed_linear_equals_nn_linear(bias, shape):
     torch.testing.assert_close(packed(x), linear(x), rtol=1e-5, atol=1e-5)
     compiled = torch.compile(packed, fullgraph=True)
     torch.testing.assert_close(compiled(x), linear(x), rtol=1e-5, atol=1e-5)
+
+
+def test_row_counts_are_rounded_to_a_bounded_set_of_shapes():
+    """oneDNN keeps a compiled kernel per shape: above 64 rows they round up (< 12.5 % padding),
+    so 2,048 row counts give 104 shapes, not 2,048."""
+    from engine.cpu_linear import padded_rows
+    shapes = {padded_rows(r) for r in range(1, 2049)}
+    assert len(shapes) == 64 + 40
+    assert all(r <= padded_rows(r) < r * 1.125 or r <= 64 and padded_rows(r) == r for r in range(1, 2049))
+    assert [padded_rows(r) for r in (64, 65, 128, 129, 2048)] == [64, 72, 128, 144, 2048]
 
 
 def test_pack_replaces_every_linear_and_keeps_tied_weights():

@@ -21,6 +21,7 @@ from kvtransfer.base import (KVLayout, LayoutMismatchError, TransferAbortedError
                              coalesce)
 from kvtransfer.lease import LeaseTable, PageFence
 from kvtransfer.transports.nccl import NcclReceiver, NcclSender
+from tests.kv_pools import QUANTIZED, random_pool
 
 ROOT = Path(__file__).resolve().parents[1]
 HEADS, HEAD_DIM, BLOCKS = 2, 8, 24
@@ -32,8 +33,7 @@ FEW_RUNS = ([20, 21, 3], [0, 1, 2])  # 2 runs: one WRITE frame each; FRAGMENTED 
 def make_pool(layers: int, block_size: int, dtype: str, seed: int, device: str = "cpu",
               heads: int = HEADS, head_dim: int = HEAD_DIM) -> torch.Tensor:
     gen = torch.Generator().manual_seed(seed)
-    pool = torch.randn(layers, 2, BLOCKS, block_size, heads, head_dim, generator=gen).to(getattr(torch, dtype))
-    return pool.to(device)
+    return random_pool((layers, 2, BLOCKS, block_size, heads, head_dim), dtype, gen).to(device)
 
 
 class _DyingGroup:
@@ -117,7 +117,7 @@ def _check_pages(decode: Decode, src: torch.Tensor, src_blocks, dst_blocks) -> N
     assert _same_bytes(decode.pool[:, :, list(dst_blocks)], src[:, :, list(src_blocks)])
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", *QUANTIZED])
 def test_pages_arrive_byte_for_byte(dtype, tmp_path):
     decodes, jobs, checks = [], [], []
     for i, (layers, block_size) in enumerate([(1, 4), (1, 16), (3, 4), (3, 16)]):
@@ -212,6 +212,10 @@ def test_in_process_pairs_layout_check_and_bounded_close():
             _check_pages(decode, src, [i], [10 + i])
         senders.append(NcclSender(decode.receiver.address, src.to(torch.bfloat16)))
         with pytest.raises(LayoutMismatchError):
+            senders[-1].write(desc, 0, [(0, 10, 1)])
+        # Quantized pages into a float32 pool: refused by the layout, not by a size check.
+        senders.append(NcclSender(decode.receiver.address, make_pool(2, 4, "int8", 7)))
+        with pytest.raises(LayoutMismatchError, match="kv_cache_dtype"):
             senders[-1].write(desc, 0, [(0, 10, 1)])
         t0 = time.time()
         decode.receiver.close()  # idle pairs are woken, not waited out

@@ -8,15 +8,16 @@ from kvtransfer.base import KVLayout, StaleEpochError, TransferDescriptor, coale
 from kvtransfer import page_copy
 from kvtransfer.lease import LeaseTable, PageFence
 from kvtransfer.transports.shm import ShmReceiver, ShmSender, create_shared_pool
+from tests.kv_pools import QUANTIZED, random_pool
 
 SHAPE = (3, 2, 64, 8, 2, 16)
 
 
-@pytest.fixture
-def shm_pair():
-    pool, owners, directory = create_shared_pool(SHAPE, torch.bfloat16)
+@pytest.fixture(params=[torch.bfloat16, *QUANTIZED])
+def shm_pair(request):
+    src = random_pool(SHAPE, request.param)  # quantized pages: rows of 16 codes + a 4-byte scale
+    pool, owners, directory = create_shared_pool(src.shape, src.dtype)
     receiver = ShmReceiver(pool, LeaseTable(PageFence(owners), ttl_s=60), directory)
-    src = torch.randn(*SHAPE).to(torch.bfloat16)
     yield receiver, ShmSender(receiver.address, src), src
     receiver.close()
 
@@ -38,7 +39,7 @@ def test_pages_land_byte_for_byte(shm_pair, num_pages, fragmented):
     for layer in range(SHAPE[0]):
         sender.write(desc, layer, runs)
     sender.flush(desc)
-    assert torch.equal(receiver.pool[:, :, dst_blocks], src[:, :, src_blocks])
+    assert torch.equal(receiver.pool[:, :, dst_blocks].view(torch.uint8), src[:, :, src_blocks].view(torch.uint8))
     # The CPU page-copy kernel takes every layer's runs in one call.
     assert sender.num_copies == SHAPE[0]
     receiver.leases.release("r")
@@ -53,11 +54,11 @@ def test_released_pages_refuse_writes(shm_pair):
         sender.write(desc, 0, coalesce([5, 6, 7], [1, 2, 3]))
     with pytest.raises(StaleEpochError):
         sender.flush(desc)
-    assert torch.equal(before, receiver.pool)
+    assert torch.equal(before.view(torch.uint8), receiver.pool.view(torch.uint8))
 
 
 @pytest.mark.parametrize("native", [True, False], ids=["cpu-kernel", "gather-scatter"])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, *QUANTIZED])
 def test_page_copy_paths_agree(native, dtype, monkeypatch):
     """The C++ page copy (and the slice copies or gather/scatter used where it cannot be built) on
     one run, a few runs and a random page table of a strided layer view, as the shm sender hands them over."""
@@ -67,17 +68,17 @@ def test_page_copy_paths_agree(native, dtype, monkeypatch):
     else:
         monkeypatch.setattr(page_copy, "_native_cpu", lambda: False)
     rng = random.Random(7)
-    src_pool = torch.randn(*SHAPE).to(dtype)
+    src_pool = random_pool(SHAPE, dtype)
     for src_blocks, dst_blocks in ((list(range(3, 13)), list(range(40, 50))),  # one run
                                    (rng.sample(range(64), 5), rng.sample(range(64), 5)),  # slice copies
                                    (rng.sample(range(64), 30), rng.sample(range(64), 30))):  # one gathered copy
-        dst_pool = torch.zeros(SHAPE, dtype=dtype)
+        dst_pool = torch.zeros(src_pool.shape, dtype=src_pool.dtype)
         runs = coalesce(src_blocks, dst_blocks)
         assert page_copy.copy_runs(src_pool[1], dst_pool[1], runs) == \
             (1 if native or len(runs) > page_copy.MAX_RUNS_FOR_SLICE_COPIES else len(runs))
-        expected = torch.zeros(SHAPE, dtype=dtype)
+        expected = torch.zeros(src_pool.shape, dtype=src_pool.dtype)
         expected[1][:, dst_blocks] = src_pool[1][:, src_blocks]
-        assert torch.equal(dst_pool, expected)  # other layers and pages untouched
+        assert torch.equal(dst_pool.view(torch.uint8), expected.view(torch.uint8))  # other layers and pages untouched
 
 
 def test_page_copy_kernel_refuses_pages_outside_the_pools():

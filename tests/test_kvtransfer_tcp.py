@@ -21,6 +21,7 @@ from kvtransfer.base import (KVLayout, LayoutMismatchError, LeaseExpiredError, S
 from kvtransfer.lease import LeaseTable, PageFence
 from kvtransfer.transports import tcp
 from kvtransfer.transports.tcp import TcpReceiver, TcpSender
+from tests.kv_pools import QUANTIZED, random_pool
 
 REPO = Path(__file__).resolve().parents[1]
 H, D = 2, 8
@@ -28,7 +29,7 @@ H, D = 2, 8
 
 def make_pool(layers=2, blocks=32, bs=8, dtype=torch.float32, seed=0):
     torch.manual_seed(seed)
-    return torch.randn(layers, 2, blocks, bs, H, D).to(dtype)
+    return random_pool((layers, 2, blocks, bs, H, D), dtype)
 
 
 def make_leases(blocks, ttl_s=60.0, clock=time.time):
@@ -70,7 +71,7 @@ def transfer(receiver, src_pool, dst_pool, leases, rid, src_blocks, dst_blocks, 
     return sender, runs, lease
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, *QUANTIZED])
 @pytest.mark.parametrize("bs", [8, 16])
 @pytest.mark.parametrize("layers", [1, 3])
 @pytest.mark.parametrize("fragmented", [False, True])
@@ -134,7 +135,7 @@ def fragmented_pages(rng, blocks, lengths):
     return runs(list(range(len(lengths)))), runs(order)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, *QUANTIZED])
 def test_packed_runs_arrive_byte_exact(cleanup, dtype):
     layers, blocks = 3, 128
     rng = random.Random(str(dtype))
@@ -440,6 +441,20 @@ def test_layout_mismatch_and_unreachable_address(cleanup):
         TcpSender(dead, dst, timeout_s=2)
     with pytest.raises(TransportUnavailableError, match="no-port"):
         TcpSender("no-port", dst)
+
+
+@pytest.mark.parametrize("src_dtype, dst_dtype", [("int8", torch.float32), (torch.bfloat16, "fp8_e4m3"),
+                                                  ("int8", "fp8_e4m3")])
+def test_quantized_and_plain_pages_never_mix(cleanup, src_dtype, dst_dtype):
+    dst = make_pool(1, 8, dtype=dst_dtype)
+    before = dst.clone()
+    receiver = receiver_for(cleanup, dst, make_leases(8))
+    lease = receiver.leases.grant("r", [0])
+    sender = TcpSender(receiver.address, make_pool(1, 8, dtype=src_dtype))
+    cleanup(sender)
+    with pytest.raises(LayoutMismatchError, match="kv_cache_dtype"):
+        sender.write(descriptor("r", receiver, [0], dst, lease), 0, [(0, 0, 1)])
+    assert sender.bytes_sent == 0 and same_bytes(dst, before)
 
 
 def test_receiver_gone_or_silent_fails_the_flush_quickly(cleanup):

@@ -42,7 +42,10 @@ async def _serve(servicer: WorkerServicer, add_to_server, service_name: str, arg
     if args.redis_url:
         from gateway.redis_state import RedisState, make_async_client
         state = RedisState(make_async_client(args.redis_url, password=args.redis_password or None))
-        stats = engine_stats(servicer.loop, servicer.engine.stats, {"metrics_address": servicer.metrics_address})
+        from splitserve.locality import default_host_id
+        # The host id tells the gateway which workers can reach each other over shm / cuda_ipc.
+        stats = engine_stats(servicer.loop, servicer.engine.stats, {"metrics_address": servicer.metrics_address,
+                                                                    "host_id": getattr(args, "host_id", "") or default_host_id()})
         heartbeat = Heartbeat(state, servicer.worker_id, servicer.role, servicer.address, servicer.transports,
                               stats=stats).start()
     # The first line on stdout says where to connect (scripts, tests and `up` read it).

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 from engine.attention import cpu_kernels
 from engine.attention.backend import AttentionBackend, StepLayout
+from engine.attention.kv_quant import load
 from engine.attention.torch_backend import context_slots
 
 
@@ -64,10 +65,10 @@ class CpuAttentionBackend(AttentionBackend):
             q = query[c.q_start:c.q_end].transpose(0, 1).unsqueeze(0)  # [1, Hq, q, D]
             if c.ctx_slots is None:
                 k, v = key[c.q_start:c.q_end], value[c.q_start:c.q_end]
-            else:
+            else:  # quantized pages (kv_quant) are dequantized here: later chunks see what decode sees
                 k, v = (cache.view(-1, *cache.shape[-2:])[c.ctx_slots] for cache in (k_cache, v_cache))
-            k = k.to(q.dtype).transpose(0, 1).unsqueeze(0)  # [1, Hkv, ctx, D]
-            v = v.to(q.dtype).transpose(0, 1).unsqueeze(0)
+            k = load(k, q.dtype).transpose(0, 1).unsqueeze(0)  # [1, Hkv, ctx, D]
+            v = load(v, q.dtype).transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=c.mask, is_causal=c.mask is None, scale=scale,
                                                enable_gqa=True)
             out[c.q_start:c.q_end] = o[0].transpose(0, 1)

@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import torch
 
+from engine.attention.kv_quant import load, store_rows
+
 __all__ = ["write_kv", "paged_attention", "gather_kv"]
 
 
@@ -46,8 +48,9 @@ def write_kv(
         if slot < 0:
             continue
         block, offset = divmod(slot, block_size)
-        k_cache[block, offset] = key[t].to(k_cache.dtype)
-        v_cache[block, offset] = value[t].to(v_cache.dtype)
+        # A quantized cache (engine/attention/kv_quant.py) stores codes + a scale per row.
+        k_cache[block, offset] = store_rows(key[t], k_cache.dtype)
+        v_cache[block, offset] = store_rows(value[t], v_cache.dtype)
 
 
 def gather_kv(
@@ -92,8 +95,8 @@ def paged_attention(
         assert q_len <= ctx_len, f"sequence {b}: q_len {q_len} > seq_len {ctx_len}"
 
         q = query[q_start:q_end].float()                                 # [q_len, Hq, D]
-        k = gather_kv(k_cache, block_tables[b], ctx_len).float()         # [ctx, Hkv, D]
-        v = gather_kv(v_cache, block_tables[b], ctx_len).float()
+        k = load(gather_kv(k_cache, block_tables[b], ctx_len), torch.float32)  # [ctx, Hkv, D]
+        v = load(gather_kv(v_cache, block_tables[b], ctx_len), torch.float32)
         # GQA: query head h uses kv head h // group.
         k = k.repeat_interleave(group, dim=1)                            # [ctx, Hq, D]
         v = v.repeat_interleave(group, dim=1)

@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.attention.backend import AttentionBackend, StepLayout
+from engine.attention.kv_quant import as_bytes, head_dim_of, load, store_rows
 
 
 @dataclass
@@ -66,26 +67,27 @@ class TorchAttentionBackend(AttentionBackend):
         return TorchStepPlan(decode_blocks, decode_bias, prefills)
 
     def forward(self, query, key, value, k_cache, v_cache, layout, prepared: TorchStepPlan, scale):
-        num_kv_heads, head_dim = k_cache.shape[-2:]
-        k_flat = k_cache.view(-1, num_kv_heads, head_dim)
-        v_flat = v_cache.view(-1, num_kv_heads, head_dim)
-        k_flat.index_copy_(0, layout.slot_mapping, key.to(k_flat.dtype))
-        v_flat.index_copy_(0, layout.slot_mapping, value.to(v_flat.dtype))
+        num_kv_heads, head_dim = k_cache.shape[-2], head_dim_of(k_cache)
+        k_flat = k_cache.view(-1, *k_cache.shape[-2:])
+        v_flat = v_cache.view(-1, *v_cache.shape[-2:])
+        # Quantized pools (kv_quant) store codes + scale rows; fp8 has no CPU index_copy_, bytes do.
+        as_bytes(k_flat).index_copy_(0, layout.slot_mapping, as_bytes(store_rows(key, k_flat.dtype)))
+        as_bytes(v_flat).index_copy_(0, layout.slot_mapping, as_bytes(store_rows(value, v_flat.dtype)))
 
         out = torch.empty_like(query)
         nd = layout.num_decodes
         if nd:
             group = query.shape[1] // num_kv_heads
             q = query[:nd].view(nd, num_kv_heads, group, head_dim)
-            k = k_cache.index_select(0, prepared.decode_blocks).view(nd, -1, num_kv_heads, head_dim)
-            v = v_cache.index_select(0, prepared.decode_blocks).view(nd, -1, num_kv_heads, head_dim)
+            k = load(k_cache.index_select(0, prepared.decode_blocks), query.dtype).view(nd, -1, num_kv_heads, head_dim)
+            v = load(v_cache.index_select(0, prepared.decode_blocks), query.dtype).view(nd, -1, num_kv_heads, head_dim)
             scores = torch.matmul(q, k.permute(0, 2, 3, 1)).float() * scale  # [Bd, Hkv, G, C]
             probs = torch.softmax(scores + prepared.decode_bias, dim=-1).to(v.dtype)
             out[:nd] = torch.matmul(probs, v.transpose(1, 2)).view(nd, -1, head_dim)
         for p in prepared.prefills:
             q = query[p.q_start:p.q_end].transpose(0, 1).unsqueeze(0)  # [1, Hq, q, D]
-            k = k_flat[p.ctx_slots].transpose(0, 1).unsqueeze(0)  # [1, Hkv, ctx, D]
-            v = v_flat[p.ctx_slots].transpose(0, 1).unsqueeze(0)
+            k = load(k_flat[p.ctx_slots], query.dtype).transpose(0, 1).unsqueeze(0)  # [1, Hkv, ctx, D]
+            v = load(v_flat[p.ctx_slots], query.dtype).transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=p.mask, is_causal=p.mask is None,
                                                scale=scale, enable_gqa=True)
             out[p.q_start:p.q_end] = o[0].transpose(0, 1)

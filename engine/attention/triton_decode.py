@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention.triton_common import (_BLOCK_N, _INTERPRETED, _LOG2E, TRITON_AVAILABLE, _dot, _next_pow2,
-                                           _online_softmax_step, _require_triton, tl, triton)
+from engine.attention.kv_quant import of_storage
+from engine.attention.triton_common import (_BLOCK_N, _INTERPRETED, _LOG2E, TRITON_AVAILABLE, _dot, _dot_precision,
+                                           _load_kv, _next_pow2, _online_softmax_step, _require_triton, _scale_views,
+                                           tl, triton)
 
 # Context positions per partition of a split context.
 SPLIT_LEN = 512
@@ -27,7 +29,9 @@ if TRITON_AVAILABLE:
         out_ptr,  # [T, Hq, D]: written directly when DIRECT
         part_acc_ptr,  # [B, Hq, S, BLOCK_D] float32 partials otherwise
         part_ml_ptr,  # [B, Hq, S, 2] float32: running max (log2 domain) and sum of exponentials
-        q_ptr, k_cache_ptr, v_cache_ptr, block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
+        q_ptr, k_cache_ptr, v_cache_ptr,
+        k_scale_ptr, v_scale_ptr,  # quantized caches as float32 (their scales); else unused
+        block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
         scale_log2,
         stride_qt, stride_qh, stride_ot, stride_oh,
         stride_kc_blk, stride_kc_off, stride_kc_h,
@@ -36,7 +40,7 @@ if TRITON_AVAILABLE:
         num_splits,
         GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr,
         BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_LEN: tl.constexpr,
-        DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr, DIRECT: tl.constexpr,
+        DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr, DIRECT: tl.constexpr, QUANT: tl.constexpr,
     ):
         b = tl.program_id(0).to(tl.int64)
         kvh = tl.program_id(1).to(tl.int64)
@@ -58,7 +62,8 @@ if TRITON_AVAILABLE:
         d_mask = d < HEAD_DIM
         q_mask = g_mask[:, None] & d_mask[None, :]
         q = tl.load(q_ptr + row * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=q_mask, other=0.0)
-        q = q.to(k_cache_ptr.dtype.element_ty)
+        if not QUANT:  # quantized pages are dequantized to the query's dtype instead
+            q = q.to(k_cache_ptr.dtype.element_ty)
 
         m_i = tl.full([BLOCK_G], -1.0e30, dtype=tl.float32)
         l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
@@ -69,11 +74,10 @@ if TRITON_AVAILABLE:
             p_mask = pos < end
             phys = tl.load(bt_row + pos // BLOCK_SIZE, mask=p_mask, other=0).to(tl.int64)
             off = pos % BLOCK_SIZE
-            kv_mask = p_mask[:, None] & d_mask[None, :]
-            k = tl.load(k_cache_ptr + phys[:, None] * stride_kc_blk + off[:, None] * stride_kc_off
-                        + kvh * stride_kc_h + d[None, :], mask=kv_mask, other=0.0)
-            v = tl.load(v_cache_ptr + phys[:, None] * stride_vc_blk + off[:, None] * stride_vc_off
-                        + kvh * stride_vc_h + d[None, :], mask=kv_mask, other=0.0)
+            k = _load_kv(k_cache_ptr, k_scale_ptr, phys * stride_kc_blk + off * stride_kc_off + kvh * stride_kc_h, d,
+                         p_mask, HEAD_DIM, QUANT, q_ptr.dtype.element_ty)
+            v = _load_kv(v_cache_ptr, v_scale_ptr, phys * stride_vc_blk + off * stride_vc_off + kvh * stride_vc_h, d,
+                         p_mask, HEAD_DIM, QUANT, q_ptr.dtype.element_ty)
             s = _dot(q, tl.trans(k), DOT_PRECISION, UPCAST_DOT) * scale_log2
             s = tl.where(p_mask[None, :], s, float("-inf"))
             m_i, l_i, acc = _online_softmax_step(m_i, l_i, acc, s, v, DOT_PRECISION, UPCAST_DOT)
@@ -147,7 +151,8 @@ def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     part_acc = out if direct else torch.empty((*shape, block_d), dtype=torch.float32, device=query.device)
     part_ml = out if direct else torch.empty((*shape, 2), dtype=torch.float32, device=query.device)
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
-        out, part_acc, part_ml, query, k_cache, v_cache, block_tables, query_start_loc, seq_lens,
+        out, part_acc, part_ml, query, k_cache, v_cache, *_scale_views(k_cache, v_cache), block_tables,
+        query_start_loc, seq_lens,
         float(scale) * _LOG2E,
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -156,8 +161,8 @@ def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         num_splits,
         GROUP=group, BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=head_dim, BLOCK_G=max(16, _next_pow2(group)),
         BLOCK_D=block_d, BLOCK_N=_BLOCK_N, SPLIT_LEN=split_len,
-        DOT_PRECISION="ieee" if k_cache.dtype == torch.float32 else "tf32",
-        UPCAST_DOT=_INTERPRETED, DIRECT=direct,
+        DOT_PRECISION=_dot_precision(query, k_cache),
+        UPCAST_DOT=_INTERPRETED, DIRECT=direct, QUANT=of_storage(k_cache.dtype) is not None,
     )
     if not direct:
         _merge_kernel[(num_seqs, num_q_heads)](

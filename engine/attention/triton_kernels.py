@@ -41,8 +41,10 @@ from __future__ import annotations
 
 import torch
 
-from engine.attention.triton_common import (_BLOCK_N, _INTERPRETED, _LOG2E, TRITON_AVAILABLE, _dot, _online_softmax_step,  # noqa: F401
-                                           _next_pow2, _require_triton, tl, triton)
+from engine.attention.kv_quant import head_dim_of, of_storage
+from engine.attention.triton_common import (_BLOCK_N, _INTERPRETED, _LOG2E, TRITON_AVAILABLE, _dot, _dot_precision,  # noqa: F401
+                                           _load_kv, _next_pow2, _online_softmax_step, _require_triton, _scale_views,
+                                           _store_quantized, tl, triton)
 
 __all__ = ["TRITON_AVAILABLE", "write_kv", "paged_attention"]
 
@@ -58,6 +60,8 @@ if TRITON_AVAILABLE:
         value_ptr,
         k_cache_ptr,
         v_cache_ptr,
+        k_scale_ptr,  # quantized caches: the same memory as float32 (scales); else unused
+        v_scale_ptr,
         slot_ptr,
         stride_kt,
         stride_kh,
@@ -74,6 +78,9 @@ if TRITON_AVAILABLE:
         HEAD_DIM: tl.constexpr,
         BLOCK_H: tl.constexpr,
         BLOCK_D: tl.constexpr,
+        QUANT: tl.constexpr,
+        QMAX: tl.constexpr,
+        ROUND: tl.constexpr,
     ):
         t = tl.program_id(0).to(tl.int64)
         slot = tl.load(slot_ptr + t).to(tl.int64)
@@ -86,12 +93,19 @@ if TRITON_AVAILABLE:
         d = tl.arange(0, BLOCK_D)
         mask = (h[:, None] < num_kv_heads) & (d[None, :] < HEAD_DIM)
 
-        k = tl.load(key_ptr + t * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask)
-        v = tl.load(value_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask)
-        k_dst = k_cache_ptr + blk * stride_kc_blk + off * stride_kc_off + h[:, None] * stride_kc_h + d[None, :]
-        v_dst = v_cache_ptr + blk * stride_vc_blk + off * stride_vc_off + h[:, None] * stride_vc_h + d[None, :]
-        tl.store(k_dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-        tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+        k = tl.load(key_ptr + t * stride_kt + h[:, None] * stride_kh + d[None, :], mask=mask, other=0.0)
+        v = tl.load(value_ptr + t * stride_vt + h[:, None] * stride_vh + d[None, :], mask=mask, other=0.0)
+        k_row = blk * stride_kc_blk + off * stride_kc_off + h * stride_kc_h
+        v_row = blk * stride_vc_blk + off * stride_vc_off + h * stride_vc_h
+        k_dst = k_cache_ptr + k_row[:, None] + d[None, :]
+        v_dst = v_cache_ptr + v_row[:, None] + d[None, :]
+        if QUANT:  # a row's scale sits after its codes: element row / 4 + HEAD_DIM / 4 of the float32 view
+            h_mask = h < num_kv_heads
+            _store_quantized(k, k_dst, k_scale_ptr + k_row // 4 + HEAD_DIM // 4, mask, h_mask, QMAX, ROUND)
+            _store_quantized(v, v_dst, v_scale_ptr + v_row // 4 + HEAD_DIM // 4, mask, h_mask, QMAX, ROUND)
+        else:
+            tl.store(k_dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+            tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
     def _paged_prefill_kernel(
@@ -99,6 +113,8 @@ if TRITON_AVAILABLE:
         q_ptr,
         k_cache_ptr,
         v_cache_ptr,
+        k_scale_ptr,
+        v_scale_ptr,
         block_tables_ptr,
         query_start_loc_ptr,
         seq_lens_ptr,
@@ -123,6 +139,7 @@ if TRITON_AVAILABLE:
         BLOCK_N: tl.constexpr,
         DOT_PRECISION: tl.constexpr,
         UPCAST_DOT: tl.constexpr,
+        QUANT: tl.constexpr,
     ):
         tile = tl.program_id(0)
         b = tl.program_id(1).to(tl.int64)
@@ -150,7 +167,8 @@ if TRITON_AVAILABLE:
         q_pos = prefix + tok  # absolute position of each row's token
 
         q = tl.load(q_ptr + rows[:, None] * stride_qt + heads[:, None] * stride_qh + d[None, :], mask=q_mask, other=0.0)
-        q = q.to(k_cache_ptr.dtype.element_ty)
+        if not QUANT:  # quantized pages are dequantized to the query's dtype instead
+            q = q.to(k_cache_ptr.dtype.element_ty)
 
         m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -164,17 +182,10 @@ if TRITON_AVAILABLE:
             p_mask = pos < kv_end
             phys = tl.load(bt_row + pos // BLOCK_SIZE, mask=p_mask, other=0).to(tl.int64)
             off = pos % BLOCK_SIZE
-            kv_mask = p_mask[:, None] & d_mask[None, :]
-            k = tl.load(
-                k_cache_ptr + phys[:, None] * stride_kc_blk + off[:, None] * stride_kc_off + kvh * stride_kc_h + d[None, :],
-                mask=kv_mask,
-                other=0.0,
-            )
-            v = tl.load(
-                v_cache_ptr + phys[:, None] * stride_vc_blk + off[:, None] * stride_vc_off + kvh * stride_vc_h + d[None, :],
-                mask=kv_mask,
-                other=0.0,
-            )
+            k = _load_kv(k_cache_ptr, k_scale_ptr, phys * stride_kc_blk + off * stride_kc_off + kvh * stride_kc_h, d,
+                         p_mask, HEAD_DIM, QUANT, q_ptr.dtype.element_ty)
+            v = _load_kv(v_cache_ptr, v_scale_ptr, phys * stride_vc_blk + off * stride_vc_off + kvh * stride_vc_h, d,
+                         p_mask, HEAD_DIM, QUANT, q_ptr.dtype.element_ty)
             s = _dot(q, tl.trans(k), DOT_PRECISION, UPCAST_DOT) * scale_log2  # [BLOCK_M, BLOCK_N]
             visible = p_mask[None, :] & (pos[None, :] <= q_pos[:, None])
             s = tl.where(visible, s, float("-inf"))
@@ -212,7 +223,8 @@ def write_kv(
     _check_cache(k_cache, v_cache)
     num_tokens, num_kv_heads, head_dim = key.shape
     assert value.shape == key.shape
-    assert k_cache.shape[2] == num_kv_heads and k_cache.shape[3] == head_dim
+    assert k_cache.shape[2] == num_kv_heads and head_dim_of(k_cache) == head_dim
+    quant = of_storage(k_cache.dtype)
     assert slot_mapping.shape[0] == num_tokens
     if num_tokens == 0:
         return
@@ -225,6 +237,7 @@ def write_kv(
         value,
         k_cache,
         v_cache,
+        *_scale_views(k_cache, v_cache),
         slot_mapping,
         key.stride(0),
         key.stride(1),
@@ -241,6 +254,9 @@ def write_kv(
         HEAD_DIM=head_dim,
         BLOCK_H=_next_pow2(num_kv_heads),
         BLOCK_D=_next_pow2(head_dim),
+        QUANT=quant is not None,
+        QMAX=quant.qmax if quant else 0.0,
+        ROUND=quant is not None and quant.storage == torch.int8,
     )
 
 
@@ -266,8 +282,8 @@ def paged_attention(
     _require_triton()
     _check_cache(k_cache, v_cache)
     num_tokens, num_q_heads, head_dim = query.shape
-    num_blocks, block_size, num_kv_heads, cache_head_dim = k_cache.shape
-    assert cache_head_dim == head_dim, "query and cache head_dim differ"
+    num_blocks, block_size, num_kv_heads, _ = k_cache.shape
+    assert head_dim_of(k_cache) == head_dim, "query and cache head_dim differ"
     assert num_q_heads % num_kv_heads == 0, "num_q_heads must be a multiple of num_kv_heads"
     num_seqs = seq_lens.shape[0]
     assert query_start_loc.shape[0] == num_seqs + 1
@@ -284,12 +300,13 @@ def paged_attention(
     group = num_q_heads // num_kv_heads
     scale_log2 = float(scale) * _LOG2E
     block_d = max(16, _next_pow2(head_dim))
-    dot_precision = "ieee" if k_cache.dtype == torch.float32 else "tf32"
+    dot_precision = _dot_precision(query, k_cache)
     common = (
         out,
         query,
         k_cache,
         v_cache,
+        *_scale_views(k_cache, v_cache),
         block_tables,
         query_start_loc,
         seq_lens,
@@ -332,5 +349,6 @@ def paged_attention(
         BLOCK_N=_BLOCK_N,
         DOT_PRECISION=dot_precision,
         UPCAST_DOT=_INTERPRETED,
+        QUANT=of_storage(k_cache.dtype) is not None,
     )
     return out

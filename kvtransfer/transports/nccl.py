@@ -42,6 +42,7 @@ from typing import Iterator, Sequence
 import torch
 import torch.distributed as dist
 
+from engine.attention.kv_quant import as_bytes
 from kvtransfer.base import (KVLayout, LeaseExpiredError, StaleEpochError, TransferAbortedError,
                              TransferDescriptor, TransferError, TransportUnavailableError)
 from kvtransfer.lease import LeaseTable
@@ -178,7 +179,8 @@ class NcclReceiver(KVReceiver):
 
     def _burst(self, ctl, data, names: dict, errors: dict) -> bool:
         """Frames of one sender call; False once the sender said CLOSE."""
-        hdr, pool, wait = torch.empty(8, dtype=torch.int64), self.pool, self.timeout
+        # fp8 pages travel as bytes: gloo and CPU index_copy_ take no fp8 tensors.
+        hdr, pool, wait = torch.empty(8, dtype=torch.int64), as_bytes(self.pool), self.timeout
         while True:
             ctl.recv([hdr], 1, TAG_CTL).wait(wait)
             magic, kind, key, epoch, layer, dst, num, aux = hdr.tolist()
@@ -330,7 +332,7 @@ class NcclSender(KVSender):
             self._layouts.add(desc.layout)
         if not runs:
             return
-        src = self.src_pool[layer]  # [2, blocks, bs, H, D]
+        src = as_bytes(self.src_pool[layer])  # [2, blocks, bs, H, D]; fp8 pages as bytes, as the receiver takes them
         with self._lock:
             works: list = []
             try:

@@ -53,6 +53,7 @@ from typing import Sequence
 
 import torch
 
+from engine.attention.kv_quant import as_bytes
 from kvtransfer.base import (KVLayout, LeaseExpiredError, StaleEpochError, TransferAbortedError,
                              TransferDescriptor, TransferError, TransportUnavailableError)
 from kvtransfer.lease import LeaseTable
@@ -90,7 +91,7 @@ def _page_rows(t: torch.Tensor) -> torch.Tensor:
     try:
         return t.view(*t.shape[:-3], -1).view(torch.uint8).view(torch.complex128)
     except RuntimeError:
-        return t
+        return as_bytes(t)  # fp8 pages as bytes: CPU index_copy_ takes no fp8
 
 
 def _flat_view(pool: torch.Tensor) -> memoryview | None:

@@ -54,7 +54,12 @@ class RedisServer:
 
     def __init__(self, *, appendonly: bool = False, password: str | None = None, port: int | None = None,
                  dir: str | os.PathLike | None = None, appendfsync: str = "everysec",
-                 extra_args: tuple[str, ...] = (), startup_timeout_s: float = 10.0):
+                 extra_args: tuple[str, ...] = (), startup_timeout_s: float = 10.0, host: str = "127.0.0.1",
+                 wrap: tuple[str, ...] = ()):
+        """``host``: the address it binds and clients dial; ``wrap``: an argv prefix that runs it
+        elsewhere, e.g. inside a network namespace (``splitserve.testing.netns``)."""
+        self.host = host
+        self.wrap = tuple(wrap)
         self.appendonly = appendonly
         self.password = password
         self.appendfsync = appendfsync
@@ -71,7 +76,7 @@ class RedisServer:
     @property
     def url(self) -> str:
         auth = f":{self.password}@" if self.password else ""
-        return f"redis://{auth}127.0.0.1:{self.port}/0"
+        return f"redis://{auth}{self.host}:{self.port}/0"
 
     @property
     def log_path(self) -> Path:
@@ -79,7 +84,7 @@ class RedisServer:
 
     def client(self, **kwargs) -> redis.Redis:
         """A new client (decoded responses, 2 s timeouts, one retry so a restart is survived)."""
-        opts = dict(host="127.0.0.1", port=self.port, password=self.password, decode_responses=True,
+        opts = dict(host=self.host, port=self.port, password=self.password, decode_responses=True,
                     socket_timeout=2, socket_connect_timeout=2,
                     retry=Retry(NoBackoff(), retries=1))
         opts.update(kwargs)
@@ -155,7 +160,7 @@ class RedisServer:
     # ---- internals
 
     def _args(self) -> list[str]:
-        args = [REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+        args = [*self.wrap, REDIS_SERVER, "--port", str(self.port), "--bind", self.host, "--save", "",
                 "--appendonly", "yes" if self.appendonly else "no", "--appendfsync", self.appendfsync,
                 "--dir", str(self.dir), "--logfile", str(self.log_path), "--loglevel", "warning",
                 "--daemonize", "no", "--protected-mode", "no"]
@@ -168,7 +173,7 @@ class RedisServer:
         self.proc = subprocess.Popen(self._args(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                      stderr=subprocess.DEVNULL,
                                      preexec_fn=_die_with_parent if sys.platform == "linux" else None)
-        probe = redis.Redis(host="127.0.0.1", port=self.port, password=self.password, socket_timeout=0.5,
+        probe = redis.Redis(host=self.host, port=self.port, password=self.password, socket_timeout=0.5,
                             socket_connect_timeout=0.5, retry=Retry(NoBackoff(), retries=0))
         deadline = time.monotonic() + self.startup_timeout_s
         try:

@@ -18,6 +18,11 @@ when there are several. ``stack.names(role)`` lists them in order. Each process 
 logs as JSON lines to ``stack.log_paths[name]`` (``<log_dir>/<name>.log``); Redis logs to
 ``stack.redis.log_path``.
 
+Several hosts: ``wrap`` runs each named process under an argv prefix (a network namespace of
+``splitserve.testing.netns``), ``name_args`` gives it its own flags (``--host``/``--advertise-host``),
+``redis_server`` is a ``RedisServer`` bound where it should be, and ``internal_token`` is every
+process's ``--internal-token`` (the stack's own worker stubs send it too).
+
 ``kill(name, sig)`` also freezes (SIGSTOP) and thaws (SIGCONT) a process; ``role_args`` gives
 one role different flags (``{"decode": ["--lease-ttl-s", "5"]}``), ``role_env`` different
 environment variables (``{"prefill": {"SPLITSERVE_FAULT_STEP_DELAY_S": "0.5"}}``).
@@ -71,14 +76,16 @@ def _die_with_parent() -> None:  # between fork and exec: one C call
     _libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
-def _spawn(args: Sequence[str], log_path: Path | None, env: dict[str, str] | None = None) -> "_Boot":
-    """Spawn ``python -m splitserve.cli <args>`` on the calling thread (the parent-death signal
-    follows it), with ``env`` on top of this process's environment; a helper thread drains its
-    stdout and notes the ``serving on`` line."""
+def _spawn(args: Sequence[str], log_path: Path | None, env: dict[str, str] | None = None,
+           prefix: Sequence[str] = ()) -> "_Boot":
+    """Spawn ``<prefix> python -m splitserve.cli <args>`` on the calling thread (the parent-death
+    signal follows it, and survives a prefix that execs, as ``ip netns exec`` does), with ``env``
+    on top of this process's environment; a helper thread drains its stdout and notes the
+    ``serving on`` line."""
     logging = ["--log-level", "INFO", "--log-format", "json"] if log_path else ["--log-level", "WARNING"]
     log = open(log_path, "a") if log_path else subprocess.DEVNULL
     try:
-        proc = subprocess.Popen([sys.executable, "-m", "splitserve.cli", *logging, *args], stdout=subprocess.PIPE,
+        proc = subprocess.Popen([*prefix, sys.executable, "-m", "splitserve.cli", *logging, *args], stdout=subprocess.PIPE,
                                 stderr=log, stdin=subprocess.DEVNULL, text=True, cwd=_REPO_ROOT,
                                 env={**os.environ, "PYTHONPATH": str(_REPO_ROOT), **(env or {})},
                                 preexec_fn=_die_with_parent if _libc is not None else None)
@@ -125,15 +132,16 @@ class _Boot:
 
 
 def start_process(args: Sequence[str], log_path: Path | None = None, timeout_s: float = BOOT_TIMEOUT_S,
-                  env: dict[str, str] | None = None) -> tuple[subprocess.Popen, str]:
+                  env: dict[str, str] | None = None, prefix: Sequence[str] = ()) -> tuple[subprocess.Popen, str]:
     """``python -m splitserve.cli <args>`` until it prints ``serving on <host:port>``.
 
     With ``log_path``, INFO logs go there as JSON lines (appended), and so does anything else
     the process prints on stdout; ``env`` is added to this process's environment. Returns the
     process and the address it serves on; raises ``RuntimeError`` (after killing it) if it exits
-    or stays silent for ``timeout_s``.
+    or stays silent for ``timeout_s``. ``prefix``: an argv prefix that execs the command (e.g.
+    ``ip netns exec <ns>``).
     """
-    return _spawn(args, log_path, env).wait(timeout_s)
+    return _spawn(args, log_path, env, prefix).wait(timeout_s)
 
 
 @dataclass(repr=False)
@@ -153,6 +161,9 @@ class Stack:
     http: str = ""                         # base URL of the gateway's OpenAI HTTP API (if enabled)
     argv: dict[str, list[str]] = field(default_factory=dict)     # name -> CLI arguments it was started with
     env: dict[str, dict[str, str]] = field(default_factory=dict)  # name -> environment it got on top of ours
+    wrap: dict[str, list[str]] = field(default_factory=dict)     # name -> argv prefix it runs under (if any)
+    metrics_addresses: dict[str, str] = field(default_factory=dict)  # name -> host:port of its /metrics
+    internal_token: str = ""               # every process's --internal-token ("" when none)
     _channels: dict[str, grpc.Channel] = field(default_factory=dict, repr=False)
 
     def __repr__(self) -> str:
@@ -176,7 +187,12 @@ class Stack:
         """DecodeWorkerStub (decode/both) or PrefillWorkerStub (prefill) of worker ``name``."""
         channel = self._channels.get(name)
         if channel is None:
-            channel = self._channels[name] = grpc.insecure_channel(self.addresses[name])
+            if self.internal_token:
+                from splitserve.security import Security
+                channel = Security(token=self.internal_token).channel(self.addresses[name])
+            else:
+                channel = grpc.insecure_channel(self.addresses[name])
+            self._channels[name] = channel
         if self.roles[name] == "prefill":
             return worker_pb2_grpc.PrefillWorkerStub(channel)
         return worker_pb2_grpc.DecodeWorkerStub(channel)
@@ -204,7 +220,8 @@ class Stack:
         if self.procs[name].poll() is None:
             raise RuntimeError(f"{name} is still running: kill it first")
         self._channels.pop(name, None)
-        proc, address = start_process(self.argv[name], self.log_paths[name], env=self.env.get(name))
+        proc, address = start_process(self.argv[name], self.log_paths[name], env=self.env.get(name),
+                                      prefix=self.wrap.get(name, ()))
         self.procs[name] = proc
         if name in self.roles:
             self.addresses[name] = address
@@ -212,6 +229,7 @@ class Stack:
             for w in info.workers:
                 if w.address == address and w.metrics_address:
                     self.metrics_ports[name] = int(w.metrics_address.rsplit(":", 1)[1])
+                    self.metrics_addresses[name] = w.metrics_address
         else:
             self.gateway_address = address
             self.client.close()
@@ -265,7 +283,9 @@ def start_stack(model: str | os.PathLike, log_dir: str | os.PathLike | None = No
                 role_env: dict[str, dict[str, str]] | None = None, gateway_args: Sequence[str] = (),
                 gateway_env: dict[str, str] | None = None,
                 redis_kwargs: dict | None = None, metrics: bool = True, http: bool = False,
-                worker_defaults: Sequence[str] = DEFAULT_WORKER_ARGS) -> Stack:
+                worker_defaults: Sequence[str] = DEFAULT_WORKER_ARGS, wrap: dict[str, Sequence[str]] | None = None,
+                name_args: dict[str, Sequence[str]] | None = None, gateway_host: str = "127.0.0.1",
+                redis_server: RedisServer | None = None, internal_token: str = "") -> Stack:
     """Redis, ``decode`` decode workers, ``prefill`` prefill workers, ``both`` colocated workers
     (booted in parallel), then a gateway; returns once the gateway lists every worker.
 
@@ -279,6 +299,10 @@ def start_stack(model: str | os.PathLike, log_dir: str | os.PathLike | None = No
     ``redis_kwargs`` go to ``RedisServer`` (default: append-only, in ``<log_dir>/redis``).
     ``metrics``: every process serves Prometheus metrics on a free port (``metrics_ports``);
     ``http``: the gateway serves its OpenAI HTTP API on a free port (``stack.http``).
+    Several hosts: ``wrap[name]`` is an argv prefix process ``name`` runs under, ``name_args[name]``
+    its own flags (appended last), ``gateway_host`` the address the gateway listens on and is
+    dialled at, ``redis_server`` an unstarted ``RedisServer`` to use (started and closed here),
+    ``internal_token`` every process's ``SPLITSERVE_INTERNAL_TOKEN``.
     On any failure, whatever was started is stopped before the error propagates.
     """
     if hasattr(log_dir, "mktemp"):
@@ -292,9 +316,11 @@ def start_stack(model: str | os.PathLike, log_dir: str | os.PathLike | None = No
     kwargs = {"appendonly": True, "dir": log_dir / "redis"} if redis_kwargs is None else dict(redis_kwargs)
     if kwargs.get("dir") is not None:
         Path(kwargs["dir"]).mkdir(parents=True, exist_ok=True)
-    redis_server = RedisServer(**kwargs).start()
+    redis_server = (redis_server or RedisServer(**kwargs)).start()
+    wrap, name_args = {k: list(v) for k, v in (wrap or {}).items()}, name_args or {}
+    token_env = {"SPLITSERVE_INTERNAL_TOKEN": internal_token} if internal_token else {}
     stack = Stack(model=model, redis=redis_server, gateway_address="", client=None, procs={}, addresses={},
-                  roles={}, log_dir=log_dir, log_paths={})
+                  roles={}, log_dir=log_dir, log_paths={}, wrap=wrap, internal_token=internal_token)
     metrics_flag = ["--metrics-port", "0"] if metrics else []
     try:
         workers = _worker_names(prefill, decode, both)
@@ -306,27 +332,28 @@ def start_stack(model: str | os.PathLike, log_dir: str | os.PathLike | None = No
             cli_role = ["decode", "--role", "both"] if role == "both" else [role]
             argv = [*cli_role, "--model", model, *worker_defaults, "--redis-url", redis_server.url,
                     "--worker-id", f"{name}-{os.getpid()}", *metrics_flag, *worker_args,
-                    *(role_args or {}).get(role, ())]
+                    *(role_args or {}).get(role, ()), *name_args.get(name, ())]
             stack.argv[name], stack.roles[name] = argv, role
-            stack.env[name] = dict((role_env or {}).get(role, {}))
+            stack.env[name] = {**token_env, **(role_env or {}).get(role, {})}
             stack.log_paths[name] = log_dir / f"{name}.log"
-            pending.append((name, _spawn(argv, stack.log_paths[name], stack.env[name])))
+            pending.append((name, _spawn(argv, stack.log_paths[name], stack.env[name], wrap.get(name, ()))))
         for name, boot in pending:
             stack.procs[name] = boot.proc  # known to close() even if it never boots
         for name, boot in pending:
             stack.procs[name], stack.addresses[name] = boot.wait()
-        argv = ["gateway", "--model", model, "--host", "127.0.0.1", "--port", "0", "--redis-url", redis_server.url,
+        argv = ["gateway", "--model", model, "--host", gateway_host, "--port", "0", "--redis-url", redis_server.url,
                 "--block-size", _flag_value([*worker_defaults, *worker_args], "--block-size", "16"),
-                *metrics_flag, *gateway_args]
+                *metrics_flag, *gateway_args, *name_args.get("gateway", ())]
         if http:
             from splitserve.launcher import free_port
             port = free_port()
             argv += ["--http-port", str(port)]
-            stack.http = f"http://127.0.0.1:{port}"
+            stack.http = f"http://{gateway_host}:{port}"
         stack.argv["gateway"], stack.log_paths["gateway"] = argv, log_dir / "gateway.log"
-        stack.env["gateway"] = {**(role_env or {}).get("gateway", {}), **(gateway_env or {})}
+        stack.env["gateway"] = {**token_env, **(role_env or {}).get("gateway", {}), **(gateway_env or {})}
         stack.procs["gateway"], stack.gateway_address = start_process(argv, stack.log_paths["gateway"],
-                                                                      env=stack.env["gateway"])
+                                                                      env=stack.env["gateway"],
+                                                                      prefix=wrap.get("gateway", ()))
         stack.client = Client(stack.gateway_address)
         _wait_registered(stack, metrics)
         return stack
@@ -372,6 +399,7 @@ def _wait_registered(stack: Stack, metrics: bool) -> None:
             name = "gateway" if w.role == "gateway" else by_address.get(w.address)
             if name is not None and w.metrics_address:
                 stack.metrics_ports[name] = int(w.metrics_address.rsplit(":", 1)[1])
+                stack.metrics_addresses[name] = w.metrics_address
 
 
 # ---- worker pages --------------------------------------------------------------------------

@@ -22,10 +22,12 @@ PROMETHEUS_ACCEPT = ("application/openmetrics-text;version=1.0.0,application/ope
                      "text/plain;version=0.0.4;q=0.5,*/*;q=0.1")
 
 
-def scrape_samples(port: int) -> list:
-    """Every sample of a process's /metrics as prometheus_client ``Sample``s (name, labels, value),
-    asked for as Prometheus asks and parsed in the format the process answered in."""
-    request = urllib.request.Request(f"http://127.0.0.1:{port}/metrics", headers={"Accept": PROMETHEUS_ACCEPT})
+def scrape_samples(port: int | str) -> list:
+    """Every sample of a process's /metrics (``port`` on loopback, or ``host:port``) as
+    prometheus_client ``Sample``s (name, labels, value), asked for as Prometheus asks and parsed in
+    the format the process answered in."""
+    target = port if isinstance(port, str) else f"127.0.0.1:{port}"
+    request = urllib.request.Request(f"http://{target}/metrics", headers={"Accept": PROMETHEUS_ACCEPT})
     with urllib.request.urlopen(request, timeout=10) as response:
         openmetrics = response.headers.get("Content-Type", "").startswith("application/openmetrics-text")
         text = response.read().decode()
@@ -36,7 +38,7 @@ def scrape_samples(port: int) -> list:
     return [sample for family in text_string_to_metric_families(text) for sample in family.samples]
 
 
-def scrape(port: int) -> dict[str, float]:
+def scrape(port: int | str) -> dict[str, float]:
     """Every sample of a process's /metrics, keyed by name{labels} (histogram buckets left out).
     ``model_name`` is left out of the keys: a process serves one model, so it labels every
     series alike (tests/service/test_observability.py checks that it does)."""

@@ -269,7 +269,7 @@ class ServerInfo(_message.Message):
     def __init__(self, queue_depth: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "role", "address", "transports", "kv_blocks_total", "kv_blocks_free", "kv_blocks_cached", "num_running", "num_waiting", "metrics_address")
+    __slots__ = ("worker_id", "role", "address", "transports", "kv_blocks_total", "kv_blocks_free", "kv_blocks_cached", "num_running", "num_waiting", "metrics_address", "kv_cache_dtype", "kv_page_bytes")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -280,6 +280,8 @@ class WorkerInfo(_message.Message):
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
     METRICS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    KV_PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     address: str
@@ -290,4 +292,6 @@ class WorkerInfo(_message.Message):
     num_running: int
     num_waiting: int
     metrics_address: str
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., address: _Optional[str] = ..., transports: _Optional[_Iterable[str]] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., metrics_address: _Optional[str] = ...) -> None: ...
+    kv_cache_dtype: str
+    kv_page_bytes: int
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., address: _Optional[str] = ..., transports: _Optional[_Iterable[str]] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., metrics_address: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ..., kv_page_bytes: _Optional[int] = ...) -> None: ...

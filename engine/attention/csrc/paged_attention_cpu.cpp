@@ -8,10 +8,17 @@
 //
 // The caches are taken as a logical [num_blocks, block_size, num_kv_heads, head_dim] view with
 // any strides (head_dim contiguous), so token-major and head-major pools are both read in place.
+//
+// Quantized caches (int8, fp8 e4m3 / e5m2; engine/attention/kv_quant.py) hold rows of head_dim
+// 8-bit codes followed by the 4 bytes of a float32 scale per (token, head): the row is
+// [.., head_dim + 4] elements. K rows are dequantized as they are widened into the page buffer;
+// V's scales are folded into the softmax weights, so the V loop is the same as for floats.
 #include <torch/library.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
+#include <c10/util/Float8_e5m2.h>
 #include <c10/util/Half.h>
 
 #if defined(__AVX__)
@@ -19,8 +26,11 @@
 #endif
 
 #include <algorithm>
+#include <array>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 namespace {
 
@@ -64,6 +74,66 @@ inline v8f load8(const c10::Half* p) {
   return v;
 #endif
 }
+inline v8f load8(const int8_t* p) {
+#if defined(__AVX2__)
+  const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return reinterpret_cast<v8f>(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(raw)));
+#else
+  v8f v;
+  for (int i = 0; i < 8; ++i) v[i] = static_cast<float>(p[i]);
+  return v;
+#endif
+}
+
+// fp8 codes -> float through a 256-entry table (1 KiB, stays in L1): one gather per 8 codes.
+template <typename fp8_t>
+const float* fp8_table() {
+  static const std::array<float, 256> table = [] {
+    std::array<float, 256> t{};
+    for (int b = 0; b < 256; ++b) t[b] = static_cast<float>(fp8_t(static_cast<uint8_t>(b), fp8_t::from_bits()));
+    return t;
+  }();
+  return table.data();
+}
+template <typename fp8_t>
+inline v8f load8_fp8(const fp8_t* p) {
+  const float* table = fp8_table<fp8_t>();
+#if defined(__AVX2__)
+  const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  return reinterpret_cast<v8f>(_mm256_i32gather_ps(table, _mm256_cvtepu8_epi32(raw), 4));
+#else
+  const uint8_t* b = reinterpret_cast<const uint8_t*>(p);
+  v8f v;
+  for (int i = 0; i < 8; ++i) v[i] = table[b[i]];
+  return v;
+#endif
+}
+inline v8f load8(const c10::Float8_e4m3fn* p) { return load8_fp8(p); }
+inline v8f load8(const c10::Float8_e5m2* p) { return load8_fp8(p); }
+
+// Which cache types are quantized rows, and the largest code each maps a row's amax onto.
+template <typename T> struct KvQuant { static constexpr bool value = false; };
+template <> struct KvQuant<int8_t> { static constexpr bool value = true; static constexpr float qmax = 127.0f; };
+template <> struct KvQuant<c10::Float8_e4m3fn> { static constexpr bool value = true; static constexpr float qmax = 448.0f; };
+template <> struct KvQuant<c10::Float8_e5m2> { static constexpr bool value = true; static constexpr float qmax = 57344.0f; };
+constexpr int kScaleBytes = 4;
+
+// The float32 scale after a quantized row's D codes (the row need not be 4-byte aligned).
+template <typename cache_t>
+inline float row_scale(const cache_t* row, int D) {
+  float scale;
+  std::memcpy(&scale, row + D, sizeof(scale));
+  return scale;
+}
+
+inline bool is_quantized(at::ScalarType t) {
+  return t == at::kChar || t == at::kFloat8_e4m3fn || t == at::kFloat8_e5m2;
+}
+// Head size of a cache: its last dim, less a quantized row's scale.
+inline int64_t cache_head_dim(const at::Tensor& cache) {
+  return cache.size(3) - (is_quantized(cache.scalar_type()) ? kScaleBytes : 0);
+}
+
 inline void store8(float* p, v8f v) { std::memcpy(p, &v, sizeof(v)); }
 inline v8f splat(float x) { return v8f{x, x, x, x, x, x, x, x}; }
 inline v8f vmax(v8f a, v8f b) { return a > b ? a : b; }
@@ -142,6 +212,7 @@ void attend_one(const float* __restrict q, int group, const cache_t* __restrict 
   // Scores of the page, padded to a multiple of 8 tokens.
   alignas(64) float s[kMaxGroup][kMaxBlockSize + 8];
   alignas(64) float kf[kMaxBlockSize + 8][D];
+  alignas(64) float vscale[kMaxBlockSize + 8];  // quantized V: each token's scale
   for (int g = 0; g < group; ++g) {
     m[g] = -1e30f;
     l[g] = 0.0f;
@@ -157,8 +228,16 @@ void attend_one(const float* __restrict q, int group, const cache_t* __restrict 
     const int n8 = (n + 7) & ~7;
     const cache_t* kp = k_base + blk * kv.block;
     const cache_t* vp = v_base + blk * vv.block;
-    for (int t = 0; t < n; ++t)
-      for (int c = 0; c < C; ++c) store8(kf[t] + c * 8, load8(kp + t * kv.token + c * 8));
+    if constexpr (KvQuant<cache_t>::value) {
+      for (int t = 0; t < n; ++t) {
+        const v8f ks = splat(row_scale(kp + t * kv.token, D));
+        for (int c = 0; c < C; ++c) store8(kf[t] + c * 8, load8(kp + t * kv.token + c * 8) * ks);
+        vscale[t] = row_scale(vp + t * vv.token, D);
+      }
+    } else {
+      for (int t = 0; t < n; ++t)
+        for (int c = 0; c < C; ++c) store8(kf[t] + c * 8, load8(kp + t * kv.token + c * 8));
+    }
     for (int t = n; t < n8; ++t)
       for (int c = 0; c < C; ++c) store8(kf[t] + c * 8, v8f{});
     for (int g = 0; g < group; ++g) {
@@ -188,6 +267,9 @@ void attend_one(const float* __restrict q, int group, const cache_t* __restrict 
       l[g] = l[g] * alpha + total;
       m[g] = mx;
       for (int c = 0; c < C; ++c) acc[g][c] *= alpha;
+      if constexpr (KvQuant<cache_t>::value) {  // weight x V scale: the V loop below reads raw codes
+        for (int t = 0; t < n; ++t) s[g][t] *= vscale[t];
+      }
     }
     for (int c = 0; c < C; ++c) {
       for (int t = 0; t < n; ++t) {
@@ -285,7 +367,7 @@ void decode_rows(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_c
   TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes(), "query/out must be [T, H, D] alike");
   TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1, "head_dim of query/out must be contiguous");
   TORCH_CHECK(out.scalar_type() == query.scalar_type(), "out and query differ in dtype");
-  TORCH_CHECK(k_cache.size(3) == query.size(2), "query and cache head_dim differ");
+  TORCH_CHECK(cache_head_dim(k_cache) == query.size(2), "query and cache head_dim differ");
   TORCH_CHECK(query.size(1) % k_cache.size(2) == 0, "query heads must be a multiple of KV heads");
   TORCH_CHECK(query.size(1) / k_cache.size(2) <= kMaxGroup, "GQA group above ", kMaxGroup);
   TORCH_CHECK(block_tables.scalar_type() == at::kInt && seq_lens.scalar_type() == at::kInt,
@@ -300,8 +382,33 @@ void decode_rows(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_c
     case at::kBFloat16:
       return dispatch_query<c10::BFloat16>(out, query, k_cache, v_cache, block_tables, seq_lens, scale, num_seqs);
     case at::kHalf: return dispatch_query<c10::Half>(out, query, k_cache, v_cache, block_tables, seq_lens, scale, num_seqs);
+    case at::kChar: return dispatch_query<int8_t>(out, query, k_cache, v_cache, block_tables, seq_lens, scale, num_seqs);
+    case at::kFloat8_e4m3fn:
+      return dispatch_query<c10::Float8_e4m3fn>(out, query, k_cache, v_cache, block_tables, seq_lens, scale, num_seqs);
+    case at::kFloat8_e5m2:
+      return dispatch_query<c10::Float8_e5m2>(out, query, k_cache, v_cache, block_tables, seq_lens, scale, num_seqs);
     default: TORCH_CHECK(false, "unsupported cache dtype ", k_cache.scalar_type());
   }
+}
+
+// One (token, head) row as codes + float32 scale, the same arithmetic as kv_quant.quantize:
+// scale = amax / qmax, code = x * (1 / scale) (rounded to nearest-even for int8).
+template <typename cache_t, typename in_t>
+inline void quantize_row(const in_t* __restrict src, cache_t* __restrict dst, int64_t n) {
+  constexpr float qmax = KvQuant<cache_t>::qmax;
+  float amax = 0.0f;
+  for (int64_t d = 0; d < n; ++d) amax = std::max(amax, std::fabs(widen(src[d])));
+  const float scale = amax / qmax;
+  const float inv = scale > 0.0f ? 1.0f / scale : 0.0f;
+  for (int64_t d = 0; d < n; ++d) {
+    const float x = std::min(std::max(widen(src[d]) * inv, -qmax), qmax);
+    if constexpr (std::is_same_v<cache_t, int8_t>) {
+      dst[d] = static_cast<int8_t>(std::nearbyint(x));
+    } else {
+      dst[d] = static_cast<cache_t>(x);
+    }
+  }
+  std::memcpy(dst + n, &scale, sizeof(scale));
 }
 
 template <typename cache_t, typename in_t>
@@ -323,9 +430,14 @@ void write_impl(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_ca
         const in_t* vs = v_in + t * value.stride(0) + h * value.stride(1);
         cache_t* kd = kc + blk * k_cache.stride(0) + off * k_cache.stride(1) + h * k_cache.stride(2);
         cache_t* vd = vc + blk * v_cache.stride(0) + off * v_cache.stride(1) + h * v_cache.stride(2);
-        for (int64_t d = 0; d < head_dim; ++d) {
-          kd[d] = static_cast<cache_t>(widen(ks[d]));
-          vd[d] = static_cast<cache_t>(widen(vs[d]));
+        if constexpr (KvQuant<cache_t>::value) {
+          quantize_row(ks, kd, head_dim);
+          quantize_row(vs, vd, head_dim);
+        } else {
+          for (int64_t d = 0; d < head_dim; ++d) {
+            kd[d] = static_cast<cache_t>(widen(ks[d]));
+            vd[d] = static_cast<cache_t>(widen(vs[d]));
+          }
         }
       }
     }
@@ -349,7 +461,8 @@ void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cach
   TORCH_CHECK(key.dim() == 3 && value.sizes() == key.sizes(), "key/value must be [T, H_kv, D] alike");
   TORCH_CHECK(key.scalar_type() == value.scalar_type(), "key and value differ in dtype");
   TORCH_CHECK(key.stride(2) == 1 && value.stride(2) == 1, "head_dim of key/value must be contiguous");
-  TORCH_CHECK(key.size(1) == k_cache.size(2) && key.size(2) == k_cache.size(3), "key heads/head_dim differ from the cache");
+  TORCH_CHECK(key.size(1) == k_cache.size(2) && key.size(2) == cache_head_dim(k_cache),
+              "key heads/head_dim differ from the cache");
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.is_contiguous() &&
               slot_mapping.numel() >= key.size(0), "slot_mapping must be int64 with a slot per token");
   const int64_t* slots = slot_mapping.data_ptr<int64_t>();
@@ -357,6 +470,9 @@ void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cach
     case at::kFloat: return write_dispatch<float>(key, value, k_cache, v_cache, slots);
     case at::kBFloat16: return write_dispatch<c10::BFloat16>(key, value, k_cache, v_cache, slots);
     case at::kHalf: return write_dispatch<c10::Half>(key, value, k_cache, v_cache, slots);
+    case at::kChar: return write_dispatch<int8_t>(key, value, k_cache, v_cache, slots);
+    case at::kFloat8_e4m3fn: return write_dispatch<c10::Float8_e4m3fn>(key, value, k_cache, v_cache, slots);
+    case at::kFloat8_e5m2: return write_dispatch<c10::Float8_e5m2>(key, value, k_cache, v_cache, slots);
     default: TORCH_CHECK(false, "unsupported cache dtype ", k_cache.scalar_type());
   }
 }
