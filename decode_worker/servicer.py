@@ -40,9 +40,11 @@ class DecodeWorkerServicer(WorkerServicer, worker_pb2_grpc.DecodeWorkerServicer)
 
     # ---- on the engine loop thread --------------------------------------------------------
     def step(self):
+        before = self.engine.scheduler.num_sampled_tokens
         outputs = self.engine.step()
-        if self.metrics is not None:
-            self.metrics.generation_tokens.inc(len(outputs))  # one new token per output
+        if self.metrics is not None:  # with speculative decoding an output may carry several new tokens
+            self.metrics.generation_tokens.inc(self.engine.scheduler.num_sampled_tokens - before)
+            self.metrics.refresh_counters(self.engine)
         return [(out.request_id, out) for out in outputs]
 
     def has_work(self) -> bool:

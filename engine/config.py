@@ -14,6 +14,8 @@ KV_SCALE_BYTES = 4
 ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")
 # Linear layers: "onednn" (prepacked weights, fp32 on CPU; engine/cpu_linear.py) or "torch".
 LINEAR_BACKENDS = ("auto", "onednn", "torch")
+# Speculative decoding (engine/spec_decode): prompt lookup, or a small draft model.
+SPECULATIVE_METHODS = ("ngram", "draft")
 
 
 @dataclass(frozen=True)
@@ -77,6 +79,17 @@ class EngineConfig:
     target_tpot_ms: float | None = None
     # Engine seed (vLLM's name; requests are seeded by SamplingParams.seed, this is not read yet).
     seed: int = 0
+    # Speculative decoding (vLLM's names): "ngram" (prompt lookup: the tokens that followed the
+    # sequence's last n-gram earlier in it) or "draft" (a small model, speculative_model); unset: off.
+    speculative_method: str | None = None
+    # Tokens proposed per decoding sequence and step; the model verifies them in one forward.
+    num_speculative_tokens: int = 3
+    # ngram: the longest suffix n-gram looked up (longer ones first).
+    prompt_lookup_max: int = 4
+    # ngram: the shortest suffix n-gram looked up.
+    prompt_lookup_min: int = 2
+    # draft: the draft model (alias or checkpoint directory) with the target's vocabulary.
+    speculative_model: str | None = None
 
     def __post_init__(self) -> None:
         def positive(name: str) -> None:
@@ -113,6 +126,7 @@ class EngineConfig:
         one_of("kv_cache_dtype", KV_CACHE_DTYPES)
         one_of("attention_backend", ATTENTION_BACKENDS)
         one_of("linear_backend", LINEAR_BACKENDS)
+        self._check_speculative(positive)
         if self.preemption_mode == "swap" and self.num_cpu_blocks == 0:
             raise ValueError("preemption_mode='swap' needs num_cpu_blocks > 0")
         if not self.enable_chunked_prefill and self.max_model_len is not None \
@@ -120,3 +134,20 @@ class EngineConfig:
             raise ValueError(
                 "without chunked prefill max_num_batched_tokens must be >= max_model_len "
                 f"({self.max_num_batched_tokens} < {self.max_model_len}); raise it or enable chunked prefill")
+
+    def _check_speculative(self, positive) -> None:
+        if not self.speculative_method:  # None or "" (an empty SPLITSERVE_SPECULATIVE_METHOD): off
+            return
+        if self.speculative_method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_method must be one of {SPECULATIVE_METHODS} (or unset), "
+                             f"got {self.speculative_method!r}")
+        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
+            positive(name)
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"prompt_lookup_min ({self.prompt_lookup_min}) must be <= prompt_lookup_max "
+                             f"({self.prompt_lookup_max})")
+        if (self.speculative_method == "draft") != bool(self.speculative_model):
+            raise ValueError("speculative_model (the draft model) is needed with speculative_method='draft' "
+                             "and only with it")
+        if self.batching == "static":
+            raise ValueError("speculative decoding needs batching='continuous'")

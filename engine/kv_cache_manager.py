@@ -279,6 +279,16 @@ class KVCacheManager:
         if owner.cpu_block_ids and self.cpu_pool is not None:
             self.cpu_pool.release(owner.cpu_block_ids)
 
+    def trim(self, request_id: str, num_tokens: int) -> None:
+        """Give back the pages past the first ``num_tokens`` tokens: speculative decoding reserved
+        them for proposals that were rejected. They hold no registered (full, computed) block."""
+        owner = self._owners[request_id]
+        keep = self.blocks_needed(num_tokens)
+        if len(owner.block_ids) > keep:
+            extra = owner.block_ids[keep:]
+            del owner.block_ids[keep:]
+            self.pool.release(reversed(extra))
+
     # ---- swap preemption -----------------------------------------------------------
     def swap_out(self, request_id: str) -> list[tuple[int, int]] | None:
         """Move a request's pages to host blocks. Returns (device, host) pairs to copy, or None."""

@@ -18,6 +18,7 @@ from engine.request import Request
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Scheduler
 from engine.step_budget import StepBudget
+from engine.spec_decode.proposer import build_proposer
 from engine.structured_output import GrammarCompiler
 
 
@@ -38,6 +39,7 @@ class LLMEngine:
         self.scheduler = Scheduler(config, self.kv, self.max_model_len, clock=clock)
         self.step_budget = StepBudget(config.target_tpot_ms, config.max_num_batched_tokens, config.block_size) \
             if config.target_tpot_ms else None
+        self.proposer = build_proposer(config, self.runner)  # None unless speculative decoding is on
         self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.runner.eos_token_ids)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
@@ -142,6 +144,8 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         plan = self.scheduler.schedule()
         started = time.perf_counter()
+        if self.proposer is not None:
+            self.proposer.propose(plan)
         sampled = self.runner.run(plan)
         seconds = time.perf_counter() - started
         changed = self.scheduler.update(plan, sampled)
@@ -152,7 +156,8 @@ class LLMEngine:
         """Under ``target_tpot_ms``: learn from this step's time, size the next one's budget."""
         if self.step_budget is None or plan.is_empty:
             return
-        decodes = sum(1 for c in plan.chunks if c.is_decode)
+        # A speculative decode's positions run as decode rows (engine.step_inputs.VerifyRow).
+        decodes = sum(c.num_tokens for c in plan.chunks if c.is_decode or c.spec_token_ids)
         self.step_budget.observe(decodes, plan.num_batched_tokens - decodes, seconds)
         decoding = sum(1 for r in self.scheduler.running
                        if not r.is_finished and r.num_computed_tokens >= r.num_tokens - 1)
@@ -191,6 +196,9 @@ class LLMEngine:
             "num_running": sum(1 for r in self.scheduler.running if not r.is_finished),
             "num_waiting": len(self.scheduler.waiting),
             "num_preemptions": self.scheduler.num_preemptions,
+            "spec_decode_num_drafts": self.scheduler.spec_stats.num_drafts,
+            "spec_decode_num_draft_tokens": self.scheduler.spec_stats.num_draft_tokens,
+            "spec_decode_num_accepted_tokens": self.scheduler.spec_stats.num_accepted_tokens,
         }
 
     def assert_idle(self) -> None:

@@ -23,7 +23,8 @@ from engine.cuda_graphs import DecodeGraphs, capture_sizes
 from engine.cpu_linear import pack_linear_layers, resolve_linear_backend
 from engine.model_loader import load_model
 from engine.sampler import Sampler, SamplingRow
-from engine.scheduler import SampledToken, SchedulerOutput
+from engine.scheduler import SampledToken, ScheduledChunk, SchedulerOutput
+from engine.spec_decode.rejection import verify
 from engine.step_inputs import InputBuffers
 
 log = logging.getLogger(__name__)
@@ -104,7 +105,10 @@ class ModelRunner:
         self.eos_token_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
         self.sampler = Sampler(self.eos_token_ids)
         max_tokens = max(config.max_num_batched_tokens, config.max_num_seqs)
-        self.inputs = InputBuffers(max_tokens, config.max_num_seqs, -(-self.max_model_len // self.block_size),
+        # Speculative decoding verifies each proposal in a row of its own (engine.step_inputs.VerifyRow).
+        max_rows = config.max_num_seqs * (1 + config.num_speculative_tokens) if config.speculative_method \
+            else config.max_num_seqs
+        self.inputs = InputBuffers(max_tokens, min(max_rows, max_tokens), -(-self.max_model_len // self.block_size),
                                    self.block_size, self.device)
         # Called as (plan, layer) once a layer's K/V of the step are in the pool: the prefill
         # side of kvtransfer ships each layer while the next one computes.
@@ -138,11 +142,30 @@ class ModelRunner:
 
     # ---- one step ------------------------------------------------------------------
     @torch.inference_mode()
-    def run(self, plan: SchedulerOutput) -> dict[str, SampledToken]:
+    def run(self, plan: SchedulerOutput) -> dict[str, list[SampledToken]]:
+        """One step: the new tokens of each sampling request (one; with proposals, the accepted
+        ones and the token sampled after them, ``engine.spec_decode.rejection``)."""
         bind_device(self.device)  # the engine may be stepped by any thread (a worker's engine loop)
         self._swap(plan)
         if plan.is_empty:
             return {}
+        logits, chunks = self.logits(plan)
+        if not chunks:
+            return {}
+        if any(c.spec_token_ids for c in chunks):
+            return verify(self.sampler, logits, chunks)
+        requests = [chunk.request for chunk in chunks]
+        rows = [SamplingRow(r.sampling_params, r.prompt_token_ids, r.output_token_ids, r.generator, r.grammar)
+                for r in requests]
+        out = self.sampler(logits, rows)
+        logprobs = out.logprobs or [None] * len(requests)
+        return {r.request_id: [SampledToken(t, lp)] for r, t, lp in zip(requests, out.token_ids, logprobs)}
+
+    @torch.inference_mode()
+    def logits(self, plan: SchedulerOutput) -> tuple[torch.Tensor, list[ScheduledChunk]]:
+        """The forward of ``plan``'s tokens (their K/V land in the pool): the logits of the sampled
+        rows ([rows, vocab]: one per sampling chunk, 1 + P for one with P proposals) and those chunks."""
+        bind_device(self.device)
         hook = self.layer_hook
         num_seqs = len(plan.chunks)
         graph_size = None
@@ -157,14 +180,8 @@ class ModelRunner:
             with step_context(ctx):
                 hidden = self.forward(step.input_ids, step.positions)
         if not step.sample_chunks:
-            return {}
-        logits = self.model.lm_head(hidden[step.sample_index])
-        requests = [chunk.request for chunk in step.sample_chunks]
-        rows = [SamplingRow(r.sampling_params, r.prompt_token_ids, r.output_token_ids, r.generator, r.grammar)
-                for r in requests]
-        out = self.sampler(logits, rows)
-        logprobs = out.logprobs or [None] * len(requests)
-        return {r.request_id: SampledToken(t, lp) for r, t, lp in zip(requests, out.token_ids, logprobs)}
+            return hidden[:0], []
+        return self.model.lm_head(hidden[step.sample_index]), step.sample_chunks
 
     @torch.inference_mode()
     def _dummy_forward(self) -> None:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from engine.sampling_params import SamplingParams
+from engine.spec_decode.state import SpecState
 from engine.structured_output import Grammar
 
 
@@ -56,6 +57,9 @@ class Request:
     # The structured-output matcher (set by the engine when the params ask for one); it advances
     # with every appended token, so preemption (recompute or swap) keeps it as it is.
     grammar: Grammar | None = None
+    # Speculative decoding's state (acceptance, back-off, draft KV progress); None until the
+    # scheduler first reserves proposal slots for it.
+    spec: SpecState | None = None
 
     def __post_init__(self) -> None:
         # prompt + output, maintained incrementally: the scheduler reads it every step.

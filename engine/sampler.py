@@ -231,6 +231,28 @@ def _top_p_cutoff(
     return cutoff, found
 
 
+def logprob_entries(
+    logprobs_t: torch.Tensor, tokens: list[int], nums: list[int]
+) -> list[list[tuple[int, float]]]:
+    """Per row of ``logprobs_t`` ([n, vocab] log-probabilities): ``(tokens[i], its logprob)``
+    then the top ``nums[i]`` (id, logprob) pairs, descending."""
+    vocab = logprobs_t.shape[1]
+    tok = torch.tensor(tokens, dtype=torch.long, device=logprobs_t.device)
+    sampled_lp = logprobs_t.gather(1, tok.unsqueeze(1)).squeeze(1).tolist()
+    max_n = min(max(nums, default=0), vocab)
+    if max_n > 0:
+        top_v, top_i = logprobs_t.topk(max_n, dim=-1)
+        top_v, top_i = top_v.tolist(), top_i.tolist()
+    out = []
+    for j, (token, n) in enumerate(zip(tokens, nums)):
+        entry = [(token, sampled_lp[j])]
+        n = min(n, vocab)
+        if n:
+            entry.extend(zip(top_i[j][:n], top_v[j][:n]))
+        out.append(entry)
+    return out
+
+
 class Sampler:
     def __init__(
         self,
@@ -265,15 +287,7 @@ class Sampler:
             return SamplerOutput(token_ids=logits.argmax(dim=-1).tolist(), logprobs=None)
 
         dev = logits.device
-        work = logits.float()
-        if (need_pen or need_min or need_grammar) and work.data_ptr() == logits.data_ptr():
-            work = work.clone()  # never modify the caller's tensor
-        if need_grammar:
-            apply_grammar_bitmask(work, [r.grammar for r in rows])
-        if need_pen:
-            apply_penalties(work, rows)
-        if need_min:
-            apply_min_tokens(work, rows, self.eos_token_ids)
+        work = self.prepare(logits, rows)
 
         logprobs_t = None
         if lp_rows:
@@ -299,20 +313,41 @@ class Sampler:
         if logprobs_t is None:
             return SamplerOutput(token_ids=token_list, logprobs=None)
 
-        lp_tokens = tokens if len(lp_rows) == batch else tokens[_ids_tensor(lp_rows, dev)]
-        sampled_lp = logprobs_t.gather(1, lp_tokens.unsqueeze(1)).squeeze(1).tolist()
-        max_n = min(max(params[i].logprobs for i in lp_rows), vocab)
-        if max_n > 0:
-            top_v, top_i = logprobs_t.topk(max_n, dim=-1)
-            top_v, top_i = top_v.tolist(), top_i.tolist()
+        entries = logprob_entries(logprobs_t, [token_list[i] for i in lp_rows], [params[i].logprobs for i in lp_rows])
         out: list[list[tuple[int, float]] | None] = [None] * batch
         for j, i in enumerate(lp_rows):
-            entry = [(token_list[i], sampled_lp[j])]
-            n = min(params[i].logprobs, vocab)
-            if n:
-                entry.extend(zip(top_i[j][:n], top_v[j][:n]))
-            out[i] = entry
+            out[i] = entries[j]
         return SamplerOutput(token_ids=token_list, logprobs=out)
+
+    def prepare(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """Steps 0-2 (grammar, penalties, min_tokens) on a float copy of ``logits`` (the caller's
+        tensor is never modified): the logits that logprobs describe and the filters start from."""
+        need_pen = any(r.params.has_penalties for r in rows)
+        need_min = any(len(r.output_token_ids) < r.params.min_tokens for r in rows)
+        need_grammar = any(r.grammar is not None for r in rows)
+        work = logits.float()
+        if (need_pen or need_min or need_grammar) and work.data_ptr() == logits.data_ptr():
+            work = work.clone()  # never modify the caller's tensor
+        if need_grammar:
+            apply_grammar_bitmask(work, [r.grammar for r in rows])
+        if need_pen:
+            apply_penalties(work, rows)
+        if need_min:
+            apply_min_tokens(work, rows, self.eos_token_ids)
+        return work
+
+    def sampling_probs(self, work: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """The distribution a random row samples from ([n, vocab], rows sum to 1): step 5's
+        temperature, top-k, top-p and min-p over ``prepare``'s logits. Speculative decoding's
+        rejection sampler needs it explicitly (``engine.spec_decode.rejection``)."""
+        probs = self._filtered_probs(work, rows, list(range(len(rows))))
+        return probs.div_(probs.sum(dim=-1, keepdim=True))
+
+    def race(self, probs: torch.Tensor, generators: list) -> list[int]:
+        """One token per row of ``probs`` (need not be normalised), drawn as ``_sample`` draws."""
+        n, vocab = probs.shape
+        neg_q = self._neg_exp_noise(n, vocab, probs.device, generators)
+        return (probs / neg_q).argmin(dim=-1).tolist()
 
     def _sample(
         self, logits: torch.Tensor, rows: list[SamplingRow], row_ids: list[int]
@@ -323,6 +358,18 @@ class Sampler:
         Every filter reduces to a per-row threshold, and each row's threshold depends only on
         that row's own logits and parameters, never on the other rows in the batch.
         """
+        n, vocab = logits.shape
+        probs = self._filtered_probs(logits, rows, row_ids)
+        # Exponential race: argmax(probs / q), q ~ Exp(1) i.i.d.  (probs need not sum to 1.)
+        # _neg_exp_noise returns -q (<= -tiny), so the winner is argmin(probs / -q).
+        neg_q = self._neg_exp_noise(n, vocab, logits.device, [rows[i].generator for i in row_ids])
+        return probs.div_(neg_q).argmin(dim=-1)
+
+    def _filtered_probs(
+        self, logits: torch.Tensor, rows: list[SamplingRow], row_ids: list[int]
+    ) -> torch.Tensor:
+        """Softmax of ``logits / temperature`` with the tokens top-k, top-p and min-p drop set to 0
+        (not renormalised); a new tensor."""
         n, vocab = logits.shape
         dev = logits.device
         params = [rows[i].params for i in row_ids]
@@ -390,11 +437,7 @@ class Sampler:
         if any(v > 0.0 for v in mps):  # keep prob >= min_p * max prob
             mp_t = torch.tensor(mps, dtype=torch.float32, device=dev).unsqueeze(1)
             probs.masked_fill_(probs < mp_t * probs.amax(dim=-1, keepdim=True), 0.0)
-
-        # Exponential race: argmax(probs / q), q ~ Exp(1) i.i.d.  (probs need not sum to 1.)
-        # _neg_exp_noise returns -q (<= -tiny), so the winner is argmin(probs / -q).
-        neg_q = self._neg_exp_noise(n, vocab, dev, [rows[i].generator for i in row_ids])
-        return probs.div_(neg_q).argmin(dim=-1)
+        return probs
 
     def _neg_exp_noise(self, n: int, vocab: int, dev, generators: list) -> torch.Tensor:
         """[n, vocab] tensor of -q, q ~ Exp(1) i.i.d.; row j uses ``generators[j]`` when set.

@@ -9,6 +9,12 @@ by swap (its pages move to host memory and come back intact).
 ``batching="static"`` is the baseline continuous batching is measured against: a batch
 is admitted only when the previous one has fully ended, and finished members keep
 computing padding rows until the longest member ends, as a static ``generate`` does.
+
+Speculative decoding (``speculative_method``): a decode also reserves pages and budget for up
+to ``num_speculative_tokens`` proposals (its ``lookahead``); the engine's proposer fills them in
+before the forward (``engine.spec_decode``), the runner verifies them, and ``update`` keeps the
+accepted run: the request's computed tokens end after its last accepted proposal, the pages
+past its new length go back, and the KV written for rejected proposals is overwritten later.
 """
 from __future__ import annotations
 
@@ -20,6 +26,7 @@ from engine.config import EngineConfig
 from engine.kv_cache_manager import KVCacheManager
 from engine.priority import priority_key
 from engine.request import FinishReason, Request, RequestStatus
+from engine.spec_decode.state import SpecDecodeStats, SpecState
 
 
 @dataclass
@@ -33,6 +40,14 @@ class ScheduledChunk:
     samples: bool
     # Static batching: the row of a finished member, computed and discarded.
     padding: bool = False
+    # Speculative decoding: proposal slots reserved for this decode (pages and budget) until the
+    # proposer fills them in; then ``spec_token_ids`` holds the proposals, fed after the
+    # request's newest token (``num_tokens`` counts them) and verified, and lookahead is 0.
+    lookahead: int = 0
+    spec_token_ids: list[int] = field(default_factory=list)
+    # Draft method: the draft's distribution of each proposal, [len(spec_token_ids), vocab]
+    # (rejection sampling needs q); None: each proposal is a point mass (ngram, greedy drafts).
+    draft_probs: object = None
 
     @property
     def is_decode(self) -> bool:
@@ -53,7 +68,7 @@ class SchedulerOutput:
 
     @property
     def num_batched_tokens(self) -> int:
-        return sum(c.num_tokens for c in self.chunks)
+        return sum(c.num_tokens + c.lookahead for c in self.chunks)
 
     @property
     def is_empty(self) -> bool:
@@ -78,6 +93,9 @@ class Scheduler:
         self.num_preemptions = 0
         # Tokens the next step may hold; engine.step_budget lowers it under a latency target.
         self.token_budget = config.max_num_batched_tokens
+        self.spec_stats = SpecDecodeStats()
+        # Tokens appended by update() (a speculative step may append several per request).
+        self.num_sampled_tokens = 0
 
     # ---- queue management ------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -131,6 +149,10 @@ class Scheduler:
             n = min(remaining, budget)
             if n == 0:
                 continue
+            # Proposal slots only where the pool has room: speculation never preempts anyone.
+            lookahead = 0 if padding or n != remaining or n != 1 else self._lookahead(request, budget - n)
+            if lookahead and self.kv.allocate(request.request_id, request.num_computed_tokens + n + lookahead) is None:
+                lookahead = 0
             while self.kv.allocate(request.request_id, request.num_computed_tokens + n) is None:
                 victim = self._pick_victim(exclude=scheduled)
                 self._preempt(victim, out)
@@ -139,9 +161,10 @@ class Scheduler:
             if request not in self.running:
                 continue
             out.chunks.append(ScheduledChunk(request, request.num_computed_tokens, n,
-                                             samples=not padding and n == remaining, padding=padding))
+                                             samples=not padding and n == remaining, padding=padding,
+                                             lookahead=lookahead))
             scheduled.add(request.request_id)
-            budget -= n
+            budget -= n + lookahead
 
         # Static batching admits a new batch only once the last one has fully ended.
         if not out.preempted and (self.config.batching == "continuous" or not self.running):
@@ -153,6 +176,21 @@ class Scheduler:
             if chunk.request.first_scheduled_time is None:
                 chunk.request.first_scheduled_time = now
         return out
+
+    def _lookahead(self, request: Request, budget: int) -> int:
+        """Proposal slots for a decode of ``request``: 0 with speculation off, under a grammar (its
+        state cannot follow hypothetical tokens), while the request backs off, or where the
+        proposals and the token their verification adds would pass max_tokens or max_model_len."""
+        if not self.config.speculative_method or request.grammar is not None:
+            return 0
+        room = min(request.sampling_params.max_tokens - len(request.output_token_ids),
+                   self.max_model_len - request.num_tokens) - 1
+        k = min(self.config.num_speculative_tokens, room, budget)
+        if k <= 0:
+            return 0
+        if request.spec is None:
+            request.spec = SpecState()
+        return k if request.spec.wants_proposals() else 0
 
     def _release_static_batch(self) -> None:
         for r in self.running:
@@ -231,6 +269,8 @@ class Scheduler:
         if request.is_finished:  # a static padding row just goes
             self.kv.free(request.request_id)
             return
+        if request.spec is not None:  # the draft's KV stays behind (recompute) or in unswapped pages
+            request.spec.draft_computed = 0
         pairs = self.kv.swap_out(request.request_id) if self.config.preemption_mode == "swap" else None
         if pairs is not None:
             out.swap_out.extend(pairs)
@@ -242,28 +282,54 @@ class Scheduler:
         self.waiting.append(request)
 
     # ---- after the forward -----------------------------------------------------------
-    def update(self, out: SchedulerOutput, sampled: dict[str, SampledToken]) -> list[Request]:
-        """Advance every scheduled request; returns those with a new token or an end."""
+    def update(self, out: SchedulerOutput, sampled: dict[str, list[SampledToken]]) -> list[Request]:
+        """Advance every scheduled request; returns those with new tokens or an end.
+
+        ``sampled``: per sampling request its new tokens, one, or with proposals the accepted
+        ones and the token their verification sampled after them."""
         changed = []
         for chunk in out.chunks:
             request = chunk.request
             request.num_computed_tokens = chunk.start + chunk.num_tokens
             if chunk.padding or request.is_finished:
                 continue
-            self.kv.cache_full_blocks(request.request_id, request.all_token_ids, request.num_computed_tokens)
             if not chunk.samples:
+                self.kv.cache_full_blocks(request.request_id, request.all_token_ids, request.num_computed_tokens)
                 continue
-            token = sampled[request.request_id]
-            request.append_token(token.token_id, token.logprobs)
+            tokens = sampled[request.request_id]
+            if chunk.spec_token_ids:
+                self._accept(chunk, len(tokens) - 1)
+            reason = None
+            for token in tokens:  # an accepted run ends early at a stop token or a limit
+                request.append_token(token.token_id, token.logprobs)
+                self.num_sampled_tokens += 1
+                reason = request.check_stop(self.max_model_len)
+                if reason is not None:
+                    break
             if request.first_token_time is None:
                 request.first_token_time = self.clock()
-            reason = request.check_stop(self.max_model_len)
+            self.kv.cache_full_blocks(request.request_id, request.all_token_ids, request.num_computed_tokens)
             if reason is not None:
                 self.finish(request, reason)
+            elif request.spec is not None:
+                # Proposal pages the run did not reach go back (a new token's page comes next step).
+                self.kv.trim(request.request_id, request.num_tokens)
             changed.append(request)
         if self.config.batching == "static" and self.running and all(r.is_finished for r in self.running):
             self._release_static_batch()  # the batch is over: its pages go now, not at the next step
         return changed
+
+    def _accept(self, chunk: ScheduledChunk, accepted: int) -> None:
+        """A verified decode: its computed tokens end after the last accepted proposal (the KV of
+        rejected ones is garbage, overwritten when those positions are fed again)."""
+        request, proposed = chunk.request, len(chunk.spec_token_ids)
+        request.num_computed_tokens = chunk.start + 1 + accepted
+        request.spec.draft_computed = min(request.spec.draft_computed, request.num_computed_tokens)
+        request.spec.record(proposed, accepted)
+        stats = self.spec_stats
+        stats.num_drafts += 1
+        stats.num_draft_tokens += proposed
+        stats.num_accepted_tokens += accepted
 
     def finish(self, request: Request, reason: FinishReason) -> None:
         if self.config.batching == "static":

@@ -9,7 +9,7 @@ in one non-blocking copy each from pinned memory.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -23,14 +23,53 @@ class StepInputs:
     input_ids: torch.Tensor  # [T] int64, on the device
     positions: torch.Tensor  # [T] int64, on the device
     layout: StepLayout
-    # Row of the hidden states whose logits are sampled, and the chunk it samples for.
+    # Rows of the hidden states whose logits are sampled, and the chunks they sample for: one row
+    # per chunk, or 1 + its proposals for a speculative decode (its last 1 + P rows, in order).
     sample_index: torch.Tensor  # [S] int64, on the device
     sample_chunks: list[ScheduledChunk]
+
+
+@dataclass
+class VerifyRow:
+    """One position of a speculative decode, fed as a decode of its own: a chunk [newest token,
+    d_1..d_P] becomes P + 1 one-token rows over the same block table, row i at position start + i
+    attending to everything up to it. Each layer writes the step's K/V before it attends, so row
+    i sees d_1..d_i; and decode attention reads the pages where they lie, where a multi-token
+    chunk after cached context would gather that context once per layer (measured on the CPU
+    backend: the gathers and SDPA of such chunks cost more than the whole decode kernel)."""
+    request: object
+    start: int
+    token_id: int
+    num_tokens: int = 1
+    samples: bool = True
+    padding: bool = False
+    spec_token_ids: list = field(default_factory=list)
+
+    @property
+    def is_decode(self) -> bool:
+        return True
+
+
+def expand_verification(chunks: list[ScheduledChunk]) -> list:
+    """``chunks`` with every speculative decode replaced by its VerifyRows (in place, so the
+    sampled rows keep the chunks' order)."""
+    if not any(c.spec_token_ids for c in chunks):
+        return chunks
+    rows: list = []
+    for c in chunks:
+        if c.spec_token_ids:
+            fed = [c.request.all_token_ids[c.start], *c.spec_token_ids]
+            rows.extend(VerifyRow(c.request, c.start + i, t) for i, t in enumerate(fed))
+        else:
+            rows.append(c)
+    return rows
 
 
 class InputBuffers:
     def __init__(self, max_tokens: int, max_seqs: int, max_blocks_per_seq: int, block_size: int,
                  device: torch.device):
+        """``max_seqs``: rows of one step (sequences; with speculative decoding each verified
+        position is a row of its own)."""
         self.block_size = block_size
         self.device = device
         pin = device.type == "cuda"
@@ -73,12 +112,14 @@ class InputBuffers:
 
     def build(self, chunks: list[ScheduledChunk], block_tables: dict[str, list[int]],
               pad_to: int | None = None) -> StepInputs:
-        """Inputs of one step; ``chunks`` are ordered decodes first (the scheduler's order).
+        """Inputs of one step; ``chunks`` are ordered decodes (and speculative decodes) first.
 
         ``pad_to``: a pure-decode batch replayed by a CUDA graph of that many rows; the rows past
         the batch are written as padding too."""
         if self._copied is not None:
             self._copied.synchronize()
+        sample_chunks = [c for c in chunks if c.samples]
+        chunks = expand_verification(chunks)
         bs = self.block_size
         num_seqs = len(chunks)
         q_lens = np.fromiter((c.num_tokens for c in chunks), dtype=np.int64, count=num_seqs)
@@ -97,6 +138,8 @@ class InputBuffers:
             lo = qsl[i]
             if chunk.padding:  # static batching: keep the row busy with its last token
                 ids[lo] = tokens[-1]
+            elif isinstance(chunk, VerifyRow):
+                ids[lo] = chunk.token_id
             elif chunk.num_tokens == 1:
                 ids[lo] = tokens[chunk.start]
             else:
@@ -110,13 +153,13 @@ class InputBuffers:
         np.add(np.repeat(starts - qsl[:-1], q_lens), np.arange(num_tokens), out=positions)
         self._slots.numpy()[:num_tokens] = tables[seq_of_token, positions // bs].astype(np.int64) * bs + positions % bs
         self._lens.numpy()[:num_seqs] = seq_lens
-        sample_chunks = [c for c in chunks if c.samples]
         sample_at = qsl[1:][np.fromiter((c.samples for c in chunks), dtype=bool, count=num_seqs)] - 1
-        self._sample.numpy()[:len(sample_chunks)] = sample_at
+        num_rows = len(sample_at)
+        self._sample.numpy()[:num_rows] = sample_at
 
         if pad_to is not None:
             self.fill_padding(num_seqs, pad_to)
-        ids_d, pos_d, slots_d, qsl_d, lens_d, tables_d, sample_d = self._to_device(num_tokens, num_seqs)
+        ids_d, pos_d, slots_d, qsl_d, lens_d, tables_d, sample_d = self._to_device(num_tokens, num_seqs, num_rows)
         layout = StepLayout(
             slot_mapping=slots_d[:num_tokens],
             query_start_loc=qsl_d[:num_seqs + 1],
@@ -128,13 +171,12 @@ class InputBuffers:
             query_start_list=qsl.tolist(),
             block_size=bs,
         )
-        return StepInputs(ids_d[:num_tokens], pos_d[:num_tokens], layout, sample_d[:len(sample_chunks)],
-                          sample_chunks)
+        return StepInputs(ids_d[:num_tokens], pos_d[:num_tokens], layout, sample_d[:num_rows], sample_chunks)
 
-    def _to_device(self, num_tokens: int, num_seqs: int) -> list[torch.Tensor]:
+    def _to_device(self, num_tokens: int, num_seqs: int, num_rows: int) -> list[torch.Tensor]:
         if self.device.type == "cpu":
             return self._dev
-        used = [num_tokens, num_tokens, num_tokens, num_seqs + 1, num_seqs, num_seqs, num_seqs]
+        used = [num_tokens, num_tokens, num_tokens, num_seqs + 1, num_seqs, num_seqs, num_rows]
         for host, dev, n in zip(self._host, self._dev, used):
             dev[:n].copy_(host[:n], non_blocking=True)
         self._copied.record()

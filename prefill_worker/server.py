@@ -1,6 +1,7 @@
 """Wiring of a prefill worker process (``splitserve prefill``): engine, KV senders, servicer, runtime."""
 from __future__ import annotations
 
+import dataclasses
 import uuid
 
 from worker_runtime.serve import engine_config, run_worker, worker_security
@@ -14,8 +15,9 @@ def serve(args) -> int:
     from splitserve.tracing import setup as setup_tracing
     from splitserve.v1 import worker_pb2_grpc
     transports = TRANSPORTS if args.kv_transport == "auto" else [t.strip() for t in args.kv_transport.split(",")]
-    connector = build_prefill(engine_config(args), transports, verify_checksum=args.verify_checksum,
-                              kv_key=security.kv_key)
+    # A prefill worker samples one token per request: speculation (and a draft model) would be dead weight.
+    config = dataclasses.replace(engine_config(args), speculative_method=None, speculative_model=None)
+    connector = build_prefill(config, transports, verify_checksum=args.verify_checksum, kv_key=security.kv_key)
     registry, metrics_address = serve_metrics(args.metrics_port, args.host,
                                               model_name=public_model_name(args.model))
     worker_id = args.worker_id or f"prefill-{uuid.uuid4().hex[:8]}"

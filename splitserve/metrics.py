@@ -28,6 +28,9 @@ counted once, by the process that owns it:
 * ``vllm:request_success``, the request latency histograms and the Redis queue depth are the
   gateway's; the engine gauges (running, waiting, KV usage), preemptions and prefix-cache
   counters are per worker, and a prefill and a decode worker each count a request they both hold.
+* ``vllm:spec_decode_num_drafts`` / ``_num_draft_tokens`` / ``_num_accepted_tokens`` (vLLM's
+  names) count speculative decoding's proposals and the accepted ones on the worker that decodes
+  (``--speculative-method``); acceptance rate = accepted / draft tokens.
 """
 from __future__ import annotations
 
@@ -79,6 +82,12 @@ class EngineMetrics:
                                      registry=registry)
         self.generation_tokens = Counter("splitserve:engine_generation_tokens",
                                          "Tokens this engine sampled (streamed or not)", registry=registry)
+        self.spec_drafts = Counter("vllm:spec_decode_num_drafts", "Speculative proposals verified (one per "
+                                   "sequence and step with at least one proposed token)", registry=registry)
+        self.spec_draft_tokens = Counter("vllm:spec_decode_num_draft_tokens", "Tokens proposed and verified",
+                                         registry=registry)
+        self.spec_accepted_tokens = Counter("vllm:spec_decode_num_accepted_tokens",
+                                            "Proposed tokens the model accepted", registry=registry)
         self.lease_expiries = Counter("splitserve:kv_lease_expiries",
                                       "Reservations freed because their KV did not arrive in time (decode)",
                                       registry=registry)
@@ -88,7 +97,8 @@ class EngineMetrics:
         self.role = Gauge("splitserve:worker_info", "Constant 1, labelled with the worker's role",
                           list(labels), registry=registry)
         self.role.labels(**labels).set(1)
-        self._seen = {"num_preemptions": 0, "prefix_queries": 0, "prefix_hits": 0}
+        self._seen = {"num_preemptions": 0, "prefix_queries": 0, "prefix_hits": 0, "spec_drafts": 0,
+                      "spec_draft_tokens": 0, "spec_accepted_tokens": 0}
 
     def refresh(self, engine) -> None:
         """Copy the engine's counters into the metrics; runs on the engine thread."""
@@ -96,10 +106,20 @@ class EngineMetrics:
         self.running.set(stats["num_running"])
         self.waiting.set(stats["num_waiting"])
         self.kv_usage.set(stats["kv_usage"])
+        self.refresh_counters(engine)
+
+    def refresh_counters(self, engine) -> None:
+        """The counters alone (cheap: a decode worker runs it after every step, so they are
+        current by the time the step's tokens are streamed)."""
+        spec = engine.scheduler.spec_stats
         totals = {"num_preemptions": engine.scheduler.num_preemptions,
-                  "prefix_queries": engine.kv.prefix_stats.queries, "prefix_hits": engine.kv.prefix_stats.hits}
+                  "prefix_queries": engine.kv.prefix_stats.queries, "prefix_hits": engine.kv.prefix_stats.hits,
+                  "spec_drafts": spec.num_drafts, "spec_draft_tokens": spec.num_draft_tokens,
+                  "spec_accepted_tokens": spec.num_accepted_tokens}
         for name, counter in (("num_preemptions", self.preemptions), ("prefix_queries", self.prefix_queries),
-                              ("prefix_hits", self.prefix_hits)):
+                              ("prefix_hits", self.prefix_hits), ("spec_drafts", self.spec_drafts),
+                              ("spec_draft_tokens", self.spec_draft_tokens),
+                              ("spec_accepted_tokens", self.spec_accepted_tokens)):
             counter.inc(max(0, totals[name] - self._seen[name]))
             self._seen[name] = totals[name]
 
