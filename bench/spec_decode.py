@@ -8,7 +8,9 @@ Workloads, all requests submitted at once:
   functions of its engine, chat-templated for the instruct model; greedy, EOS honoured.
 * ``mixed``: bench/workloads.py's mixed workload (random prompt tokens of 32-256, outputs
   exponential mean 64, EOS ignored), where lookup rarely finds anything: the cost when it does
-  not pay.
+  not pay (in fact SmolLM2 loops on random tokens, so lookup pays there too).
+* ``sampled``: the mixed workload at temperature 1 (seeded): outputs rarely repeat anything, so
+  proposals are rejected or absent, and what speculation costs when it does not pay shows.
 
 Method: two engines of the same config but speculation (``--speculative-method``, default
 ngram with ``--num-speculative-tokens``); each runs one warm-up round of a workload, then
@@ -106,6 +108,11 @@ def main() -> None:
             reqs = mixed(args.n, engines["off"].engine.vocab_size, seed=args.seed)
             prompts = [r.prompt_token_ids for r in reqs]
             params = [SamplingParams(temperature=0.0, max_tokens=r.max_tokens, ignore_eos=True) for r in reqs]
+        elif name == "sampled":  # the mixed lengths at temperature 1: outputs rarely repeat, lookup rarely pays
+            reqs = mixed(args.n, engines["off"].engine.vocab_size, seed=args.seed)
+            prompts = [r.prompt_token_ids for r in reqs]
+            params = [SamplingParams(temperature=1.0, seed=args.seed + i, max_tokens=r.max_tokens, ignore_eos=True)
+                      for i, r in enumerate(reqs)]
         else:
             raise ValueError(f"unknown workload {name!r}")
         for arm in ("off", "on"):
@@ -132,7 +139,7 @@ def main() -> None:
             "acceptance_rate": accepted / draft_tokens if draft_tokens else 0.0,
             "mean_accepted_per_draft": accepted / drafts if drafts else 0.0,
             "drafts": drafts, "draft_tokens": draft_tokens, "accepted_tokens": accepted,
-            "outputs_identical": f"{same}/{len(on[0]['outputs'])}",
+            "outputs_identical": f"{same}/{len(on[0]['outputs'])}" if name != "sampled" else "n/a (sampled)",
         }
         print(name, {k: v for k, v in results[name].items() if not k.endswith("_rounds")}, flush=True)
     load.stop()
