@@ -174,7 +174,7 @@ def test_every_comparison_parses():
     parser = compare.build_parser()
     for name in ("disagg", "tpot-target", "batching", "prefix", "overhead", "http", "load"):
         args = parser.parse_args([name, "--quick"])
-        assert args.func.__name__ == f"cmd_{name}" and args.quick
+        assert args.func.__name__ == f"cmd_{name.replace('-', '_')}" and args.quick
     assert parser.parse_args(["load", "--rates", "0.5,2"]).rates == [0.5, 2.0]
     assert parse_rates("1,inf") == [1.0, float("inf")]
 
