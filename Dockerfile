@@ -57,6 +57,7 @@ COPY prefill_worker ./prefill_worker
 COPY decode_worker ./decode_worker
 COPY worker_runtime ./worker_runtime
 COPY splitserve ./splitserve
+COPY bench ./bench
 # The package itself; its dependencies as pyproject.toml states them (as `make install` does).
 # hadolint ignore=DL3013
 RUN pip install . && rm -rf ./build ./*.egg-info

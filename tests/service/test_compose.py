@@ -308,6 +308,9 @@ def test_dockerfile_lints_clean_and_runs_splitserve():
     copied = {Path(c.value[0]).name for c in commands if c.cmd == "COPY"}
     packages = yaml.safe_load(re.search(r"include = (\[.*?\])", (ROOT / "pyproject.toml").read_text())[1])
     assert {p.rstrip("*") for p in packages} <= copied
+    # Every copied path is let into the build context (.dockerignore is an allow-list).
+    allowed = {line[1:].strip("/") for line in (ROOT / ".dockerignore").read_text().splitlines() if line.startswith("!")}
+    assert copied <= allowed, copied - allowed
     # Every service builds from this Dockerfile with a base and torch index it accepts.
     args = {c.value[0].split("=")[0] for c in commands if c.cmd == "ARG"}
     for name, service in splitserve_services(load_compose()).items():
