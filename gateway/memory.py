@@ -25,9 +25,10 @@ import logging
 log = logging.getLogger(__name__)
 
 # After a refusal, collect at each of these delays: the first once the rest of a burst is refused,
-# the second for requests whose handlers were still unwinding then (a loaded machine spreads a
-# burst out; one collection left ~300 MiB behind in a CI run).
-COLLECT_DELAYS_S = (0.5, 5.0)
+# the later ones for requests whose handlers were still unwinding then (a loaded machine spreads a
+# burst out: one collection left ~300 MiB behind in a CI run, and two, at 0.5 and 5 s, left
+# ~330 MiB of a third burst in another).
+COLLECT_DELAYS_S = (0.5, 5.0, 10.0)
 M_MMAP_THRESHOLD = -3  # mallopt parameter (malloc.h)
 MMAP_THRESHOLD_BYTES = 1 << 20
 
