@@ -67,6 +67,10 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"
     # "auto" (CUDA when present), "cpu", "cuda", "cuda:N".
     device: str = "auto"
+    # Ranks (processes) one worker shards the model over (vLLM's name): attention heads, KV heads
+    # and MLP columns split across them, one scheduler on rank 0 (engine/tensor_parallel). On a GPU
+    # rank r runs on the device after ``device`` by r (cuda:N+r); on a CPU each rank is a process.
+    tensor_parallel_size: int = 1
     # Paged attention kernels: "auto" (triton on CUDA, torch on CPU), "torch" or "triton".
     attention_backend: str = "auto"
     # Linear layers: "auto" (oneDNN prepacked weights for fp32 on a CPU, torch elsewhere), "onednn", "torch".
@@ -101,7 +105,8 @@ class EngineConfig:
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
 
-        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "static_batch_size"):
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "static_batch_size",
+                     "tensor_parallel_size"):
             positive(name)
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
