@@ -56,8 +56,14 @@ def build_decode(config, transport: str = "auto", lease_ttl_s: float = 30.0,
     from kvtransfer.lease import LeaseTable, PageFence
 
     names = choose_transports(transport, resolve_device(config.device).type)
+    tp = config.tensor_parallel_size
+    if tp > 1:
+        from kvtransfer.tensor_parallel import check_tp_transports
+        check_tp_transports(names, tp)
     shared: dict = {}
-    if "shm" in names:
+    # With tensor parallelism the page owners are always in shared memory: the other ranks'
+    # receivers fence on them (kvtransfer.tensor_parallel).
+    if "shm" in names or tp > 1:
         from kvtransfer.transports.shm import create_shared_pool
 
         def pool_factory(shape, dtype, device):
@@ -89,7 +95,16 @@ def build_decode(config, transport: str = "auto", lease_ttl_s: float = 30.0,
             receivers.append(NcclReceiver(pool, leases, host=host, advertise_host=advertise_host))
     receivers.sort(key=lambda r: names.index(r.name))
     log.info("decode KV transports (fastest first): %s", ", ".join(f"{r.name}@{r.address}" for r in receivers))
-    return DecodeConnector(engine, receivers, leases)
+    rank_offers, cleanup = (), []
+    if engine.runner.followers is not None:
+        from engine.tensor_parallel.messages import KVSetup
+        rank_offers = tuple(tuple(offers) for offers in engine.runner.followers.request(KVSetup(
+            "serve", tuple(r.name for r in receivers), str(Path(shared["directory"]) / "owners"), host=host,
+            advertise_host=advertise_host, kv_key=kv_key)))
+        if "shm" not in names:  # no shm receiver removes the owners' directory: the connector does
+            from kvtransfer.transports.shm import remove_pool_directory
+            cleanup.append(lambda: remove_pool_directory(Path(shared["directory"])))
+    return DecodeConnector(engine, receivers, leases, rank_offers, cleanup)
 
 
 def sender_factories(pool: torch.Tensor, transports: Iterable[str], kv_key: bytes | None = None) -> dict:
@@ -118,4 +133,11 @@ def build_prefill(config, transports: Iterable[str] = TRANSPORTS, verify_checksu
     from kvtransfer.prefill_side import PrefillConnector
 
     engine = LLMEngine(config)
+    transports = tuple(transports)
+    if engine.runner.followers is not None:
+        from engine.tensor_parallel.messages import KVSetup
+        from kvtransfer.tensor_parallel import TP_TRANSPORTS
+        # Tensor-parallel ranks send over shm and tcp only; descriptors offer those to them.
+        transports = tuple(t for t in transports if t in TP_TRANSPORTS)
+        engine.runner.followers.request(KVSetup("send", transports, kv_key=kv_key))
     return PrefillConnector(engine, sender_factories(engine.runner.kv_cache, transports, kv_key), verify_checksum)

@@ -60,13 +60,17 @@ class KVLayout:
     kv_cache_dtype: str = "auto"
     # Where a quantized page keeps its scales ("" when unquantized): kv_quant.SCALE_LAYOUT.
     kv_scales: str = ""
+    # Ranks the pool is split over (num_kv_heads is one rank's share): rank r of the prefill worker
+    # writes into rank r of the decode worker, so both must be split alike. Not re-sharded.
+    tensor_parallel_size: int = 1
 
     def check_compatible(self, other: "KVLayout") -> None:
         diffs = [f"{f.name}: {getattr(self, f.name)!r} here vs {getattr(other, f.name)!r} on the peer"
                  for f in fields(self) if getattr(self, f.name) != getattr(other, f.name)]
         if diffs:
             raise LayoutMismatchError("KV layout mismatch, no bytes moved; run both workers with the same "
-                                      "model, block size, dtype and kv-cache-dtype (" + "; ".join(diffs) + ")")
+                                      "model, block size, dtype, kv-cache-dtype and tensor-parallel-size ("
+                                      + "; ".join(diffs) + ")")
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -79,8 +83,9 @@ class KVLayout:
         return self.block_size * self.num_kv_heads * row * torch.empty((), dtype=self.torch_dtype).element_size()
 
     @classmethod
-    def of_pool(cls, model: str, pool: torch.Tensor) -> "KVLayout":
-        """Layout of a pool tensor shaped [layers, 2, blocks, block_size, kv_heads, head_dim]."""
+    def of_pool(cls, model: str, pool: torch.Tensor, tensor_parallel_size: int = 1) -> "KVLayout":
+        """Layout of a pool tensor shaped [layers, 2, blocks, block_size, kv_heads, head_dim] (one
+        rank's, of ``tensor_parallel_size``)."""
         layers, two, _, block_size, kv_heads, _ = pool.shape
         if two != 2:
             raise ValueError(f"a KV pool is [layers, 2, blocks, block_size, kv_heads, head_dim], got {tuple(pool.shape)}")
@@ -88,7 +93,7 @@ class KVLayout:
         quant = kv_quant.of_storage(pool.dtype)
         return cls(model, layers, kv_heads, kv_quant.head_dim_of(pool), block_size,
                    str(pool.dtype).removeprefix("torch."), quant.name if quant else "auto",
-                   kv_quant.SCALE_LAYOUT if quant else "")
+                   kv_quant.SCALE_LAYOUT if quant else "", tensor_parallel_size)
 
 
 @dataclass(frozen=True)
@@ -108,6 +113,9 @@ class TransferDescriptor:
     # The first pages of ``block_ids`` that already hold the prompt's KV on the decode side (its
     # prefix cache, maybe shared with other requests): nobody writes them, no lease covers them.
     num_cached_blocks: int = 0
+    # Tensor-parallel decode workers: the offers of ranks 1..N-1 (rank 0's are above), each in the
+    # order of ``offers``; prefill rank r writes its slice through its entry r-1.
+    rank_offers: tuple[tuple[tuple[str, str], ...], ...] = ()
 
     @property
     def written_block_ids(self) -> tuple[int, ...]:
@@ -122,6 +130,7 @@ class TransferDescriptor:
         d = asdict(self)
         d["block_ids"] = list(self.block_ids)
         d["alternatives"] = [list(a) for a in self.alternatives]
+        d["rank_offers"] = [[list(o) for o in offers] for offers in self.rank_offers]
         return d
 
     @classmethod
@@ -130,7 +139,8 @@ class TransferDescriptor:
                    block_ids=tuple(int(b) for b in d["block_ids"]), layout=KVLayout(**d["layout"]),
                    epoch=int(d["epoch"]), lease_deadline=float(d["lease_deadline"]),
                    alternatives=tuple((str(t), str(a)) for t, a in d.get("alternatives", ())),
-                   num_cached_blocks=int(d.get("num_cached_blocks", 0)))
+                   num_cached_blocks=int(d.get("num_cached_blocks", 0)),
+                   rank_offers=tuple(tuple((str(t), str(a)) for t, a in offers) for offers in d.get("rank_offers", ())))
 
 
 def coalesce(src_blocks: Sequence[int], dst_blocks: Sequence[int]) -> list[tuple[int, int, int]]:

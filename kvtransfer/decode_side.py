@@ -7,7 +7,7 @@ lease fence.
 from __future__ import annotations
 
 import logging
-from typing import Sequence
+from typing import Callable, Sequence
 
 from engine.llm_engine import LLMEngine
 from engine.outputs import RequestOutput
@@ -20,14 +20,18 @@ log = logging.getLogger(__name__)
 
 
 class DecodeConnector:
-    def __init__(self, engine: LLMEngine, receivers: Sequence[KVReceiver], leases: LeaseTable):
+    def __init__(self, engine: LLMEngine, receivers: Sequence[KVReceiver], leases: LeaseTable,
+                 rank_offers: tuple = (), cleanup: Sequence[Callable[[], None]] = ()):
         if not receivers:
             raise ValueError("a decode connector needs at least one transport")
         self.engine = engine
         # Fastest first: every descriptor offers all of them, in this order.
         self.receivers = list(receivers)
         self.leases = leases
-        self.layout = KVLayout.of_pool(engine.model_name, engine.runner.kv_cache)
+        self.layout = KVLayout.of_pool(engine.model_name, engine.runner.kv_cache, engine.config.tensor_parallel_size)
+        # Tensor parallelism: the other ranks' receivers (kvtransfer.tensor_parallel), in every descriptor.
+        self.rank_offers = rank_offers
+        self._cleanup = list(cleanup)
         self.num_expired = 0
 
     def reserve(self, request_id: str, num_prompt_tokens: int,
@@ -53,7 +57,7 @@ class DecodeConnector:
         first, *rest = self.receivers
         return TransferDescriptor(request_id, first.name, first.address, tuple(table), self.layout,
                                   lease.epoch, lease.deadline, tuple((r.name, r.address) for r in rest),
-                                  num_cached_blocks=len(hits))
+                                  num_cached_blocks=len(hits), rank_offers=self.rank_offers)
 
     def renew(self, request_id: str, epoch: int) -> float:
         """The handoff of ``request_id`` is still under way: its lease restarts. Returns the
@@ -113,3 +117,5 @@ class DecodeConnector:
     def close(self) -> None:
         for receiver in self.receivers:
             receiver.close()
+        for cleanup in self._cleanup:
+            cleanup()

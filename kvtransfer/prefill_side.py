@@ -84,7 +84,7 @@ class _Transfer:
 class PrefillConnector:
     def __init__(self, engine: LLMEngine, senders: dict[str, SenderFactory], verify_checksum: bool = False):
         self.engine = engine
-        self.layout = KVLayout.of_pool(engine.model_name, engine.runner.kv_cache)
+        self.layout = KVLayout.of_pool(engine.model_name, engine.runner.kv_cache, engine.config.tensor_parallel_size)
         self.sender_factories = senders
         self.verify_checksum = verify_checksum
         self._senders: dict[tuple[str, str], KVSender] = {}
@@ -95,6 +95,8 @@ class PrefillConnector:
         self._copier = threading.Thread(target=self._copy_loop, name="kv-copier", daemon=True)
         self._copier.start()
         engine.runner.layer_hook = self._on_layer
+        if engine.runner.followers is not None:  # the other ranks ship their slices of the same pages
+            engine.runner.tp_copy_orders = self._copy_orders
 
     # ---- control -------------------------------------------------------------------
     def start(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
@@ -125,6 +127,12 @@ class PrefillConnector:
     def step(self) -> list[PrefillResult]:
         """One engine step; returns the transfers that ended (flushed or failed)."""
         outputs = self.engine.step()
+        for request_id, reason in self.engine.runner.follower_errors.items():
+            transfer = self._transfers.get(request_id)
+            if transfer is not None and transfer.error is None:
+                log.warning("KV transfer of %s refused: %s", request_id, reason)
+                transfer.error = TransferError(reason)
+        self.engine.runner.follower_errors.clear()
         self._copies.join()  # every queued layer copy is issued before pages can be reused...
         if self._copy_stream is not None:  # ...and, on a GPU, the next step's kernels run after them
             torch.cuda.current_stream(self._copy_stream.device).wait_stream(self._copy_stream)
@@ -196,19 +204,7 @@ class PrefillConnector:
         if self._copy_stream is not None:  # this layer's K/V writes are queued, maybe not done
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(self._copy_stream.device))
-        for chunk in plan.chunks:
-            transfer = self._transfers.get(chunk.request.request_id)
-            if transfer is None or transfer.error is not None:
-                continue
-            bs = self.layout.block_size
-            # The first chunk also ships prefix-cache hits: pages this step did not write; the
-            # decode side's own cached head is never sent.
-            first = max(0 if transfer.first_chunk else chunk.start // bs, transfer.desc.num_cached_blocks)
-            last = (chunk.start + chunk.num_tokens - 1) // bs
-            if first > last:
-                continue  # all of this chunk's pages are already there
-            src = plan.block_tables[chunk.request.request_id][first:last + 1]
-            runs = coalesce(src, transfer.desc.block_ids[first:last + 1])
+        for chunk, transfer, runs in self._shipments(plan):
             self._copies.put((transfer, layer, runs, ready))
             if last_layer:
                 transfer.first_chunk = False
@@ -217,7 +213,32 @@ class PrefillConnector:
                     skipped = transfer.desc.num_cached_blocks
                     transfer.checksum = kv_checksum(self.engine.runner.kv_cache,
                                                     plan.block_tables[chunk.request.request_id][skipped:],
-                                                    len(transfer.prompt_token_ids) - skipped * bs)
+                                                    len(transfer.prompt_token_ids) - skipped * self.layout.block_size)
+
+    def _shipments(self, plan: SchedulerOutput) -> list[tuple]:
+        """(chunk, transfer, page runs) of every transfer this step writes pages of; the same
+        for every layer of the step."""
+        shipments = []
+        bs = self.layout.block_size
+        for chunk in plan.chunks:
+            transfer = self._transfers.get(chunk.request.request_id)
+            if transfer is None or transfer.error is not None:
+                continue
+            # The first chunk also ships prefix-cache hits: pages this step did not write; the
+            # decode side's own cached head is never sent.
+            first = max(0 if transfer.first_chunk else chunk.start // bs, transfer.desc.num_cached_blocks)
+            last = (chunk.start + chunk.num_tokens - 1) // bs
+            if first > last:
+                continue  # all of this chunk's pages are already there
+            src = plan.block_tables[chunk.request.request_id][first:last + 1]
+            shipments.append((chunk, transfer, tuple(coalesce(src, transfer.desc.block_ids[first:last + 1]))))
+        return shipments
+
+    def _copy_orders(self, plan: SchedulerOutput) -> tuple:
+        """What the other tensor-parallel ranks ship this step: the same pages, over the transport
+        rank 0 picked, each into its own decode rank (kvtransfer.tensor_parallel)."""
+        from engine.tensor_parallel.messages import CopyOrder
+        return tuple(CopyOrder(transfer.desc, transfer.sender.name, runs) for _, transfer, runs in self._shipments(plan))
 
     @contextlib.contextmanager
     def _after(self, ready):

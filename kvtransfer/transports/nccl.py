@@ -328,7 +328,7 @@ class NcclSender(KVSender):
 
     def write(self, desc: TransferDescriptor, layer: int, runs: Sequence[Run]) -> None:
         if desc.layout not in self._layouts:
-            desc.layout.check_compatible(KVLayout.of_pool(desc.layout.model, self.src_pool))
+            desc.layout.check_compatible(KVLayout.of_pool(desc.layout.model, self.src_pool, desc.layout.tensor_parallel_size))
             self._layouts.add(desc.layout)
         if not runs:
             return

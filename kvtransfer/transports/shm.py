@@ -55,6 +55,15 @@ def _numel(shape: Sequence[int]) -> int:
     return numel
 
 
+def remove_pool_directory(directory: Path) -> None:
+    for name in ("pool", "owners", "meta.json"):
+        (directory / name).unlink(missing_ok=True)
+    try:
+        directory.rmdir()
+    except OSError:
+        pass
+
+
 class ShmReceiver(KVReceiver):
     name = "shm"
 
@@ -67,12 +76,7 @@ class ShmReceiver(KVReceiver):
         return str(self.directory)
 
     def close(self) -> None:
-        for name in ("pool", "owners", "meta.json"):
-            (self.directory / name).unlink(missing_ok=True)
-        try:
-            self.directory.rmdir()
-        except OSError:
-            pass
+        remove_pool_directory(self.directory)
 
 
 class ShmSender(KVSender):

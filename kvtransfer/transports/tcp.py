@@ -348,7 +348,8 @@ class TcpSender(KVSender):
                                                 f"failed to authenticate itself: {e}") from e
 
     def write(self, desc: TransferDescriptor, layer: int, runs: Sequence[Run]) -> None:
-        KVLayout.of_pool(desc.layout.model, self.src_pool).check_compatible(desc.layout)
+        # The pages themselves must match; the split (tensor_parallel_size) was checked by the connector.
+        KVLayout.of_pool(desc.layout.model, self.src_pool, desc.layout.tensor_parallel_size).check_compatible(desc.layout)
         rid, page_bytes = desc.request_id.encode(), self._page_bytes
         src = self.src_pool[layer]  # [2, blocks, bs, H, D]
         for s, d, n in runs:

@@ -1,0 +1,72 @@
+"""A tensor-parallel rank r > 0: load its shard, then run every forward rank 0 sends, until told to stop.
+
+Started by ``engine.tensor_parallel.ranks.FollowerRanks`` with its spec in ``SPLITSERVE_TP_SPEC``.
+It holds its own KV pool (its KV heads of every page, same page ids as rank 0) and, in a
+disaggregated worker, its own kvtransfer end (``kvtransfer.tensor_parallel``). It exits when rank
+0 says so, when rank 0's control socket closes (rank 0 died), or when a collective fails (another
+rank died): never left running on its own.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import socket
+import sys
+from pathlib import Path
+
+import torch
+
+from engine.tensor_parallel import dist_backend, messages, rank_device
+from engine.tensor_parallel.ranks import SPEC_ENV, init_group
+
+log = logging.getLogger("splitserve.tp")
+
+
+def main() -> int:
+    spec = json.loads(os.environ[SPEC_ENV])
+    rank, world = spec["rank"], spec["world"]
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s tp-rank-{rank} %(levelname)s %(name)s: %(message)s")
+    if spec["num_threads"] > 0:
+        torch.set_num_threads(spec["num_threads"])
+    from engine.config import EngineConfig
+    from engine.model_runner import ModelRunner, resolve_device
+    config = EngineConfig(**spec["config"])
+    device = rank_device(resolve_device(config.device), rank)
+    group = init_group(dist_backend(device), "127.0.0.1", spec["store_port"], rank, world)
+    sock = socket.create_connection(("127.0.0.1", spec["control_port"]))
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    messages.send(sock, (spec["token"], rank))
+    from kvtransfer.tensor_parallel import FollowerKV, FollowerPool
+    pool = FollowerPool()
+    kv = None
+    try:
+        runner = ModelRunner(config, Path(spec["model_dir"]), pool_factory=pool, tp_rank=rank, tp_group=group)
+        kv = FollowerKV(rank, runner.kv_cache, pool.directory)
+        serve(runner, kv, sock)
+    except EOFError:
+        log.warning("rank 0 went away; stopping")
+        return 1
+    finally:
+        if kv is not None:
+            kv.close()
+        pool.remove()
+    return 0
+
+
+def serve(runner, kv, sock: socket.socket) -> None:
+    while True:
+        message = messages.recv(sock)
+        if message is None:
+            return
+        if isinstance(message, messages.KVSetup):
+            messages.send(sock, kv.setup(message))
+            continue
+        on_layer = (lambda layer: kv.copy_layer(message.copies, layer)) if message.copies else None
+        runner.follow(message, on_layer)
+        if message.wants_reply:
+            messages.send(sock, kv.flush(message.copies))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,172 @@
+"""Tensor parallelism on CPU (gloo): two ranks per engine give transformers' greedy tokens.
+
+Colocated (eager and compiled, Llama and Qwen2 with its q/k/v biases, swap preemption) and
+disaggregated (a TP=2 prefill engine writing into a TP=2 decode engine over shm and tcp: rank r
+into rank r); a split that does not divide the heads, and a prefill/decode pair split
+differently, are refused before anything runs or moves; a rank that dies fails the engine's next
+step at once instead of hanging it. The served path (workers, gateway retry) is in
+tests/faults/test_tensor_parallel_service.py.
+"""
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine import EngineConfig, SamplingParams
+from engine.tensor_parallel.ranks import RankDied
+from kvtransfer import LayoutMismatchError, build_decode, build_prefill
+from splitserve.testing.tiny_models import make_tiny_model
+from tests.test_engine_correctness import mixed_prompts
+from tests.test_kvtransfer_handoff import handoff
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+
+
+def _shm_dirs() -> set[str]:
+    root = Path(os.environ.get("SPLITSERVE_SHM_DIR", "/dev/shm"))
+    return {p.name for p in root.glob("splitserve-kv-*")} if root.is_dir() else set()
+
+
+@pytest.fixture
+def engines():
+    """Closes every engine (and so its other ranks) the test built; checks none is left running."""
+    made = []
+    yield made
+    for engine in made:
+        engine.close()
+    for engine in made:
+        followers = engine.runner.followers
+        if followers is not None:
+            assert all(p.poll() is not None for p in followers.procs), "a tensor-parallel rank outlived its engine"
+
+
+def llm(model, engines, **kw):
+    from engine import LLM
+    kw.setdefault("dtype", "float32")
+    kw.setdefault("enforce_eager", True)
+    kw.setdefault("num_gpu_blocks", 64)
+    made = LLM(model=str(model), **kw)
+    engines.append(made.engine)
+    return made
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_two_ranks_give_the_tokens_of_one_rank_and_of_transformers(arch, tiny_model_dirs, hf_reference, engines,
+                                                                   step_mode):
+    """A mixed batch (1-60-token prompts, decoding together) on TP=2 and TP=1; the tiny models
+    have 4 attention heads over 2 KV heads (GQA): one KV head per rank."""
+    model = tiny_model_dirs[arch]
+    prompts = mixed_prompts(6, seed=5)
+    two = llm(model, engines, tensor_parallel_size=2, **step_mode)
+    assert two.engine.runner.num_kv_heads == 1 and two.engine.runner.kv_cache.shape[4] == 1
+    got = [o.token_ids for o in two.generate(prompts, GREEDY)]
+    one = llm(model, engines, **step_mode)
+    assert got == [o.token_ids for o in one.generate(prompts, GREEDY)]
+    ref = hf_reference(model)
+    assert got == [ref.greedy(p, 8) for p in prompts]
+
+
+def test_swap_preemption_moves_every_ranks_pages(tiny_model_dirs, hf_reference, engines):
+    """Few pages: sequences are swapped out and back in; each rank swaps its own slice."""
+    model = tiny_model_dirs["llama"]
+    two = llm(model, engines, tensor_parallel_size=2, num_gpu_blocks=12, block_size=8,
+              preemption_mode="swap", num_cpu_blocks=64)
+    prompts = mixed_prompts(6, seed=9, lo=20, hi=40)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    outputs = two.generate(prompts, params)
+    assert two.engine.scheduler.num_preemptions > 0
+    ref = hf_reference(model)
+    assert [o.token_ids for o in outputs] == [ref.greedy(p, 24) for p in prompts]
+
+
+def test_a_split_that_does_not_divide_the_heads_is_refused_before_any_rank_starts(tmp_path, engines):
+    model = make_tiny_model(tmp_path / "three-kv-heads", num_heads=6, num_kv_heads=3)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size 2 does not divide this model's 6 attention heads?, "
+                                         r"3 KV heads|3 KV heads"):
+        llm(model, engines, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="e.g. 1, 3"):
+        llm(model, engines, tensor_parallel_size=2)
+
+
+def config(model, **kw):
+    kw.setdefault("num_gpu_blocks", 96)
+    kw.setdefault("enforce_eager", True)
+    kw.setdefault("block_size", 8)
+    return EngineConfig(model=str(model), dtype="float32", **kw)
+
+
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
+def test_a_tp2_prefill_engine_hands_off_to_a_tp2_decode_engine(transport, tiny_model_dirs, hf_reference):
+    """Rank r of the prefill engine writes its KV head into rank r of the decode engine: the
+    decode side's output equals transformers only if both ranks' pages arrived (rank 1's
+    attention reads only what rank 1 of the prefill side sent). Chunked prefill ships pages over
+    several steps; the pages are on the decode ranks byte for byte."""
+    model = tiny_model_dirs["llama"]
+    shm_before = _shm_dirs()
+    decode = build_decode(config(model, tensor_parallel_size=2), transport)
+    prefill = build_prefill(config(model, tensor_parallel_size=2, max_num_batched_tokens=24), verify_checksum=True)
+    try:
+        desc = decode.reserve("probe", 4)
+        assert desc.layout.tensor_parallel_size == 2 and desc.layout.num_kv_heads == 1
+        assert [t for t, _ in desc.rank_offers[0]] == [t for t, _ in desc.offers]
+        assert dict(desc.rank_offers[0])[transport] != desc.address  # rank 1 has a receiver of its own
+        decode.abort("probe")
+        prompts = mixed_prompts(5, seed=11, lo=3, hi=45)
+        outputs, _ = handoff(prefill, decode, prompts)
+        ref = hf_reference(model)
+        assert [o.token_ids for o in outputs] == [ref.greedy(p, 8) for p in prompts]
+        prefill.engine.assert_idle()
+        decode.engine.assert_idle()
+        assert len(decode.leases) == 0
+    finally:
+        prefill.close()
+        decode.close()
+        prefill.engine.close()
+        decode.engine.close()
+    assert _shm_dirs() <= shm_before  # every rank's shared pool (and the page owners) removed
+
+
+def test_prefill_and_decode_split_differently_are_refused_before_a_byte_moves(tiny_model_dirs):
+    model = tiny_model_dirs["llama"]
+    decode = build_decode(config(model, tensor_parallel_size=2), "shm")
+    prefill = build_prefill(config(model))
+    try:
+        desc = decode.reserve("r0", 10)
+        before = decode.engine.runner.kv_cache.clone()
+        with pytest.raises(LayoutMismatchError, match="tensor_parallel_size: 1 here vs 2 on the peer"):
+            prefill.start("r0", list(range(10)), GREEDY, desc)
+        assert torch.equal(decode.engine.runner.kv_cache, before)
+        assert decode.abort("r0")
+        decode.engine.assert_idle()
+    finally:
+        prefill.close()
+        decode.close()
+        prefill.engine.close()
+        decode.engine.close()
+
+
+def test_a_rank_that_dies_fails_the_next_step_at_once_and_the_engine_reports_it(tiny_model_dirs, engines):
+    """SIGKILL rank 1 between steps: the next step raises (a dead rank, or gloo's closed
+    connection) within seconds, not after a collective timeout; closing stops what is left."""
+    two = llm(tiny_model_dirs["llama"], engines, tensor_parallel_size=2)
+    engine = two.engine
+    engine.add_request("a", list(range(1, 30)), GREEDY)
+    engine.step()
+    died: list[BaseException] = []
+    engine.runner.followers.on_death(died.append)
+    rank1 = engine.runner.followers.procs[0]
+    os.kill(rank1.pid, signal.SIGKILL)
+    start = time.monotonic()
+    with pytest.raises((RankDied, RuntimeError)):
+        for _ in range(50):  # the watcher may or may not have seen the death before the step
+            engine.step()
+            time.sleep(0.2)
+    assert time.monotonic() - start < 30
+    deadline = time.monotonic() + 10
+    while not died and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert died and "rank 1" in str(died[0])
+    engine.abort_request("a")
