@@ -260,6 +260,13 @@ def test_tensor_parallel_profiles(profile):
     assert len(used) == len(set(used)) == 2 * tp * pairs <= 8, (profile, used)
 
 
+def test_tensor_parallel_profiles_are_documented():
+    header = COMPOSE.read_text().split("\nname:", 1)[0]
+    doc = (ROOT / "docs" / "deploy.md").read_text()
+    for profile in TP_PROFILES:
+        assert f"--profile {profile} " in header and f"`{profile}`" in doc, profile
+
+
 def bind_mounts(service: dict) -> dict[str, str]:
     """Host path (relative to the repository) -> container path of a service's bind mounts."""
     mounts = {}
