@@ -18,6 +18,19 @@ under 8 minutes) could not finish it:
    sharing the GPU (``--gpu-memory-utilization``), one streamed request; the prefill worker's
    metrics say which transport carried the KV.
 6. ``decode_throughput`` -- engine decode tokens/s at batch 1/16/64/256 (bf16, CUDA graphs).
+7. ``engine_tp1`` -- ``engine_exact``'s check (fewer prompts) with ``tensor_parallel_size=1`` passed
+   explicitly: the one-GPU path of a tensor-parallel engine stays exact; the JSON records the size
+   the engine ran with and how many GPUs were visible.
+
+Tensor parallelism above 1 needs 2+ GPUs and is not run by this one-GPU check. On such a box it
+would be checked with the same tools: (a) ``engine_exact`` with ``tensor_parallel_size=2`` on a
+tiny model with GQA whose heads divide by 2 (e.g. 8 query / 4 KV heads, fp32): greedy output token
+for token equal to the same model at ``tensor_parallel_size=1`` and to transformers (a mismatch
+with a near-zero top-2 margin is a tie broken by the all-reduce's summation order, not a bug);
+(b) ``stack`` with ``--tensor-parallel-size 2`` and a prefill and a decode worker on disjoint GPU
+pairs (``--device cuda:0`` and ``cuda:2`` on 4 GPUs): one streamed request, greedy-equal to the
+TP=1 stack, with the prefill's metrics showing the KV moved rank to rank (``cuda_ipc``); and (c) a
+prefill TP=2 against a decode TP=1 worker, which must be refused at the handoff, not served.
 
     make gpu-check                                    # writes bench/results/gpu_check.json
     python -m bench.gpu_check --out gpu_check.json --steps engine_exact,stack
@@ -46,7 +59,7 @@ GPU_TESTS = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").rglob("tes
                    if "mark.gpu" in p.read_text())
 # Seconds each step is allowed (and, before it starts, needs to be left of the budget).
 STEP_LIMITS = {"pytest_gpu": 180, "kvtransfer_cuda_ipc": 60, "engine_exact": 100, "triton_decode_bandwidth": 30,
-               "stack": 120, "decode_throughput": 90}
+               "stack": 120, "decode_throughput": 90, "engine_tp1": 100}
 
 
 def versions() -> dict:
@@ -142,6 +155,18 @@ def stack(model_dir: Path, limit_s: float, device: str = "cuda") -> dict:
             proc.kill()
 
 
+def engine_tp1(model_dir: Path, device: str) -> dict:
+    """``engine_exact`` with tensor_parallel_size=1 given explicitly (the default path, one GPU)."""
+    import torch
+
+    from bench import gpu_probes
+    outcome = gpu_probes.engine_exact(model_dir, num_prompts=4, device=device, tensor_parallel_size=1)
+    outcome["ok"] = outcome["ok"] and outcome["tensor_parallel_size"] == 1
+    outcome["visible_gpus"] = torch.cuda.device_count()
+    outcome["tensor_parallel_above_1"] = "not run by this one-GPU check; the docstring of bench/gpu_check.py says how"
+    return outcome
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "gpu_check.json"))
@@ -168,6 +193,7 @@ def main(argv=None) -> int:
         "stack": lambda limit: stack(model_dir, limit, args.device),
         "decode_throughput": lambda limit: (gpu_probes.decode_throughput(model_dir) if args.device == "cuda" else
                                             gpu_probes.decode_throughput(model_dir, (1, 4), 64, 3, "eager")),
+        "engine_tp1": lambda limit: engine_tp1(model_dir, args.device),
     }
     for name in args.steps.split(","):
         left = args.budget_s - (time.monotonic() - start)

@@ -49,17 +49,20 @@ def prompts(n: int, seed: int = 0, lo: int = 8, hi: int = 200) -> list[list[int]
     return [torch.randint(3, 49152, (k,), generator=gen).tolist() for k in lengths]
 
 
-def engine_exact(model_dir: Path, num_prompts: int = 12, max_tokens: int = 16, device: str = "cuda"
-                 ) -> dict:
+def engine_exact(model_dir: Path, num_prompts: int = 12, max_tokens: int = 16, device: str = "cuda",
+                 tensor_parallel_size: int | None = None) -> dict:
     """Greedy output of the engine on CUDA (fp32, Triton attention, compiled step, CUDA graphs for
-    decode) against `transformers` generate on the same GPU and weights, token for token."""
+    decode) against `transformers` generate on the same GPU and weights, token for token.
+    ``tensor_parallel_size``: passed to the engine when given (None: the engine's default)."""
     from transformers import AutoModelForCausalLM
 
     from engine import LLM, SamplingParams
     batch = prompts(num_prompts, seed=1)
     start = time.perf_counter()
+    tp = {} if tensor_parallel_size is None else {"tensor_parallel_size": tensor_parallel_size}
     llm = LLM(model=str(model_dir), device=device, dtype="float32", enforce_eager=device != "cuda", max_num_seqs=16,
-              num_gpu_blocks=1024, block_size=16)
+              num_gpu_blocks=1024, block_size=16, **tp)
+    engine_tp = llm.engine.config.tensor_parallel_size  # what the engine runs with, as recorded
     startup_s = time.perf_counter() - start
     runner = llm.engine.runner
     replays: list[int] = []
@@ -91,7 +94,7 @@ def engine_exact(model_dir: Path, num_prompts: int = 12, max_tokens: int = 16, d
     del hf
     torch.cuda.empty_cache()
     return {"ok": not mismatches and (device != "cuda" or bool(replays)), "prompts": num_prompts, "max_tokens": max_tokens, "mismatches": mismatches,
-            "graph_replays": len(replays), "startup_s": startup_s,
+            "graph_replays": len(replays), "startup_s": startup_s, "tensor_parallel_size": engine_tp,
             "note": "a mismatch with a margin near 0 is a near-tie of random weights, not necessarily a bug"}
 
 

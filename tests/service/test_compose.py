@@ -216,6 +216,57 @@ def test_compose_layout():
         interpolated(yaml.safe_load(COMPOSE.read_text()), {})
 
 
+# Tensor-parallel profiles: profile -> (pairs, --tensor-parallel-size of every worker in it).
+TP_PROFILES = {"gpu-tp2": (1, 2), "gpu-tp2-8": (2, 2), "gpu-tp4": (1, 4)}
+
+
+def compute_gpus(service: dict, tensor_parallel_size: int) -> list[str]:
+    """Host GPU ids a worker's ranks compute on: rank r of a worker on cuda:K runs on the container's
+    cuda:K+r, the (K+r)-th of its reserved devices (CUDA_DEVICE_ORDER=PCI_BUS_ID keeps their order)."""
+    [devices] = service["deploy"]["resources"]["reservations"]["devices"]
+    first = int(service["environment"]["SPLITSERVE_DEVICE"].removeprefix("cuda:"))
+    ranks = range(first, first + tensor_parallel_size)
+    assert ranks[-1] < len(devices["device_ids"]), "a rank past the GPUs the container sees"
+    return [devices["device_ids"][k] for k in ranks]
+
+
+@pytest.mark.parametrize("profile", sorted(TP_PROFILES))
+def test_tensor_parallel_profiles(profile):
+    """Each TP pair: the same --tensor-parallel-size on both sides, each worker's ranks on as many
+    GPUs as that size, prefill and decode on different GPUs, both containers seeing the pair's GPUs
+    (cuda_ipc between ranks) in one IPC/PID namespace; pairs on disjoint GPUs."""
+    pairs, tp = TP_PROFILES[profile]
+    compose = load_compose()
+    workers = {n: s for n, s in in_profile(compose, profile).items() if n not in ("redis", "gateway")}
+    assert set(workers) == {f"{role}-tp{tp}-{k}" for role in ("prefill", "decode") for k in range(pairs)}
+    sizes, used = set(), []
+    for k in range(pairs):
+        decode, prefill = workers[f"decode-tp{tp}-{k}"], workers[f"prefill-tp{tp}-{k}"]
+        for name, service in ((f"decode-tp{tp}-{k}", decode), (f"prefill-tp{tp}-{k}", prefill)):
+            env = {key: str(v) for key, v in service["environment"].items()}
+            args = parse_container(service["command"], env, name)  # the CLI reads the size as the worker will
+            sizes.add(args.tensor_parallel_size)
+        assert prefill["ipc"] == prefill["pid"] == f"service:decode-tp{tp}-{k}" and decode["ipc"] == "shareable"
+        assert prefill["deploy"] == decode["deploy"]
+        [devices] = decode["deploy"]["resources"]["reservations"]["devices"]
+        assert devices["driver"] == "nvidia" and "gpu" in devices["capabilities"]
+        prefill_gpus, decode_gpus = compute_gpus(prefill, tp), compute_gpus(decode, tp)
+        assert len(set(prefill_gpus)) == len(set(decode_gpus)) == tp
+        # Together the pair's two workers compute on exactly the GPUs it reserves, none twice.
+        assert sorted(prefill_gpus + decode_gpus) == sorted(devices["device_ids"]) and \
+            not set(prefill_gpus) & set(decode_gpus)
+        used += devices["device_ids"]
+    assert sizes == {tp}, f"{profile}: prefill and decode must have the same tensor-parallel size, got {sizes}"
+    assert len(used) == len(set(used)) == 2 * tp * pairs <= 8, (profile, used)
+
+
+def test_tensor_parallel_profiles_are_documented():
+    header = COMPOSE.read_text().split("\nname:", 1)[0]
+    doc = (ROOT / "docs" / "deploy.md").read_text()
+    for profile in TP_PROFILES:
+        assert f"--profile {profile} " in header and f"`{profile}`" in doc, profile
+
+
 def bind_mounts(service: dict) -> dict[str, str]:
     """Host path (relative to the repository) -> container path of a service's bind mounts."""
     mounts = {}
