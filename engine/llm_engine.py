@@ -44,6 +44,10 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
 
+    def close(self) -> None:
+        """Stop what runs beside this process (the other ranks of a tensor-parallel engine)."""
+        self.runner.close()
+
     # ---- requests ------------------------------------------------------------------
     def add_request(self, request_id: str | None, prompt: str | Sequence[int],
                     params: SamplingParams | None = None, priority: int = 0,

@@ -8,6 +8,7 @@ graphs captured at start-up for padded batch sizes (``engine.cuda_graphs``).
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 from typing import Callable
@@ -26,6 +27,8 @@ from engine.sampler import Sampler, SamplingRow
 from engine.scheduler import SampledToken, ScheduledChunk, SchedulerOutput
 from engine.spec_decode.rejection import verify
 from engine.step_inputs import InputBuffers
+from engine.tensor_parallel import rank_device
+from engine.tensor_parallel.messages import StepMessage
 
 log = logging.getLogger(__name__)
 
@@ -72,20 +75,33 @@ def default_pool(shape: tuple[int, ...], dtype: torch.dtype, device: torch.devic
 
 
 class ModelRunner:
+    """``tp_rank``: which rank of a tensor-parallel worker this is; rank 0 (the default) starts the
+    others (``self.followers``) and sends them every step, a rank > 0 is driven by ``follow``."""
+
     def __init__(self, config: EngineConfig, model_dir: Path, pool_factory: PoolFactory = default_pool,
-                 max_model_len: int | None = None):
+                 max_model_len: int | None = None, tp_rank: int = 0, tp_group=None):
         self.config = config
-        self.device = resolve_device(config.device)
+        self.tp_rank, self.tp_size = tp_rank, config.tensor_parallel_size
+        self.device = rank_device(resolve_device(config.device), tp_rank)
         bind_device(self.device)  # the compile warm-up and the graph capture below run on this thread
         self.dtype = resolve_dtype(config.dtype, self.device)
-        self.model = load_model(model_dir, self.dtype, self.device, attn_implementation=ATTN_IMPLEMENTATION)
+        self.followers = None
+        self.tp_group = tp_group  # rank > 0: given; rank 0: made with the other ranks below
+        # Prefill side: the pages each step ships, for the other ranks (kvtransfer.prefill_side).
+        self.tp_copy_orders: Callable[[SchedulerOutput], tuple] | None = None
+        # What the other ranks' copies reported: {request id: why it failed}.
+        self.follower_errors: dict[str, str] = {}
+        if self.tp_size > 1:
+            self.model = self._load_shard(model_dir)
+        else:
+            self.model = load_model(model_dir, self.dtype, self.device, attn_implementation=ATTN_IMPLEMENTATION)
         self.linear_backend = resolve_linear_backend(config.linear_backend, self.device, self.dtype)
         if self.linear_backend == "onednn":
             pack_linear_layers(self.model)
         hf = self.model.config
         self.max_model_len = max_model_len or config.max_model_len or getattr(hf, "max_position_embeddings", 2048)
         self.num_layers = hf.num_hidden_layers
-        self.num_kv_heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
+        self.num_kv_heads = (getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads) // self.tp_size
         self.head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
         self.block_size = config.block_size
         self.backend = select_backend(config.attention_backend, self.device.type, self.head_dim)
@@ -94,6 +110,9 @@ class ModelRunner:
         self.kv_dtype = self.kv_quant.storage if self.kv_quant else self.dtype
         self.kv_row = row_width(self.head_dim, self.kv_quant)
         self.num_blocks = config.num_gpu_blocks or self._pool_blocks()
+        if self.tp_size > 1:  # every rank holds the same page ids: the smallest pool of them all
+            from engine.tensor_parallel.ranks import all_reduce_min
+            self.num_blocks = all_reduce_min(self.tp_group, self.num_blocks)
         shape = (self.num_layers, 2, self.num_blocks, self.block_size, self.num_kv_heads, self.kv_row)
         self.kv_cache = pool_factory(shape, self.kv_dtype, self.device)
         self.cpu_cache = None
@@ -117,14 +136,43 @@ class ModelRunner:
         if hasattr(self.forward, "warm_up"):
             self.forward.warm_up(self._dummy_forward)
         self.graphs: DecodeGraphs | None = None
-        if self.device.type == "cuda" and not config.enforce_eager:
+        # Not with tensor parallelism yet: NCCL all-reduces inside captured graphs are untested here.
+        if self.device.type == "cuda" and not config.enforce_eager and self.tp_size == 1:
             self.graphs = DecodeGraphs(self.forward, self.backend, self.kv_caches, self.inputs, self.max_model_len,
                                        capture_sizes(config.max_num_seqs))
             self.graphs.capture()
-        log.info("model runner: %s on %s in %s, attention %s, linear %s, %s, %d KV blocks of %d tokens (KV %s)",
+        log.info("model runner: %s on %s in %s, attention %s, linear %s, %s, %d KV blocks of %d tokens (KV %s)%s",
                  model_dir.name, self.device, self.dtype, self.backend.name, self.linear_backend,
                  self.forward.describe(),
-                 self.num_blocks, self.block_size, config.kv_cache_dtype)
+                 self.num_blocks, self.block_size, config.kv_cache_dtype,
+                 f", tensor-parallel rank {tp_rank} of {self.tp_size}" if self.tp_size > 1 else "")
+
+    def _load_shard(self, model_dir: Path) -> torch.nn.Module:
+        """Rank 0 checks the split and starts the other ranks first (they load while it does);
+        each rank loads the checkpoint on the host, keeps its shard and moves only that to its device."""
+        from transformers import AutoConfig
+
+        from engine.tensor_parallel.shard import check_divisible, register_group, shard_model
+        if self.tp_rank == 0:
+            check_divisible(AutoConfig.from_pretrained(str(model_dir), local_files_only=True), self.tp_size)
+            if self.config.speculative_method == "draft":
+                raise ValueError("a draft model (speculative_method='draft') with tensor_parallel_size > 1 is not "
+                                 "supported; use speculative_method='ngram'")
+            from engine.tensor_parallel.ranks import FollowerRanks
+            self.followers = FollowerRanks(self.config, model_dir, self.device)
+            self.tp_group = self.followers.group
+        model = load_model(model_dir, self.dtype, "cpu", attn_implementation=ATTN_IMPLEMENTATION)
+        self.tp_group_id = register_group(self.tp_group)
+        shard_model(model, self.tp_rank, self.tp_size, self.tp_group_id)
+        return model.to(self.device)
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks (nothing to do without them)."""
+        if self.followers is not None:
+            self.followers.close()
+        if self.tp_size > 1:
+            from engine.tensor_parallel.shard import unregister_group
+            unregister_group(self.tp_group_id)
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -146,7 +194,9 @@ class ModelRunner:
         """One step: the new tokens of each sampling request (one; with proposals, the accepted
         ones and the token sampled after them, ``engine.spec_decode.rejection``)."""
         bind_device(self.device)  # the engine may be stepped by any thread (a worker's engine loop)
-        self._swap(plan)
+        if self.followers is not None and (plan.swap_out or plan.swap_in):
+            self.followers.broadcast(StepMessage(swap_out=tuple(plan.swap_out), swap_in=tuple(plan.swap_in)))
+        self._swap(plan.swap_out, plan.swap_in)
         if plan.is_empty:
             return {}
         logits, chunks = self.logits(plan)
@@ -172,16 +222,44 @@ class ModelRunner:
         if self.graphs is not None and hook is None and all(c.is_decode for c in plan.chunks):
             graph_size = self.graphs.padded_size(num_seqs)
         step = self.inputs.build(plan.chunks, plan.block_tables, pad_to=graph_size)
+        message = None
+        if self.followers is not None:
+            message = StepMessage(input_ids=step.input_ids.clone(), positions=step.positions.clone(),
+                                  layout=_detached(step.layout),
+                                  copies=self.tp_copy_orders(plan) if self.tp_copy_orders else ())
+            self.followers.broadcast(message)
         if graph_size is not None:
             hidden = self.graphs.replay(num_seqs, graph_size)
         else:
-            ctx = StepContext(self.backend, step.layout, self.backend.prepare(step.layout), self.kv_caches,
-                              on_layer_written=(lambda layer: hook(plan, layer)) if hook else None)
-            with step_context(ctx):
-                hidden = self.forward(step.input_ids, step.positions)
+            hidden = self._forward(step.layout, step.input_ids, step.positions,
+                                   (lambda layer: hook(plan, layer)) if hook else None)
+        if message is not None and message.wants_reply:
+            for errors in self.followers.gather():
+                self.follower_errors.update(errors)
         if not step.sample_chunks:
             return hidden[:0], []
         return self.model.lm_head(hidden[step.sample_index]), step.sample_chunks
+
+    def _forward(self, layout: StepLayout, input_ids: torch.Tensor, positions: torch.Tensor,
+                 on_layer: Callable[[int], None] | None) -> torch.Tensor:
+        ctx = StepContext(self.backend, layout, self.backend.prepare(layout), self.kv_caches, on_layer_written=on_layer)
+        with step_context(ctx):
+            return self.forward(input_ids, positions)
+
+    @torch.inference_mode()
+    def follow(self, message: StepMessage, on_layer: Callable[[int], None] | None = None) -> None:
+        """Rank r > 0: the swaps and the forward rank 0 runs this step, on this rank's shard."""
+        bind_device(self.device)
+        self._swap(message.swap_out, message.swap_in)
+        if message.input_ids is None:
+            return
+        n = message.input_ids.shape[0]
+        ids, pos = self.inputs.device_tensors[:2]  # the persistent buffers, as rank 0's compiled graph sees them
+        ids[:n].copy_(message.input_ids)
+        pos[:n].copy_(message.positions)
+        layout = dataclasses.replace(message.layout, **{name: getattr(message.layout, name).to(self.device)
+                                                       for name in _LAYOUT_TENSORS})
+        self._forward(layout, ids[:n], pos[:n], on_layer)
 
     @torch.inference_mode()
     def _dummy_forward(self) -> None:
@@ -205,11 +283,20 @@ class ModelRunner:
             self.forward(ids[:n], pos[:n])
         self.kv_cache[:, :, 0].zero_()
 
-    def _swap(self, plan: SchedulerOutput) -> None:
+    def _swap(self, swap_out, swap_in) -> None:
         # Out before in: a block swapped out this step may be the target of a swap-in.
-        if plan.swap_out:
-            src, dst = zip(*plan.swap_out)
+        if swap_out:
+            src, dst = zip(*swap_out)
             self.cpu_cache[:, :, list(dst)] = self.kv_cache[:, :, list(src)].to("cpu")
-        if plan.swap_in:
-            src, dst = zip(*plan.swap_in)
+        if swap_in:
+            src, dst = zip(*swap_in)
             self.kv_cache[:, :, list(dst)] = self.cpu_cache[:, :, list(src)].to(self.device)
+
+
+_LAYOUT_TENSORS = ("slot_mapping", "query_start_loc", "seq_lens", "block_tables")
+
+
+def _detached(layout: StepLayout) -> StepLayout:
+    """The layout with its tensors copied off the persistent buffers (a pickled view would carry
+    its whole buffer) and onto the host, for the other ranks."""
+    return dataclasses.replace(layout, **{name: getattr(layout, name).to("cpu", copy=True) for name in _LAYOUT_TENSORS})

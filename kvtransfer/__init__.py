@@ -58,12 +58,10 @@ def build_decode(config, transport: str = "auto", lease_ttl_s: float = 30.0,
     names = choose_transports(transport, resolve_device(config.device).type)
     tp = config.tensor_parallel_size
     if tp > 1:
-        from kvtransfer.tensor_parallel import check_tp_transports
-        check_tp_transports(names, tp)
+        from kvtransfer.tensor_parallel import tp_transports
+        names = tp_transports(names, transport == "auto", tp)
     shared: dict = {}
-    # With tensor parallelism the page owners are always in shared memory: the other ranks'
-    # receivers fence on them (kvtransfer.tensor_parallel).
-    if "shm" in names or tp > 1:
+    if "shm" in names:
         from kvtransfer.transports.shm import create_shared_pool
 
         def pool_factory(shape, dtype, device):
@@ -75,12 +73,18 @@ def build_decode(config, transport: str = "auto", lease_ttl_s: float = 30.0,
     engine = LLMEngine(config, pool_factory=pool_factory)
     pool = engine.runner.kv_cache
     receivers = []
+    cleanup = []
     if "cuda_ipc" in names:
         from kvtransfer.transports.cuda_ipc import CudaIpcReceiver
         # Its page-owner table lives in shared memory, so every receiver fences on it.
         receivers.append(CudaIpcReceiver.create(pool, lease_ttl_s, clock))
         leases = receivers[0].leases
+        shared["directory"] = receivers[0].directory
     else:
+        if "owners" not in shared and tp > 1:  # the other ranks' receivers fence on it: shared memory
+            from kvtransfer.transports.shm import create_pool_directory, remove_pool_directory
+            shared["owners"], shared["directory"] = create_pool_directory(pool.shape, pool.dtype)
+            cleanup.append(lambda: remove_pool_directory(Path(shared["directory"])))
         owners = shared.get("owners", torch.empty(pool.shape[2], dtype=torch.int64))
         leases = LeaseTable(PageFence(owners), lease_ttl_s, clock=clock)
     for name in names:
@@ -95,15 +99,12 @@ def build_decode(config, transport: str = "auto", lease_ttl_s: float = 30.0,
             receivers.append(NcclReceiver(pool, leases, host=host, advertise_host=advertise_host))
     receivers.sort(key=lambda r: names.index(r.name))
     log.info("decode KV transports (fastest first): %s", ", ".join(f"{r.name}@{r.address}" for r in receivers))
-    rank_offers, cleanup = (), []
+    rank_offers = ()
     if engine.runner.followers is not None:
         from engine.tensor_parallel.messages import KVSetup
         rank_offers = tuple(tuple(offers) for offers in engine.runner.followers.request(KVSetup(
             "serve", tuple(r.name for r in receivers), str(Path(shared["directory"]) / "owners"), host=host,
             advertise_host=advertise_host, kv_key=kv_key)))
-        if "shm" not in names:  # no shm receiver removes the owners' directory: the connector does
-            from kvtransfer.transports.shm import remove_pool_directory
-            cleanup.append(lambda: remove_pool_directory(Path(shared["directory"])))
     return DecodeConnector(engine, receivers, leases, rank_offers, cleanup)
 
 

@@ -11,7 +11,8 @@ protocol (reserve, leases, descriptors, completion); ranks r > 0 only move bytes
   of each layer as soon as the layer is computed, flushes at the end of the step and reports what
   failed, so rank 0 completes a transfer only when every rank's bytes landed.
 
-cuda_ipc and nccl are not offered between tensor-parallel workers yet (shm and tcp are).
+Between tensor-parallel workers: shm and tcp (tested on CPU), cuda_ipc (GPU; not run here yet);
+not nccl.
 """
 from __future__ import annotations
 
@@ -31,15 +32,17 @@ from kvtransfer.transports.base import KVReceiver, KVSender
 
 log = logging.getLogger(__name__)
 
-TP_TRANSPORTS = ("shm", "tcp")
+TP_TRANSPORTS = ("shm", "cuda_ipc", "tcp")
 
 
-def check_tp_transports(names: Sequence[str], tensor_parallel_size: int) -> None:
-    if tensor_parallel_size > 1:
-        unsupported = [n for n in names if n not in TP_TRANSPORTS]
-        if unsupported:
-            raise ValueError(f"KV transport(s) {', '.join(unsupported)} are not supported with tensor_parallel_size "
-                             f"{tensor_parallel_size} yet; use {' or '.join(TP_TRANSPORTS)}")
+def tp_transports(names: Sequence[str], automatic: bool, tensor_parallel_size: int) -> list[str]:
+    """The transports a tensor-parallel decode worker offers: the automatic choice less those
+    ranks cannot use yet; a transport asked for by name that they cannot use is an error."""
+    unsupported = [n for n in names if n not in TP_TRANSPORTS]
+    if unsupported and not automatic:
+        raise ValueError(f"KV transport(s) {', '.join(unsupported)} are not supported with tensor_parallel_size "
+                         f"{tensor_parallel_size} yet; use {', '.join(TP_TRANSPORTS)}")
+    return [n for n in names if n in TP_TRANSPORTS]
 
 
 class FollowerPool:
@@ -88,6 +91,13 @@ class FollowerLeases:
         yield None
 
 
+def _link_owners(owners_path: Path, directory: Path) -> None:
+    """Senders map <directory>/owners beside a pool: make it the same file as rank 0's table."""
+    link = directory / "owners"
+    link.unlink(missing_ok=True)
+    os.link(owners_path, link)
+
+
 def _rank_descriptor(order: CopyOrder, rank: int) -> TransferDescriptor:
     offers = dict(order.desc.rank_offers[rank - 1])
     if order.transport not in offers:
@@ -120,11 +130,14 @@ class FollowerKV:
         for name in setup.transports:
             if name == "shm":
                 from kvtransfer.transports.shm import ShmReceiver
-                # Senders map <directory>/owners beside the pool: the same file as rank 0's.
-                link = self.directory / "owners"
-                link.unlink(missing_ok=True)
-                os.link(owners_path, link)
+                _link_owners(owners_path, self.directory)
                 self.receivers.append(ShmReceiver(self.pool, leases, self.directory))
+            elif name == "cuda_ipc":
+                from kvtransfer.transports.cuda_ipc import CudaIpcReceiver, export_handle
+                from kvtransfer.transports.shm import create_pool_directory
+                _, directory = create_pool_directory(self.pool.shape, self.pool.dtype, {"ipc": export_handle(self.pool)})
+                _link_owners(owners_path, directory)
+                self.receivers.append(CudaIpcReceiver(self.pool, leases, directory))
             elif name == "tcp":
                 from kvtransfer.transports.tcp import TcpReceiver
                 self.receivers.append(TcpReceiver(self.pool, leases, host=setup.host,

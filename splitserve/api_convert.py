@@ -272,11 +272,14 @@ def descriptor_to_proto(desc: "TransferDescriptor") -> worker_pb2.TransferDescri
         layout=worker_pb2.KVLayout(model=layout.model, num_layers=layout.num_layers,
                                    num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim,
                                    block_size=layout.block_size, dtype=layout.dtype,
-                                   kv_cache_dtype=layout.kv_cache_dtype, kv_scales=layout.kv_scales),
+                                   kv_cache_dtype=layout.kv_cache_dtype, kv_scales=layout.kv_scales,
+                                   tensor_parallel_size=layout.tensor_parallel_size),
         epoch=desc.epoch,
         lease_deadline=desc.lease_deadline,
         alternatives=[worker_pb2.TransportOffer(transport=t, address=a) for t, a in desc.alternatives],
         num_cached_blocks=desc.num_cached_blocks,
+        rank_offers=[worker_pb2.RankOffers(offers=[worker_pb2.TransportOffer(transport=t, address=a) for t, a in offers])
+                     for offers in desc.rank_offers],
     )
 
 
@@ -297,7 +300,8 @@ def descriptor_from_proto(msg: worker_pb2.TransferDescriptor, field: str = "desc
     lay = msg.layout
     layout = KVLayout(model=lay.model, num_layers=lay.num_layers, num_kv_heads=lay.num_kv_heads,
                       head_dim=lay.head_dim, block_size=lay.block_size, dtype=lay.dtype,
-                      kv_cache_dtype=lay.kv_cache_dtype or "auto", kv_scales=lay.kv_scales)
+                      kv_cache_dtype=lay.kv_cache_dtype or "auto", kv_scales=lay.kv_scales,
+                      tensor_parallel_size=lay.tensor_parallel_size or 1)
     return TransferDescriptor(
         request_id=msg.request_id,
         transport=msg.transport,
@@ -308,6 +312,7 @@ def descriptor_from_proto(msg: worker_pb2.TransferDescriptor, field: str = "desc
         lease_deadline=msg.lease_deadline,
         alternatives=tuple((o.transport, o.address) for o in msg.alternatives),
         num_cached_blocks=msg.num_cached_blocks,
+        rank_offers=tuple(tuple((o.transport, o.address) for o in r.offers) for r in msg.rank_offers),
     )
 
 

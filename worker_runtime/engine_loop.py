@@ -105,6 +105,15 @@ class EngineLoop:
         with self._lock:
             self._subscribers.pop(request_id, None)
 
+    def fail(self, error: BaseException) -> None:
+        """The engine is gone from outside the loop (a tensor-parallel rank died while the worker
+        was idle): mark the loop dead and fail every waiter, as a failed step does."""
+        if self.error is None:
+            log.error("engine failed outside a step: %s", error)
+            self.error = error
+            self._fail_everyone(error)
+            self._commands.put(None)
+
     def stop(self, timeout: float = 10.0) -> None:
         self._stop.set()
         self._commands.put(None)

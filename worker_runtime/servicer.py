@@ -30,6 +30,9 @@ class WorkerServicer:
         self.draining = False  # SIGTERM: finish what is here, take nothing new
         self.loop = EngineLoop(self.step, self.has_work, housekeeping=housekeeping,
                                name=f"{self.role}-engine").start()
+        followers = getattr(getattr(engine, "runner", None), "followers", None)
+        if followers is not None:  # a tensor-parallel rank that dies ends this worker (exit 1)
+            followers.on_death(self.loop.fail)
 
     # ---- what each worker kind provides (on the engine loop thread) -------------------
     def step(self) -> list[tuple[str, Any]]:
@@ -73,3 +76,5 @@ class WorkerServicer:
 
     def close(self) -> None:
         self.loop.stop()
+        if hasattr(self.engine, "close"):
+            self.engine.close()

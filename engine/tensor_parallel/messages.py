@@ -9,7 +9,7 @@ from __future__ import annotations
 import pickle
 import socket
 import struct
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 _LENGTH = struct.Struct("!Q")
@@ -52,7 +52,6 @@ class KVSetup:
     host: str = "127.0.0.1"
     advertise_host: str | None = None
     kv_key: bytes | None = None
-    options: dict = field(default_factory=dict)
 
 
 def send(sock: socket.socket, obj: Any) -> None:

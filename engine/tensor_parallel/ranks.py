@@ -193,6 +193,14 @@ class FollowerRanks:
                 proc.kill()
         for proc in self.procs:
             proc.wait()
+        self._remove_pools()
+
+    def _remove_pools(self) -> None:
+        """A rank killed outright leaves its shared-memory pool behind (named by its pid): remove it."""
+        from kvtransfer.transports.shm import SHM_ROOT, remove_pool_directory
+        for proc in self.procs:
+            for directory in SHM_ROOT.glob(f"splitserve-kv-{proc.pid}-*"):
+                remove_pool_directory(directory)
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Stop the other ranks (a ``None`` message, then a kill past ``timeout_s``)."""
@@ -211,5 +219,6 @@ class FollowerRanks:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()
+        self._remove_pools()
         for sock in getattr(self, "_socks", {}).values():
             sock.close()

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class KVLayout(_message.Message):
-    __slots__ = ("model", "num_layers", "num_kv_heads", "head_dim", "block_size", "dtype", "kv_cache_dtype", "kv_scales")
+    __slots__ = ("model", "num_layers", "num_kv_heads", "head_dim", "block_size", "dtype", "kv_cache_dtype", "kv_scales", "tensor_parallel_size")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
@@ -17,6 +17,7 @@ class KVLayout(_message.Message):
     DTYPE_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     KV_SCALES_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
     model: str
     num_layers: int
     num_kv_heads: int
@@ -25,7 +26,8 @@ class KVLayout(_message.Message):
     dtype: str
     kv_cache_dtype: str
     kv_scales: str
-    def __init__(self, model: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ..., kv_scales: _Optional[str] = ...) -> None: ...
+    tensor_parallel_size: int
+    def __init__(self, model: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ..., kv_scales: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ...) -> None: ...
 
 class TransportOffer(_message.Message):
     __slots__ = ("transport", "address")
@@ -36,7 +38,7 @@ class TransportOffer(_message.Message):
     def __init__(self, transport: _Optional[str] = ..., address: _Optional[str] = ...) -> None: ...
 
 class TransferDescriptor(_message.Message):
-    __slots__ = ("request_id", "transport", "address", "block_ids", "layout", "epoch", "lease_deadline", "alternatives", "num_cached_blocks")
+    __slots__ = ("request_id", "transport", "address", "block_ids", "layout", "epoch", "lease_deadline", "alternatives", "num_cached_blocks", "rank_offers")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TRANSPORT_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -46,6 +48,7 @@ class TransferDescriptor(_message.Message):
     LEASE_DEADLINE_FIELD_NUMBER: _ClassVar[int]
     ALTERNATIVES_FIELD_NUMBER: _ClassVar[int]
     NUM_CACHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    RANK_OFFERS_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     transport: str
     address: str
@@ -55,7 +58,14 @@ class TransferDescriptor(_message.Message):
     lease_deadline: float
     alternatives: _containers.RepeatedCompositeFieldContainer[TransportOffer]
     num_cached_blocks: int
-    def __init__(self, request_id: _Optional[str] = ..., transport: _Optional[str] = ..., address: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., epoch: _Optional[int] = ..., lease_deadline: _Optional[float] = ..., alternatives: _Optional[_Iterable[_Union[TransportOffer, _Mapping]]] = ..., num_cached_blocks: _Optional[int] = ...) -> None: ...
+    rank_offers: _containers.RepeatedCompositeFieldContainer[RankOffers]
+    def __init__(self, request_id: _Optional[str] = ..., transport: _Optional[str] = ..., address: _Optional[str] = ..., block_ids: _Optional[_Iterable[int]] = ..., layout: _Optional[_Union[KVLayout, _Mapping]] = ..., epoch: _Optional[int] = ..., lease_deadline: _Optional[float] = ..., alternatives: _Optional[_Iterable[_Union[TransportOffer, _Mapping]]] = ..., num_cached_blocks: _Optional[int] = ..., rank_offers: _Optional[_Iterable[_Union[RankOffers, _Mapping]]] = ...) -> None: ...
+
+class RankOffers(_message.Message):
+    __slots__ = ("offers",)
+    OFFERS_FIELD_NUMBER: _ClassVar[int]
+    offers: _containers.RepeatedCompositeFieldContainer[TransportOffer]
+    def __init__(self, offers: _Optional[_Iterable[_Union[TransportOffer, _Mapping]]] = ...) -> None: ...
 
 class ResolvedSampling(_message.Message):
     __slots__ = ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty", "frequency_penalty", "presence_penalty", "ignore_eos", "stop_token_ids", "logprobs", "structured_output", "structured_output_resumed_tokens")

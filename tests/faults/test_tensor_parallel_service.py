@@ -1,0 +1,68 @@
+"""Tensor-parallel workers served for real: a TP=2 prefill worker hands off to TP=2 decode workers.
+
+Greedy output through the gateway equals transformers; a decode worker's rank 1 killed while
+it streams ends that worker with a non-zero exit (its rank 0 and every rank process gone, its
+shared-memory pools removed) and the gateway finishes its requests on the other decode worker,
+token for token; the live workers' pages return to their baseline.
+"""
+import os
+from pathlib import Path
+
+import pytest
+
+from splitserve.testing.prompts import mixed_prompts
+from splitserve.testing.stack import start_stack, wait_pages_at_baseline
+from splitserve.testing.streams import assert_all_match, join_all, run_streams, wait_until
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_model_dirs, tmp_path_factory):
+    with start_stack(tiny_model_dirs["llama"], tmp_path_factory, prefill=1, decode=2,
+                     worker_args=["--tensor-parallel-size", "2", "--max-num-batched-tokens", "32"]) as st:
+        yield st
+
+
+def ranks_of(pid: int) -> list[int]:
+    """The tensor-parallel rank processes a worker started (its children running the follower)."""
+    children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    return [int(c) for c in children
+            if b"engine.tensor_parallel.follower" in Path(f"/proc/{c}/cmdline").read_bytes()]
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # A zombie (exited, not yet reaped by its parent) is not running either.
+    return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+
+
+def test_every_worker_runs_two_ranks_and_the_output_is_exact(stack, reference):
+    for name in stack.roles:
+        assert len(ranks_of(stack.procs[name].pid)) == 1, f"{name} should have started rank 1"
+    prompts = mixed_prompts(8, seed=21, lo=5, hi=90)  # up to 3 chunks of 32 tokens: pages over several steps
+    streams = run_streams(stack, "tp-exact", prompts, max_tokens=12)
+    join_all(streams)
+    assert_all_match(streams, reference)
+
+
+def test_a_decode_rank_killed_mid_stream_ends_its_worker_and_the_gateway_retries_elsewhere(stack, reference,
+                                                                                           baseline):
+    victim = stack.names("decode")[0]
+    worker = stack.procs[victim]
+    [rank1] = ranks_of(worker.pid)
+    streams = run_streams(stack, "tp-kill", mixed_prompts(8, seed=22, lo=5, hi=40), max_tokens=200)
+    wait_until(lambda: all(len(s.tokens) >= 3 for s in streams), 90, "every stream to be decoding")
+    os.kill(rank1, 9)
+    assert worker.wait(30) == 1  # the worker exits non-zero for its supervisor; nothing hangs
+    join_all(streams)
+    assert_all_match(streams, reference)
+    assert sum(s.attempts() - 1 for s in streams) >= 1, "no request was decoding on the killed worker"
+    assert not alive(rank1)
+    for pid in (worker.pid, rank1):  # pool directories are named by the process that made them
+        assert not list(Path("/dev/shm").glob(f"splitserve-kv-{pid}-*")), f"pools of pid {pid} were left"
+    survivors = [n for n in baseline if n != victim]
+    wait_pages_at_baseline(stack, {n: baseline[n] for n in survivors}, names=survivors)
+    stack.restart(victim)
+    assert len(ranks_of(stack.procs[victim].pid)) == 1
