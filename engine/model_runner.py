@@ -112,7 +112,7 @@ class ModelRunner:
         self.num_blocks = config.num_gpu_blocks or self._pool_blocks()
         if self.tp_size > 1:  # every rank holds the same page ids: the smallest pool of them all
             from engine.tensor_parallel.ranks import all_reduce_min
-            self.num_blocks = all_reduce_min(self.tp_group, self.num_blocks)
+            self.num_blocks = all_reduce_min(self.tp_group, self.num_blocks, self.device)
         shape = (self.num_layers, 2, self.num_blocks, self.block_size, self.num_kv_heads, self.kv_row)
         self.kv_cache = pool_factory(shape, self.kv_dtype, self.device)
         self.cpu_cache = None

@@ -217,12 +217,14 @@ def plan(args, redis_url: str, workdir: str) -> list[ChildSpec]:
     roles = [("decode", i) for i in range(args.decode)] + [("prefill", i) for i in range(args.prefill)]
     if not roles:
         roles = [("both", None)]
-    # Every worker runs on the one --device: --gpu-memory-utilization is split between them.
+    # Every worker runs on the one --device (rank r of a tensor-parallel worker on the r-th GPU
+    # after it): --gpu-memory-utilization is split between them.
     shares = memory_shares(args.gpu_memory_utilization, args.prefill, args.decode) \
         if args.gpu_memory_utilization else {}
     # Worker processes share the cores: with more threads than cores they only contend
     # (measured: 1 thread each for prefill + decode on 2 cores halved TTFT at 2 req/s).
-    even = args.num_threads or max(1, (os.cpu_count() or 1) // len(roles))
+    # A tensor-parallel worker's ranks are processes too, each with the worker's thread count.
+    even = args.num_threads or max(1, (os.cpu_count() or 1) // (len(roles) * args.tensor_parallel_size))
     threads = {"prefill": args.prefill_threads or even, "decode": args.decode_threads or even,
                "both": args.decode_threads or even}
     for k, (role, i) in enumerate(roles, start=1):

@@ -55,8 +55,8 @@ def init_group(backend: str, host: str, port: int, rank: int, world: int, store:
     return dist.ProcessGroupNCCL(store, rank, world, options)
 
 
-def all_reduce_min(group, value: int) -> int:
-    tensor = torch.tensor([value])
+def all_reduce_min(group, value: int, device: torch.device) -> int:
+    tensor = torch.tensor([value], device=device)  # NCCL reduces only device tensors
     options = dist.AllreduceOptions()
     options.reduceOp = dist.ReduceOp.MIN
     group.allreduce([tensor], options).wait()

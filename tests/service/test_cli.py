@@ -180,3 +180,18 @@ def test_heartbeat_stats_do_not_wait_out_a_long_engine_step():
     finally:
         release.set()
         loop.stop()
+
+
+def test_up_gives_each_rank_of_a_tensor_parallel_worker_its_share_of_the_cores(tmp_path, monkeypatch):
+    """8 cores, a prefill and a decode worker of 2 ranks each: 4 rank processes, 2 threads each
+    (1 rank each: 4 threads)."""
+    from splitserve import launcher
+    monkeypatch.setattr(launcher.os, "cpu_count", lambda: 8)
+    for tp, threads in ((1, "4"), (2, "2")):
+        argv = ["up", "--prefill", "1", "--decode", "1", "--tensor-parallel-size", str(tp)]
+        specs = {spec.name: spec.argv for spec in launcher.plan(parse(argv), "redis://127.0.0.1:1/0", str(tmp_path))}
+        for name in ("prefill0", "decode0"):
+            child = specs[name]
+            assert child[child.index("--num-threads") + 1] == threads, (tp, name)
+            if tp > 1:
+                assert child[child.index("--tensor-parallel-size") + 1] == "2", name
