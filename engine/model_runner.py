@@ -79,14 +79,16 @@ class ModelRunner:
     others (``self.followers``) and sends them every step, a rank > 0 is driven by ``follow``."""
 
     def __init__(self, config: EngineConfig, model_dir: Path, pool_factory: PoolFactory = default_pool,
-                 max_model_len: int | None = None, tp_rank: int = 0, tp_group=None):
+                 max_model_len: int | None = None, tp_rank: int = 0, tp_comm=None):
         self.config = config
         self.tp_rank, self.tp_size = tp_rank, config.tensor_parallel_size
         self.device = rank_device(resolve_device(config.device), tp_rank)
         bind_device(self.device)  # the compile warm-up and the graph capture below run on this thread
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.followers = None
-        self.tp_group = tp_group  # rank > 0: given; rank 0: made with the other ranks below
+        # The ranks' all-reduce (engine.tensor_parallel.all_reduce): given to a rank > 0, made
+        # with the other ranks on rank 0.
+        self.tp_comm = tp_comm
         # Prefill side: the pages each step ships, for the other ranks (kvtransfer.prefill_side).
         self.tp_copy_orders: Callable[[SchedulerOutput], tuple] | None = None
         # What the other ranks' copies reported: {request id: why it failed}.
@@ -112,7 +114,7 @@ class ModelRunner:
         self.num_blocks = config.num_gpu_blocks or self._pool_blocks()
         if self.tp_size > 1:  # every rank holds the same page ids: the smallest pool of them all
             from engine.tensor_parallel.ranks import all_reduce_min
-            self.num_blocks = all_reduce_min(self.tp_group, self.num_blocks, self.device)
+            self.num_blocks = all_reduce_min(self.tp_comm.group, self.num_blocks, self.device)
         shape = (self.num_layers, 2, self.num_blocks, self.block_size, self.num_kv_heads, self.kv_row)
         self.kv_cache = pool_factory(shape, self.kv_dtype, self.device)
         self.cpu_cache = None
@@ -154,17 +156,25 @@ class ModelRunner:
 
         from engine.tensor_parallel.shard import check_divisible, register_group, shard_model
         if self.tp_rank == 0:
-            check_divisible(AutoConfig.from_pretrained(str(model_dir), local_files_only=True), self.tp_size)
+            hf = AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
+            check_divisible(hf, self.tp_size)
             if self.config.speculative_method == "draft":
                 raise ValueError("a draft model (speculative_method='draft') with tensor_parallel_size > 1 is not "
                                  "supported; use speculative_method='ngram'")
             from engine.tensor_parallel.ranks import FollowerRanks
-            self.followers = FollowerRanks(self.config, model_dir, self.device)
-            self.tp_group = self.followers.group
+            self.followers = FollowerRanks(self.config, model_dir, self.device, self._all_reduce_bytes(hf))
+            self.tp_comm = self.followers.all_reduce
         model = load_model(model_dir, self.dtype, "cpu", attn_implementation=ATTN_IMPLEMENTATION)
-        self.tp_group_id = register_group(self.tp_group)
+        self.tp_group_id = register_group(self.tp_comm)
         shard_model(model, self.tp_rank, self.tp_size, self.tp_group_id)
         return model.to(self.device)
+
+    def _all_reduce_bytes(self, hf) -> int:
+        """The largest all-reduce of a step: a row of hidden size per token of the largest step."""
+        c = self.config
+        rows = max(c.max_num_batched_tokens, c.max_num_seqs * (1 + (c.num_speculative_tokens if c.speculative_method
+                                                                     else 0)), c.block_size)
+        return rows * hf.hidden_size * torch.empty((), dtype=self.dtype).element_size()
 
     def close(self) -> None:
         """Stop the other tensor-parallel ranks (nothing to do without them)."""

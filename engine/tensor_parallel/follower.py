@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 
 from engine.tensor_parallel import dist_backend, messages, rank_device
-from engine.tensor_parallel.ranks import SPEC_ENV, init_group
+from engine.tensor_parallel.ranks import SPEC_ENV, communicator, init_group
 
 log = logging.getLogger("splitserve.tp")
 
@@ -41,7 +41,8 @@ def main() -> int:
     pool = FollowerPool()
     kv = None
     try:
-        runner = ModelRunner(config, Path(spec["model_dir"]), pool_factory=pool, tp_rank=rank, tp_group=group)
+        all_reduce = communicator(group, spec["shm_path"], rank, world, spec["slot_bytes"])
+        runner = ModelRunner(config, Path(spec["model_dir"]), pool_factory=pool, tp_rank=rank, tp_comm=all_reduce)
         kv = FollowerKV(rank, runner.kv_cache, pool.directory)
         serve(runner, kv, sock)
     except EOFError:

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from engine.tensor_parallel import dist_backend, messages
+from engine.tensor_parallel.all_reduce import ProcessGroupAllReduce, ShmAllReduce, create_shm_file
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +56,13 @@ def init_group(backend: str, host: str, port: int, rank: int, world: int, store:
     return dist.ProcessGroupNCCL(store, rank, world, options)
 
 
+def communicator(group, shm_path, rank: int, world: int, slot_bytes: int):
+    """Shared memory between CPU ranks (``shm_path``), else the process group."""
+    if shm_path:
+        return ShmAllReduce(group, Path(shm_path), rank, world, slot_bytes)
+    return ProcessGroupAllReduce(group)
+
+
 def all_reduce_min(group, value: int, device: torch.device) -> int:
     tensor = torch.tensor([value], device=device)  # NCCL reduces only device tensors
     options = dist.AllreduceOptions()
@@ -64,7 +72,9 @@ def all_reduce_min(group, value: int, device: torch.device) -> int:
 
 
 class FollowerRanks:
-    def __init__(self, config, model_dir: Path, device: torch.device):
+    """``slot_bytes``: the largest all-reduce that goes through shared memory (CPU ranks)."""
+
+    def __init__(self, config, model_dir: Path, device: torch.device, slot_bytes: int):
         self.world = config.tensor_parallel_size
         self._dead: str | None = None
         self._callbacks: list[Callable[[BaseException], None]] = []
@@ -73,9 +83,11 @@ class FollowerRanks:
         store = dist.TCPStore("127.0.0.1", 0, self.world, is_master=True, timeout=COLLECTIVE_TIMEOUT,
                               wait_for_workers=False)
         token = secrets.token_hex(16)
+        self.shm_path = create_shm_file(self.world, slot_bytes) if device.type == "cpu" else None
         spec = {"world": self.world, "store_port": store.port, "control_port": server.getsockname()[1],
                 "token": token, "config": dataclasses.asdict(config), "model_dir": str(model_dir),
-                "num_threads": torch.get_num_threads()}
+                "num_threads": torch.get_num_threads(), "shm_path": str(self.shm_path or ""),
+                "slot_bytes": slot_bytes}
         self.procs = [subprocess.Popen([sys.executable, "-m", "engine.tensor_parallel.follower"],
                                        env={**os.environ, SPEC_ENV: json.dumps({**spec, "rank": rank})})
                       for rank in range(1, self.world)]
@@ -84,9 +96,11 @@ class FollowerRanks:
             self._socks = self._accept(server, token)
         except BaseException:
             self._kill()
+            self._remove_shm()
             raise
         finally:
             server.close()
+        self.all_reduce = communicator(self.group, self.shm_path, 0, self.world, slot_bytes)
         self._watcher = threading.Thread(target=self._watch, name="tp-rank-watch", daemon=True)
         self._watcher.start()
         log.info("tensor parallel: rank 0 of %d (ranks 1..%d are pids %s)", self.world, self.world - 1,
@@ -181,6 +195,7 @@ class FollowerRanks:
                 if proc.poll() is not None and not self._closing:
                     error = self._died(f"tensor-parallel rank {rank} (pid {proc.pid}) exited with {proc.returncode}")
                     log.error("%s; this worker stops", error)
+                    self.all_reduce.abort()  # an engine step waiting on the dead rank fails now
                     self._kill()
                     for callback in self._callbacks:
                         callback(error)
@@ -220,5 +235,10 @@ class FollowerRanks:
                 proc.kill()
                 proc.wait()
         self._remove_pools()
+        self._remove_shm()
+
+    def _remove_shm(self) -> None:
+        if self.shm_path is not None:
+            self.shm_path.unlink(missing_ok=True)
         for sock in getattr(self, "_socks", {}).values():
             sock.close()
