@@ -235,6 +235,9 @@ def measure(systems: dict, name: str, prompt_len: int, args, vocab: int) -> dict
     for round_ in range(args.pairs + 1):
         requests = base if round_ == 0 else round_requests(base, name, vocab, args.seed + 1000 * round_)
         for system_name, system in systems.items():
+            # The previous system's threads may still spin (OpenMP waits ~200 ms before sleeping):
+            # let them settle so a short run (one 256-token prefill: ~0.5 s) is not timed against them.
+            time.sleep(args.settle_s)
             result = system.run(requests)
             result["loadavg_1min"] = os.getloadavg()[0]
             tag = "warm-up" if round_ == 0 else f"round {round_}"
@@ -281,6 +284,7 @@ def main(argv=None) -> int:
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--static-eager", action="store_true", help="the static baseline without compile")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--settle-s", type=float, default=1.0, help="pause before each timed run")
     args = parser.parse_args(argv)
 
     names = [s for s in args.systems.split(",") if s]

@@ -69,7 +69,6 @@ class _SharedFence:
 
     def __init__(self, owners: torch.Tensor):
         self.owners = owners
-        self.lock = contextlib.nullcontext()  # rank 0's lock is in another process
 
     def owned_by(self, block_ids, epoch: int) -> bool:
         return bool((self.owners[list(block_ids)] == epoch).all())
@@ -78,7 +77,9 @@ class _SharedFence:
 class FollowerLeases:
     """What an in-process receiver asks of a lease table, answered from rank 0's shared page
     owners: a write lands only on pages stamped with its epoch. Lease deadlines and completion
-    stay with rank 0, which checks them at its own flush before a transfer completes."""
+    stay with rank 0, which checks them at its own flush before a transfer completes. Rank 0's
+    fence lock is in another process: a write checked just before a release may still land in
+    a page of this rank after it (the page's next owner writes it again before it is read)."""
 
     def __init__(self, owners: torch.Tensor):
         self.fence = _SharedFence(owners)
