@@ -234,7 +234,9 @@ class ModelRunner:
         step = self.inputs.build(plan.chunks, plan.block_tables, pad_to=graph_size)
         message = None
         if self.followers is not None:
-            message = StepMessage(input_ids=step.input_ids.clone(), positions=step.positions.clone(),
+            # Host copies: a pickled device tensor would come back on rank 0's device.
+            message = StepMessage(input_ids=step.input_ids.to("cpu", copy=True),
+                                  positions=step.positions.to("cpu", copy=True),
                                   layout=_detached(step.layout),
                                   copies=self.tp_copy_orders(plan) if self.tp_copy_orders else ())
             self.followers.broadcast(message)

@@ -155,29 +155,26 @@ class FollowerKV:
         return self._senders[key], desc
 
     def copy_layer(self, orders: Sequence[CopyOrder], layer: int) -> None:
-        for order in orders:
-            rid = order.desc.request_id
-            if rid in self._errors:
-                continue
-            try:
-                sender, desc = self._sender(order)
-                sender.write(desc, layer, order.runs)
-            except Exception as e:  # reported to rank 0, which fails the transfer
-                self._errors[rid] = f"tensor-parallel rank {self.rank}: {e}"
+        self._each(orders, lambda sender, desc, order: sender.write(desc, layer, order.runs))
 
     def flush(self, orders: Sequence[CopyOrder]) -> dict[str, str]:
         """Flush this step's transfers; returns {request id: why it failed} and forgets them."""
+        self._each(orders, lambda sender, desc, order: sender.flush(desc))
+        errors, self._errors = self._errors, {}
+        return errors
+
+    def _each(self, orders: Sequence[CopyOrder], action) -> None:
+        """``action`` for every transfer not failed yet; a failure is kept for rank 0, which fails
+        the transfer (this rank goes on with the others)."""
         for order in orders:
             rid = order.desc.request_id
             if rid in self._errors:
                 continue
             try:
                 sender, desc = self._sender(order)
-                sender.flush(desc)
+                action(sender, desc, order)
             except Exception as e:
                 self._errors[rid] = f"tensor-parallel rank {self.rank}: {e}"
-        errors, self._errors = self._errors, {}
-        return errors
 
     def close(self) -> None:
         for sender in self._senders.values():

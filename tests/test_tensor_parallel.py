@@ -170,3 +170,33 @@ def test_a_rank_that_dies_fails_the_next_step_at_once_and_the_engine_reports_it(
         time.sleep(0.1)
     assert died and "rank 1" in str(died[0])
     engine.abort_request("a")
+
+
+def test_a_transfer_that_fails_on_rank_1_alone_fails_and_frees_its_pages(tiny_model_dirs):
+    """Rank 0's pages land but rank 1 cannot reach its decode rank (its offer points nowhere):
+    rank 1 reports it, the transfer fails with rank 1's reason instead of completing with half the
+    KV, and both sides give every page back."""
+    import dataclasses
+    model = tiny_model_dirs["llama"]
+    decode = build_decode(config(model, tensor_parallel_size=2), "shm")
+    prefill = build_prefill(config(model, tensor_parallel_size=2, max_num_batched_tokens=24))
+    try:
+        desc = decode.reserve("r0", 40)
+        broken = dataclasses.replace(desc, rank_offers=((("shm", "/nonexistent/splitserve-kv"),),))
+        prefill.start("r0", list(range(1, 41)), GREEDY, broken)
+        results = []
+        for _ in range(20):
+            results += prefill.step()
+            if results:
+                break
+        [result] = results
+        assert result.error is not None and "tensor-parallel rank 1" in str(result.error)
+        assert result.first_token is None
+        assert decode.abort("r0")
+        prefill.engine.assert_idle()
+        decode.engine.assert_idle()
+    finally:
+        prefill.close()
+        decode.close()
+        prefill.engine.close()
+        decode.engine.close()
