@@ -4,7 +4,9 @@ One forward per step over a flattened batch: all new tokens of all scheduled seq
 one row, decodes first, with per-token positions and cache slots. The model is the plain
 `transformers` definition with the paged attention op plugged in, compiled into one graph
 (``engine.compiled_forward``) unless ``enforce_eager`` is set; on CUDA, decode steps replay
-graphs captured at start-up for padded batch sizes (``engine.cuda_graphs``).
+graphs captured at start-up for padded batch sizes (``engine.cuda_graphs``). With
+``tensor_parallel_size`` N > 1 the model is one rank's shard and rank 0 sends every step to the
+other ranks (``engine.tensor_parallel``), which run ``follow`` on theirs.
 """
 from __future__ import annotations
 
