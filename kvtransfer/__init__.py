@@ -102,7 +102,7 @@ def build_decode(config, transport: str = "auto", lease_ttl_s: float = 30.0,
     rank_offers = ()
     if engine.runner.followers is not None:
         from engine.tensor_parallel.messages import KVSetup
-        rank_offers = tuple(tuple(offers) for offers in engine.runner.followers.request(KVSetup(
+        rank_offers = tuple(tuple((t, a) for t, a in offers) for offers in engine.runner.followers.request(KVSetup(
             "serve", tuple(r.name for r in receivers), str(Path(shared["directory"]) / "owners"), host=host,
             advertise_host=advertise_host, kv_key=kv_key)))
     return DecodeConnector(engine, receivers, leases, rank_offers, cleanup)

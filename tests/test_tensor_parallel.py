@@ -200,3 +200,39 @@ def test_a_transfer_that_fails_on_rank_1_alone_fails_and_frees_its_pages(tiny_mo
         decode.close()
         prefill.engine.close()
         decode.engine.close()
+
+
+def test_control_messages_cross_a_socket_without_pickle():
+    """A step message (tensors of several dtypes, an empty one, a descriptor with rank offers, page
+    runs) and a KV setup come back equal; a frame naming any other type is refused, not built."""
+    import json
+    import socket
+
+    from engine.attention import StepLayout
+    from engine.tensor_parallel import messages
+    from kvtransfer.base import KVLayout, TransferDescriptor
+    layout = StepLayout(slot_mapping=torch.arange(5), query_start_loc=torch.tensor([0, 2, 5], dtype=torch.int32),
+                        seq_lens=torch.tensor([9, 3], dtype=torch.int32), block_tables=torch.zeros((2, 0), dtype=torch.int32),
+                        num_decodes=1, query_lens_list=[2, 3], seq_lens_list=[9, 3], block_size=8)
+    desc = TransferDescriptor("r0", "shm", "/dev/shm/a", (3, 4), KVLayout("m", 2, 1, 16, 8, "float32", tensor_parallel_size=2),
+                              7, 123.5, (("tcp", "h:1"),), rank_offers=((("shm", "/dev/shm/b"), ("tcp", "h:2")),))
+    step = messages.StepMessage(swap_out=((1, 2),), input_ids=torch.tensor([1, 2, 3, 4, 5]),
+                                positions=torch.arange(5).to(torch.bfloat16), layout=layout,
+                                copies=(messages.CopyOrder(desc, "shm", ((0, 3, 2),)),))
+    setup = messages.KVSetup("serve", ("shm", "tcp"), "/dev/shm/o", kv_key=b"\x00secret")
+    a, b = socket.socketpair()
+    with a, b:
+        for sent in (step, setup, {"r0": "why"}, None):
+            messages.send(a, sent)
+            got = messages.recv(b)
+            if isinstance(sent, messages.StepMessage):
+                assert torch.equal(got.input_ids, sent.input_ids) and got.positions.dtype == torch.bfloat16
+                assert torch.equal(got.layout.query_start_loc, layout.query_start_loc)
+                assert got.layout.block_tables.shape == (2, 0) and got.layout.query_lens_list == [2, 3]
+                assert got.copies == sent.copies and got.swap_out == ((1, 2),) and got.wants_reply
+            else:
+                assert got == sent
+        doc = json.dumps({"type": "Popen", "fields": {"args": ["sh"]}}).encode()
+        a.sendall(len(doc).to_bytes(8, "big") + doc)
+        with pytest.raises(KeyError):
+            messages.recv(b)

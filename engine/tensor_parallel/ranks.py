@@ -159,9 +159,10 @@ class FollowerRanks:
     def broadcast(self, message: Any) -> None:
         """Send ``message`` to every other rank."""
         self.check()
+        frame = messages.encode(message)
         try:
             for sock in self._socks.values():
-                messages.send(sock, message)
+                sock.sendall(frame)
         except OSError as e:
             raise self._died(f"a rank's control socket broke ({e})") from e
 
