@@ -138,7 +138,7 @@ def build_prefill(config, transports: Iterable[str] = TRANSPORTS, verify_checksu
     if engine.runner.followers is not None:
         from engine.tensor_parallel.messages import KVSetup
         from kvtransfer.tensor_parallel import TP_TRANSPORTS
-        # Tensor-parallel ranks send over shm and tcp only; descriptors offer those to them.
+        # Tensor-parallel ranks send over shm, cuda_ipc and tcp (not nccl): only those are used here.
         transports = tuple(t for t in transports if t in TP_TRANSPORTS)
         engine.runner.followers.request(KVSetup("send", transports, kv_key=kv_key))
     return PrefillConnector(engine, sender_factories(engine.runner.kv_cache, transports, kv_key), verify_checksum)
