@@ -7,6 +7,7 @@ differently, are refused before anything runs or moves; a rank that dies fails t
 step at once instead of hanging it. The served path (workers, gateway retry) is in
 tests/faults/test_tensor_parallel_service.py.
 """
+import contextlib
 import os
 import signal
 import time
@@ -98,6 +99,20 @@ def config(model, **kw):
     return EngineConfig(model=str(model), dtype="float32", **kw)
 
 
+@contextlib.contextmanager
+def connected(decode_config, transport, prefill_config, **prefill_kw):
+    """A prefill and a decode connector (and their engines' ranks), closed at the end."""
+    decode = build_decode(decode_config, transport)
+    prefill = build_prefill(prefill_config, **prefill_kw)
+    try:
+        yield prefill, decode
+    finally:
+        prefill.close()
+        decode.close()
+        prefill.engine.close()
+        decode.engine.close()
+
+
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
 def test_a_tp2_prefill_engine_hands_off_to_a_tp2_decode_engine(transport, tiny_model_dirs, hf_reference):
     """Rank r of the prefill engine writes its KV head into rank r of the decode engine: the
@@ -106,9 +121,8 @@ def test_a_tp2_prefill_engine_hands_off_to_a_tp2_decode_engine(transport, tiny_m
     several steps; the pages are on the decode ranks byte for byte."""
     model = tiny_model_dirs["llama"]
     shm_before = _shm_dirs()
-    decode = build_decode(config(model, tensor_parallel_size=2), transport)
-    prefill = build_prefill(config(model, tensor_parallel_size=2, max_num_batched_tokens=24), verify_checksum=True)
-    try:
+    with connected(config(model, tensor_parallel_size=2), transport,
+                   config(model, tensor_parallel_size=2, max_num_batched_tokens=24), verify_checksum=True) as (prefill, decode):
         desc = decode.reserve("probe", 4)
         assert desc.layout.tensor_parallel_size == 2 and desc.layout.num_kv_heads == 1
         assert [t for t, _ in desc.rank_offers[0]] == [t for t, _ in desc.offers]
@@ -121,19 +135,12 @@ def test_a_tp2_prefill_engine_hands_off_to_a_tp2_decode_engine(transport, tiny_m
         prefill.engine.assert_idle()
         decode.engine.assert_idle()
         assert len(decode.leases) == 0
-    finally:
-        prefill.close()
-        decode.close()
-        prefill.engine.close()
-        decode.engine.close()
     assert _shm_dirs() <= shm_before  # every rank's shared pool (and the page owners) removed
 
 
 def test_prefill_and_decode_split_differently_are_refused_before_a_byte_moves(tiny_model_dirs):
     model = tiny_model_dirs["llama"]
-    decode = build_decode(config(model, tensor_parallel_size=2), "shm")
-    prefill = build_prefill(config(model))
-    try:
+    with connected(config(model, tensor_parallel_size=2), "shm", config(model)) as (prefill, decode):
         desc = decode.reserve("r0", 10)
         before = decode.engine.runner.kv_cache.clone()
         with pytest.raises(LayoutMismatchError, match="tensor_parallel_size: 1 here vs 2 on the peer"):
@@ -141,11 +148,6 @@ def test_prefill_and_decode_split_differently_are_refused_before_a_byte_moves(ti
         assert torch.equal(decode.engine.runner.kv_cache, before)
         assert decode.abort("r0")
         decode.engine.assert_idle()
-    finally:
-        prefill.close()
-        decode.close()
-        prefill.engine.close()
-        decode.engine.close()
 
 
 def test_a_rank_that_dies_fails_the_next_step_at_once_and_the_engine_reports_it(tiny_model_dirs, engines):
@@ -178,9 +180,8 @@ def test_a_transfer_that_fails_on_rank_1_alone_fails_and_frees_its_pages(tiny_mo
     KV, and both sides give every page back."""
     import dataclasses
     model = tiny_model_dirs["llama"]
-    decode = build_decode(config(model, tensor_parallel_size=2), "shm")
-    prefill = build_prefill(config(model, tensor_parallel_size=2, max_num_batched_tokens=24))
-    try:
+    with connected(config(model, tensor_parallel_size=2), "shm",
+                   config(model, tensor_parallel_size=2, max_num_batched_tokens=24)) as (prefill, decode):
         desc = decode.reserve("r0", 40)
         broken = dataclasses.replace(desc, rank_offers=((("shm", "/nonexistent/splitserve-kv"),),))
         prefill.start("r0", list(range(1, 41)), GREEDY, broken)
@@ -195,11 +196,6 @@ def test_a_transfer_that_fails_on_rank_1_alone_fails_and_frees_its_pages(tiny_mo
         assert decode.abort("r0")
         prefill.engine.assert_idle()
         decode.engine.assert_idle()
-    finally:
-        prefill.close()
-        decode.close()
-        prefill.engine.close()
-        decode.engine.close()
 
 
 def test_control_messages_cross_a_socket_without_pickle():
