@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import time
 import uuid
 
 log = logging.getLogger(__name__)
@@ -18,7 +19,11 @@ SERVICE = "splitserve.v1.Generation"  # also its readiness name (splitserve.grpc
 def serve(args) -> int:
     if not args.redis_url:
         raise SystemExit("the gateway needs --redis-url (or SPLITSERVE_REDIS_URL)")
-    return asyncio.run(_serve(args))
+    code = asyncio.run(_serve(args))
+    # After this only the interpreter's exit is left (joining threads): a gateway whose log ends
+    # at "stopped in" and not here was held in asyncio.run's teardown.
+    log.info("event loop closed; exiting with %d", code)
+    return code
 
 
 def model_info(args):
@@ -96,18 +101,37 @@ async def _serve(args) -> int:
         print(f"gateway {dispatcher.gateway_id} HTTP (OpenAI API) on {args.host}:{http.port}", flush=True)
     print(f"gateway {dispatcher.gateway_id} serving on {args.host}:{port}", flush=True)
     await stop_event().wait()
-    # Drain: NOT_SERVING and no new requests; in-flight ones get the grace period to finish.
+    await _shutdown(args, monitor, servicer, dispatcher, http, server, backpressure, directory)
+    return 0
+
+
+# A bound on each step of the shutdown after the drain: one that overruns is logged by name and
+# left behind, so SIGTERM ends the process within the drain timeout plus these, whatever hangs.
+STOP_STEP_LIMIT_S = 5.0
+
+
+async def _shutdown(args, monitor, servicer, dispatcher, http, server, backpressure, directory) -> None:
+    """Drain (NOT_SERVING, no new requests, in-flight ones get the grace period), then stop the
+    parts in order; each step's time goes to the log, so a slow exit says which part held it."""
+    started = time.monotonic()
     await monitor.drain()
     servicer.draining = True
+    log.info("draining: %d request(s) in flight, up to %g s", len(dispatcher.jobs), args.drain_timeout_s)
     await dispatcher.drain(args.drain_timeout_s)
-    await monitor.stop()
-    if http is not None:
-        await http.stop()
-    await server.stop(grace=2)
-    await backpressure.stop()
-    await dispatcher.stop()
-    await directory.close()
-    return 0
+    steps = [("health", monitor.stop()), ("http", http.stop() if http is not None else None),
+             ("grpc server", server.stop(grace=2)), ("backpressure", backpressure.stop()),
+             ("dispatcher", dispatcher.stop()), ("worker channels", directory.close())]
+    for name, step in steps:
+        if step is None:
+            continue
+        step_started = time.monotonic()
+        try:
+            await asyncio.wait_for(step, STOP_STEP_LIMIT_S)
+        except asyncio.TimeoutError:
+            log.error("shutdown: stopping the %s took over %g s; going on without it", name, STOP_STEP_LIMIT_S)
+        else:
+            log.debug("shutdown: %s stopped in %.2f s", name, time.monotonic() - step_started)
+    log.info("stopped in %.2f s after the signal", time.monotonic() - started)
 
 
 async def _start_http(args, servicer, authorizer, sock):

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -142,6 +143,19 @@ def start_process(args: Sequence[str], log_path: Path | None = None, timeout_s: 
     ``ip netns exec <ns>``).
     """
     return _spawn(args, log_path, env, prefix).wait(timeout_s)
+
+
+def stop_process(proc: subprocess.Popen, log_path: Path | None = None, timeout_s: float = 30.0) -> int:
+    """SIGTERM ``proc`` and wait for it to exit; one still there after ``timeout_s`` is killed and
+    fails the caller with the tail of its log (where a gateway says which step held its exit)."""
+    proc.terminate()
+    try:
+        return proc.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(10)
+        tail = log_path.read_text(errors="replace")[-4000:] if log_path else ""
+        raise AssertionError(f"{shlex.join(map(str, proc.args))} did not exit within {timeout_s:g} s of SIGTERM; its log ends: {tail}")
 
 
 @dataclass(repr=False)

@@ -12,7 +12,7 @@ import pytest
 
 from splitserve.client import Client
 from splitserve.testing.prompts import mixed_prompts
-from splitserve.testing.stack import (DEFAULT_WORKER_ARGS, start_process, start_stack, wait_pages_at_baseline,
+from splitserve.testing.stack import (DEFAULT_WORKER_ARGS, start_process, start_stack, stop_process, wait_pages_at_baseline,
                                       worker_info)
 from splitserve.testing.streams import assert_all_match, busy, frozen, join_all, run_streams, wait_until
 from splitserve.testing.tools import scrape
@@ -168,8 +168,7 @@ def test_gives_up_with_unavailable_after_the_retry_limit(stack, reference, basel
         stack.restart(victim)
     finally:
         client.close()
-        gateway.terminate()
-        gateway.wait(30)
+        stop_process(gateway, stack.log_dir / "gateway-one-attempt.log")
 
 
 def test_an_unfilled_reservation_expires_and_is_counted(stack, tmp_path):

@@ -12,7 +12,7 @@ import pytest
 from splitserve.client import Client
 from splitserve.testing.prompts import mixed_prompts
 from splitserve.testing.stack import (NOT_SERVING, SERVING, gateway_health, live_request_keys, queued_request_ids,
-                                      start_process, start_stack, wait_pages_at_baseline)
+                                      start_process, start_stack, stop_process, wait_pages_at_baseline)
 from splitserve.testing.streams import assert_all_match, frozen, join_all, run_streams, wait_until
 
 
@@ -88,5 +88,4 @@ def test_a_burst_past_the_limit_admits_exactly_the_limit(stack, reference):
         assert_all_match([s for s in streams if s.code is None], reference)
     finally:
         client.close()
-        gateway.terminate()
-        gateway.wait(30)
+        stop_process(gateway, stack.log_dir / "gateway-limit-4.log")

@@ -32,7 +32,7 @@ from grpc_health.v1 import health_pb2
 from splitserve.client import Client
 from splitserve.launcher import free_port
 from splitserve.testing.hostile import NeverReading
-from splitserve.testing.stack import gateway_health, start_process, wait_pages_at_baseline
+from splitserve.testing.stack import gateway_health, start_process, stop_process, wait_pages_at_baseline
 from splitserve.testing.streams import join_all, run_streams
 from splitserve.testing.tools import memory_mib, scrape
 from splitserve.v1 import generation_pb2 as pb
@@ -228,8 +228,7 @@ def test_the_gateway_bounds_unread_output_in_total_and_per_stream(stack, tmp_pat
         wait_pages_at_baseline(stack, stack.baseline, timeout_s=60)
     finally:
         client.close()
-        gateway.terminate()
-        gateway.wait(30)
+        stop_process(gateway, tmp_path / "gateway-bounded.log")
 
 
 def _never_read_http(request_id: str) -> socket.socket:

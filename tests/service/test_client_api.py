@@ -11,7 +11,7 @@ import pytest
 
 from splitserve.client import AsyncClient, Client
 from splitserve.errors import RETRY_PUSHBACK_METADATA_KEY
-from splitserve.testing.stack import start_process, start_stack, wait_pages_at_baseline, worker_info
+from splitserve.testing.stack import start_process, start_stack, stop_process, wait_pages_at_baseline, worker_info
 from splitserve.testing.tools import scrape
 
 PROMPT = [40 + i % 50 for i in range(19)]  # token ids of the tiny byte-level model
@@ -98,8 +98,7 @@ def test_a_request_refused_for_a_full_queue_is_retried_by_a_retrying_client(stac
             waiter.join(60)
             assert answer and answer[-1].finished and answer[-1].finish_reason == "length", answer
     finally:
-        gateway.terminate()
-        gateway.wait(30)
+        stop_process(gateway, tmp_path / "gateway.log")
 
 
 def test_a_stop_string_matched_at_the_gateway_stops_the_worker_too(stack, llama_reference):

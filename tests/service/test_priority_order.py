@@ -14,7 +14,7 @@ import pytest
 
 from splitserve.client import Client
 from splitserve.testing.prompts import mixed_prompts
-from splitserve.testing.stack import queued_request_ids, start_process, start_stack, worker_info
+from splitserve.testing.stack import queued_request_ids, start_process, start_stack, stop_process, worker_info
 from splitserve.testing.streams import Stream, assert_all_match, join_all, wait_until
 from splitserve.v1 import worker_pb2
 
@@ -85,8 +85,7 @@ def test_free_capacity_goes_to_a_more_urgent_request_of_another_gateway(stack, r
         join_all(lows + [high])
     finally:
         client_b.close()
-        gateway_b.terminate()
-        gateway_b.wait(30)
+        stop_process(gateway_b, stack.log_dir / "gateway-b.log")
     assert_all_match(lows + [high], reference)
     assert served_order(lows + [high]) == ["b-high", "a-low-0", "a-low-1", "a-low-2"]
 
