@@ -62,7 +62,9 @@ def decode(batch: Batch, head_major: bool = False) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("head_dim", [16, 64, 80, 128])
-@pytest.mark.parametrize("heads", [(4, 4), (9, 3), (8, 1)])
+# GQA groups 1, 3, 8 (two walks of 4), 5 (4 + 1) and 7 (4 + 3): the kernel walks a KV head's
+# pages for up to four query heads at a time.
+@pytest.mark.parametrize("heads", [(4, 4), (9, 3), (8, 1), (10, 2), (14, 2)])
 @pytest.mark.parametrize("block_size", [8, 16, 32])
 def test_decode_kernel_matches_reference(head_dim, heads, block_size):
     batch = Batch(LONG_DECODE, block_size, *heads, head_dim, torch.float32, "cpu", fragmented=True)

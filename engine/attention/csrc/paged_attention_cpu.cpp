@@ -198,28 +198,41 @@ struct CacheView {
   int64_t block, token, head;  // strides in elements
 };
 
-// One (sequence, KV head): `group` query rows of `D` floats, already scaled. Per page: widen
-// its K rows into an L1 buffer, score eight tokens at a time per query head, update the
-// online softmax, then accumulate V with the D/8 register columns outermost.
-template <typename cache_t, int D>
-void attend_one(const float* __restrict q, int group, const cache_t* __restrict k_base,
-                const cache_t* __restrict v_base, CacheView kv, CacheView vv, const int32_t* __restrict table,
-                int ctx, int block_size, float* __restrict out) {
-  constexpr int C = D / 8;  // register columns of a row
-  float m[kMaxGroup], l[kMaxGroup];
-  v8f acc[kMaxGroup][C];
-  v8f qv[kMaxGroup][C];
-  // Scores of the page, padded to a multiple of 8 tokens.
-  alignas(64) float s[kMaxGroup][kMaxBlockSize + 8];
-  alignas(64) float kf[kMaxBlockSize + 8][D];
+// Register columns of V accumulated per pass: G x CC accumulators (at most 12 of AVX2's 16
+// registers, leaving room for the V row and the weight), CC dividing the row's C columns.
+constexpr int v_columns(int group, int columns) {
+  int cc = 12 / group > 0 ? 12 / group : 1;
+  while (columns % cc != 0) --cc;
+  return cc;
+}
+
+// Query heads of one KV head attended in one walk of the pages: the loops over them unroll
+// (a runtime count kept every accumulator in memory); larger GQA groups take several walks,
+// the later ones reading the pages from cache.
+constexpr int kWalkGroup = 4;
+
+// G query heads (G <= kWalkGroup) sharing one KV head of one sequence: `q` holds their G rows of
+// `D` floats, already scaled. Per page: score the page's tokens for all G heads with each K row
+// loaded once, update the online softmax, then accumulate V with each V row loaded once. Float
+// pages are read in place; other dtypes are widened (and dequantized) into an L1 buffer first.
+template <typename cache_t, int D, int G>
+void attend_group(const float* __restrict q, const cache_t* __restrict k_base, const cache_t* __restrict v_base,
+                  CacheView kv, CacheView vv, const int32_t* __restrict table, int ctx, int block_size,
+                  float* __restrict out) {
+  constexpr int C = D / 8;                  // register columns of a row
+  constexpr int T = G * 2 <= 8 ? 8 / G : 1;  // tokens scored per pass: G x T <= 8 dot products
+  constexpr int CC = v_columns(G, C);
+  constexpr bool kInPlace = std::is_same_v<cache_t, float>;
+  float m[G], l[G];
+  alignas(64) float acc[G][D];
+  alignas(64) float s[G][kMaxBlockSize + 8];
+  alignas(64) float kf[kInPlace ? 1 : kMaxBlockSize + 8][D];
   alignas(64) float vscale[kMaxBlockSize + 8];  // quantized V: each token's scale
-  for (int g = 0; g < group; ++g) {
+  alignas(64) static const float zero_row[D] = {};
+  for (int g = 0; g < G; ++g) {
     m[g] = -1e30f;
     l[g] = 0.0f;
-    for (int c = 0; c < C; ++c) {
-      acc[g][c] = v8f{};
-      qv[g][c] = load8(q + g * D + c * 8);
-    }
+    for (int c = 0; c < C; ++c) store8(acc[g] + c * 8, v8f{});
   }
   const int num_pages = (ctx + block_size - 1) / block_size;
   for (int p = 0; p < num_pages; ++p) {
@@ -228,32 +241,41 @@ void attend_one(const float* __restrict q, int group, const cache_t* __restrict 
     const int n8 = (n + 7) & ~7;
     const cache_t* kp = k_base + blk * kv.block;
     const cache_t* vp = v_base + blk * vv.block;
-    if constexpr (KvQuant<cache_t>::value) {
+    if constexpr (!kInPlace) {
       for (int t = 0; t < n; ++t) {
-        const v8f ks = splat(row_scale(kp + t * kv.token, D));
-        for (int c = 0; c < C; ++c) store8(kf[t] + c * 8, load8(kp + t * kv.token + c * 8) * ks);
-        vscale[t] = row_scale(vp + t * vv.token, D);
-      }
-    } else {
-      for (int t = 0; t < n; ++t)
-        for (int c = 0; c < C; ++c) store8(kf[t] + c * 8, load8(kp + t * kv.token + c * 8));
-    }
-    for (int t = n; t < n8; ++t)
-      for (int c = 0; c < C; ++c) store8(kf[t] + c * 8, v8f{});
-    for (int g = 0; g < group; ++g) {
-      v8f page_max = splat(m[g]);
-      for (int t0 = 0; t0 < n8; t0 += 8) {
-        v8f d[8];
-        for (int j = 0; j < 8; ++j) d[j] = qv[g][0] * load8(kf[t0 + j]);
-        for (int c = 1; c < C; ++c)
-          for (int j = 0; j < 8; ++j) d[j] += qv[g][c] * load8(kf[t0 + j] + c * 8);
-        v8f scores = reduce8(d);
-        if (t0 + 8 > n) {  // the padded tail of a partial page never wins the softmax
-          for (int j = n - t0; j < 8; ++j) scores[j] = -1e30f;
+        if constexpr (KvQuant<cache_t>::value) {
+          const v8f ks = splat(row_scale(kp + t * kv.token, D));
+          for (int c = 0; c < C; ++c) store8(kf[t] + c * 8, load8(kp + t * kv.token + c * 8) * ks);
+          vscale[t] = row_scale(vp + t * vv.token, D);
+        } else {
+          for (int c = 0; c < C; ++c) store8(kf[t] + c * 8, load8(kp + t * kv.token + c * 8));
         }
-        store8(s[g] + t0, scores);
-        page_max = vmax(page_max, scores);
       }
+    }
+    auto krow = [&](int t) -> const float* {
+      if (t >= n) return zero_row;
+      if constexpr (kInPlace) return kp + t * kv.token;
+      else return kf[t];
+    };
+    // Scores: T tokens x G heads per pass, each K row loaded once per register column.
+    for (int t0 = 0; t0 < n8; t0 += T) {
+      v8f d[8] = {};
+      for (int c = 0; c < C; ++c) {
+        v8f k[T];
+        for (int j = 0; j < T; ++j) k[j] = load8(krow(t0 + j) + c * 8);
+        for (int g = 0; g < G; ++g) {
+          const v8f qg = load8(q + g * D + c * 8);
+          for (int j = 0; j < T; ++j) d[g * T + j] += qg * k[j];
+        }
+      }
+      const v8f r = reduce8(d);
+      for (int g = 0; g < G; ++g)
+        for (int j = 0; j < T; ++j) s[g][t0 + j] = t0 + j < n ? r[g * T + j] : -1e30f;
+    }
+    // Online softmax per head: rescale what came before by exp(old max - new max).
+    for (int g = 0; g < G; ++g) {
+      v8f page_max = splat(m[g]);
+      for (int t0 = 0; t0 < n8; t0 += 8) page_max = vmax(page_max, load8(s[g] + t0));
       const float mx = hmax(page_max);
       const float alpha = exp_nonpositive(splat(m[g] - mx))[0];
       v8f sum = v8f{};
@@ -266,21 +288,48 @@ void attend_one(const float* __restrict q, int group, const cache_t* __restrict 
       for (int i = 0; i < 8; ++i) total += sum[i];
       l[g] = l[g] * alpha + total;
       m[g] = mx;
-      for (int c = 0; c < C; ++c) acc[g][c] *= alpha;
+      for (int c = 0; c < C; ++c) store8(acc[g] + c * 8, load8(acc[g] + c * 8) * splat(alpha));
       if constexpr (KvQuant<cache_t>::value) {  // weight x V scale: the V loop below reads raw codes
         for (int t = 0; t < n; ++t) s[g][t] *= vscale[t];
       }
     }
-    for (int c = 0; c < C; ++c) {
+    // V: CC register columns of all G heads at a time, each V row's columns loaded once.
+    for (int c0 = 0; c0 < C; c0 += CC) {
+      v8f a[G][CC];
+      for (int g = 0; g < G; ++g)
+        for (int cc = 0; cc < CC; ++cc) a[g][cc] = load8(acc[g] + (c0 + cc) * 8);
       for (int t = 0; t < n; ++t) {
-        const v8f v = load8(vp + t * vv.token + c * 8);
-        for (int g = 0; g < group; ++g) acc[g][c] += splat(s[g][t]) * v;
+        const cache_t* vrow = vp + t * vv.token + c0 * 8;
+        v8f v[CC];
+        for (int cc = 0; cc < CC; ++cc) v[cc] = load8(vrow + cc * 8);
+        for (int g = 0; g < G; ++g) {
+          const v8f w = splat(s[g][t]);
+          for (int cc = 0; cc < CC; ++cc) a[g][cc] += w * v[cc];
+        }
       }
+      for (int g = 0; g < G; ++g)
+        for (int cc = 0; cc < CC; ++cc) store8(acc[g] + (c0 + cc) * 8, a[g][cc]);
     }
   }
-  for (int g = 0; g < group; ++g) {
+  for (int g = 0; g < G; ++g) {
     const float inv = l[g] > 0.0f ? 1.0f / l[g] : 0.0f;
-    for (int c = 0; c < C; ++c) store8(out + g * D + c * 8, acc[g][c] * inv);
+    for (int c = 0; c < C; ++c) store8(out + g * D + c * 8, load8(acc[g] + c * 8) * splat(inv));
+  }
+}
+
+// All `group` query heads of one KV head, in walks of up to kWalkGroup heads.
+template <typename cache_t, int D>
+void attend_one(const float* q, int group, const cache_t* k_base, const cache_t* v_base, CacheView kv,
+                CacheView vv, const int32_t* table, int ctx, int block_size, float* out) {
+  for (int g0 = 0; g0 < group; g0 += kWalkGroup) {
+    const float* qg = q + g0 * D;
+    float* og = out + g0 * D;
+    switch (std::min(kWalkGroup, group - g0)) {
+      case 1: attend_group<cache_t, D, 1>(qg, k_base, v_base, kv, vv, table, ctx, block_size, og); break;
+      case 2: attend_group<cache_t, D, 2>(qg, k_base, v_base, kv, vv, table, ctx, block_size, og); break;
+      case 3: attend_group<cache_t, D, 3>(qg, k_base, v_base, kv, vv, table, ctx, block_size, og); break;
+      default: attend_group<cache_t, D, 4>(qg, k_base, v_base, kv, vv, table, ctx, block_size, og); break;
+    }
   }
 }
 
