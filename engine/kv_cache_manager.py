@@ -227,6 +227,26 @@ class KVCacheManager:
             hits.append(block_id)
         return hits
 
+    def next_block_hash(self, token_ids: Sequence[int], cached_blocks: Sequence[int]) -> int | None:
+        """Chain hash of the block ``find_cached_prefix`` would serve right after ``cached_blocks``
+        (what it returned for ``token_ids``); None when no further block could be served."""
+        k = len(cached_blocks)
+        if k >= (len(token_ids) - 1) // self.block_size:
+            return None
+        parent = self.pool.blocks[cached_blocks[-1]].block_hash if cached_blocks else None
+        return chain_hash(parent, token_ids[k * self.block_size:(k + 1) * self.block_size])[0]
+
+    def unregistered_block_hashes(self, request_id: str, token_ids: Sequence[int]) -> list[int]:
+        """Chain hashes of ``request_id``'s full blocks of ``token_ids`` not registered yet: for a
+        request still prefilling, the blocks its coming forwards compute (``cache_full_blocks``
+        registers them after each one)."""
+        owner = self._owners[request_id]
+        hashes, parent = [], owner.last_hash
+        for i in range(owner.num_hashed_blocks, len(token_ids) // self.block_size):
+            parent, _ = chain_hash(parent, token_ids[i * self.block_size:(i + 1) * self.block_size])
+            hashes.append(parent)
+        return hashes
+
     def can_allocate(self, request_id: str, num_tokens: int, cached_blocks: Sequence[int] = ()) -> bool:
         owner = self._owners.get(request_id)
         have = len(owner.block_ids) if owner else len(cached_blocks)

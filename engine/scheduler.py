@@ -6,6 +6,10 @@ KV pages allow. When pages run out, the lowest-priority (then latest) request is
 by recompute (its pages are dropped; it re-prefills later, often from the prefix cache) or
 by swap (its pages move to host memory and come back intact).
 
+In-batch prefix sharing (prefix caching on, continuous batching): a waiting request whose next
+uncached prompt block is being computed by a running prefill waits a step (keeping its place, not
+holding back the others) and then reads that block from the prefix cache instead of computing it too.
+
 ``batching="static"`` is the baseline continuous batching is measured against: a batch
 is admitted only when the previous one has fully ended, and finished members keep
 computing padding rows until the longest member ends, as a static ``generate`` does.
@@ -96,6 +100,8 @@ class Scheduler:
         self.spec_stats = SpecDecodeStats()
         # Tokens appended by update() (a speculative step may append several per request).
         self.num_sampled_tokens = 0
+        # Times a waiting request was passed over because a running prefill computes its prefix.
+        self.num_deferred_for_prefix = 0
 
     # ---- queue management ------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -204,8 +210,14 @@ class Scheduler:
 
     def _admit_waiting(self, out: SchedulerOutput, budget: int, now: float) -> None:
         self.waiting.sort(key=lambda r: self._rank(r, now))
-        while self.waiting and budget > 0 and len(self.running) < self._max_running():
-            request = self.waiting[0]
+        in_flight = self._blocks_in_flight()
+        i = 0  # waiting[:i] are deferred this step; they keep their places
+        while i < len(self.waiting) and budget > 0 and len(self.running) < self._max_running():
+            request = self.waiting[i]
+            if in_flight and self._prefix_in_flight(request, in_flight):
+                self.num_deferred_for_prefix += 1
+                i += 1
+                continue
             if not self.config.enable_chunked_prefill and request.status is RequestStatus.WAITING \
                     and request.num_tokens > budget:
                 return
@@ -219,12 +231,42 @@ class Scheduler:
                 self._preempt(victim, out)
                 out.chunks = [c for c in out.chunks if c.request is not victim]
                 budget = self.token_budget - out.num_batched_tokens
+                in_flight = self._blocks_in_flight()  # the victim no longer computes its blocks
                 admitted = self._admit(request, out, budget)
-            self.waiting.pop(0)
+            self.waiting.pop(i)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             out.chunks.append(admitted)
             budget -= admitted.num_tokens
+            if in_flight is not None and self._is_prefilling(request):
+                in_flight.update(self.kv.unregistered_block_hashes(request.request_id, request.all_token_ids))
+
+    def _blocks_in_flight(self) -> set[int] | None:
+        """Hashes of the full blocks that running prefills compute in this or coming steps and
+        that are not in the prefix cache yet. Rebuilt every step from ``running``, so a preempted
+        or aborted prefill defers nobody after it. None: no prefix sharing (caching off, whose
+        blocks would never appear; or static batching, whose batches are admitted whole)."""
+        if not self.kv.enable_prefix_caching or self.config.batching != "continuous":
+            return None
+        in_flight: set[int] = set()
+        for r in self.running:
+            if self._is_prefilling(r):
+                in_flight.update(self.kv.unregistered_block_hashes(r.request_id, r.all_token_ids))
+        return in_flight
+
+    @staticmethod
+    def _is_prefilling(request: Request) -> bool:
+        # A decode has one token to feed (its newest); a prefill, more.
+        return not request.is_finished and request.num_tokens - request.num_computed_tokens > 1
+
+    def _prefix_in_flight(self, request: Request, in_flight: set[int]) -> bool:
+        """A waiting request's next uncached block is being computed by a running prefill: after
+        that step it is a cache hit, so admitting it now would compute the block twice. A swapped
+        request keeps its own pages and never waits for this."""
+        if request.status is not RequestStatus.WAITING:
+            return False
+        cached = self.kv.find_cached_prefix(request.all_token_ids)
+        return self.kv.next_block_hash(request.all_token_ids, cached) in in_flight
 
     def _admit(self, request: Request, out: SchedulerOutput, budget: int) -> ScheduledChunk | None:
         """Give a waiting request its pages; None when the pool is short."""
