@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from engine.cpu_linear import OnednnLinear, pack_linear_layers, resolve_linear_backend
+from engine.cpu_linear import FusedLinears, FusedMember, OnednnLinear, pack_linear_layers, resolve_linear_backend
 from tests.test_engine_correctness import GREEDY, assert_matches, mixed_prompts
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
@@ -42,6 +42,44 @@ def test_pack_replaces_every_linear_and_keeps_tied_weights():
     assert model[0].weight.shape == (10, 8)
     with torch.no_grad():
         torch.testing.assert_close(model(ids), expected, rtol=1e-5, atol=1e-5)
+
+
+class _Attention(torch.nn.Module):
+    """q/k/v (Qwen2-style biases) and an MLP's gate/up, named as `transformers` names them."""
+
+    def __init__(self):
+        super().__init__()
+        self.q_proj, self.k_proj, self.v_proj = (torch.nn.Linear(16, n, bias=True) for n in (16, 8, 8))
+        self.gate_proj, self.up_proj = (torch.nn.Linear(16, 24, bias=False) for _ in range(2))
+        self.o_proj = torch.nn.Linear(16, 16, bias=False)
+
+    def forward(self, x, order=("q", "k", "v")):
+        parts = {name: getattr(self, f"{name}_proj")(x) for name in order}
+        gate_up = self.gate_proj(x) * self.up_proj(x)
+        return torch.cat([parts["q"], parts["k"], parts["v"], gate_up, self.o_proj(x)], dim=-1)
+
+
+@pytest.mark.parametrize("order", [("q", "k", "v"), ("v", "q", "k")])
+def test_fused_groups_equal_their_separate_linears(order):
+    """q/k/v and gate/up become one GEMM each, whatever order the members are called in; a fresh
+    input is never served from the last one's result; nothing is held between calls."""
+    torch.manual_seed(0)
+    module = _Attention()
+    x, y = torch.randn(5, 16), torch.randn(3, 16)
+    with torch.no_grad():
+        expected_x, expected_y = module(x, order), module(y, order)
+        assert pack_linear_layers(module) == 6
+        assert type(module.q_proj) is FusedMember and type(module.o_proj) is OnednnLinear
+        assert sorted(n for n, m in module.named_children() if isinstance(m, FusedLinears)) == ["fused_gate_up",
+                                                                                               "fused_q_k_v"]
+        torch.testing.assert_close(module(x, order), expected_x, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(module(y, order), expected_y, rtol=1e-5, atol=1e-5)
+        assert module.fused_q_k_v._input is None and module.fused_gate_up._parts == ()
+        module.q_proj(x)  # a call that never finished (only one member ran) ...
+        torch.testing.assert_close(module(y, order), expected_y, rtol=1e-5, atol=1e-5)  # ... is not reused
+        compiled = torch.compile(module, fullgraph=True)
+        torch.testing.assert_close(compiled(x, order), expected_x, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(compiled(y, order), expected_y, rtol=1e-5, atol=1e-5)
 
 
 def test_backend_resolution():
