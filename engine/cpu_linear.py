@@ -8,8 +8,9 @@ oneDNN): 42 vs 29 at 1 row, 78 vs 41 at 8, 147 vs 82 at 32, 220 vs 143 at 64.
 
 inductor's freezing does the same only for bf16/fp16 (fp32 goes to MKL's packed sgemm, slower
 here), and inductor cannot lower oneDNN's own linear op on a packed weight that is a graph
-input, so each layer calls one opaque op, ``splitserve::onednn_linear``: eager and compiled
-steps run the same kernels.
+input, so each layer calls one opaque op, ``splitserve_cpu::onednn_linear`` (C++, built with the
+CPU kernels; ``splitserve::onednn_linear``, the same in Python, where they could not be built):
+eager and compiled steps run the same kernels.
 """
 from __future__ import annotations
 
@@ -69,6 +70,22 @@ def _(x, weight, bias, out_features):
     return x.new_empty((*x.shape[:-1], out_features))
 
 
+_cpp_op_faked = False
+
+
+def linear_op():
+    """The op a packed linear calls: the C++ one of ``csrc/onednn_linear_cpu.cpp`` (no Python
+    per call) where the CPU kernels built, else the Python one above (same steps, same result)."""
+    global _cpp_op_faked
+    from engine.attention import cpu_kernels
+    if not cpu_kernels.available():
+        return torch.ops.splitserve.onednn_linear
+    if not _cpp_op_faked:  # its shape rule, for the compiled step: the same as the Python op's
+        torch.library.register_fake("splitserve_cpu::onednn_linear")(_)
+        _cpp_op_faked = True
+    return torch.ops.splitserve_cpu.onednn_linear
+
+
 class OnednnLinear(torch.nn.Module):
     """Stands in for an ``nn.Linear`` whose weight was packed; the plain weight is dropped."""
 
@@ -78,9 +95,10 @@ class OnednnLinear(torch.nn.Module):
         self.register_buffer("packed_weight", torch.ops.mkldnn._reorder_linear_weight(
             linear.weight.detach(), BATCH_HINT), persistent=False)
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach(), persistent=False)
+        self.op = linear_op()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.ops.splitserve.onednn_linear(x, self.packed_weight, self.bias, self.out_features)
+        return self.op(x, self.packed_weight, self.bias, self.out_features)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, onednn"
@@ -119,13 +137,14 @@ class FusedLinears(torch.nn.Module):
         self.register_buffer("packed_weight", torch.ops.mkldnn._reorder_linear_weight(weight, BATCH_HINT),
                              persistent=False)
         self.register_buffer("bias", torch.cat(biases) if has_bias else None, persistent=False)
+        self.op = linear_op()
         self._input: torch.Tensor | None = None
         self._parts: tuple[torch.Tensor, ...] = ()
         self._taken = 0
 
     def part(self, index: int, x: torch.Tensor) -> torch.Tensor:
         if self._input is not x:  # a new input (or a call that never finished): compute afresh
-            out = torch.ops.splitserve.onednn_linear(x, self.packed_weight, self.bias, sum(self.sizes))
+            out = self.op(x, self.packed_weight, self.bias, sum(self.sizes))
             self._input, self._parts, self._taken = x, out.split(self.sizes, dim=-1), 0
         result = self._parts[index]
         self._taken += 1

@@ -21,6 +21,24 @@ def test_packed_linear_equals_nn_linear(bias, shape):
     torch.testing.assert_close(compiled(x), linear(x), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("rows", [1, 8, 64, 65, 129, 300])
+def test_the_cpp_linear_op_equals_the_python_one(rows):
+    """The C++ op (the one packed linears call where the CPU kernels built) pads, runs and cuts
+    exactly as the Python definition does: bit-identical outputs, same shapes."""
+    from engine.attention import cpu_kernels
+    from engine.cpu_linear import linear_op
+    assert cpu_kernels.available(), cpu_kernels.load_error()
+    assert linear_op() is torch.ops.splitserve_cpu.onednn_linear
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(48, 80)
+    packed = OnednnLinear(linear)
+    x = torch.randn(2, rows, 48)
+    cpp = torch.ops.splitserve_cpu.onednn_linear(x, packed.packed_weight, packed.bias, 80)
+    python = torch.ops.splitserve.onednn_linear(x, packed.packed_weight, packed.bias, 80)
+    assert cpp.shape == python.shape == (2, rows, 80)
+    assert torch.equal(cpp, python)
+
+
 def test_row_counts_are_rounded_to_a_bounded_set_of_shapes():
     """oneDNN keeps a compiled kernel per shape: above 64 rows they round up (< 12.5 % padding),
     so 2,048 row counts give 104 shapes, not 2,048."""
