@@ -57,6 +57,10 @@ class ClaimLoop:
         self._room = asyncio.Event()
         self._room.set()
         self._tasks: list[asyncio.Task] = []
+        # Set by stop(): the loops end at their next turn even if a cancel is lost. redis-py reads
+        # under a timeout, and a cancel arriving as that timeout fires can be swallowed (redis-py
+        # issue 2551): the listener would then run on and stop() wait forever.
+        self._stopping = False
 
     def start(self) -> "ClaimLoop":
         loop = asyncio.get_running_loop()
@@ -65,6 +69,7 @@ class ClaimLoop:
         return self
 
     async def stop(self) -> None:
+        self._stopping = True
         await cancel_and_wait(*self._tasks)
 
     def wake(self) -> None:
@@ -78,7 +83,7 @@ class ClaimLoop:
 
     # ---- the loop ----------------------------------------------------------------------
     async def _claim_loop(self) -> None:
-        while True:
+        while not self._stopping:
             if not self._room.is_set():
                 await _wait(self._room, NO_ROOM_RECHECK_S)
                 self._room.set()
@@ -105,12 +110,12 @@ class ClaimLoop:
 
     async def _listen(self) -> None:
         """The wake channel: every gateway hears admissions, placements, requeues and ends."""
-        while True:
+        while not self._stopping:
             pubsub = self.state.client.pubsub(ignore_subscribe_messages=True)
             try:
                 await pubsub.subscribe(self.state.wake_channel)
                 self._wake.set()  # (re)subscribed: whatever happened meanwhile was missed
-                while True:
+                while not self._stopping:
                     message = await pubsub.get_message(timeout=1.0)
                     if message is None:
                         continue
