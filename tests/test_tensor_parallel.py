@@ -3,13 +3,15 @@
 Colocated (eager and compiled, Llama and Qwen2 with its q/k/v biases, swap preemption) and
 disaggregated (a TP=2 prefill engine writing into a TP=2 decode engine over shm and tcp: rank r
 into rank r); a split that does not divide the heads, and a prefill/decode pair split
-differently, are refused before anything runs or moves; a rank that dies fails the engine's next
-step at once instead of hanging it. The served path (workers, gateway retry) is in
-tests/faults/test_tensor_parallel_service.py.
+differently (either way round), are refused before anything runs or moves; a rank that dies fails
+the engine's next step at once instead of hanging it, and the step it dies in; a worker (rank 0)
+that is killed takes its other ranks with it, in a step or between steps. The served path
+(workers, gateway retry) is in tests/faults/test_tensor_parallel_service.py.
 """
 import contextlib
 import os
 import signal
+import threading
 import time
 from pathlib import Path
 
@@ -83,13 +85,26 @@ def test_swap_preemption_moves_every_ranks_pages(tiny_model_dirs, hf_reference, 
     assert [o.token_ids for o in outputs] == [ref.greedy(p, 24) for p in prompts]
 
 
-def test_a_split_that_does_not_divide_the_heads_is_refused_before_any_rank_starts(tmp_path, engines):
-    model = make_tiny_model(tmp_path / "three-kv-heads", num_heads=6, num_kv_heads=3)
-    with pytest.raises(ValueError, match=r"tensor_parallel_size 2 does not divide this model's 6 attention heads?, "
-                                         r"3 KV heads|3 KV heads"):
-        llm(model, engines, tensor_parallel_size=2)
-    with pytest.raises(ValueError, match="e.g. 1, 3"):
-        llm(model, engines, tensor_parallel_size=2)
+def test_a_split_that_does_not_divide_the_heads_is_refused_before_any_rank_starts(tmp_path, engines, monkeypatch):
+    """6 attention heads over 3 KV heads at TP=2 (the query heads would split, the KV heads not);
+    6 over 2 at TP=4 (neither): the whole message, and no rank process was started for it."""
+    import re
+
+    from engine.tensor_parallel import ranks
+
+    def no_ranks(*args, **kwargs):
+        raise AssertionError("a rank was started for a split that cannot work")
+    monkeypatch.setattr(ranks, "FollowerRanks", no_ranks)
+    three = make_tiny_model(tmp_path / "three-kv-heads", num_heads=6, num_kv_heads=3)
+    message = ("tensor_parallel_size 2 does not divide this model's 3 KV heads (it has 6 attention heads and 3 KV "
+               "heads): pick a size that divides both, e.g. 1, 3")
+    with pytest.raises(ValueError, match=re.escape(message) + "$"):
+        llm(three, engines, tensor_parallel_size=2)
+    two = make_tiny_model(tmp_path / "two-kv-heads", num_heads=6, num_kv_heads=2)
+    with pytest.raises(ValueError, match=re.escape("tensor_parallel_size 4 does not divide this model's 6 attention "
+                                                   "heads, 2 KV heads (") + ".*e\\.g\\. 1, 2$"):
+        llm(two, engines, tensor_parallel_size=4)
+    assert not engines  # no engine was built
 
 
 def config(model, **kw):
@@ -138,14 +153,23 @@ def test_a_tp2_prefill_engine_hands_off_to_a_tp2_decode_engine(transport, tiny_m
     assert _shm_dirs() <= shm_before  # every rank's shared pool (and the page owners) removed
 
 
-def test_prefill_and_decode_split_differently_are_refused_before_a_byte_moves(tiny_model_dirs):
+@pytest.mark.parametrize("prefill_tp, decode_tp", [(1, 2), (2, 1)])
+def test_prefill_and_decode_split_differently_are_refused_before_a_byte_moves(prefill_tp, decode_tp, tiny_model_dirs):
+    """Both ways round: a TP=1 prefill worker facing a TP=2 decode worker, and a TP=2 prefill
+    worker (whose rank 1 would ship a slice the decode side has no rank for) facing a TP=1 one.
+    The refusal comes from the descriptor's layout, and later prefill steps ship nothing either."""
     model = tiny_model_dirs["llama"]
-    with connected(config(model, tensor_parallel_size=2), "shm", config(model)) as (prefill, decode):
+    with connected(config(model, tensor_parallel_size=decode_tp), "shm",
+                   config(model, tensor_parallel_size=prefill_tp)) as (prefill, decode):
         desc = decode.reserve("r0", 10)
         before = decode.engine.runner.kv_cache.clone()
-        with pytest.raises(LayoutMismatchError, match="tensor_parallel_size: 1 here vs 2 on the peer"):
+        with pytest.raises(LayoutMismatchError,
+                           match=f"tensor_parallel_size: {prefill_tp} here vs {decode_tp} on the peer"):
             prefill.start("r0", list(range(10)), GREEDY, desc)
+        for _ in range(3):
+            assert prefill.step() == []
         assert torch.equal(decode.engine.runner.kv_cache, before)
+        prefill.engine.assert_idle()
         assert decode.abort("r0")
         decode.engine.assert_idle()
 
@@ -172,6 +196,117 @@ def test_a_rank_that_dies_fails_the_next_step_at_once_and_the_engine_reports_it(
         time.sleep(0.1)
     assert died and "rank 1" in str(died[0])
     engine.abort_request("a")
+
+
+def test_a_rank_killed_while_rank_0_waits_for_it_inside_a_step_fails_that_step(tiny_model_dirs, engines):
+    """Mid-step for certain: rank 1 is stopped, rank 0 starts a step and reaches its first
+    all-reduce (where it waits for rank 1's partial sum), then rank 1 is killed. That step raises
+    within seconds instead of waiting out the all-reduce's timeout, and so does the next one."""
+    from engine.tensor_parallel import shard
+    two = llm(tiny_model_dirs["llama"], engines, tensor_parallel_size=2)
+    engine, runner = two.engine, two.engine.runner
+    engine.add_request("a", list(range(1, 30)), GREEDY)
+    engine.step()
+    rank1 = runner.followers.procs[0]
+    reduce = shard._groups[runner.tp_group_id]
+    entered = threading.Event()
+    shard._groups[runner.tp_group_id] = lambda x: entered.set() or reduce(x)
+    failure: list[BaseException] = []
+
+    def step():
+        try:
+            engine.step()
+        except BaseException as e:  # handed to the test's thread
+            failure.append(e)
+    os.kill(rank1.pid, signal.SIGSTOP)
+    stepping = threading.Thread(target=step)
+    try:
+        stepping.start()
+        assert entered.wait(30), "rank 0's step never reached an all-reduce"
+        stepping.join(1.0)
+        assert stepping.is_alive(), "rank 0 did not wait for the stopped rank"
+        start = time.monotonic()
+        os.kill(rank1.pid, signal.SIGKILL)
+        stepping.join(20)
+        assert not stepping.is_alive(), "the step still waits for a dead rank"
+        assert time.monotonic() - start < 10
+    finally:
+        if rank1.poll() is None:
+            os.kill(rank1.pid, signal.SIGKILL)
+        if stepping.is_alive():  # a failed check: wake the step rather than wait out the all-reduce's timeout
+            runner.followers.all_reduce.abort()
+        stepping.join(60)
+    [error] = failure
+    assert isinstance(error, RuntimeError) and ("died" in str(error) or "rank 1" in str(error)), error
+    with pytest.raises(RankDied, match="rank 1"):
+        engine.step()
+    engine.abort_request("a")
+
+
+RANK_0_THAT_HANGS = """
+import sys, time
+from engine import LLM, SamplingParams
+from engine.tensor_parallel import shard
+llm = LLM(model=sys.argv[1], dtype="float32", enforce_eager=True, num_gpu_blocks=64, tensor_parallel_size=2)
+runner = llm.engine.runner
+
+def hang(x=None):  # in a step: rank 0 stops inside its first all-reduce, before adding its partial sum
+    print("ready", runner.followers.procs[0].pid, runner.followers.shm_path, flush=True)
+    time.sleep(3600)
+if sys.argv[2] == "idle":
+    hang()
+shard._groups[runner.tp_group_id] = hang
+llm.generate([list(range(1, 30))], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+"""
+
+
+def _running(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rpartition(")")[2].split()[0] != "Z"  # a zombie has exited
+
+
+@pytest.mark.parametrize("when", ["mid-step", "idle"])
+def test_rank_0_killed_takes_the_other_ranks_with_it(when, tiny_model_dirs):
+    """The worker process (rank 0) is SIGKILLed while rank 1 waits for it inside a step's
+    all-reduce (mid-step), or for its next step (idle): rank 1 exits on its own within seconds (no
+    rank left running without its worker) and removes what it made in shared memory, and the
+    all-reduce file of the dead rank 0 too."""
+    import select
+    import subprocess
+    import sys
+
+    from kvtransfer.transports.shm import SHM_ROOT
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.Popen([sys.executable, "-c", RANK_0_THAT_HANGS, str(tiny_model_dirs["llama"]), when], cwd=root,
+                            env={**os.environ, "PYTHONPATH": str(root)}, stdout=subprocess.PIPE, text=True)
+    rank1 = None
+    try:
+        line, deadline = [], time.monotonic() + 300
+        while not line and proc.poll() is None and time.monotonic() < deadline:
+            if select.select([proc.stdout], [], [], 1.0)[0]:
+                text = proc.stdout.readline()
+                line = text.split() if text.startswith("ready") else []
+        assert line, f"rank 0 did not get ready (exit {proc.poll()})"
+        rank1, shm_path = int(line[1]), Path(line[2])
+        time.sleep(1.0)  # rank 1 is waiting in the same all-reduce (mid-step) or for a message (idle)
+        assert _running(rank1) and shm_path.exists()
+        proc.kill()
+        proc.wait(10)
+        deadline = time.monotonic() + 30
+        while _running(rank1) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _running(rank1), "rank 1 outlived its worker"
+        assert not list(SHM_ROOT.glob(f"splitserve-kv-{rank1}-*")), "rank 1's pool was left"
+        assert not shm_path.exists(), "the all-reduce file of the dead worker was left"
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        if rank1 is not None and _running(rank1):
+            os.kill(rank1, signal.SIGKILL)
 
 
 def test_a_transfer_that_fails_on_rank_1_alone_fails_and_frees_its_pages(tiny_model_dirs):

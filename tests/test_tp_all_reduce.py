@@ -28,7 +28,9 @@ def _rank(rank: int, port: int, path: str, out) -> None:
     comm = ShmAllReduce(group, path, rank, WORLD, SLOT_BYTES)
     sums = [comm(partial(rank, call)) for call in range(CALLS)]
     big = comm(torch.full((SLOT_BYTES,), float(rank + 1)))  # 4x a slot: through the process group
-    out.put((rank, torch.stack(sums), big))
+    # As numpy arrays: pickled by value. A tensor would travel as a file descriptor that the parent
+    # fetches from this process when it unpickles it, which fails once this process has exited.
+    out.put((rank, torch.stack(sums).numpy(), big.numpy()))
 
 
 def test_every_rank_gets_the_same_exact_sum_on_every_call(tmp_path):
@@ -41,7 +43,8 @@ def test_every_rank_gets_the_same_exact_sum_on_every_call(tmp_path):
     try:
         for p in procs:
             p.start()
-        got = dict((rank, (sums, big)) for rank, sums, big in (out.get(timeout=120) for _ in range(WORLD)))
+        got = {rank: (torch.from_numpy(sums), torch.from_numpy(big))
+               for rank, sums, big in (out.get(timeout=120) for _ in range(WORLD))}
         for p in procs:
             p.join(30)
             assert p.exitcode == 0

@@ -25,6 +25,7 @@ log = logging.getLogger("splitserve.tp")
 
 def main() -> int:
     spec = json.loads(os.environ[SPEC_ENV])
+    parent = os.getppid()  # rank 0
     rank, world = spec["rank"], spec["world"]
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s tp-rank-{rank} %(levelname)s %(name)s: %(message)s")
     if spec["num_threads"] > 0:
@@ -40,6 +41,7 @@ def main() -> int:
     from kvtransfer.tensor_parallel import FollowerKV, FollowerPool
     pool = FollowerPool()
     kv = None
+    rank0_gone = False
     try:
         all_reduce = communicator(group, spec["shm_path"], rank, world, spec["slot_bytes"])
         runner = ModelRunner(config, Path(spec["model_dir"]), pool_factory=pool, tp_rank=rank, tp_comm=all_reduce)
@@ -47,11 +49,15 @@ def main() -> int:
         serve(runner, kv, sock)
     except EOFError:
         log.warning("rank 0 went away; stopping")
+        rank0_gone = True
         return 1
     finally:
         if kv is not None:
             kv.close()
         pool.remove()
+        if spec["shm_path"] and (rank0_gone or os.getppid() != parent):
+            # Rank 0 died (killed, say) without removing the all-reduce file it made: remove it here.
+            Path(spec["shm_path"]).unlink(missing_ok=True)
     return 0
 
 

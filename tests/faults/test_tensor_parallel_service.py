@@ -1,4 +1,5 @@
-"""Tensor-parallel workers served for real: a TP=2 prefill worker hands off to TP=2 decode workers.
+"""Tensor-parallel workers served for real: a TP=2 prefill worker hands off to TP=2 decode workers,
+and a TP=2 colocated worker serves on its own.
 
 Greedy output through the gateway equals transformers; a decode worker's rank 1 killed while
 it streams ends that worker with a non-zero exit (its rank 0 and every rank process gone, its
@@ -36,6 +37,18 @@ def alive(pid: int) -> bool:
         return False
     # A zombie (exited, not yet reaped by its parent) is not running either.
     return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+
+
+def test_a_colocated_worker_runs_two_ranks_and_the_output_is_exact(tiny_model_dirs, tmp_path_factory, reference):
+    """`decode --role both --tensor-parallel-size 2`: one colocated worker of two ranks serves
+    transformers' greedy tokens (first in this file: its stack is gone before the module's starts)."""
+    with start_stack(tiny_model_dirs["llama"], tmp_path_factory, prefill=0, decode=0, both=1,
+                     worker_args=["--tensor-parallel-size", "2", "--max-num-batched-tokens", "32"]) as st:
+        [name] = st.names("both")
+        assert len(ranks_of(st.procs[name].pid)) == 1, "the colocated worker should have started rank 1"
+        streams = run_streams(st, "tp-both", mixed_prompts(6, seed=23, lo=5, hi=90), max_tokens=12)
+        join_all(streams)
+        assert_all_match(streams, reference)
 
 
 def test_every_worker_runs_two_ranks_and_the_output_is_exact(stack, reference):
