@@ -18,6 +18,7 @@ import time
 from concurrent.futures import Future
 from typing import Any, Callable
 
+from engine.openmp import ComputeHandover
 from splitserve.errors import Unavailable
 
 log = logging.getLogger(__name__)
@@ -55,6 +56,8 @@ class EngineLoop:
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
 
     def start(self) -> "EngineLoop":
+        # The engine was built on this thread; from now on the loop thread computes (engine/openmp.py).
+        self._handover = ComputeHandover()
         self._thread.start()
         return self
 
@@ -121,6 +124,7 @@ class EngineLoop:
 
     # ---- the thread ------------------------------------------------------------------
     def _run(self) -> None:
+        self._handover.adopt()
         next_housekeeping = time.monotonic()
         try:
             while not self._stop.is_set():

@@ -1,0 +1,71 @@
+"""engine/openmp.py: the thread that built a model lets its OpenMP pool go, and the engine-loop
+thread that steps the model computes with the builder's torch thread count.
+
+Each check runs in a fresh interpreter: OpenMP's pools and thread counts are per process and per
+thread, and the test process's own would blur what is counted.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_python(code: str) -> str:
+    env = {**os.environ, "PYTHONPATH": REPO}
+    env.pop("OMP_NUM_THREADS", None)
+    done = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=env,
+                          timeout=120, cwd=REPO)
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
+def test_releasing_the_pool_ends_the_calling_threads_openmp_workers():
+    out = run_python("""
+        import os, time, torch
+        from engine.openmp import release_thread_pool
+        torch.set_num_threads(3)
+        def threads():
+            return len(os.listdir("/proc/self/task"))
+        before = threads()
+        torch.randn(1 << 22).sin_()  # a parallel region: this thread's pool gets 2 workers
+        with_pool = threads()
+        released = release_thread_pool()
+        deadline = time.monotonic() + 10
+        while threads() > before and time.monotonic() < deadline:
+            time.sleep(0.05)
+        print(before, with_pool, released, threads())
+    """)
+    before, with_pool, released, after = out.split()
+    assert int(with_pool) == int(before) + 2, out
+    assert released == "True"
+    assert int(after) == int(before), out
+
+
+def test_the_engine_loop_thread_computes_with_the_builders_thread_count():
+    threads = (os.cpu_count() or 1) + 1  # not the count a new thread would start from by itself
+    out = run_python(f"""
+        import ctypes, threading, torch
+        from engine.openmp import _loaded_libgomp
+        from worker_runtime.engine_loop import EngineLoop
+        torch.set_num_threads({threads})
+        torch.randn(1 << 22).sin_()
+        libgomp = _loaded_libgomp()
+        seen = []
+        def step():
+            seen.append(libgomp.omp_get_max_threads())  # asked before torch could set it lazily
+            return []
+        loop = EngineLoop(step, has_work=lambda: not seen).start()
+        loop.call(lambda: None)
+        loop.stop()
+        plain = []
+        t = threading.Thread(target=lambda: plain.append(libgomp.omp_get_max_threads()))
+        t.start(); t.join()
+        print(seen[0], plain[0])
+    """)
+    in_loop, in_plain_thread = map(int, out.split())
+    assert in_loop == threads
+    assert in_plain_thread != threads  # what the loop thread would have had without the handover
