@@ -225,11 +225,9 @@ def test_a_rank_killed_while_rank_0_waits_for_it_inside_a_step_fails_that_step(t
         assert entered.wait(30), "rank 0's step never reached an all-reduce"
         stepping.join(1.0)
         assert stepping.is_alive(), "rank 0 did not wait for the stopped rank"
-        start = time.monotonic()
         os.kill(rank1.pid, signal.SIGKILL)
-        stepping.join(20)
+        stepping.join(20)  # well short of the all-reduce's own timeout
         assert not stepping.is_alive(), "the step still waits for a dead rank"
-        assert time.monotonic() - start < 10
     finally:
         if rank1.poll() is None:
             os.kill(rank1.pid, signal.SIGKILL)
