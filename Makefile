@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install run test clean model kernels redis checkov gpu-carry gpu-check
+.PHONY: install run test clean model kernels redis tcmalloc checkov gpu-carry gpu-check
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,12 @@ redis:
 	@command -v redis-server >/dev/null 2>&1 || { \
 		echo "installing redis-server with apt"; \
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; }
+
+# Worker processes run on tcmalloc where it is installed (splitserve/allocator.py: ~8 % more tok/s).
+tcmalloc:
+	@ldconfig -p 2>/dev/null | grep -q libtcmalloc_minimal || { \
+		echo "installing libtcmalloc-minimal4 with apt"; \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libtcmalloc-minimal4 >/dev/null; }
 
 # checkov (tests/deploy/test_kubernetes.py lints deploy/kubernetes with it) pins many dependencies of
 # its own: a venv of its own, so it cannot change what the project's venv holds.
@@ -52,11 +58,11 @@ kernels: install
 
 # Brings the whole stack up (Redis, gateway, one prefill and one decode worker), asks one
 # question through it and shuts down. `$(VENV)/bin/splitserve up` keeps it serving.
-run: model kernels redis
+run: model kernels redis tcmalloc
 	$(VENV)/bin/splitserve up --demo "What is the capital of France? Answer in one sentence."
 
 # Triton kernels are interpreted on CPU tensors only where no GPU can compile them (tests/conftest.py).
-test: install model kernels redis checkov
+test: install model kernels redis tcmalloc checkov
 	CHECKOV="$(CURDIR)/$(CHECKOV_VENV)/bin/checkov" $(PY) -m pytest -q -ra
 
 # The GPU path, checked once on a GPU machine that has no network (README, "On GPUs").

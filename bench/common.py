@@ -22,6 +22,7 @@ def git_commit() -> str:
 
 
 def machine() -> dict:
+    from splitserve.allocator import preloaded
     import torch
     info = {
         "platform": platform.platform(),
@@ -30,6 +31,8 @@ def machine() -> dict:
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        # This process's malloc (splitserve.allocator): served workers pick it the same way.
+        "allocator": "tcmalloc" if preloaded() else "glibc",
     }
     try:
         model_name = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")

@@ -331,4 +331,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
+    from splitserve.allocator import restart_with_tcmalloc
+    restart_with_tcmalloc()  # as the workers run (splitserve/allocator.py)
     raise SystemExit(main())

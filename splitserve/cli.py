@@ -17,6 +17,8 @@ import click
 
 from splitserve.flags import options, up_options
 
+# The commands that run an engine, and so start again under tcmalloc when they are the process's own.
+ENGINE_COMMANDS = frozenset({"decode", "prefill"})
 CONTEXT = {"help_option_names": ["-h", "--help"], "max_content_width": 110, "terminal_width": 110}
 
 
@@ -51,8 +53,11 @@ def _output_limits():
 def _command(name: str, help: str, params: list[click.Option], run: Callable[[argparse.Namespace], int],
              configs: tuple[Callable[[], type], ...] = ()) -> click.Command:
     def callback(**values):
-        _config_errors(values, tuple(config() for config in configs))
         ctx = click.get_current_context()
+        if name in ENGINE_COMMANDS and (ctx.find_root().obj or {}).get("own_process"):
+            from splitserve.allocator import restart_with_tcmalloc
+            restart_with_tcmalloc()  # before torch loads (splitserve/allocator.py says why)
+        _config_errors(values, tuple(config() for config in configs))
         args = argparse.Namespace(command=name, **ctx.find_root().params, **values)
         from splitserve.logs import configure
         configure(args.log_level, args.log_format, name)
@@ -176,8 +181,10 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """``argv`` None: the command line of this process, which a worker command may then restart
+    (``splitserve.allocator``); a list: a command run inside a process that is not its own."""
     try:
-        build().main(args=argv, prog_name="splitserve", standalone_mode=True)
+        build().main(args=argv, prog_name="splitserve", standalone_mode=True, obj={"own_process": argv is None})
     except SystemExit as e:
         if isinstance(e.code, str):  # a process refusing its configuration says why
             print(f"splitserve: {e.code}", file=sys.stderr)

@@ -32,6 +32,16 @@ def test_grpcurl_against_splitserve_up(up):
     assert sorted(up.pids) == ["decode0", "gateway", "prefill0", "redis"]
 
 
+def test_the_workers_run_on_tcmalloc(up):
+    """A worker restarts itself under tcmalloc before it loads torch (splitserve/allocator.py); the
+    gateway, which runs no model, keeps the system malloc."""
+    def maps(name):
+        with open(f"/proc/{up.pids[name]}/maps") as f:
+            return f.read()
+    assert "tcmalloc" in maps("decode0") and "tcmalloc" in maps("prefill0")
+    assert "tcmalloc" not in maps("gateway")
+
+
 def test_kill_9_of_up_leaves_no_orphan(up):
     children = psutil.Process(up.proc.pid).children(recursive=True)
     assert len(children) >= 4  # redis, decode, prefill, gateway
