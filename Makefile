@@ -63,7 +63,7 @@ run: model kernels redis tcmalloc
 
 # Triton kernels are interpreted on CPU tensors only where no GPU can compile them (tests/conftest.py).
 test: install model kernels redis tcmalloc checkov
-	CHECKOV="$(CURDIR)/$(CHECKOV_VENV)/bin/checkov" $(PY) -m pytest -q -ra
+	CHECKOV="$(CURDIR)/$(CHECKOV_VENV)/bin/checkov" $(PY) -m pytest -q -ra --durations=30
 
 # The GPU path, checked once on a GPU machine that has no network (README, "On GPUs").
 # gpu-carry, here: what that machine lacks, into .gpu-carry/ (git-ignored; carry it along).
