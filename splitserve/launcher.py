@@ -145,19 +145,22 @@ class Supervisor:
                 self.say(f"{child.spec.name} is back (pid {child.proc.pid}, restart {child.restarts}): {child.line}")
 
     # ---- stopping ---------------------------------------------------------------------
-    def stop(self, order: list[str]) -> None:
-        """SIGTERM in ``order`` (each drains), SIGKILL whatever outlives ``STOP_TIMEOUT_S``."""
-        running = [self.child(n) for n in order if self.child(n).proc is not None]
-        for child in running:
-            if child.proc.poll() is None:
-                child.proc.terminate()
-        give_up = time.monotonic() + STOP_TIMEOUT_S
-        for child in running:
-            try:
-                child.proc.wait(timeout=max(0.1, give_up - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                child.proc.kill()
-                child.proc.wait(10)
+    def stop(self, stages: list[list[str]]) -> None:
+        """Stage by stage: SIGTERM the children of a stage together (each drains), SIGKILL whatever
+        of them outlives ``STOP_TIMEOUT_S``, and only then the next stage, so what a draining
+        child still needs (Redis, for the gateway and the workers) is there until it has gone."""
+        for stage in stages:
+            running = [self.child(n) for n in stage if self.child(n).proc is not None]
+            for child in running:
+                if child.proc.poll() is None:
+                    child.proc.terminate()
+            give_up = time.monotonic() + STOP_TIMEOUT_S
+            for child in running:
+                try:
+                    child.proc.wait(timeout=max(0.1, give_up - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    child.proc.kill()
+                    child.proc.wait(10)
 
 
 def _drain(child: Child) -> None:
@@ -271,7 +274,7 @@ def cmd_up(args) -> int:
         supervisor.watch(stop)
         return 0
     finally:
-        supervisor.stop(["gateway", *workers, "redis"] if "redis" in names else ["gateway", *workers])
+        supervisor.stop([["gateway"], workers, ["redis"] if "redis" in names else []])
         shutil.rmtree(workdir, ignore_errors=True)
 
 
