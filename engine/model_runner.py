@@ -19,6 +19,7 @@ import torch
 
 from engine.attention import StepLayout, select_backend
 from engine.attention.kv_quant import kv_quant, row_width
+from engine.attention.page_order import page_order_for, page_shape, token_view
 from engine.attention.hf_integration import ATTN_IMPLEMENTATION, StepContext, step_context
 from engine.compiled_forward import build_forward
 from engine.config import EngineConfig
@@ -117,8 +118,18 @@ class ModelRunner:
         if self.tp_size > 1:  # every rank holds the same page ids: the smallest pool of them all
             from engine.tensor_parallel.ranks import all_reduce_min
             self.num_blocks = all_reduce_min(self.tp_comm.group, self.num_blocks, self.device)
-        shape = (self.num_layers, 2, self.num_blocks, self.block_size, self.num_kv_heads, self.kv_row)
-        self.kv_cache = pool_factory(shape, self.kv_dtype, self.device)
+        # On the CPU a page keeps each KV head's tokens together ([heads, block, row]): a decode
+        # walks one head's pages, and head-major pages let it read whole cache lines of that head
+        # (25-35 % faster at 64 x 300 tokens than token-major, where a head's rows are strided).
+        # The Triton GPU kernels keep token-major pages (page_order_for).
+        self.page_order = page_order_for(self.device.type, self.block_size, self.num_kv_heads)
+        shape = page_shape(self.page_order, self.num_layers, self.num_blocks, self.block_size,
+                           self.num_kv_heads, self.kv_row)
+        # The pool as it lies in memory: what kvtransfer and swapping copy, whole pages at a time.
+        self.kv_pages = pool_factory(shape, self.kv_dtype, self.device)
+        # The same memory as [layers, 2, blocks, block_size, kv_heads, row] whatever the page order:
+        # what attention, checksums and tests index.
+        self.kv_cache = token_view(self.kv_pages, self.page_order)
         self.cpu_cache = None
         if config.preemption_mode == "swap":
             self.cpu_cache = torch.zeros((*shape[:2], config.num_cpu_blocks, *shape[3:]), dtype=self.kv_dtype,
@@ -301,10 +312,10 @@ class ModelRunner:
         # Out before in: a block swapped out this step may be the target of a swap-in.
         if swap_out:
             src, dst = zip(*swap_out)
-            self.cpu_cache[:, :, list(dst)] = self.kv_cache[:, :, list(src)].to("cpu")
+            self.cpu_cache[:, :, list(dst)] = self.kv_pages[:, :, list(src)].to("cpu")
         if swap_in:
             src, dst = zip(*swap_in)
-            self.kv_cache[:, :, list(dst)] = self.cpu_cache[:, :, list(src)].to(self.device)
+            self.kv_pages[:, :, list(dst)] = self.cpu_cache[:, :, list(src)].to(self.device)
 
 
 _LAYOUT_TENSORS = ("slot_mapping", "query_start_loc", "seq_lens", "block_tables")

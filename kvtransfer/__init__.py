@@ -83,7 +83,8 @@ def build_decode(config, transport: str = "auto", lease_ttl_s: float = 30.0,
     else:
         if "owners" not in shared and tp > 1:  # the other ranks' receivers fence on it: shared memory
             from kvtransfer.transports.shm import create_pool_directory, remove_pool_directory
-            shared["owners"], shared["directory"] = create_pool_directory(pool.shape, pool.dtype)
+            pages = engine.runner.kv_pages
+            shared["owners"], shared["directory"] = create_pool_directory(pages.shape, pages.dtype)
             cleanup.append(lambda: remove_pool_directory(Path(shared["directory"])))
         owners = shared.get("owners", torch.empty(pool.shape[2], dtype=torch.int64))
         leases = LeaseTable(PageFence(owners), lease_ttl_s, clock=clock)

@@ -15,6 +15,7 @@ from typing import Sequence
 import torch
 
 from engine.attention import kv_quant
+from engine.attention.page_order import TOKEN_MAJOR, order_of
 
 
 class TransferError(Exception):
@@ -63,13 +64,17 @@ class KVLayout:
     # Ranks the pool is split over (num_kv_heads is one rank's share): rank r of the prefill worker
     # writes into rank r of the decode worker, so both must be split alike. Not re-sharded.
     tensor_parallel_size: int = 1
+    # How a page lies in memory (engine/attention/page_order.py): pages move as raw bytes, so a
+    # head-major CPU pool and a token-major GPU pool cannot exchange them.
+    page_order: str = TOKEN_MAJOR
 
     def check_compatible(self, other: "KVLayout") -> None:
         diffs = [f"{f.name}: {getattr(self, f.name)!r} here vs {getattr(other, f.name)!r} on the peer"
                  for f in fields(self) if getattr(self, f.name) != getattr(other, f.name)]
         if diffs:
             raise LayoutMismatchError("KV layout mismatch, no bytes moved; run both workers with the same "
-                                      "model, block size, dtype, kv-cache-dtype and tensor-parallel-size ("
+                                      "model, block size, dtype, kv-cache-dtype and tensor-parallel-size on the same kind "
+                                      "of device ("
                                       + "; ".join(diffs) + ")")
 
     @property
@@ -85,7 +90,7 @@ class KVLayout:
     @classmethod
     def of_pool(cls, model: str, pool: torch.Tensor, tensor_parallel_size: int = 1) -> "KVLayout":
         """Layout of a pool tensor shaped [layers, 2, blocks, block_size, kv_heads, head_dim] (one
-        rank's, of ``tensor_parallel_size``)."""
+        rank's, of ``tensor_parallel_size``); its strides say the page order (``page_order.order_of``)."""
         layers, two, _, block_size, kv_heads, _ = pool.shape
         if two != 2:
             raise ValueError(f"a KV pool is [layers, 2, blocks, block_size, kv_heads, head_dim], got {tuple(pool.shape)}")
@@ -93,7 +98,7 @@ class KVLayout:
         quant = kv_quant.of_storage(pool.dtype)
         return cls(model, layers, kv_heads, kv_quant.head_dim_of(pool), block_size,
                    str(pool.dtype).removeprefix("torch."), quant.name if quant else "auto",
-                   kv_quant.SCALE_LAYOUT if quant else "", tensor_parallel_size)
+                   kv_quant.SCALE_LAYOUT if quant else "", tensor_parallel_size, order_of(pool))
 
 
 @dataclass(frozen=True)

@@ -273,7 +273,8 @@ def descriptor_to_proto(desc: "TransferDescriptor") -> worker_pb2.TransferDescri
                                    num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim,
                                    block_size=layout.block_size, dtype=layout.dtype,
                                    kv_cache_dtype=layout.kv_cache_dtype, kv_scales=layout.kv_scales,
-                                   tensor_parallel_size=layout.tensor_parallel_size),
+                                   tensor_parallel_size=layout.tensor_parallel_size,
+                                   page_order=layout.page_order),
         epoch=desc.epoch,
         lease_deadline=desc.lease_deadline,
         alternatives=[worker_pb2.TransportOffer(transport=t, address=a) for t, a in desc.alternatives],
@@ -285,6 +286,7 @@ def descriptor_to_proto(desc: "TransferDescriptor") -> worker_pb2.TransferDescri
 
 def descriptor_from_proto(msg: worker_pb2.TransferDescriptor, field: str = "descriptor") -> "TransferDescriptor":
     """Proto -> ``kvtransfer.base.TransferDescriptor``; ``InvalidArgument`` when incomplete."""
+    from engine.attention.page_order import TOKEN_MAJOR
     from kvtransfer.base import KVLayout, TransferDescriptor
 
     for name in ("request_id", "transport", "address"):
@@ -301,7 +303,8 @@ def descriptor_from_proto(msg: worker_pb2.TransferDescriptor, field: str = "desc
     layout = KVLayout(model=lay.model, num_layers=lay.num_layers, num_kv_heads=lay.num_kv_heads,
                       head_dim=lay.head_dim, block_size=lay.block_size, dtype=lay.dtype,
                       kv_cache_dtype=lay.kv_cache_dtype or "auto", kv_scales=lay.kv_scales,
-                      tensor_parallel_size=lay.tensor_parallel_size or 1)
+                      tensor_parallel_size=lay.tensor_parallel_size or 1,
+                      page_order=lay.page_order or TOKEN_MAJOR)
     return TransferDescriptor(
         request_id=msg.request_id,
         transport=msg.transport,

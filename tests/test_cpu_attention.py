@@ -104,11 +104,14 @@ def test_decode_kernel_refuses_what_it_cannot_do():
 @pytest.mark.parametrize("backend", [CpuAttentionBackend, TorchAttentionBackend])
 @pytest.mark.parametrize("block_size", [8, 16])
 @pytest.mark.parametrize("heads", [(4, 4), (9, 3)])
-def test_backend_step_matches_reference(backend, block_size, heads):
+@pytest.mark.parametrize("head_major", [False, True], ids=["token-major", "head-major"])
+def test_backend_step_matches_reference(backend, block_size, heads, head_major):
     # Decodes first (the runner's order), then a whole prefill and a chunk over cached context.
     q_lens, ctx_lens = [1, 1, 1, 12, 5], [7, 33, 16, 12, 29]
     query, key, value, k_cache, v_cache, layout = make_batch(q_lens, ctx_lens, block_size, 24, *heads, 16, seed=1)
     ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    if head_major:  # the runner's CPU pool: [blocks, heads, block_size, D] memory, written in place
+        k_cache, v_cache = (c.transpose(1, 2).contiguous().transpose(1, 2) for c in (k_cache, v_cache))
     reference.write_kv(key, value, ref_k, ref_v, layout.slot_mapping)
     expected = reference.paged_attention(query, ref_k, ref_v, layout.block_tables, layout.query_start_loc,
                                          layout.seq_lens, 0.25)

@@ -16,16 +16,16 @@ import torch.nn.functional as F
 from engine.attention import cpu_kernels
 from engine.attention.backend import AttentionBackend, StepLayout
 from engine.attention.kv_quant import load
-from engine.attention.torch_backend import context_slots
 
 
 @dataclass
 class _Chunk:
     q_start: int
     q_end: int
-    # Slots of the whole context when the chunk follows cached tokens; None when it is the context.
-    ctx_slots: torch.Tensor | None
-    mask: torch.Tensor | None  # [q, ctx] bool, only with ctx_slots
+    # The pages of the whole context when the chunk follows cached tokens; None when it is the context.
+    ctx_blocks: torch.Tensor | None
+    ctx_len: int
+    mask: torch.Tensor | None  # [q, ctx] bool, only with ctx_blocks
 
 
 @dataclass
@@ -47,12 +47,12 @@ class CpuAttentionBackend(AttentionBackend):
         starts = layout.query_start_list
         for b in range(layout.num_decodes, len(layout.seq_lens_list)):
             q_len, ctx = layout.query_lens_list[b], layout.seq_lens_list[b]
-            slots = mask = None
+            blocks = mask = None
             if q_len != ctx:
-                slots = context_slots(layout.block_tables[b:b + 1], layout.block_size, ctx)[0]
+                blocks = layout.block_tables[b, :-(-ctx // layout.block_size)].to(torch.int64)
                 q_pos = torch.arange(ctx - q_len, ctx)
                 mask = torch.arange(ctx)[None, :] <= q_pos[:, None]
-            chunks.append(_Chunk(starts[b], starts[b + 1], slots, mask))
+            chunks.append(_Chunk(starts[b], starts[b + 1], blocks, ctx, mask))
         return CpuStepPlan(chunks)
 
     def forward(self, query, key, value, k_cache, v_cache, layout, prepared: CpuStepPlan, scale):
@@ -63,10 +63,10 @@ class CpuAttentionBackend(AttentionBackend):
                                layout.seq_lens, layout.num_decodes, scale)
         for c in prepared.chunks:
             q = query[c.q_start:c.q_end].transpose(0, 1).unsqueeze(0)  # [1, Hq, q, D]
-            if c.ctx_slots is None:
+            if c.ctx_blocks is None:
                 k, v = key[c.q_start:c.q_end], value[c.q_start:c.q_end]
             else:  # quantized pages (kv_quant) are dequantized here: later chunks see what decode sees
-                k, v = (cache.view(-1, *cache.shape[-2:])[c.ctx_slots] for cache in (k_cache, v_cache))
+                k, v = (cache[c.ctx_blocks].reshape(-1, *cache.shape[-2:])[:c.ctx_len] for cache in (k_cache, v_cache))
             k = load(k, q.dtype).transpose(0, 1).unsqueeze(0)  # [1, Hkv, ctx, D]
             v = load(v, q.dtype).transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=c.mask, is_causal=c.mask is None, scale=scale,

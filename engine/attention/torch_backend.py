@@ -21,7 +21,7 @@ from engine.attention.kv_quant import as_bytes, head_dim_of, load, store_rows
 class _Prefill:
     q_start: int
     q_end: int
-    ctx_slots: torch.Tensor  # [ctx] int64
+    ctx_slots: tuple[torch.Tensor, torch.Tensor]  # (page, offset) of each context position, [ctx] int64 each
     mask: torch.Tensor | None  # [q, ctx] bool, None when the chunk is the whole context (plain causal)
 
 
@@ -31,6 +31,13 @@ class TorchStepPlan:
     decode_blocks: torch.Tensor | None  # [Bd * max_blocks] int64, block tables flattened
     decode_bias: torch.Tensor | None  # [Bd, 1, 1, max_blocks * block_size] float32: 0 in context, -inf past it
     prefills: list[_Prefill]
+    new_slots: tuple[torch.Tensor, torch.Tensor]  # (page, offset) where each new token's K/V goes
+
+
+def page_and_offset(slots: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Slots as (page, offset) index pairs into a [blocks, block_size, ...] cache view: they index
+    head-major pages too, which have no flat [blocks * block_size, ...] token view."""
+    return slots // block_size, slots % block_size
 
 
 def context_slots(block_tables: torch.Tensor, block_size: int, length: int) -> torch.Tensor:
@@ -63,31 +70,30 @@ class TorchAttentionBackend(AttentionBackend):
             if q_len != ctx:
                 q_pos = torch.arange(ctx - q_len, ctx, device=slots.device)
                 mask = torch.arange(ctx, device=slots.device)[None, :] <= q_pos[:, None]
-            prefills.append(_Prefill(starts[b], starts[b + 1], slots, mask))
-        return TorchStepPlan(decode_blocks, decode_bias, prefills)
+            prefills.append(_Prefill(starts[b], starts[b + 1], page_and_offset(slots, layout.block_size), mask))
+        return TorchStepPlan(decode_blocks, decode_bias, prefills,
+                             page_and_offset(layout.slot_mapping, layout.block_size))
 
     def forward(self, query, key, value, k_cache, v_cache, layout, prepared: TorchStepPlan, scale):
         num_kv_heads, head_dim = k_cache.shape[-2], head_dim_of(k_cache)
-        k_flat = k_cache.view(-1, *k_cache.shape[-2:])
-        v_flat = v_cache.view(-1, *v_cache.shape[-2:])
-        # Quantized pools (kv_quant) store codes + scale rows; fp8 has no CPU index_copy_, bytes do.
-        as_bytes(k_flat).index_copy_(0, layout.slot_mapping, as_bytes(store_rows(key, k_flat.dtype)))
-        as_bytes(v_flat).index_copy_(0, layout.slot_mapping, as_bytes(store_rows(value, v_flat.dtype)))
+        # Quantized pools (kv_quant) store codes + scale rows; fp8 has no CPU index_put_, bytes do.
+        as_bytes(k_cache).index_put_(prepared.new_slots, as_bytes(store_rows(key, k_cache.dtype)))
+        as_bytes(v_cache).index_put_(prepared.new_slots, as_bytes(store_rows(value, v_cache.dtype)))
 
         out = torch.empty_like(query)
         nd = layout.num_decodes
         if nd:
             group = query.shape[1] // num_kv_heads
             q = query[:nd].view(nd, num_kv_heads, group, head_dim)
-            k = load(k_cache.index_select(0, prepared.decode_blocks), query.dtype).view(nd, -1, num_kv_heads, head_dim)
-            v = load(v_cache.index_select(0, prepared.decode_blocks), query.dtype).view(nd, -1, num_kv_heads, head_dim)
+            k = load(k_cache.index_select(0, prepared.decode_blocks), query.dtype).reshape(nd, -1, num_kv_heads, head_dim)
+            v = load(v_cache.index_select(0, prepared.decode_blocks), query.dtype).reshape(nd, -1, num_kv_heads, head_dim)
             scores = torch.matmul(q, k.permute(0, 2, 3, 1)).float() * scale  # [Bd, Hkv, G, C]
             probs = torch.softmax(scores + prepared.decode_bias, dim=-1).to(v.dtype)
             out[:nd] = torch.matmul(probs, v.transpose(1, 2)).view(nd, -1, head_dim)
         for p in prepared.prefills:
             q = query[p.q_start:p.q_end].transpose(0, 1).unsqueeze(0)  # [1, Hq, q, D]
-            k = load(k_flat[p.ctx_slots], query.dtype).transpose(0, 1).unsqueeze(0)  # [1, Hkv, ctx, D]
-            v = load(v_flat[p.ctx_slots], query.dtype).transpose(0, 1).unsqueeze(0)
+            k = load(k_cache[p.ctx_slots], query.dtype).transpose(0, 1).unsqueeze(0)  # [1, Hkv, ctx, D]
+            v = load(v_cache[p.ctx_slots], query.dtype).transpose(0, 1).unsqueeze(0)
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=p.mask, is_causal=p.mask is None,
                                                scale=scale, enable_gqa=True)
             out[p.q_start:p.q_end] = o[0].transpose(0, 1)

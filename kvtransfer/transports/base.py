@@ -8,11 +8,13 @@ written is in the decode pool (or ``flush`` raised): only then may completion be
 from __future__ import annotations
 
 import abc
+import dataclasses
 from typing import Sequence
 
 import torch
 
-from kvtransfer.base import TransferDescriptor
+from engine.attention.page_order import pages_of
+from kvtransfer.base import KVLayout, TransferDescriptor
 from kvtransfer.lease import LeaseTable
 
 Run = tuple[int, int, int]  # (src_block, dst_block, num_blocks)
@@ -22,7 +24,9 @@ class KVReceiver(abc.ABC):
     name: str
 
     def __init__(self, pool: torch.Tensor, leases: LeaseTable):
-        self.pool = pool  # [layers, 2, blocks, block_size, kv_heads, head_dim]
+        # ``pool`` is [layers, 2, blocks, block_size, kv_heads, head_dim] (the runner's kv_cache);
+        # pages move as bytes, so transports hold it as it lies in memory (page_order.pages_of).
+        self.pool = pages_of(pool)
         self.leases = leases
 
     @property
@@ -39,10 +43,17 @@ class KVSender(abc.ABC):
 
     def __init__(self, address: str, src_pool: torch.Tensor):
         self.address = address
-        self.src_pool = src_pool
+        self.src_pool = pages_of(src_pool)  # as it lies in memory, as KVReceiver.pool
+        self.src_layout = KVLayout.of_pool("", src_pool)  # model and ranks filled in from a descriptor
         # Copy operations issued (one per page run per layer per K/V): what coalescing saves.
         self.num_copies = 0
         self.bytes_sent = 0
+
+    def check_layout(self, desc: TransferDescriptor) -> None:
+        """Raise LayoutMismatchError unless the descriptor's pages mean what this pool's do."""
+        mine = dataclasses.replace(self.src_layout, model=desc.layout.model,
+                                   tensor_parallel_size=desc.layout.tensor_parallel_size)
+        mine.check_compatible(desc.layout)
 
     @abc.abstractmethod
     def write(self, desc: TransferDescriptor, layer: int, runs: Sequence[Run]) -> None:

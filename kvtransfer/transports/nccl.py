@@ -103,7 +103,7 @@ class NcclReceiver(KVReceiver):
     def __init__(self, pool: torch.Tensor, leases: LeaseTable, host: str = "127.0.0.1", port: int = 0,
                  timeout_s: float = 30.0, advertise_host: str | None = None):
         super().__init__(pool, leases)
-        if not pool.is_contiguous():
+        if not self.pool.is_contiguous():  # its pages as they lie in memory (KVReceiver)
             raise ValueError("the decode pool must be contiguous: runs are received in place")
         self.host, self.timeout = host, timedelta(seconds=timeout_s)
         self._store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=self.timeout)
@@ -328,7 +328,7 @@ class NcclSender(KVSender):
 
     def write(self, desc: TransferDescriptor, layer: int, runs: Sequence[Run]) -> None:
         if desc.layout not in self._layouts:
-            desc.layout.check_compatible(KVLayout.of_pool(desc.layout.model, self.src_pool, desc.layout.tensor_parallel_size))
+            self.check_layout(desc)
             self._layouts.add(desc.layout)
         if not runs:
             return

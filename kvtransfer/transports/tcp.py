@@ -120,7 +120,7 @@ class TcpReceiver(KVReceiver):
         self.timeout_s = timeout_s  # a frame that stalls this long mid-payload drops its connection
         self.max_frame_bytes = max_frame_bytes
         self.layout = KVLayout.of_pool("", pool)
-        self._flat = _flat_view(pool)
+        self._flat = _flat_view(self.pool)
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._conns: dict[socket.socket, threading.Thread] = {}
@@ -330,8 +330,8 @@ class TcpSender(KVSender):
         self.num_frames = 0  # WRITE and PACKED frames sent
         self._lock = threading.Lock()
         self._broken: str | None = None
-        self._flat = _flat_view(src_pool)
-        self._page_bytes = KVLayout.of_pool("", src_pool).page_bytes
+        self._flat = _flat_view(self.src_pool)
+        self._page_bytes = self.src_layout.page_bytes
         try:
             host, port = address.rsplit(":", 1)
             self.sock = socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s)
@@ -349,7 +349,7 @@ class TcpSender(KVSender):
 
     def write(self, desc: TransferDescriptor, layer: int, runs: Sequence[Run]) -> None:
         # The pages themselves must match; the split (tensor_parallel_size) was checked by the connector.
-        KVLayout.of_pool(desc.layout.model, self.src_pool, desc.layout.tensor_parallel_size).check_compatible(desc.layout)
+        self.check_layout(desc)
         rid, page_bytes = desc.request_id.encode(), self._page_bytes
         src = self.src_pool[layer]  # [2, blocks, bs, H, D]
         for s, d, n in runs:

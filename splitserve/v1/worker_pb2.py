@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from splitserve.v1 import generation_pb2 as splitserve_dot_v1_dot_generation__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1asplitserve/v1/worker.proto\x12\rsplitserve.v1\x1a\x1esplitserve/v1/generation.proto\"\xc1\x01\n\x08KVLayout\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nnum_layers\x18\x02 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x03 \x01(\r\x12\x10\n\x08head_dim\x18\x04 \x01(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x16\n\x0ekv_cache_dtype\x18\x07 \x01(\t\x12\x11\n\tkv_scales\x18\x08 \x01(\t\x12\x1c\n\x14tensor_parallel_size\x18\t \x01(\r\"4\n\x0eTransportOffer\x12\x11\n\ttransport\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\"\xaf\x02\n\x12TransferDescriptor\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttransport\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x11\n\tblock_ids\x18\x04 \x03(\r\x12\'\n\x06layout\x18\x05 \x01(\x0b\x32\x17.splitserve.v1.KVLayout\x12\r\n\x05\x65poch\x18\x06 \x01(\x03\x12\x16\n\x0elease_deadline\x18\x07 \x01(\x01\x12\x33\n\x0c\x61lternatives\x18\x08 \x03(\x0b\x32\x1d.splitserve.v1.TransportOffer\x12\x19\n\x11num_cached_blocks\x18\t \x01(\r\x12.\n\x0brank_offers\x18\n \x03(\x0b\x32\x19.splitserve.v1.RankOffers\";\n\nRankOffers\x12-\n\x06offers\x18\x01 \x03(\x0b\x32\x1d.splitserve.v1.TransportOffer\"\xba\x03\n\x10ResolvedSampling\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x12\n\nmin_tokens\x18\x02 \x01(\r\x12\x13\n\x0btemperature\x18\x03 \x01(\x01\x12\r\n\x05top_p\x18\x04 \x01(\x01\x12\r\n\x05top_k\x18\x05 \x01(\x05\x12\r\n\x05min_p\x18\x06 \x01(\x01\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x00\x88\x01\x01\x12\x1a\n\x12repetition_penalty\x18\x08 \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\t \x01(\x01\x12\x18\n\x10presence_penalty\x18\n \x01(\x01\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\r\x12\x15\n\x08logprobs\x18\r \x01(\rH\x01\x88\x01\x01\x12?\n\x11structured_output\x18\x0e \x01(\x0b\x32\x1f.splitserve.v1.StructuredOutputH\x02\x88\x01\x01\x12(\n structured_output_resumed_tokens\x18\x0f \x01(\rB\x07\n\x05_seedB\x0b\n\t_logprobsB\x14\n\x12_structured_output\"Y\n\x0eReserveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x02 \x01(\r\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\"]\n\x0fReserveResponse\x12\x35\n\ndescriptor\x18\x01 \x01(\x0b\x32!.splitserve.v1.TransferDescriptor\x12\x13\n\x0blease_ttl_s\x18\x02 \x01(\x01\"6\n\x11RenewLeaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x03\")\n\x12RenewLeaseResponse\x12\x13\n\x0blease_ttl_s\x18\x01 \x01(\x01\"\xd0\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x31\n\x08sampling\x18\x03 \x01(\x0b\x32\x1f.splitserve.v1.ResolvedSampling\x12\x10\n\x08priority\x18\x04 \x01(\x05\x12\x35\n\ndescriptor\x18\x05 \x01(\x0b\x32!.splitserve.v1.TransferDescriptor\x12\x14\n\x0c\x61rrival_time\x18\x06 \x01(\x01\"\xab\x02\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x03\x12\x13\n\x0b\x66irst_token\x18\x03 \x01(\r\x12\x34\n\x0e\x66irst_logprobs\x18\x04 \x01(\x0b\x32\x1c.splitserve.v1.TokenLogprobs\x12\x15\n\x08\x63hecksum\x18\x05 \x01(\rH\x00\x88\x01\x01\x12\x11\n\ttransport\x18\x06 \x01(\t\x12\x12\n\nnum_copies\x18\x07 \x01(\r\x12\x12\n\nprefill_ms\x18\x08 \x01(\x01\x12\x16\n\x0ekv_transfer_ms\x18\t \x01(\x01\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\n \x01(\r\x12\x15\n\rsampler_state\x18\x0b \x01(\x0c\x42\x0b\n\t_checksum\"\xad\x02\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x03\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12\x31\n\x08sampling\x18\x04 \x01(\x0b\x32\x1f.splitserve.v1.ResolvedSampling\x12\x10\n\x08priority\x18\x05 \x01(\x05\x12\x13\n\x0b\x66irst_token\x18\x06 \x01(\r\x12\x34\n\x0e\x66irst_logprobs\x18\x07 \x01(\x0b\x32\x1c.splitserve.v1.TokenLogprobs\x12\x15\n\x08\x63hecksum\x18\x08 \x01(\rH\x00\x88\x01\x01\x12\x14\n\x0c\x61rrival_time\x18\t \x01(\x01\x12\x15\n\rsampler_state\x18\n \x01(\x0c\x42\x0b\n\t_checksum\"\x9c\x01\n\x0b\x44\x65\x63odeChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12.\n\x08logprobs\x18\x02 \x03(\x0b\x32\x1c.splitserve.v1.TokenLogprobs\x12\x1a\n\rfinish_reason\x18\x03 \x01(\tH\x00\x88\x01\x01\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x04 \x01(\rB\x10\n\x0e_finish_reason\"(\n\x12WorkerAbortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"$\n\x13WorkerAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x13\n\x11WorkerInfoRequest2\xf7\x01\n\rPrefillWorker\x12H\n\x07Prefill\x12\x1d.splitserve.v1.PrefillRequest\x1a\x1e.splitserve.v1.PrefillResponse\x12N\n\x05\x41\x62ort\x12!.splitserve.v1.WorkerAbortRequest\x1a\".splitserve.v1.WorkerAbortResponse\x12L\n\rGetWorkerInfo\x12 .splitserve.v1.WorkerInfoRequest\x1a\x19.splitserve.v1.WorkerInfo2\x8f\x03\n\x0c\x44\x65\x63odeWorker\x12H\n\x07Reserve\x12\x1d.splitserve.v1.ReserveRequest\x1a\x1e.splitserve.v1.ReserveResponse\x12\x44\n\x06\x44\x65\x63ode\x12\x1c.splitserve.v1.DecodeRequest\x1a\x1a.splitserve.v1.DecodeChunk0\x01\x12N\n\x05\x41\x62ort\x12!.splitserve.v1.WorkerAbortRequest\x1a\".splitserve.v1.WorkerAbortResponse\x12L\n\rGetWorkerInfo\x12 .splitserve.v1.WorkerInfoRequest\x1a\x19.splitserve.v1.WorkerInfo\x12Q\n\nRenewLease\x12 .splitserve.v1.RenewLeaseRequest\x1a!.splitserve.v1.RenewLeaseResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1asplitserve/v1/worker.proto\x12\rsplitserve.v1\x1a\x1esplitserve/v1/generation.proto\"\xd5\x01\n\x08KVLayout\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nnum_layers\x18\x02 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x03 \x01(\r\x12\x10\n\x08head_dim\x18\x04 \x01(\r\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\r\n\x05\x64type\x18\x06 \x01(\t\x12\x16\n\x0ekv_cache_dtype\x18\x07 \x01(\t\x12\x11\n\tkv_scales\x18\x08 \x01(\t\x12\x1c\n\x14tensor_parallel_size\x18\t \x01(\r\x12\x12\n\npage_order\x18\n \x01(\t\"4\n\x0eTransportOffer\x12\x11\n\ttransport\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\"\xaf\x02\n\x12TransferDescriptor\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttransport\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x11\n\tblock_ids\x18\x04 \x03(\r\x12\'\n\x06layout\x18\x05 \x01(\x0b\x32\x17.splitserve.v1.KVLayout\x12\r\n\x05\x65poch\x18\x06 \x01(\x03\x12\x16\n\x0elease_deadline\x18\x07 \x01(\x01\x12\x33\n\x0c\x61lternatives\x18\x08 \x03(\x0b\x32\x1d.splitserve.v1.TransportOffer\x12\x19\n\x11num_cached_blocks\x18\t \x01(\r\x12.\n\x0brank_offers\x18\n \x03(\x0b\x32\x19.splitserve.v1.RankOffers\";\n\nRankOffers\x12-\n\x06offers\x18\x01 \x03(\x0b\x32\x1d.splitserve.v1.TransportOffer\"\xba\x03\n\x10ResolvedSampling\x12\x12\n\nmax_tokens\x18\x01 \x01(\r\x12\x12\n\nmin_tokens\x18\x02 \x01(\r\x12\x13\n\x0btemperature\x18\x03 \x01(\x01\x12\r\n\x05top_p\x18\x04 \x01(\x01\x12\r\n\x05top_k\x18\x05 \x01(\x05\x12\r\n\x05min_p\x18\x06 \x01(\x01\x12\x11\n\x04seed\x18\x07 \x01(\x04H\x00\x88\x01\x01\x12\x1a\n\x12repetition_penalty\x18\x08 \x01(\x01\x12\x19\n\x11\x66requency_penalty\x18\t \x01(\x01\x12\x18\n\x10presence_penalty\x18\n \x01(\x01\x12\x12\n\nignore_eos\x18\x0b \x01(\x08\x12\x16\n\x0estop_token_ids\x18\x0c \x03(\r\x12\x15\n\x08logprobs\x18\r \x01(\rH\x01\x88\x01\x01\x12?\n\x11structured_output\x18\x0e \x01(\x0b\x32\x1f.splitserve.v1.StructuredOutputH\x02\x88\x01\x01\x12(\n structured_output_resumed_tokens\x18\x0f \x01(\rB\x07\n\x05_seedB\x0b\n\t_logprobsB\x14\n\x12_structured_output\"Y\n\x0eReserveRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x19\n\x11num_prompt_tokens\x18\x02 \x01(\r\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\"]\n\x0fReserveResponse\x12\x35\n\ndescriptor\x18\x01 \x01(\x0b\x32!.splitserve.v1.TransferDescriptor\x12\x13\n\x0blease_ttl_s\x18\x02 \x01(\x01\"6\n\x11RenewLeaseRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x03\")\n\x12RenewLeaseResponse\x12\x13\n\x0blease_ttl_s\x18\x01 \x01(\x01\"\xd0\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\r\x12\x31\n\x08sampling\x18\x03 \x01(\x0b\x32\x1f.splitserve.v1.ResolvedSampling\x12\x10\n\x08priority\x18\x04 \x01(\x05\x12\x35\n\ndescriptor\x18\x05 \x01(\x0b\x32!.splitserve.v1.TransferDescriptor\x12\x14\n\x0c\x61rrival_time\x18\x06 \x01(\x01\"\xab\x02\n\x0fPrefillResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x03\x12\x13\n\x0b\x66irst_token\x18\x03 \x01(\r\x12\x34\n\x0e\x66irst_logprobs\x18\x04 \x01(\x0b\x32\x1c.splitserve.v1.TokenLogprobs\x12\x15\n\x08\x63hecksum\x18\x05 \x01(\rH\x00\x88\x01\x01\x12\x11\n\ttransport\x18\x06 \x01(\t\x12\x12\n\nnum_copies\x18\x07 \x01(\r\x12\x12\n\nprefill_ms\x18\x08 \x01(\x01\x12\x16\n\x0ekv_transfer_ms\x18\t \x01(\x01\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\n \x01(\r\x12\x15\n\rsampler_state\x18\x0b \x01(\x0c\x42\x0b\n\t_checksum\"\xad\x02\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\x03\x12\x18\n\x10prompt_token_ids\x18\x03 \x03(\r\x12\x31\n\x08sampling\x18\x04 \x01(\x0b\x32\x1f.splitserve.v1.ResolvedSampling\x12\x10\n\x08priority\x18\x05 \x01(\x05\x12\x13\n\x0b\x66irst_token\x18\x06 \x01(\r\x12\x34\n\x0e\x66irst_logprobs\x18\x07 \x01(\x0b\x32\x1c.splitserve.v1.TokenLogprobs\x12\x15\n\x08\x63hecksum\x18\x08 \x01(\rH\x00\x88\x01\x01\x12\x14\n\x0c\x61rrival_time\x18\t \x01(\x01\x12\x15\n\rsampler_state\x18\n \x01(\x0c\x42\x0b\n\t_checksum\"\x9c\x01\n\x0b\x44\x65\x63odeChunk\x12\x11\n\ttoken_ids\x18\x01 \x03(\r\x12.\n\x08logprobs\x18\x02 \x03(\x0b\x32\x1c.splitserve.v1.TokenLogprobs\x12\x1a\n\rfinish_reason\x18\x03 \x01(\tH\x00\x88\x01\x01\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x04 \x01(\rB\x10\n\x0e_finish_reason\"(\n\x12WorkerAbortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"$\n\x13WorkerAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x13\n\x11WorkerInfoRequest2\xf7\x01\n\rPrefillWorker\x12H\n\x07Prefill\x12\x1d.splitserve.v1.PrefillRequest\x1a\x1e.splitserve.v1.PrefillResponse\x12N\n\x05\x41\x62ort\x12!.splitserve.v1.WorkerAbortRequest\x1a\".splitserve.v1.WorkerAbortResponse\x12L\n\rGetWorkerInfo\x12 .splitserve.v1.WorkerInfoRequest\x1a\x19.splitserve.v1.WorkerInfo2\x8f\x03\n\x0c\x44\x65\x63odeWorker\x12H\n\x07Reserve\x12\x1d.splitserve.v1.ReserveRequest\x1a\x1e.splitserve.v1.ReserveResponse\x12\x44\n\x06\x44\x65\x63ode\x12\x1c.splitserve.v1.DecodeRequest\x1a\x1a.splitserve.v1.DecodeChunk0\x01\x12N\n\x05\x41\x62ort\x12!.splitserve.v1.WorkerAbortRequest\x1a\".splitserve.v1.WorkerAbortResponse\x12L\n\rGetWorkerInfo\x12 .splitserve.v1.WorkerInfoRequest\x1a\x19.splitserve.v1.WorkerInfo\x12Q\n\nRenewLease\x12 .splitserve.v1.RenewLeaseRequest\x1a!.splitserve.v1.RenewLeaseResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,39 +33,39 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'splitserve.v1.worker_pb2', 
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_KVLAYOUT']._serialized_start=78
-  _globals['_KVLAYOUT']._serialized_end=271
-  _globals['_TRANSPORTOFFER']._serialized_start=273
-  _globals['_TRANSPORTOFFER']._serialized_end=325
-  _globals['_TRANSFERDESCRIPTOR']._serialized_start=328
-  _globals['_TRANSFERDESCRIPTOR']._serialized_end=631
-  _globals['_RANKOFFERS']._serialized_start=633
-  _globals['_RANKOFFERS']._serialized_end=692
-  _globals['_RESOLVEDSAMPLING']._serialized_start=695
-  _globals['_RESOLVEDSAMPLING']._serialized_end=1137
-  _globals['_RESERVEREQUEST']._serialized_start=1139
-  _globals['_RESERVEREQUEST']._serialized_end=1228
-  _globals['_RESERVERESPONSE']._serialized_start=1230
-  _globals['_RESERVERESPONSE']._serialized_end=1323
-  _globals['_RENEWLEASEREQUEST']._serialized_start=1325
-  _globals['_RENEWLEASEREQUEST']._serialized_end=1379
-  _globals['_RENEWLEASERESPONSE']._serialized_start=1381
-  _globals['_RENEWLEASERESPONSE']._serialized_end=1422
-  _globals['_PREFILLREQUEST']._serialized_start=1425
-  _globals['_PREFILLREQUEST']._serialized_end=1633
-  _globals['_PREFILLRESPONSE']._serialized_start=1636
-  _globals['_PREFILLRESPONSE']._serialized_end=1935
-  _globals['_DECODEREQUEST']._serialized_start=1938
-  _globals['_DECODEREQUEST']._serialized_end=2239
-  _globals['_DECODECHUNK']._serialized_start=2242
-  _globals['_DECODECHUNK']._serialized_end=2398
-  _globals['_WORKERABORTREQUEST']._serialized_start=2400
-  _globals['_WORKERABORTREQUEST']._serialized_end=2440
-  _globals['_WORKERABORTRESPONSE']._serialized_start=2442
-  _globals['_WORKERABORTRESPONSE']._serialized_end=2478
-  _globals['_WORKERINFOREQUEST']._serialized_start=2480
-  _globals['_WORKERINFOREQUEST']._serialized_end=2499
-  _globals['_PREFILLWORKER']._serialized_start=2502
-  _globals['_PREFILLWORKER']._serialized_end=2749
-  _globals['_DECODEWORKER']._serialized_start=2752
-  _globals['_DECODEWORKER']._serialized_end=3151
+  _globals['_KVLAYOUT']._serialized_end=291
+  _globals['_TRANSPORTOFFER']._serialized_start=293
+  _globals['_TRANSPORTOFFER']._serialized_end=345
+  _globals['_TRANSFERDESCRIPTOR']._serialized_start=348
+  _globals['_TRANSFERDESCRIPTOR']._serialized_end=651
+  _globals['_RANKOFFERS']._serialized_start=653
+  _globals['_RANKOFFERS']._serialized_end=712
+  _globals['_RESOLVEDSAMPLING']._serialized_start=715
+  _globals['_RESOLVEDSAMPLING']._serialized_end=1157
+  _globals['_RESERVEREQUEST']._serialized_start=1159
+  _globals['_RESERVEREQUEST']._serialized_end=1248
+  _globals['_RESERVERESPONSE']._serialized_start=1250
+  _globals['_RESERVERESPONSE']._serialized_end=1343
+  _globals['_RENEWLEASEREQUEST']._serialized_start=1345
+  _globals['_RENEWLEASEREQUEST']._serialized_end=1399
+  _globals['_RENEWLEASERESPONSE']._serialized_start=1401
+  _globals['_RENEWLEASERESPONSE']._serialized_end=1442
+  _globals['_PREFILLREQUEST']._serialized_start=1445
+  _globals['_PREFILLREQUEST']._serialized_end=1653
+  _globals['_PREFILLRESPONSE']._serialized_start=1656
+  _globals['_PREFILLRESPONSE']._serialized_end=1955
+  _globals['_DECODEREQUEST']._serialized_start=1958
+  _globals['_DECODEREQUEST']._serialized_end=2259
+  _globals['_DECODECHUNK']._serialized_start=2262
+  _globals['_DECODECHUNK']._serialized_end=2418
+  _globals['_WORKERABORTREQUEST']._serialized_start=2420
+  _globals['_WORKERABORTREQUEST']._serialized_end=2460
+  _globals['_WORKERABORTRESPONSE']._serialized_start=2462
+  _globals['_WORKERABORTRESPONSE']._serialized_end=2498
+  _globals['_WORKERINFOREQUEST']._serialized_start=2500
+  _globals['_WORKERINFOREQUEST']._serialized_end=2519
+  _globals['_PREFILLWORKER']._serialized_start=2522
+  _globals['_PREFILLWORKER']._serialized_end=2769
+  _globals['_DECODEWORKER']._serialized_start=2772
+  _globals['_DECODEWORKER']._serialized_end=3171
 # @@protoc_insertion_point(module_scope)

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class KVLayout(_message.Message):
-    __slots__ = ("model", "num_layers", "num_kv_heads", "head_dim", "block_size", "dtype", "kv_cache_dtype", "kv_scales", "tensor_parallel_size")
+    __slots__ = ("model", "num_layers", "num_kv_heads", "head_dim", "block_size", "dtype", "kv_cache_dtype", "kv_scales", "tensor_parallel_size", "page_order")
     MODEL_FIELD_NUMBER: _ClassVar[int]
     NUM_LAYERS_FIELD_NUMBER: _ClassVar[int]
     NUM_KV_HEADS_FIELD_NUMBER: _ClassVar[int]
@@ -18,6 +18,7 @@ class KVLayout(_message.Message):
     KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     KV_SCALES_FIELD_NUMBER: _ClassVar[int]
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PAGE_ORDER_FIELD_NUMBER: _ClassVar[int]
     model: str
     num_layers: int
     num_kv_heads: int
@@ -27,7 +28,8 @@ class KVLayout(_message.Message):
     kv_cache_dtype: str
     kv_scales: str
     tensor_parallel_size: int
-    def __init__(self, model: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ..., kv_scales: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ...) -> None: ...
+    page_order: str
+    def __init__(self, model: _Optional[str] = ..., num_layers: _Optional[int] = ..., num_kv_heads: _Optional[int] = ..., head_dim: _Optional[int] = ..., block_size: _Optional[int] = ..., dtype: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ..., kv_scales: _Optional[str] = ..., tensor_parallel_size: _Optional[int] = ..., page_order: _Optional[str] = ...) -> None: ...
 
 class TransportOffer(_message.Message):
     __slots__ = ("transport", "address")

@@ -165,7 +165,9 @@ def _descriptor(**overrides) -> TransferDescriptor:
     return TransferDescriptor(**kwargs)
 
 
-@pytest.mark.parametrize("desc", [_descriptor(), _descriptor(alternatives=(), block_ids=(0,), epoch=0)])
+@pytest.mark.parametrize("desc", [_descriptor(), _descriptor(alternatives=(), block_ids=(0,), epoch=0),
+                                  _descriptor(layout=KVLayout("tiny-llama", 2, 3, 16, 16, "float32",
+                                                              page_order="head_major"))])
 def test_descriptor_round_trip(desc):
     msg = api_convert.descriptor_to_proto(desc)
     wire = worker_pb2.TransferDescriptor.FromString(msg.SerializeToString())
