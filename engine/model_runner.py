@@ -118,9 +118,10 @@ class ModelRunner:
         if self.tp_size > 1:  # every rank holds the same page ids: the smallest pool of them all
             from engine.tensor_parallel.ranks import all_reduce_min
             self.num_blocks = all_reduce_min(self.tp_comm.group, self.num_blocks, self.device)
-        # On the CPU a page keeps each KV head's tokens together ([heads, block, row]): a decode
-        # walks one head's pages, and head-major pages let it read whole cache lines of that head
-        # (25-35 % faster at 64 x 300 tokens than token-major, where a head's rows are strided).
+        # On the CPU a page keeps each KV head's tokens together ([heads, block, row], as vLLM-CPU's
+        # pages do): a decode walks one head's pages and reads them as one stream, where token-major
+        # rows of a head are strided (the kernel alone: 64 x 300 tokens 25-35 % faster; a decode
+        # step at 64 x 1,000: 10-20 % faster; README, Performance).
         # The Triton GPU kernels keep token-major pages (page_order_for).
         self.page_order = page_order_for(self.device.type, self.block_size, self.num_kv_heads)
         shape = page_shape(self.page_order, self.num_layers, self.num_blocks, self.block_size,
