@@ -6,11 +6,11 @@ Compiled (the default, as vLLM does): ``torch.compile`` traces the whole forward
 layer, into one graph; each layer's paged attention stays one opaque custom op
 (``splitserve::paged_attention``), so nothing breaks the graph. The token count is marked
 *unbacked*, so one graph serves every batch shape (a decode of one sequence and a 2,048-token
-prefill alike) with no recompilation as the batch changes. On a CPU whose oneDNN computes in
-bf16/fp16 natively (AVX-512 BF16, AMX), inductor's freezing folds the weights into the graph so
-the linear layers run on prepacked oneDNN weights; elsewhere it is left off, because on an
-AVX2 CPU in fp32 the frozen (MKL-packed) linears measured slower than plain ones: 10 vs 30
-GF/s at 8 rows, no gain at 64 (one thread, 576x1536 then 1536x576). The compile happens once, at start-up, on a dummy batch (``warmup_s`` says how long it took);
+prefill alike) with no recompilation as the batch changes. On a CPU the linear layers are already packed for
+oneDNN by then (engine/cpu_linear.py), opaque ops the graph calls. inductor's freezing, which
+should prepack them itself, is left off: on an AVX-512 BF16 Zen 5 in bf16 it left them as plain
+``aten::mm`` (with the unbacked token count), and on an AVX2 CPU in fp32 its MKL-packed linears
+measured slower than plain ones (10 vs 30 GF/s at 8 rows). The compile happens once, at start-up, on a dummy batch (``warmup_s`` says how long it took);
 inductor's on-disk cache makes later start-ups of the same model fast.
 
 On CUDA the same graph runs; CUDA graphs for padded decode batch sizes are the next step and
@@ -43,11 +43,10 @@ class EagerForward:
 
 
 class CompiledForward:
-    def __init__(self, model: torch.nn.Module, device: torch.device, dtype: torch.dtype):
+    def __init__(self, model: torch.nn.Module, device: torch.device):
         self.eager = EagerForward(model)
         self.device = device
-        options = {"freezing": freezing_pays(device, dtype)}
-        self._compiled = torch.compile(self.eager.__call__, fullgraph=True, dynamic=False, options=options)
+        self._compiled = torch.compile(self.eager.__call__, fullgraph=True, dynamic=False)
         self.warmup_s = 0.0
 
     def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
@@ -68,15 +67,7 @@ class CompiledForward:
         return f"compiled ({self.warmup_s:.1f} s)"
 
 
-def freezing_pays(device: torch.device, dtype: torch.dtype) -> bool:
-    """Prepacked oneDNN weights: for bf16/fp16 on a CPU that computes in them natively."""
-    if device.type != "cpu" or dtype == torch.float32:
-        return False
-    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported() if dtype == torch.bfloat16
-                else torch.ops.mkldnn._is_mkldnn_fp16_supported())
-
-
-def build_forward(model: torch.nn.Module, config: EngineConfig, device: torch.device, dtype: torch.dtype):
+def build_forward(model: torch.nn.Module, config: EngineConfig, device: torch.device):
     if config.enforce_eager:
         return EagerForward(model)
-    return CompiledForward(model, device, dtype)
+    return CompiledForward(model, device)

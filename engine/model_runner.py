@@ -148,7 +148,7 @@ class ModelRunner:
         # Called as (plan, layer) once a layer's K/V of the step are in the pool: the prefill
         # side of kvtransfer ships each layer while the next one computes.
         self.layer_hook: Callable[[SchedulerOutput, int], None] | None = None
-        self.forward = build_forward(self.model.model, config, self.device, self.dtype)
+        self.forward = build_forward(self.model.model, config, self.device)
         if hasattr(self.forward, "warm_up"):
             self.forward.warm_up(self._dummy_forward)
         self.graphs: DecodeGraphs | None = None

@@ -284,7 +284,9 @@ class Sampler:
         need_grammar = any(r.grammar is not None for r in rows)
 
         if all_greedy and not (need_pen or need_min or lp_rows or need_grammar):
-            return SamplerOutput(token_ids=logits.argmax(dim=-1).tolist(), logprobs=None)
+            # max(dim).indices: the same first-maximum index as argmax, but argmax over bf16 is
+            # not vectorised on the CPU: 5.8 vs 1.1 ms for [64, 49152] on 2 Zen 5 threads.
+            return SamplerOutput(token_ids=logits.max(dim=-1).indices.tolist(), logprobs=None)
 
         dev = logits.device
         work = self.prepare(logits, rows)

@@ -1,8 +1,9 @@
-"""engine/cpu_linear.py: linear layers on prepacked oneDNN weights (fp32, CPU)."""
+"""engine/cpu_linear.py: linear layers on prepacked oneDNN weights (fp32; bf16 where the CPU has it)."""
 import pytest
 import torch
 
-from engine.cpu_linear import FusedLinears, FusedMember, OnednnLinear, pack_linear_layers, resolve_linear_backend
+from engine.cpu_linear import (FusedLinears, FusedMember, OnednnLinear, onednn_computes, pack_linear_layers,
+                               resolve_linear_backend)
 from tests.test_engine_correctness import GREEDY, assert_matches, mixed_prompts
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
@@ -19,6 +20,21 @@ def test_packed_linear_equals_nn_linear(bias, shape):
     torch.testing.assert_close(packed(x), linear(x), rtol=1e-5, atol=1e-5)
     compiled = torch.compile(packed, fullgraph=True)
     torch.testing.assert_close(compiled(x), linear(x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.skipif(not onednn_computes(torch.bfloat16), reason="this CPU's oneDNN has no native bf16")
+@pytest.mark.parametrize("rows", [1, 16, 65])
+def test_packed_bf16_linear_equals_nn_linear(rows):
+    """bf16 weights pack too where the CPU computes bf16 natively; fused groups included."""
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(64, 96, bias=False).to(torch.bfloat16)
+    x = torch.randn(rows, 64).to(torch.bfloat16)
+    packed = OnednnLinear(linear)
+    assert packed(x).dtype == torch.bfloat16
+    # Both accumulate in fp32 and round once to bf16: they may differ by one bf16 step.
+    torch.testing.assert_close(packed(x), linear(x), rtol=1.6e-2, atol=1e-2)
+    fused = FusedLinears([linear, linear])
+    torch.testing.assert_close(fused.part(1, x), linear(x), rtol=1.6e-2, atol=1e-2)
 
 
 @pytest.mark.parametrize("rows", [1, 8, 64, 65, 129, 300])
@@ -103,10 +119,14 @@ def test_fused_groups_equal_their_separate_linears(order):
 def test_backend_resolution():
     cpu, fp32 = torch.device("cpu"), torch.float32
     assert resolve_linear_backend("auto", cpu, fp32) == "onednn"
-    assert resolve_linear_backend("auto", cpu, torch.bfloat16) == "torch"
+    native_bf16 = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())  # AVX-512 BF16 or AMX
+    assert onednn_computes(torch.bfloat16) == native_bf16
+    assert resolve_linear_backend("auto", cpu, torch.bfloat16) == ("onednn" if native_bf16 else "torch")
     assert resolve_linear_backend("torch", cpu, fp32) == "torch"
-    with pytest.raises(ValueError, match="needs a CPU device, float32"):
-        resolve_linear_backend("onednn", cpu, torch.bfloat16)
+    with pytest.raises(ValueError, match="needs a CPU device and a dtype its oneDNN computes natively"):
+        resolve_linear_backend("onednn", cpu, torch.float64)
+    with pytest.raises(ValueError, match="needs a CPU device"):
+        resolve_linear_backend("onednn", torch.device("meta"), fp32)
     with pytest.raises(ValueError, match="must be one of"):
         resolve_linear_backend("mkl", cpu, fp32)
 

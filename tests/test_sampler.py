@@ -132,15 +132,19 @@ def test_validate_for_vocab():
 # ----------------------------------------------------------------------------------------
 
 
-def test_greedy_is_argmax_including_ties():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_greedy_is_argmax_including_ties(dtype):
     torch.manual_seed(0)
-    logits = torch.randn(8, 50)
+    logits = torch.randn(8, 50).to(dtype)
     logits[3, 7] = logits[3, 11] = logits[3].max() + 1.0  # tie: torch picks the first
     sampler = Sampler([EOS])
     out = sampler(logits, [row(temperature=0.0) for _ in range(8)])
     assert isinstance(out, SamplerOutput) and out.logprobs is None
     assert out.token_ids == logits.argmax(-1).tolist()
     assert out.token_ids[3] == 7
+    # A vocabulary the size of a real one, in whole numbers: ties in every row, across SIMD lanes.
+    wide = (torch.randn(16, 49152) * 2).round().to(dtype)
+    assert sampler(wide, [row(temperature=0.0) for _ in range(16)]).token_ids == wide.argmax(-1).tolist()
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
