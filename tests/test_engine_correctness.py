@@ -166,9 +166,23 @@ def test_requests_reuse_the_graph_compiled_at_start_up(tiny_model_dirs, make_llm
     # The warm-up step must pass every guard a real step checks: a recompile on the first
     # request costs its TTFT the whole compile time.
     import torch
+    # Steps after warm-up skip the guards (compiled_forward._STANCE_LOCK); that is safe because
+    # they would pass them, which this checks with the guards evaluated.
     torch._dynamo.reset()  # no graph an earlier test's real steps compiled
     llm = make_llm(tiny_model_dirs["llama"], num_gpu_blocks=64, enforce_eager=False)
+    assert llm.engine.runner.forward.skip_guards
+    llm.engine.runner.forward.skip_guards = False
     prompts = mixed_prompts(4, seed=21)
     with torch._dynamo.config.patch(error_on_recompile=True):
         outputs = llm.generate(prompts, GREEDY)
     assert [len(o.token_ids) for o in outputs] == [MAX_TOKENS] * 4
+
+
+def test_compiled_engines_of_different_models_share_a_process(tiny_model_dirs, make_llm, hf_reference):
+    """Guards are skipped after warm-up; each engine must still run its own model's graph, with
+    engines of three architectures compiled one after another and stepped in turn."""
+    llms = {arch: make_llm(tiny_model_dirs[arch], num_gpu_blocks=64, enforce_eager=False)
+            for arch in ("llama", "qwen2", "mistral")}
+    for seed, (arch, llm) in enumerate([*llms.items(), *llms.items()]):
+        prompts = mixed_prompts(3, seed=60 + seed)
+        assert_matches(llm.generate(prompts, GREEDY), prompts, hf_reference(tiny_model_dirs[arch]))
