@@ -11,7 +11,7 @@ import torch
 from engine.attention import StepLayout, cpu_kernels, reference
 from engine.attention.cpu_backend import CpuAttentionBackend
 from engine.attention.torch_backend import TorchAttentionBackend
-from tests.test_attention_kernels import SCENARIOS, Batch
+from tests.test_attention_kernels import SCENARIOS, Batch, dense_causal_sdpa
 
 
 
@@ -147,3 +147,41 @@ def test_write_and_decode_skips_padding_slots_and_leaves_prefill_rows(dtype):
                                          torch.tensor([0, 1], dtype=torch.int32), lens[:1], 0.25)
     torch.testing.assert_close(out[:1], expected, atol=1e-5, rtol=1e-5)
     assert (out[1:] == 7.0).all()  # rows past num_decodes are the caller's
+
+
+@pytest.mark.parametrize("scenario", ["prefill", "chunked", "mixed", "empty_seq"])
+@pytest.mark.parametrize("block_size", [8, 16, 32])  # slices of 16 keys span pages, fill one, or half of one
+@pytest.mark.parametrize("heads,head_dim", [((4, 4), 16), ((9, 3), 64), ((16, 1), 32), ((12, 4), 128)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_kernel_matches_dense_attention(scenario, block_size, heads, head_dim, dtype):
+    """Every chunk after the decodes attends causally over its whole context, cached prefix
+    included, read from fragmented pages whose unused slots hold NaN; decode rows are left alone."""
+    batch = Batch(SCENARIOS[scenario], block_size, *heads, head_dim, dtype, "cpu", fragmented=True, seed=5)
+    # The leading one-token sequences are the decodes; every sequence after them is a chunk (a
+    # later one-token sequence too: a chunk of one attends as a decode does).
+    num_decodes = next((i for i, n in enumerate(batch.q_lens) if n != 1), len(batch.q_lens))
+    out = torch.full_like(batch.query, 7.0)
+    torch.ops.splitserve_cpu.paged_prefill(out, batch.query, batch.k_cache, batch.v_cache, batch.block_tables,
+                                           batch.query_start_loc, batch.seq_lens, num_decodes, batch.scale)
+    expected = dense_causal_sdpa(batch)
+    first_prefill_row = int(batch.query_start_loc[num_decodes])
+    assert (out[:first_prefill_row] == 7.0).all()
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out[first_prefill_row:].float(), expected[first_prefill_row:], rtol=tol, atol=tol)
+
+
+def test_prefill_kernel_refuses_bad_input():
+    batch = Batch(SCENARIOS["prefill"], 16, 4, 4, 16, torch.float32, "cpu", fragmented=False)
+    out = torch.empty_like(batch.query)
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        torch.ops.splitserve_cpu.paged_prefill(out[..., :8], batch.query[..., :8], batch.k_cache[..., :8],
+                                               batch.v_cache[..., :8], batch.block_tables, batch.query_start_loc,
+                                               batch.seq_lens, 0, 1.0)
+    with pytest.raises(RuntimeError, match="int32"):
+        torch.ops.splitserve_cpu.paged_prefill(out, batch.query, batch.k_cache, batch.v_cache,
+                                               batch.block_tables.long(), batch.query_start_loc, batch.seq_lens, 0, 1.0)
+    short = batch.seq_lens.clone()
+    short[0] = 1  # fewer context tokens than the chunk's own
+    with pytest.raises(RuntimeError, match="bad rows or length"):
+        torch.ops.splitserve_cpu.paged_prefill(out, batch.query, batch.k_cache, batch.v_cache, batch.block_tables,
+                                               batch.query_start_loc, short, 0, 1.0)

@@ -1,4 +1,4 @@
-"""The CPU kernels in ``csrc/`` (paged decode attention; the page copy of the shm KV transport;
+"""The CPU kernels in ``csrc/`` (paged decode and prefill attention; the page copy of the shm KV transport;
 the call of engine/cpu_linear.py's packed linears), compiled for this machine on first use and cached.
 
 ``torch.utils.cpp_extension`` builds the sources with ``-O3 -march=native`` into
@@ -21,8 +21,8 @@ import torch
 
 log = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_attention_cpu.cpp", "copy_pages_cpu.cpp",
-                                                                   "onednn_linear_cpu.cpp")]
+_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_attention_cpu.cpp", "prefill_attention_cpu.cpp",
+                                                                   "copy_pages_cpu.cpp", "onednn_linear_cpu.cpp")]
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast"]
 _lock = threading.Lock()
 _state: dict[str, object] = {}
