@@ -6,15 +6,17 @@ Compiled (the default, as vLLM does): ``torch.compile`` traces the whole forward
 layer, into one graph; each layer's paged attention stays one opaque custom op
 (``splitserve::paged_attention``), so nothing breaks the graph. The token count is marked
 *unbacked*, so one graph serves every batch shape (a decode of one sequence and a 2,048-token
-prefill alike) with no recompilation as the batch changes. On a CPU the linear layers are already packed for
-oneDNN by then (engine/cpu_linear.py), opaque ops the graph calls. inductor's freezing, which
-should prepack them itself, is left off: on an AVX-512 BF16 Zen 5 in bf16 it left them as plain
-``aten::mm`` (with the unbacked token count), and on an AVX2 CPU in fp32 its MKL-packed linears
-measured slower than plain ones (10 vs 30 GF/s at 8 rows). The compile happens once, at start-up, on a dummy batch (``warmup_s`` says how long it took);
+prefill alike) with no recompilation as the batch changes. On a CPU the linear layers are
+already packed for oneDNN by then (engine/cpu_linear.py), opaque ops the graph calls. inductor's
+freezing, which should prepack them itself, is left off: on an AVX-512 BF16 Zen 5 in bf16 it left
+them as plain ``aten::mm`` (with the unbacked token count), and on an AVX2 CPU in fp32 its
+MKL-packed linears measured slower than plain ones (10 vs 30 GF/s at 8 rows). The compile happens
+once, at start-up, on a dummy batch (``warmup_s`` says how long it took); after it, steps skip
+dynamo's guard evaluation (see _STANCE_LOCK);
 inductor's on-disk cache makes later start-ups of the same model fast.
 
-On CUDA the same graph runs; CUDA graphs for padded decode batch sizes are the next step and
-are not captured yet.
+On CUDA the same graph runs, and the runner captures it as CUDA graphs for padded decode batch
+sizes (engine/cuda_graphs.py).
 """
 from __future__ import annotations
 

@@ -6,8 +6,8 @@ queries) go to the C++ prefill kernel (``csrc/prefill_attention_cpu.cpp``): caus
 each chunk over its whole context, cached prefix included, in tiles of query rows against
 16-key slices of the pages; one call a layer for all of a step's chunks. Against torch's SDPA on
 one chunk (2 AVX-512 Zen 5 cores, SmolLM2's 9 x 64 heads over 3 KV heads): bf16 1.1x at 32
-tokens, 2.4-2.6x at 144-256, 1.5x at 1,024, 1.4x at 2,048; fp32 1.3x, 2.2-3.1x, 1.8x, 1.5x. Quantized pages (kv_quant) keep the
-SDPA path: each chunk attends over its dequantized context.
+tokens, 2.4-2.6x at 144-256, 1.5x at 1,024, 1.4x at 2,048; fp32 1.3x, 2.2-3.1x, 1.8x, 1.5x.
+Quantized pages (kv_quant) keep the SDPA path: each chunk attends over its dequantized context.
 """
 from __future__ import annotations
 
