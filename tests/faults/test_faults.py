@@ -6,10 +6,12 @@ Every affected request must either finish with exactly the tokens transformers p
 spent; pages on every live worker return to their baseline. Every wait is bounded.
 """
 import socket
+import time
 
 import grpc
 import pytest
 
+from gateway.attempt import SUSPECT_S
 from splitserve.client import Client
 from splitserve.testing.prompts import mixed_prompts
 from splitserve.testing.stack import (DEFAULT_WORKER_ARGS, start_process, start_stack, stop_process, wait_pages_at_baseline,
@@ -87,6 +89,12 @@ def test_requests_placed_on_a_frozen_decode_worker_move_to_the_healthy_one(stack
     request finishes on the other one, and none gets DEADLINE_EXCEEDED, though each has a
     client deadline (the Reserve's timeout is the gateway's own, not the client's)."""
     victim, healthy = stack.names("decode")[1], stack.names("decode")[0]
+    # The test before froze this same worker: until it has registered again and the gateway's
+    # suspicion of it (SUSPECT_S from its last failure) has run out, nothing is placed on it, and
+    # on a fast machine this test began inside that window.
+    wait_until(lambda: worker_id(stack, victim) in {w.worker_id for w in stack.client.server_info().workers}, 30,
+               f"{victim} to be registered")
+    time.sleep(SUSPECT_S + 1)
     with frozen(stack.procs[victim]):
         streams = run_streams(stack, "reserve-frozen", mixed_prompts(4, seed=18, lo=5, hi=40), max_tokens=40)
         join_all(streams)
