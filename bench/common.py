@@ -7,6 +7,7 @@ import platform
 import statistics
 import subprocess
 import threading
+import time
 from pathlib import Path
 
 
@@ -80,3 +81,31 @@ class LoadSampler:
         s = self.samples or [float("nan")]
         return {"loadavg_1min_mean": sum(s) / len(s), "loadavg_1min_max": max(s), "cores": os.cpu_count(),
                 "note": "other jobs shared these cores; load above the core count means they waited"}
+
+
+def _cpu_times() -> tuple[int, int]:
+    """(busy, total) clock ticks of all cores since boot, from /proc/stat."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return sum(fields) - idle, sum(fields)
+
+
+def wait_until_quiet(busy_below: float = 0.15, window_s: float = 0.5, timeout_s: float = 20.0) -> float:
+    """Wait until the cores were busy less than ``busy_below`` of one ``window_s`` window (every
+    process counted, this one too), at most ``timeout_s``; returns the seconds waited.
+
+    Rounds of systems that take turns on one box must each start on a quiet machine: vLLM-CPU's
+    worker keeps a core busy for about a second after its last request ends (measured: 100 % of
+    a core for 1.0 s), and the next system's first request, started at once, waited ~1.08 s
+    instead of ~0.12 (the colocated stack after every vLLM round: its TTFT p99 was that tail)."""
+    start = time.monotonic()
+    if not os.path.exists("/proc/stat"):
+        return 0.0
+    while time.monotonic() - start < timeout_s:
+        busy0, total0 = _cpu_times()
+        time.sleep(window_s)
+        busy1, total1 = _cpu_times()
+        if total1 > total0 and (busy1 - busy0) / (total1 - total0) < busy_below:
+            break
+    return time.monotonic() - start

@@ -10,8 +10,8 @@
 
 Each writes ``bench/results/compare_<name>.json`` (``--out`` to change) and a PNG beside it.
 
-Method: both systems are started side by side (each idle while the other is measured); a
-warm-up round of each, then ``--pairs`` rounds A B A B ...; round i of A and round i of B get
+Method: both systems are started side by side (each idle while the other is measured); each
+round starts once the machine is quiet (``bench.common.wait_until_quiet``); a warm-up round of each, then ``--pairs`` rounds A B A B ...; round i of A and round i of B get
 the same requests at the same offsets; every round repeats the same lengths and offsets with
 fresh prompt token ids, so no round finds an earlier round's prompts in the prefix cache.
 Latencies are pooled over the measured rounds of a system (p50/p90/p99 over every request),
@@ -29,14 +29,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
-from bench.common import LoadSampler, median, write_json
+from bench.common import LoadSampler, median, wait_until_quiet, write_json
 from bench.metrics import AIM, DEFINITIONS, metric_values
 from bench.plots import plot_cdfs, plot_sweep
 from bench.serve import GrpcBackend, meets_aim, relative_slo, run_load, summarize, summarize_rounds, sweep, unloaded
 from bench.stack import InProcessBackend, Stack, running
 from bench.workloads import BenchRequest, fresh_tokens, interference, mixed, poisson_offsets, prefix_probe
 
-METHOD = ("systems side by side, one warm-up round each, then interleaved rounds A B A B ...; the same requests "
+METHOD = ("systems side by side, one warm-up round each, then interleaved rounds A B A B ..., each started once the "
+          "machine is quiet; the same requests "
           "and offsets in every round (fresh prompt ids each round); latencies pooled over the measured "
           "rounds, throughput = output tokens / wall time over them")
 
@@ -70,13 +71,15 @@ def run_interleaved(arms: dict[str, Callable[[int], Phases]], pairs: int) -> dic
     """Run the schedule; returns arm -> phase -> [(records, wall) of each measured round]."""
     runs: dict[str, dict[str, list]] = {arm: {} for arm in arms}
     for rnd in schedule(list(arms), pairs):
+        waited = wait_until_quiet()  # the previous round's system may still be busy (bench.common)
         phases = arms[rnd.arm](rnd.index)
         for phase, (records, wall) in phases.items():
             s = summarize(records, wall, float("inf"), float("inf"))
             print(f"{'warm-up' if rnd.warmup else f'round {rnd.index}':8s} {rnd.arm:15s} {phase:9s} "
                   f"TTFT p50 {s['ttft_ms']['p50']:8.1f}  TPOT p50 {s['tpot_ms']['p50']:7.1f}  "
                   f"ITL p99 {s['itl_ms']['p99']:7.1f}  {s['output_tokens_per_s']:6.1f} tok/s  "
-                  f"{wall:6.1f} s  failed {s['failed']}  retried {s['retried_requests']}", flush=True)
+                  f"{wall:6.1f} s  failed {s['failed']}  retried {s['retried_requests']}  "
+                  f"(waited {waited:.1f} s for a quiet machine)", flush=True)
             for error in s["errors"]:
                 print(f"    error: {error[:300]}", flush=True)
             if not rnd.warmup:

@@ -160,7 +160,20 @@ def summarize(results: list[dict], wall: float, slo_ttft_ms: float, slo_tpot_ms:
             "requests_per_s": len(ok) / wall, "goodput_requests_per_s": good / wall,
             "slo": {"ttft_ms": slo_ttft_ms, "tpot_ms": slo_tpot_ms},
             "ttft_ms": percentiles(ttft), "tpot_ms": percentiles(tpot), "itl_ms": percentiles(itl),
-            "e2e_ms": percentiles(e2e)}
+            "e2e_ms": percentiles(e2e), "slowest_ttft": slowest_ttft(results)}
+
+
+def slowest_ttft(results: list[dict]) -> dict:
+    """The request with the longest TTFT: its index, when it was sent (s after the round's first
+    send), its prompt length and the gateway's timeline of it, to tell an outlier's cause
+    (the first request after an idle spell, a long prompt, a queue) from the figures."""
+    ok = [(i, r) for i, r in enumerate(results) if r["error"] is None and r["token_times"]]
+    if not ok:
+        return {}
+    first_sent = min(r["sent"] for _, r in ok)
+    i, r = max(ok, key=lambda item: item[1]["token_times"][0] - item[1]["sent"])
+    return {"index": i, "sent_s": r["sent"] - first_sent, "ttft_ms": 1000 * (r["token_times"][0] - r["sent"]),
+            "prompt_tokens": r["prompt_tokens"], "timeline": r.get("timeline") or {}}
 
 
 def timeline_breakdown(results: list[dict]) -> dict:

@@ -1,7 +1,10 @@
 """bench/compare.py and the load generator it shares with bench/serve.py: the pure parts on
 hand-made data, and one comparison end to end (--quick) on the tiny model. No timing asserted."""
 import json
+import multiprocessing
+import os
 import random
+import time
 import types
 
 import grpc
@@ -9,6 +12,7 @@ import psutil
 import pytest
 
 from bench import compare
+from bench.common import wait_until_quiet
 from bench.metrics import metric_values
 from bench.serve import parse_rates, run_load, summarize, summarize_rounds, timeline_breakdown
 from bench.workloads import BenchRequest, fresh_tokens, interference, mixed, poisson_offsets, prefix_probe
@@ -105,6 +109,36 @@ def test_timeline_breakdown_sets_the_gateway_view_beside_the_client_one():
     assert b["requests"] == 2 and b["queued_ms"] == pytest.approx(10.0) and b["prefill_ms"] == 100.0
     assert b["client_ttft_ms"] == pytest.approx(200.0) and b["client_minus_gateway_ttft_ms"] == pytest.approx(50.0)
     assert timeline_breakdown([rec(0.0, 0.2, None)]) == {}
+
+
+def test_summarize_names_the_slowest_first_token():
+    records = [_record(10.0, [10.1, 10.2], "a"), _record(12.0, [13.5], "b"), _record(13.0, [], "a", error="E"),
+               _record(14.0, [14.2], "a")]
+    records[1]["timeline"] = {"queued_ms": 2.0, "first_token_ms": 1490.0}
+    slowest = summarize(records, 5.0, float("inf"), float("inf"))["slowest_ttft"]
+    assert slowest["index"] == 1 and slowest["sent_s"] == pytest.approx(2.0)
+    assert slowest["ttft_ms"] == pytest.approx(1500.0) and slowest["timeline"]["first_token_ms"] == 1490.0
+    assert summarize([records[2]], 1.0, float("inf"), float("inf"))["slowest_ttft"] == {}
+
+
+def test_wait_until_quiet_waits_out_a_busy_machine():
+    spinners = [multiprocessing.get_context("spawn").Process(target=_spin, args=(3.0,)) for _ in range(os.cpu_count() or 1)]
+    for p in spinners:
+        p.start()
+    try:
+        # Every core busy: no window is quiet, so it waits its whole bound.
+        assert wait_until_quiet(busy_below=0.5, window_s=0.2, timeout_s=1.0) >= 1.0
+    finally:
+        for p in spinners:
+            p.join()
+    # Any machine is "quiet" below 101 % busy: one window and out.
+    assert wait_until_quiet(busy_below=1.01, window_s=0.1, timeout_s=30.0) < 30.0
+
+
+def _spin(seconds: float) -> None:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        pass
 
 
 def test_metric_values_match_summarize():
