@@ -198,6 +198,28 @@ struct CacheView {
   int64_t block, token, head;  // strides in elements
 };
 
+// Online softmax of one head over one page: the page's `n8` scores (a multiple of 8; the tail
+// past the page's tokens holds -1e30) become their weights exp(score - new max), and what came
+// before (running sum `l`, accumulator `acc` of D floats) is rescaled by exp(old max - new max).
+template <int D>
+inline void online_softmax(float* __restrict s, int n8, float& m, float& l, float* __restrict acc) {
+  v8f page_max = splat(m);
+  for (int t0 = 0; t0 < n8; t0 += 8) page_max = vmax(page_max, load8(s + t0));
+  const float mx = hmax(page_max);
+  const float alpha = exp_nonpositive(splat(m - mx))[0];
+  v8f sum = v8f{};
+  for (int t0 = 0; t0 < n8; t0 += 8) {
+    const v8f e = exp_nonpositive(load8(s + t0) - splat(mx));
+    store8(s + t0, e);
+    sum += e;
+  }
+  float total = 0.0f;
+  for (int i = 0; i < 8; ++i) total += sum[i];
+  l = l * alpha + total;
+  m = mx;
+  for (int c = 0; c < D / 8; ++c) store8(acc + c * 8, load8(acc + c * 8) * splat(alpha));
+}
+
 // Register columns of V accumulated per pass: G x CC accumulators (at most 12 of AVX2's 16
 // registers, leaving room for the V row and the weight), CC dividing the row's C columns.
 constexpr int v_columns(int group, int columns) {
@@ -272,23 +294,8 @@ void attend_group(const float* __restrict q, const cache_t* __restrict k_base, c
       for (int g = 0; g < G; ++g)
         for (int j = 0; j < T; ++j) s[g][t0 + j] = t0 + j < n ? r[g * T + j] : -1e30f;
     }
-    // Online softmax per head: rescale what came before by exp(old max - new max).
     for (int g = 0; g < G; ++g) {
-      v8f page_max = splat(m[g]);
-      for (int t0 = 0; t0 < n8; t0 += 8) page_max = vmax(page_max, load8(s[g] + t0));
-      const float mx = hmax(page_max);
-      const float alpha = exp_nonpositive(splat(m[g] - mx))[0];
-      v8f sum = v8f{};
-      for (int t0 = 0; t0 < n8; t0 += 8) {
-        const v8f e = exp_nonpositive(load8(s[g] + t0) - splat(mx));
-        store8(s[g] + t0, e);
-        sum += e;
-      }
-      float total = 0.0f;
-      for (int i = 0; i < 8; ++i) total += sum[i];
-      l[g] = l[g] * alpha + total;
-      m[g] = mx;
-      for (int c = 0; c < C; ++c) store8(acc[g] + c * 8, load8(acc[g] + c * 8) * splat(alpha));
+      online_softmax<D>(s[g], n8, m[g], l[g], acc[g]);
       if constexpr (KvQuant<cache_t>::value) {  // weight x V scale: the V loop below reads raw codes
         for (int t = 0; t < n; ++t) s[g][t] *= vscale[t];
       }
@@ -333,6 +340,128 @@ void attend_one(const float* q, int group, const cache_t* k_base, const cache_t*
   }
 }
 
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+// bf16 pages and bf16 queries on a CPU with AVX512-BF16 (Zen 4/5, Sapphire Rapids): scores by
+// vdpbf16ps straight from the pages, 32 bf16 products a register, no widening of K (bf16 x bf16
+// products are exact in float32, sums float32, as above); P.V in float32 on 16-lane registers.
+// Where this is compiled, bf16 decode on the generic path above spent most of its time widening K
+// and in 8-lane horizontal sums.
+constexpr bool kBf16DotKernel = true;
+
+inline __m512 widen16(const c10::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+
+// Sixteen dot-product accumulators -> one register of their sixteen sums, lane j = sum of d[j]:
+// pairs are interleaved and added within 128-bit lanes, then 128-bit lanes across registers.
+inline __m512 reduce16(const __m512 d[16]) {
+  __m512 b[8], c[4];
+  for (int i = 0; i < 8; ++i)  // lanes [j j+1 j j+1] of tokens j = 2i: partial sums
+    b[i] = _mm512_add_ps(_mm512_unpacklo_ps(d[2 * i], d[2 * i + 1]), _mm512_unpackhi_ps(d[2 * i], d[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {  // lanes [4i 4i+1 4i+2 4i+3] in each 128-bit lane
+    const __m512d x = _mm512_castps_pd(b[2 * i]), y = _mm512_castps_pd(b[2 * i + 1]);
+    c[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  const __m512 e0 = _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
+  const __m512 e1 = _mm512_add_ps(_mm512_shuffle_f32x4(c[2], c[3], 0x88), _mm512_shuffle_f32x4(c[2], c[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(e0, e1, 0x88), _mm512_shuffle_f32x4(e0, e1, 0xDD));
+}
+
+// attend_group for bf16 pages and queries: `q` holds G raw bf16 rows (`scale` applies to the
+// scores). Scores go 16 tokens of a page at a time (rows past the page's tokens read a zero row
+// and are masked), the online softmax is the shared one, V is accumulated 16 floats a register.
+template <int D, int G>
+void attend_group_bf16(const c10::BFloat16* __restrict q, float scale, const c10::BFloat16* __restrict k_base,
+                       const c10::BFloat16* __restrict v_base, CacheView kv, CacheView vv,
+                       const int32_t* __restrict table, int ctx, int block_size, float* __restrict out) {
+  constexpr int QC = D / 32;  // bf16 registers of a row
+  constexpr int VC = D / 16;  // float registers of a row
+  constexpr int CC = [] {     // V registers per pass: G x CC accumulators in at most 24 of 32 registers
+    int cc = 24 / G > 0 ? 24 / G : 1;
+    while (VC % cc != 0) --cc;
+    return cc;
+  }();
+  float m[G], l[G];
+  alignas(64) float acc[G][D];
+  alignas(64) float s[G][kMaxBlockSize + 16];
+  alignas(64) static const c10::BFloat16 zero_row[D] = {};
+  __m512bh qv[G][QC];
+  for (int g = 0; g < G; ++g) {
+    m[g] = -1e30f;
+    l[g] = 0.0f;
+    for (int c = 0; c < VC; ++c) _mm512_store_ps(acc[g] + c * 16, _mm512_setzero_ps());
+    for (int c = 0; c < QC; ++c)
+      qv[g][c] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(q + g * D + c * 32));
+  }
+  const __m512 vscale = _mm512_set1_ps(scale);
+  const __m512 masked = _mm512_set1_ps(-1e30f);
+  const int num_pages = (ctx + block_size - 1) / block_size;
+  for (int p = 0; p < num_pages; ++p) {
+    const int64_t blk = table[p];
+    const int n = std::min(block_size, ctx - p * block_size);
+    const c10::BFloat16* kp = k_base + blk * kv.block;
+    const c10::BFloat16* vp = v_base + blk * vv.block;
+    for (int t0 = 0; t0 < n; t0 += 16) {
+      const int rows = std::min(16, n - t0);
+      const c10::BFloat16* krow[16];
+      for (int j = 0; j < 16; ++j) krow[j] = j < rows ? kp + (t0 + j) * kv.token : zero_row;
+      const __mmask16 valid = static_cast<__mmask16>((1u << rows) - 1u);
+      for (int g = 0; g < G; ++g) {
+        __m512 d[16];
+#pragma GCC unroll 16
+        for (int j = 0; j < 16; ++j) {
+          d[j] = _mm512_setzero_ps();
+          for (int c = 0; c < QC; ++c)
+            d[j] = _mm512_dpbf16_ps(d[j], qv[g][c], reinterpret_cast<__m512bh>(_mm512_loadu_si512(krow[j] + c * 32)));
+        }
+        _mm512_store_ps(s[g] + t0, _mm512_mask_blend_ps(valid, masked, _mm512_mul_ps(reduce16(d), vscale)));
+      }
+    }
+    const int n8 = (n + 7) & ~7;
+    for (int g = 0; g < G; ++g) online_softmax<D>(s[g], n8, m[g], l[g], acc[g]);
+    for (int c0 = 0; c0 < VC; c0 += CC) {
+      __m512 a[G][CC];
+      for (int g = 0; g < G; ++g)
+        for (int cc = 0; cc < CC; ++cc) a[g][cc] = _mm512_load_ps(acc[g] + (c0 + cc) * 16);
+      for (int t = 0; t < n; ++t) {
+        const c10::BFloat16* vrow = vp + t * vv.token + c0 * 16;
+        __m512 v[CC];
+        for (int cc = 0; cc < CC; ++cc) v[cc] = widen16(vrow + cc * 16);
+        for (int g = 0; g < G; ++g) {
+          const __m512 w = _mm512_set1_ps(s[g][t]);
+          for (int cc = 0; cc < CC; ++cc) a[g][cc] = _mm512_fmadd_ps(w, v[cc], a[g][cc]);
+        }
+      }
+      for (int g = 0; g < G; ++g)
+        for (int cc = 0; cc < CC; ++cc) _mm512_store_ps(acc[g] + (c0 + cc) * 16, a[g][cc]);
+    }
+  }
+  for (int g = 0; g < G; ++g) {
+    const __m512 inv = _mm512_set1_ps(l[g] > 0.0f ? 1.0f / l[g] : 0.0f);
+    for (int c = 0; c < VC; ++c) _mm512_storeu_ps(out + g * D + c * 16, _mm512_mul_ps(_mm512_load_ps(acc[g] + c * 16), inv));
+  }
+}
+
+template <int D>
+void attend_one_bf16(const c10::BFloat16* q, int group, float scale, const c10::BFloat16* k_base,
+                     const c10::BFloat16* v_base, CacheView kv, CacheView vv, const int32_t* table, int ctx,
+                     int block_size, float* out) {
+  for (int g0 = 0; g0 < group; g0 += kWalkGroup) {
+    const c10::BFloat16* qg = q + g0 * D;
+    float* og = out + g0 * D;
+    switch (std::min(kWalkGroup, group - g0)) {
+      case 1: attend_group_bf16<D, 1>(qg, scale, k_base, v_base, kv, vv, table, ctx, block_size, og); break;
+      case 2: attend_group_bf16<D, 2>(qg, scale, k_base, v_base, kv, vv, table, ctx, block_size, og); break;
+      case 3: attend_group_bf16<D, 3>(qg, scale, k_base, v_base, kv, vv, table, ctx, block_size, og); break;
+      default: attend_group_bf16<D, 4>(qg, scale, k_base, v_base, kv, vv, table, ctx, block_size, og); break;
+    }
+  }
+}
+#else
+constexpr bool kBf16DotKernel = false;
+#endif
+
 template <typename cache_t, typename q_t, int D>
 void decode_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                  const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale, int64_t num_seqs) {
@@ -356,16 +485,28 @@ void decode_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_c
   at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     alignas(64) float q[kMaxGroup * D];
     alignas(64) float o[kMaxGroup * D];
+    alignas(64) q_t q_raw[kMaxGroup * D];
     for (int64_t item = begin; item < end; ++item) {
       const int64_t b = item / num_kv_heads;
       const int h = item % num_kv_heads;
       const int ctx = lens[b];
-      for (int g = 0; g < group; ++g) {
-        const q_t* src = q_ptr + b * q_row + (h * group + g) * q_head;
-        for (int d = 0; d < D; ++d) q[g * D + d] = widen(src[d]) * fscale;
+      constexpr bool bf16_dot = kBf16DotKernel && std::is_same_v<cache_t, c10::BFloat16> &&
+                                std::is_same_v<q_t, c10::BFloat16> && D % 32 == 0;
+      if constexpr (bf16_dot) {
+        for (int g = 0; g < group; ++g)
+          std::memcpy(q_raw + g * D, q_ptr + b * q_row + (h * group + g) * q_head, D * sizeof(q_t));
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+        attend_one_bf16<D>(q_raw, group, fscale, k_ptr + h * kv.head, v_ptr + h * vv.head, kv, vv, bt + b * bt_row,
+                           ctx, block_size, o);
+#endif
+      } else {
+        for (int g = 0; g < group; ++g) {
+          const q_t* src = q_ptr + b * q_row + (h * group + g) * q_head;
+          for (int d = 0; d < D; ++d) q[g * D + d] = widen(src[d]) * fscale;
+        }
+        attend_one<cache_t, D>(q, group, k_ptr + h * kv.head, v_ptr + h * vv.head, kv, vv, bt + b * bt_row, ctx,
+                               block_size, o);
       }
-      attend_one<cache_t, D>(q, group, k_ptr + h * kv.head, v_ptr + h * vv.head, kv, vv, bt + b * bt_row, ctx,
-                             block_size, o);
       for (int g = 0; g < group; ++g) store_row(o_ptr + b * o_row + (h * group + g) * o_head, o + g * D, D);
     }
   });
@@ -548,9 +689,13 @@ void write_and_decode(at::Tensor out, const at::Tensor& query, const at::Tensor&
   decode_rows(out, query, k_cache, v_cache, block_tables, seq_lens, scale, num_decodes);
 }
 
+// Whether bf16 decode runs on the AVX512-BF16 kernel in this build (it needs -march on such a CPU).
+bool decode_uses_bf16_dot() { return kBf16DotKernel; }
+
 }  // namespace
 
 TORCH_LIBRARY(splitserve_cpu, m) {
+  m.def("decode_uses_bf16_dot() -> bool", &decode_uses_bf16_dot);  // no tensors: no dispatch key
   m.def("paged_decode(Tensor(a!) out, Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
         "Tensor seq_lens, float scale) -> ()");
   m.def("write_and_decode(Tensor(a!) out, Tensor query, Tensor key, Tensor value, Tensor(b!) k_cache, "
