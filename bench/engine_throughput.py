@@ -42,7 +42,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import LoadSampler, median, write_json
+from bench.common import LoadSampler, median, wait_until_quiet, write_json
 from bench.vllm_server import vllm_env
 from bench.workloads import BenchRequest, fresh_tokens, mixed, shared_prefix
 
@@ -240,10 +240,13 @@ def measure(systems: dict, name: str, prompt_len: int, args, vocab: int) -> dict
     for round_ in range(args.pairs + 1):
         requests = base if round_ == 0 else round_requests(base, name, vocab, seed + 1000 * round_)
         for system_name, system in systems.items():
-            # The previous system's threads may still spin (OpenMP waits ~200 ms before sleeping):
-            # let them settle so a short run (one 256-token prefill: ~0.5 s) is not timed against them.
+            # The previous system's threads may still spin (OpenMP waits ~200 ms before sleeping;
+            # vLLM's worker ~1 s): let them settle so a short run (one 256-token prefill: ~0.5 s)
+            # is not timed against them.
             time.sleep(args.settle_s)
+            waited = wait_until_quiet()
             result = system.run(requests)
+            result["waited_for_quiet_s"] = args.settle_s + waited
             result["loadavg_1min"] = os.getloadavg()[0]
             tag = "warm-up" if round_ == 0 else f"round {round_}"
             print(f"{label:13s} {tag:8s} {system_name:17s} {result['wall_s']:7.2f} s  "

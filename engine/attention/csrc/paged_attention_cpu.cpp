@@ -348,11 +348,6 @@ void attend_one(const float* q, int group, const cache_t* k_base, const cache_t*
 // and in 8-lane horizontal sums.
 constexpr bool kBf16DotKernel = true;
 
-inline __m512 widen16(const c10::BFloat16* p) {
-  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
-}
-
 // Sixteen dot-product accumulators -> one register of their sixteen sums, lane j = sum of d[j]:
 // pairs are interleaved and added within 128-bit lanes, then 128-bit lanes across registers.
 inline __m512 reduce16(const __m512 d[16]) {
@@ -368,78 +363,103 @@ inline __m512 reduce16(const __m512 d[16]) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(e0, e1, 0x88), _mm512_shuffle_f32x4(e0, e1, 0xDD));
 }
 
+// Tokens scored and weighed together by the bf16 kernel: whole pages up to this many (one page
+// when pages are larger), so the online softmax's bookkeeping is paid once a span, not a page.
+constexpr int kSpanTokens = 64;
+
 // attend_group for bf16 pages and queries: `q` holds G raw bf16 rows (`scale` applies to the
-// scores). Scores go 16 tokens of a page at a time (rows past the page's tokens read a zero row
-// and are masked), the online softmax is the shared one, V is accumulated 16 floats a register.
+// scores). Per span: scores 16 tokens at a time across its pages (rows past the span read a zero
+// row and are masked), the shared online softmax, then V. V rows are widened by interleaving
+// with zeros, which leaves each 32-value block's floats in the order [0-3 8-11 16-19 24-27 |
+// 4-7 12-15 20-23 28-31]: `acc` keeps that order and the end puts it back.
 template <int D, int G>
 void attend_group_bf16(const c10::BFloat16* __restrict q, float scale, const c10::BFloat16* __restrict k_base,
                        const c10::BFloat16* __restrict v_base, CacheView kv, CacheView vv,
                        const int32_t* __restrict table, int ctx, int block_size, float* __restrict out) {
-  constexpr int QC = D / 32;  // bf16 registers of a row
-  constexpr int VC = D / 16;  // float registers of a row
-  constexpr int CC = [] {     // V registers per pass: G x CC accumulators in at most 24 of 32 registers
-    int cc = 24 / G > 0 ? 24 / G : 1;
-    while (VC % cc != 0) --cc;
-    return cc;
+  constexpr int VP = D / 32;  // bf16 registers of a row
+  constexpr int PP = [] {     // bf16 V registers per pass: G x 2PP float accumulators in at most 24 registers
+    int pp = 12 / G > 0 ? 12 / G : 1;
+    while (VP % pp != 0) --pp;
+    return pp;
   }();
+  constexpr int kMaxSpan = kMaxBlockSize > kSpanTokens ? kMaxBlockSize : kSpanTokens;
   float m[G], l[G];
   alignas(64) float acc[G][D];
-  alignas(64) float s[G][kMaxBlockSize + 16];
+  alignas(64) float s[G][kMaxSpan + 16];
   alignas(64) static const c10::BFloat16 zero_row[D] = {};
-  __m512bh qv[G][QC];
+  const c10::BFloat16* krow[kMaxSpan + 16];
+  const c10::BFloat16* vrow[kMaxSpan];
+  __m512bh qv[G][VP];
   for (int g = 0; g < G; ++g) {
     m[g] = -1e30f;
     l[g] = 0.0f;
-    for (int c = 0; c < VC; ++c) _mm512_store_ps(acc[g] + c * 16, _mm512_setzero_ps());
-    for (int c = 0; c < QC; ++c)
-      qv[g][c] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(q + g * D + c * 32));
+    for (int c = 0; c < D / 16; ++c) _mm512_store_ps(acc[g] + c * 16, _mm512_setzero_ps());
+    for (int c = 0; c < VP; ++c) qv[g][c] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(q + g * D + c * 32));
   }
   const __m512 vscale = _mm512_set1_ps(scale);
   const __m512 masked = _mm512_set1_ps(-1e30f);
-  const int num_pages = (ctx + block_size - 1) / block_size;
-  for (int p = 0; p < num_pages; ++p) {
-    const int64_t blk = table[p];
-    const int n = std::min(block_size, ctx - p * block_size);
-    const c10::BFloat16* kp = k_base + blk * kv.block;
-    const c10::BFloat16* vp = v_base + blk * vv.block;
-    for (int t0 = 0; t0 < n; t0 += 16) {
+  const __m512i zero = _mm512_setzero_si512();
+  for (int pos = 0; pos < ctx;) {  // `pos` is always at a page boundary
+    int n = 0;
+    do {
+      const int64_t blk = table[(pos + n) / block_size];
+      const int rows = std::min(block_size, ctx - (pos + n));
+      for (int t = 0; t < rows; ++t) {
+        krow[n + t] = k_base + blk * kv.block + t * kv.token;
+        vrow[n + t] = v_base + blk * vv.block + t * vv.token;
+      }
+      n += rows;
+    } while (pos + n < ctx && n + block_size <= kSpanTokens);
+    const int n16 = (n + 15) & ~15;
+    for (int t = n; t < n16; ++t) krow[t] = zero_row;
+    for (int t0 = 0; t0 < n16; t0 += 16) {
       const int rows = std::min(16, n - t0);
-      const c10::BFloat16* krow[16];
-      for (int j = 0; j < 16; ++j) krow[j] = j < rows ? kp + (t0 + j) * kv.token : zero_row;
-      const __mmask16 valid = static_cast<__mmask16>((1u << rows) - 1u);
+      const __mmask16 valid = static_cast<__mmask16>(rows >= 16 ? 0xFFFFu : (1u << rows) - 1u);
       for (int g = 0; g < G; ++g) {
         __m512 d[16];
 #pragma GCC unroll 16
         for (int j = 0; j < 16; ++j) {
           d[j] = _mm512_setzero_ps();
-          for (int c = 0; c < QC; ++c)
-            d[j] = _mm512_dpbf16_ps(d[j], qv[g][c], reinterpret_cast<__m512bh>(_mm512_loadu_si512(krow[j] + c * 32)));
+          for (int c = 0; c < VP; ++c)
+            d[j] = _mm512_dpbf16_ps(d[j], qv[g][c], reinterpret_cast<__m512bh>(_mm512_loadu_si512(krow[t0 + j] + c * 32)));
         }
         _mm512_store_ps(s[g] + t0, _mm512_mask_blend_ps(valid, masked, _mm512_mul_ps(reduce16(d), vscale)));
       }
     }
     const int n8 = (n + 7) & ~7;
     for (int g = 0; g < G; ++g) online_softmax<D>(s[g], n8, m[g], l[g], acc[g]);
-    for (int c0 = 0; c0 < VC; c0 += CC) {
-      __m512 a[G][CC];
+    for (int c0 = 0; c0 < VP; c0 += PP) {
+      __m512 a[G][2 * PP];
       for (int g = 0; g < G; ++g)
-        for (int cc = 0; cc < CC; ++cc) a[g][cc] = _mm512_load_ps(acc[g] + (c0 + cc) * 16);
+        for (int i = 0; i < 2 * PP; ++i) a[g][i] = _mm512_load_ps(acc[g] + c0 * 32 + i * 16);
       for (int t = 0; t < n; ++t) {
-        const c10::BFloat16* vrow = vp + t * vv.token + c0 * 16;
-        __m512 v[CC];
-        for (int cc = 0; cc < CC; ++cc) v[cc] = widen16(vrow + cc * 16);
+        __m512 v[2 * PP];
+        for (int pp = 0; pp < PP; ++pp) {
+          const __m512i x = _mm512_loadu_si512(vrow[t] + (c0 + pp) * 32);
+          v[2 * pp] = _mm512_castsi512_ps(_mm512_unpacklo_epi16(zero, x));
+          v[2 * pp + 1] = _mm512_castsi512_ps(_mm512_unpackhi_epi16(zero, x));
+        }
         for (int g = 0; g < G; ++g) {
           const __m512 w = _mm512_set1_ps(s[g][t]);
-          for (int cc = 0; cc < CC; ++cc) a[g][cc] = _mm512_fmadd_ps(w, v[cc], a[g][cc]);
+          for (int i = 0; i < 2 * PP; ++i) a[g][i] = _mm512_fmadd_ps(w, v[i], a[g][i]);
         }
       }
       for (int g = 0; g < G; ++g)
-        for (int cc = 0; cc < CC; ++cc) _mm512_store_ps(acc[g] + (c0 + cc) * 16, a[g][cc]);
+        for (int i = 0; i < 2 * PP; ++i) _mm512_store_ps(acc[g] + c0 * 32 + i * 16, a[g][i]);
     }
+    pos += n;
   }
   for (int g = 0; g < G; ++g) {
-    const __m512 inv = _mm512_set1_ps(l[g] > 0.0f ? 1.0f / l[g] : 0.0f);
-    for (int c = 0; c < VC; ++c) _mm512_storeu_ps(out + g * D + c * 16, _mm512_mul_ps(_mm512_load_ps(acc[g] + c * 16), inv));
+    const float inv = l[g] > 0.0f ? 1.0f / l[g] : 0.0f;
+    for (int c = 0; c < VP; ++c) {
+      const float* lo = acc[g] + c * 32;
+      float* o = out + g * D + c * 32;
+      for (int k = 0; k < 4; ++k)
+        for (int i = 0; i < 4; ++i) {
+          o[8 * k + i] = lo[4 * k + i] * inv;
+          o[8 * k + 4 + i] = lo[16 + 4 * k + i] * inv;
+        }
+    }
   }
 }
 
