@@ -18,11 +18,16 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <cstring>
 #include <numeric>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -86,6 +91,18 @@ inline v16f exp_nonpositive16(v16f x) {
   return p * scale;
 }
 
+// bf16 pages and queries on a CPU with AVX512-BF16: scores by vdpbf16ps on bf16 K slices staged
+// as pairs of dimensions ([D/2][16] pairs), the query pair broadcast, so each instruction does 16
+// keys x 2 dimensions from unwidened values (bf16 products are exact in float32; sums are float32).
+// P.V stays float32 (the weights are not rounded to bf16).
+template <typename cache_t, typename q_t>
+constexpr bool kBf16Dot =
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+    std::is_same_v<cache_t, c10::BFloat16> && std::is_same_v<q_t, c10::BFloat16>;
+#else
+    false;
+#endif
+
 struct Chunk {
   int64_t q_start;   // first query row
   int q_len;         // query rows
@@ -94,22 +111,32 @@ struct Chunk {
   int64_t slice0;    // its first K/V slice in the scratch buffers
 };
 
-// Slice j of (chunk, KV head): K rows 16j..16j+15 transposed to [D][16] and V rows as [16][D],
-// float32, zeros past the context.
-template <typename cache_t>
+// Slice j of (chunk, KV head): K rows 16j..16j+15 transposed to [D][16] float32 (with kDot:
+// [D/2][16] pairs of bf16 dimensions, as 32-bit words) and V rows as [16][D] float32, zeros past
+// the context.
+template <bool kDot, typename cache_t>
 void stage_slice(const cache_t* k_base, const cache_t* v_base, int64_t k_block, int64_t k_token, int64_t v_block,
                  int64_t v_token, const int32_t* table, int block_size, int ctx, int j, int D, float* kt, float* vf) {
+  uint32_t* kt_pairs = reinterpret_cast<uint32_t*>(kt);
   for (int t = 0; t < kLanes; ++t) {
     const int key = j * kLanes + t;
     if (key >= ctx) {
-      for (int d = 0; d < D; ++d) kt[d * kLanes + t] = 0.0f;
+      if constexpr (kDot) {
+        for (int i = 0; i < D / 2; ++i) kt_pairs[i * kLanes + t] = 0;
+      } else {
+        for (int d = 0; d < D; ++d) kt[d * kLanes + t] = 0.0f;
+      }
       std::memset(vf + t * D, 0, sizeof(float) * D);
       continue;
     }
     const int64_t blk = table[key / block_size], off = key % block_size;
     const cache_t* k = k_base + blk * k_block + off * k_token;
     const cache_t* v = v_base + blk * v_block + off * v_token;
-    for (int d = 0; d < D; ++d) kt[d * kLanes + t] = widen(k[d]);
+    if constexpr (kDot) {
+      for (int i = 0; i < D / 2; ++i) std::memcpy(kt_pairs + i * kLanes + t, k + 2 * i, sizeof(uint32_t));
+    } else {
+      for (int d = 0; d < D; ++d) kt[d * kLanes + t] = widen(k[d]);
+    }
     for (int d = 0; d < D; ++d) vf[t * D + d] = widen(v[d]);
   }
 }
@@ -119,9 +146,10 @@ void stage_slice(const cache_t* k_base, const cache_t* v_base, int64_t k_block, 
 constexpr int kBlockSlices = 4;
 
 // One tile: R query rows (tile tokens x group heads, token-major), positions pos[r] (-1: a padding
-// row), attending keys 0..pos[r] over `num_slices` staged slices. acc: [R][D] scratch.
-template <int R>
-void attend_tile(const float* __restrict q, const int* pos, int D, const float* __restrict kt,
+// row), attending keys 0..pos[r] over `num_slices` staged slices. acc: [R][D] scratch. `q` holds
+// the rows as float32 already scaled, or with kDot as raw bf16 (`scale` then applies to the scores).
+template <int R, bool kDot>
+void attend_tile(const float* __restrict q, float scale, const int* pos, int D, const float* __restrict kt,
                  const float* __restrict vf, int num_slices, float* __restrict acc, float* __restrict out) {
   constexpr int kBlockKeys = kBlockSlices * kLanes;
   float m[R], l[R];
@@ -142,9 +170,21 @@ void attend_tile(const float* __restrict q, const int* pos, int D, const float* 
       const float* ktj = kt + static_cast<int64_t>(j) * D * kLanes;
       v16f s[R];
       for (int r = 0; r < R; ++r) s[r] = v16f{};
-      for (int d = 0; d < D; ++d) {
-        const v16f k = load16(ktj + d * kLanes);
-        for (int r = 0; r < R; ++r) s[r] += q[r * D + d] * k;
+      if constexpr (kDot) {
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+        const uint32_t* q_pairs = reinterpret_cast<const uint32_t*>(q);
+        for (int i = 0; i < D / 2; ++i) {
+          const __m512bh k = reinterpret_cast<__m512bh>(_mm512_loadu_si512(ktj + i * kLanes));
+          for (int r = 0; r < R; ++r)
+            s[r] = _mm512_dpbf16_ps(s[r], reinterpret_cast<__m512bh>(_mm512_set1_epi32(q_pairs[r * D / 2 + i])), k);
+        }
+        for (int r = 0; r < R; ++r) s[r] *= scale;
+#endif
+      } else {
+        for (int d = 0; d < D; ++d) {
+          const v16f k = load16(ktj + d * kLanes);
+          for (int r = 0; r < R; ++r) s[r] += q[r * D + d] * k;
+        }
       }
       if (j * kLanes + kLanes - 1 > pos_min) {  // keys past some row's position: mask them
         for (int r = 0; r < R; ++r) s[r] = (lane + j * kLanes) <= pos[r] ? s[r] : splat16(-1e30f);
@@ -219,7 +259,7 @@ void prefill_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_
       const auto [c, j] = slices[i / num_kv_heads];
       const Chunk& ch = chunks[c];
       const int64_t at_slice = (h * total_slices + ch.slice0 + j) * slice_floats;
-      stage_slice(k_ptr + h * k_cache.stride(2), v_ptr + h * v_cache.stride(2), k_cache.stride(0), k_cache.stride(1),
+      stage_slice<kBf16Dot<cache_t, q_t>>(k_ptr + h * k_cache.stride(2), v_ptr + h * v_cache.stride(2), k_cache.stride(0), k_cache.stride(1),
                   v_cache.stride(0), v_cache.stride(1), bt + ch.seq * bt_row, block_size, ch.ctx, j, D,
                   kt_all + at_slice, vf_all + at_slice);
     }
@@ -250,10 +290,17 @@ void prefill_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_
         const bool valid = r < tile_tokens * group && t < ch.q_len;
         pos[r] = valid ? ch.ctx - ch.q_len + t : -1;
         const q_t* src = q_ptr + (ch.q_start + t) * query.stride(0) + (tile.head * group + g) * query.stride(1);
-        for (int d = 0; d < D; ++d) q[r * D + d] = valid ? widen(src[d]) * fscale : 0.0f;
+        if constexpr (kBf16Dot<cache_t, q_t>) {  // raw bf16 rows, D/2 32-bit pairs each
+          uint32_t* pairs = reinterpret_cast<uint32_t*>(q.data()) + r * D / 2;
+          if (valid) std::memcpy(pairs, src, sizeof(q_t) * D);
+          else std::memset(pairs, 0, sizeof(q_t) * D);
+        } else {
+          for (int d = 0; d < D; ++d) q[r * D + d] = valid ? widen(src[d]) * fscale : 0.0f;
+        }
       }
       const int64_t at_slice = (tile.head * total_slices + ch.slice0) * slice_floats;
-      attend_tile<kRows>(q.data(), pos, D, kt_all + at_slice, vf_all + at_slice, tile.slices, acc.data(), o.data());
+      attend_tile<kRows, kBf16Dot<cache_t, q_t>>(q.data(), fscale, pos, D, kt_all + at_slice, vf_all + at_slice,
+                                                 tile.slices, acc.data(), o.data());
       for (int r = 0; r < kRows; ++r) {
         if (pos[r] < 0) continue;
         const int t = tile.token0 + r / group, g = r % group;
