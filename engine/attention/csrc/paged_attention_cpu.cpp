@@ -198,9 +198,10 @@ struct CacheView {
   int64_t block, token, head;  // strides in elements
 };
 
-// Online softmax of one head over one page: the page's `n8` scores (a multiple of 8; the tail
-// past the page's tokens holds -1e30) become their weights exp(score - new max), and what came
-// before (running sum `l`, accumulator `acc` of D floats) is rescaled by exp(old max - new max).
+// Online softmax of one head over one page (the bf16 kernel: a span of pages): its `n8` scores
+// (a multiple of 8; the tail past its tokens holds -1e30) become their weights exp(score - new
+// max), and what came before (running sum `l`, accumulator `acc` of D floats, in any order) is
+// rescaled by exp(old max - new max).
 template <int D>
 inline void online_softmax(float* __restrict s, int n8, float& m, float& l, float* __restrict acc) {
   v8f page_max = splat(m);
