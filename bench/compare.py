@@ -67,11 +67,15 @@ def ratio(a: float, b: float) -> float:
     return b / a if a else float("nan")
 
 
-def run_interleaved(arms: dict[str, Callable[[int], Phases]], pairs: int) -> dict[str, dict[str, list]]:
-    """Run the schedule; returns arm -> phase -> [(records, wall) of each measured round]."""
+def run_interleaved(arms: dict[str, Callable[[int], Phases]], args) -> dict[str, dict[str, list]]:
+    """Run the schedule (``args.pairs`` pairs; one with ``args.quick``, which also starts rounds
+    without waiting for a quiet machine: a smoke run times nothing); returns arm -> phase ->
+    [(records, wall) of each measured round]."""
+    quick = getattr(args, "quick", False)
     runs: dict[str, dict[str, list]] = {arm: {} for arm in arms}
-    for rnd in schedule(list(arms), pairs):
-        waited = wait_until_quiet()  # the previous round's system may still be busy (bench.common)
+    for rnd in schedule(list(arms), 1 if quick else args.pairs):
+        # The previous round's system may still be busy (bench.common.wait_until_quiet).
+        waited = 0.0 if quick else wait_until_quiet()
         phases = arms[rnd.arm](rnd.index)
         for phase, (records, wall) in phases.items():
             s = summarize(records, wall, float("inf"), float("inf"))
@@ -195,7 +199,7 @@ def interference_comparison(args, name: str, stacks: list[Stack], title: str, ex
     with running(stacks):
         backends = {s.name: GrpcBackend(s.address) for s in stacks}
         arms = {n: (lambda i, b=b: {"interference": run_load(b, *workload(i))}) for n, b in backends.items()}
-        runs = run_interleaved(arms, 1 if args.quick else args.pairs)
+        runs = run_interleaved(arms, args)
     systems, per_round = report(runs, by_kind=True)
     first, second = stacks[0].name, stacks[1].name
     a, b = (systems[s.name]["interference"]["by_kind"] for s in stacks)
@@ -232,7 +236,7 @@ def cmd_batching(args) -> int:
     with running(stacks):
         backends = {s.name: GrpcBackend(s.address) for s in stacks}
         arms = {name: (lambda i, b=b: {"mixed": run_load(b, *workload(i))}) for name, b in backends.items()}
-        runs = run_interleaved(arms, 1 if args.quick else args.pairs)
+        runs = run_interleaved(arms, args)
     systems, per_round = report(runs)
     c, s = systems["continuous"]["mixed"], systems["static"]["mixed"]
     ratios = {"throughput_continuous_over_static": ratio(s["output_tokens_per_s"], c["output_tokens_per_s"]),
@@ -264,7 +268,7 @@ def cmd_prefix(args) -> int:
         backend = GrpcBackend(stack.address)
         arms = {"hit": lambda i: {"sequential": run_load(backend, probe(i)["hit"])},
                 "miss": lambda i: {"sequential": run_load(backend, probe(i)["miss"])}}
-        runs = run_interleaved(arms, 1 if args.quick else args.pairs)
+        runs = run_interleaved(arms, args)
     systems, per_round = report(runs, by_kind=True)
     kinds = {**systems["hit"]["sequential"]["by_kind"], **systems["miss"]["sequential"]["by_kind"]}
     ratios = {"ttft_p50_miss_over_hit": ratio(kinds["hit"]["ttft_ms"]["p50"], kinds["miss"]["ttft_ms"]["p50"]),
@@ -295,7 +299,7 @@ def cmd_overhead(args) -> int:
         local = InProcessBackend(config, num_threads=os.cpu_count() or 1)
         try:
             arms = {"stack": lambda i: phases(grpc_backend, i), "in_process": lambda i: phases(local, i)}
-            runs = run_interleaved(arms, 1 if args.quick else args.pairs)
+            runs = run_interleaved(arms, args)
         finally:
             local.close()
     systems, per_round = report(runs)
@@ -332,7 +336,7 @@ def cmd_http(args) -> int:
         grpc_backend, http_backend = GrpcBackend(stack.address), OpenAIBackend(stack.http, args.model)
         try:
             runs = run_interleaved({"grpc": lambda i: phases(grpc_backend, i),
-                                    "http": lambda i: phases(http_backend, i, arm=1)}, 1 if args.quick else args.pairs)
+                                    "http": lambda i: phases(http_backend, i, arm=1)}, args)
         finally:
             http_backend.close()
     systems, per_round = report(runs)

@@ -68,7 +68,7 @@ def main(argv=None) -> int:
             backends = {s.name: GrpcBackend(s.address) for s in stacks}
             backends["vllm"] = OpenAIBackend(server.base_url, server.model_name)
             arms = {name: (lambda i, b=b: {"mixed": run_load(b, *workload(i))}) for name, b in backends.items()}
-            runs = run_interleaved(arms, args.pairs)
+            runs = run_interleaved(arms, args)
             for b in backends.values():
                 b.close()
     finally:

@@ -244,7 +244,7 @@ def measure(systems: dict, name: str, prompt_len: int, args, vocab: int) -> dict
             # vLLM's worker ~1 s): let them settle so a short run (one 256-token prefill: ~0.5 s)
             # is not timed against them.
             time.sleep(args.settle_s)
-            waited = wait_until_quiet()
+            waited = wait_until_quiet(timeout_s=args.quiet_timeout_s)
             result = system.run(requests)
             result["waited_for_quiet_s"] = args.settle_s + waited
             result["loadavg_1min"] = os.getloadavg()[0]
@@ -293,6 +293,8 @@ def main(argv=None) -> int:
     parser.add_argument("--static-eager", action="store_true", help="the static baseline without compile")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--settle-s", type=float, default=1.0, help="pause before each timed run")
+    parser.add_argument("--quiet-timeout-s", type=float, default=20.0,
+                        help="then wait up to this long for a quiet machine (bench.common.wait_until_quiet; 0: not at all)")
     args = parser.parse_args(argv)
 
     names = [s for s in args.systems.split(",") if s]

@@ -1,10 +1,10 @@
 """bench/compare.py and the load generator it shares with bench/serve.py: the pure parts on
 hand-made data, and one comparison end to end (--quick) on the tiny model. No timing asserted."""
 import json
-import multiprocessing
 import os
 import random
-import time
+import subprocess
+import sys
 import types
 
 import grpc
@@ -122,23 +122,17 @@ def test_summarize_names_the_slowest_first_token():
 
 
 def test_wait_until_quiet_waits_out_a_busy_machine():
-    spinners = [multiprocessing.get_context("spawn").Process(target=_spin, args=(3.0,)) for _ in range(os.cpu_count() or 1)]
-    for p in spinners:
-        p.start()
+    # Plain processes, not multiprocessing's (whose resource tracker outlives the test as a child).
+    spin = "import time\nend = time.monotonic() + 3\nwhile time.monotonic() < end: pass"
+    spinners = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(os.cpu_count() or 1)]
     try:
         # Every core busy: no window is quiet, so it waits its whole bound.
         assert wait_until_quiet(busy_below=0.5, window_s=0.2, timeout_s=1.0) >= 1.0
     finally:
         for p in spinners:
-            p.join()
+            p.wait()
     # Any machine is "quiet" below 101 % busy: one window and out.
     assert wait_until_quiet(busy_below=1.01, window_s=0.1, timeout_s=30.0) < 30.0
-
-
-def _spin(seconds: float) -> None:
-    end = time.monotonic() + seconds
-    while time.monotonic() < end:
-        pass
 
 
 def test_metric_values_match_summarize():
