@@ -11,8 +11,9 @@
 Each writes ``bench/results/compare_<name>.json`` (``--out`` to change) and a PNG beside it.
 
 Method: both systems are started side by side (each idle while the other is measured); each
-round starts once the machine is quiet (``bench.common.wait_until_quiet``); a warm-up round of each, then ``--pairs`` rounds A B A B ...; round i of A and round i of B get
-the same requests at the same offsets; every round repeats the same lengths and offsets with
+round starts once the machine is quiet (``bench.common.wait_until_quiet``); a warm-up round of
+each, then ``--pairs`` rounds A B A B ...; round i of A and round i of B get the same requests
+at the same offsets; every round repeats the same lengths and offsets with
 fresh prompt token ids, so no round finds an earlier round's prompts in the prefix cache.
 Latencies are pooled over the measured rounds of a system (p50/p90/p99 over every request),
 throughput = all output tokens / all wall time; per-round summaries, the gateway's own
