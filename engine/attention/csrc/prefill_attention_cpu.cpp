@@ -56,27 +56,35 @@ inline float widen(float x) { return x; }
 inline float widen(c10::BFloat16 x) { return static_cast<float>(x); }
 inline float widen(c10::Half x) { return static_cast<float>(x); }
 
-inline float hmax16(v16f v) {
-  v16f a = v > __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7) ? v
-           : __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
-  float m = a[0];
-  for (int i = 1; i < 8; ++i) m = std::max(m, a[i]);
-  return m;
+// Horizontal max and sum in four halving steps (a scalar loop over the lanes compiled to a chain
+// of 15 dependent scalar operations).
+inline v16f fold16(v16f v, bool is_max) {
+  v16f h = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
+  v = is_max ? (v > h ? v : h) : v + h;
+  h = __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11);
+  v = is_max ? (v > h ? v : h) : v + h;
+  h = __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13);
+  v = is_max ? (v > h ? v : h) : v + h;
+  h = __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14);
+  return is_max ? (v > h ? v : h) : v + h;
 }
-inline float hsum16(v16f v) {
-  const v16f a = v + __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7);
-  float s = 0.0f;
-  for (int i = 0; i < 8; ++i) s += a[i];
-  return s;
-}
+inline float hmax16(v16f v) { return fold16(v, true)[0]; }
+inline float hsum16(v16f v) { return fold16(v, false)[0]; }
 
 // exp(x) for x <= 0, as the decode kernel's exp_nonpositive (2^(x log2 e): integer part into the
-// exponent bits, the fraction through a degree-6 polynomial), 16 lanes.
+// exponent bits, the fraction through a degree-6 polynomial), 16 lanes. With AVX-512 the floor and
+// the power of two are one instruction each (vrndscaleps, vscalefps: 10 operations, not 17), and
+// arguments far below -87 come out as 0 rather than exp(-87).
 inline v16f exp_nonpositive16(v16f x) {
+#if defined(__AVX512F__)
+  const v16f t = x * 1.44269504088896341f;
+  const v16f fi = reinterpret_cast<v16f>(_mm512_roundscale_ps(reinterpret_cast<__m512>(t), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC));
+#else
   x = x > splat16(-87.0f) ? x : splat16(-87.0f);
   const v16f t = x * 1.44269504088896341f;
   v16f fi = __builtin_convertvector(__builtin_convertvector(t, v16i), v16f);
   fi = fi > t ? fi - 1.0f : fi;  // floor
+#endif
   const v16f f = t - fi;
   v16f p = splat16(1.535336188319500e-4f);
   p = p * f + 1.339887440266574e-3f;
@@ -85,10 +93,14 @@ inline v16f exp_nonpositive16(v16f x) {
   p = p * f + 2.402264791363012e-1f;
   p = p * f + 6.931472028550421e-1f;
   p = p * f + 1.0f;
+#if defined(__AVX512F__)
+  return reinterpret_cast<v16f>(_mm512_scalef_ps(reinterpret_cast<__m512>(p), reinterpret_cast<__m512>(fi)));
+#else
   const v16i exponent = (__builtin_convertvector(fi, v16i) + 127) << 23;
   v16f scale;
   std::memcpy(&scale, &exponent, sizeof(scale));
   return p * scale;
+#endif
 }
 
 // bf16 pages and queries on a CPU with AVX512-BF16: scores by vdpbf16ps on bf16 K slices staged
@@ -161,9 +173,16 @@ constexpr int kBlockSlices = 4;
 // One tile: R query rows (tile tokens x group heads, token-major), positions pos[r] (-1: a padding
 // row), attending keys 0..pos[r] over `num_slices` staged slices. acc: [R][D] scratch. `q` holds
 // the rows as float32 already scaled, or with kDot as raw bf16 (`scale` then applies to the scores).
-template <int R, bool kDot>
-void attend_tile(const float* __restrict q, float scale, const int* pos, int D, const float* __restrict kt,
+// The loops over the R rows must unroll for their accumulators to live in registers: left to
+// itself gcc kept them in a stack array, a load and a store around every multiply-add (the
+// kernel ran 1.4x slower).
+// kD: the head size when known at compile time (0: `head_size` at run time). A constant one lets
+// the compiler address every row of the tile from one base register; at run time it needs a
+// register a row, more than x86 has, and spills them inside the score loop.
+template <int R, bool kDot, int kD>
+void attend_tile(const float* __restrict q, float scale, const int* pos, int head_size, const float* __restrict kt,
                  const float* __restrict vf, int num_slices, float* __restrict acc, float* __restrict out) {
+  const int D = kD ? kD : head_size;
   constexpr int kBlockKeys = kBlockSlices * kLanes;
   float m[R], l[R];
   alignas(64) float p[R][kBlockKeys];
@@ -188,6 +207,7 @@ void attend_tile(const float* __restrict q, float scale, const int* pos, int D, 
         const uint32_t* q_pairs = reinterpret_cast<const uint32_t*>(q);
         for (int i = 0; i < D / 2; ++i) {
           const __m512bh k = reinterpret_cast<__m512bh>(_mm512_loadu_si512(ktj + i * kLanes));
+#pragma GCC unroll 32
           for (int r = 0; r < R; ++r)
             s[r] = _mm512_dpbf16_ps(s[r], reinterpret_cast<__m512bh>(_mm512_set1_epi32(q_pairs[r * D / 2 + i])), k);
         }
@@ -196,6 +216,7 @@ void attend_tile(const float* __restrict q, float scale, const int* pos, int D, 
       } else {
         for (int d = 0; d < D; ++d) {
           const v16f k = load16(ktj + d * kLanes);
+#pragma GCC unroll 32
           for (int r = 0; r < R; ++r) s[r] += q[r * D + d] * k;
         }
       }
@@ -217,7 +238,9 @@ void attend_tile(const float* __restrict q, float scale, const int* pos, int D, 
       v16f sum = v16f{};
       for (int jj = 0; jj < block_slices; ++jj) {
         const v16f x = load16(p[r] + jj * kLanes);
-        const v16f e = x > splat16(-1e29f) ? exp_nonpositive16(x - mx) : v16f{};  // masked keys weigh 0
+        // Masked keys (-1e30) weigh at most exp(-87) ~ 1e-38 here: nothing beside the row's
+        // largest weight, 1, in float32 sums (and padding rows are not written out).
+        const v16f e = exp_nonpositive16(x - mx);
         store16(p[r] + jj * kLanes, e);
         sum += e;
       }
@@ -244,6 +267,7 @@ void attend_tile(const float* __restrict q, float scale, const int* pos, int D, 
         for (int u = 0; u < block_keys / 2; ++u) {
           const uint32_t* pair_row = v_pairs + (u / (kLanes / 2)) * kLanes * D + (u % (kLanes / 2)) * D;
           const __m512bh v = reinterpret_cast<__m512bh>(_mm512_loadu_si512(pair_row + c));
+#pragma GCC unroll 32
           for (int r = 0; r < R; ++r)
             a[r] = _mm512_dpbf16_ps(a[r], reinterpret_cast<__m512bh>(_mm512_set1_epi32(p_pairs[r][u])), v);
         }
@@ -256,6 +280,7 @@ void attend_tile(const float* __restrict q, float scale, const int* pos, int D, 
         for (int r = 0; r < R; ++r) a[r] = load16(acc + r * D + c) * alpha[r];
         for (int t = 0; t < block_keys; ++t) {
           const v16f v = load16(vfb + t * D + c);
+#pragma GCC unroll 32
           for (int r = 0; r < R; ++r) a[r] += p[r][t] * v;
         }
         for (int r = 0; r < R; ++r) store16(acc + r * D + c, a[r]);
@@ -337,8 +362,12 @@ void prefill_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_
         }
       }
       const int64_t at_slice = (tile.head * total_slices + ch.slice0) * slice_floats;
-      attend_tile<kRows, kBf16Dot<cache_t, q_t>>(q.data(), fscale, pos, D, kt_all + at_slice, vf_all + at_slice,
-                                                 tile.slices, acc.data(), o.data());
+      constexpr bool kDot = kBf16Dot<cache_t, q_t>;
+      const float* kt = kt_all + at_slice;
+      const float* vf = vf_all + at_slice;
+      if (D == 64) attend_tile<kRows, kDot, 64>(q.data(), fscale, pos, D, kt, vf, tile.slices, acc.data(), o.data());
+      else if (D == 128) attend_tile<kRows, kDot, 128>(q.data(), fscale, pos, D, kt, vf, tile.slices, acc.data(), o.data());
+      else attend_tile<kRows, kDot, 0>(q.data(), fscale, pos, D, kt, vf, tile.slices, acc.data(), o.data());
       for (int r = 0; r < kRows; ++r) {
         if (pos[r] < 0) continue;
         const int t = tile.token0 + r / group, g = r % group;
