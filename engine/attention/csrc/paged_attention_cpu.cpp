@@ -137,20 +137,33 @@ inline int64_t cache_head_dim(const at::Tensor& cache) {
 inline void store8(float* p, v8f v) { std::memcpy(p, &v, sizeof(v)); }
 inline v8f splat(float x) { return v8f{x, x, x, x, x, x, x, x}; }
 inline v8f vmax(v8f a, v8f b) { return a > b ? a : b; }
+// Horizontal max and sum in three halving steps (a scalar loop over the lanes compiled to a chain
+// of seven dependent scalar operations).
 inline float hmax(v8f v) {
-  float m = v[0];
-  for (int i = 1; i < 8; ++i) m = std::max(m, v[i]);
-  return m;
+  v = vmax(v, __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3));
+  v = vmax(v, __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5));
+  return vmax(v, __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6))[0];
+}
+inline float hsum(v8f v) {
+  v += __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3);
+  v += __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5);
+  return (v + __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6))[0];
 }
 
 // exp(x) for x <= 0 as 2^(x log2 e): the integer part goes into the exponent bits, the
 // fraction through a degree-6 polynomial (relative error ~2e-7, below the float32 rounding
-// of the sums it feeds). Inputs below -87 give ~0 instead of a denormal.
+// of the sums it feeds). Inputs below -87 give ~0 instead of a denormal. With AVX-512 (VL) the
+// floor and the power of two are one instruction each (vrndscaleps, vscalefps), and those inputs 0.
 inline v8f exp_nonpositive(v8f x) {
+#if defined(__AVX512F__) && defined(__AVX512VL__)
+  const v8f t = x * splat(1.44269504088896341f);
+  const v8f fi = reinterpret_cast<v8f>(_mm256_roundscale_ps(reinterpret_cast<__m256>(t), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC));
+#else
   x = vmax(x, splat(-87.0f));
   const v8f t = x * splat(1.44269504088896341f);
   v8f fi = __builtin_convertvector(__builtin_convertvector(t, v8i), v8f);
   fi = fi > t ? fi - splat(1.0f) : fi;  // floor
+#endif
   const v8f f = t - fi;
   v8f p = splat(1.535336188319500e-4f);
   p = p * f + splat(1.339887440266574e-3f);
@@ -159,10 +172,14 @@ inline v8f exp_nonpositive(v8f x) {
   p = p * f + splat(2.402264791363012e-1f);
   p = p * f + splat(6.931472028550421e-1f);
   p = p * f + splat(1.0f);
+#if defined(__AVX512F__) && defined(__AVX512VL__)
+  return reinterpret_cast<v8f>(_mm256_scalef_ps(reinterpret_cast<__m256>(p), reinterpret_cast<__m256>(fi)));
+#else
   const v8i exponent = (__builtin_convertvector(fi, v8i) + 127) << 23;
   v8f scale;
   std::memcpy(&scale, &exponent, sizeof(scale));
   return p * scale;
+#endif
 }
 
 // Eight dot-product accumulators -> one vector of their eight sums.
@@ -214,9 +231,7 @@ inline void online_softmax(float* __restrict s, int n8, float& m, float& l, floa
     store8(s + t0, e);
     sum += e;
   }
-  float total = 0.0f;
-  for (int i = 0; i < 8; ++i) total += sum[i];
-  l = l * alpha + total;
+  l = l * alpha + hsum(sum);
   m = mx;
   for (int c = 0; c < D / 8; ++c) store8(acc + c * 8, load8(acc + c * 8) * splat(alpha));
 }
