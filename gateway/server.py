@@ -58,6 +58,7 @@ async def _serve(args) -> int:
     from splitserve.authz import gateway_credentials
     from splitserve.v1 import generation_pb2_grpc
     from gateway.memory import return_big_buffers
+    from splitserve.gc_heap import freeze_startup_heap
     return_big_buffers()
     # Checked before anything starts: the client and admin tokens of the public port, the
     # internal token of the calls to the workers.
@@ -99,6 +100,7 @@ async def _serve(args) -> int:
     http = await _start_http(args, servicer, authorizer, http_socket) if http_socket is not None else None
     if http is not None:
         print(f"gateway {dispatcher.gateway_id} HTTP (OpenAI API) on {args.host}:{http.port}", flush=True)
+    freeze_startup_heap()  # tokenizer, clients, servers: no full collection walks them again
     print(f"gateway {dispatcher.gateway_id} serving on {args.host}:{port}", flush=True)
     await stop_event().wait()
     await _shutdown(args, monitor, servicer, dispatcher, http, server, backpressure, directory)

@@ -13,6 +13,7 @@ import asyncio
 import logging
 import time
 
+from splitserve.gc_heap import freeze_startup_heap
 from splitserve.grpc_server import advertised, set_dead, set_health, start_server, stop_event
 from splitserve.security import Security
 from worker_runtime.heartbeat import Heartbeat, engine_stats
@@ -48,6 +49,7 @@ async def _serve(servicer: WorkerServicer, add_to_server, service_name: str, arg
                                                                     "host_id": getattr(args, "host_id", "") or default_host_id()})
         heartbeat = Heartbeat(state, servicer.worker_id, servicer.role, servicer.address, servicer.transports,
                               stats=stats).start()
+    freeze_startup_heap()  # the engine is built and warm: no full collection walks it again
     # The first line on stdout says where to connect (scripts, tests and `up` read it).
     print(f"{servicer.role} worker {servicer.worker_id} serving on {servicer.address}", flush=True)
     stop = stop_event()

@@ -7,6 +7,8 @@
   under the names Prometheus stores (vLLM's colons kept whatever format it asks for).
 * Liveness (``""``) and readiness (the process's own service) are apart: a draining process is
   alive and not ready.
+* Every process froze its start-up heap before it served (splitserve/gc_heap.py): no full garbage
+  collection walks the loaded model and libraries while requests wait.
 """
 from __future__ import annotations
 
@@ -186,6 +188,16 @@ def test_every_dashboard_query_names_a_metric_the_processes_export(stack, served
 
 def addresses(stack) -> dict[str, str]:
     return {"gateway": stack.gateway_address, **stack.addresses}
+
+
+def test_every_process_froze_its_startup_heap_before_serving(stack):
+    for name, path in stack.log_paths.items():
+        messages = [json.loads(line).get("message", "") for line in path.read_text().splitlines()
+                    if line.startswith("{")]
+        frozen = [int(m.split()[0]) for m in messages if m.endswith("start-up objects frozen out of the garbage "
+                                                                      "collector's sight")]
+        assert len(frozen) == 1, (name, frozen)
+        assert frozen[0] > 50000, (name, frozen)  # torch, grpc, transformers: far more than that
 
 
 def test_alive_and_ready_while_serving(stack):
