@@ -23,7 +23,7 @@ log = logging.getLogger(__name__)
 
 _SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_attention_cpu.cpp", "prefill_attention_cpu.cpp",
                                                                    "copy_pages_cpu.cpp", "onednn_linear_cpu.cpp")]
-_CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast"]
+CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast"]
 _lock = threading.Lock()
 _state: dict[str, object] = {}
 
@@ -42,7 +42,7 @@ def _build_key() -> str:
     h = hashlib.sha256()
     for source in _SOURCES:
         h.update(source.read_bytes())
-    h.update(" ".join(_CFLAGS).encode())
+    h.update(" ".join(CFLAGS).encode())
     h.update(torch.__version__.encode())
     h.update(_cpu_flags().encode())
     return h.hexdigest()[:16]
@@ -61,7 +61,7 @@ def load() -> None:
         build_dir = cache_dir() / "torch_extensions" / key
         build_dir.mkdir(parents=True, exist_ok=True)
         cpp_extension.load(name=f"splitserve_cpu_{key}", sources=[str(s) for s in _SOURCES],
-                           extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"], build_directory=str(build_dir),
+                           extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"], build_directory=str(build_dir),
                            is_python_module=False, verbose=False)
         _state["loaded"] = True
 

@@ -1,0 +1,38 @@
+"""bench/kernels.py end to end: HEAD's prefill kernel built beside the working tree's and run in turns.
+No timing asserted: the JSON must hold both builds' times and how far their outputs differ."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+PREFILL_SOURCE = "engine/attention/csrc/prefill_attention_cpu.cpp"
+
+
+def run_kernels(*args: str) -> subprocess.CompletedProcess:
+    # A process of its own: the base build registers its ops for the life of the process.
+    return subprocess.run([sys.executable, "-m", "bench.kernels", *args], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600)
+
+
+def test_the_base_revision_and_the_working_tree_run_in_turns(tmp_path):
+    out = tmp_path / "kernels.json"
+    done = run_kernels("--base", "HEAD", "--kernels", "prefill", "--quick", "--dtypes", "float32,bfloat16",
+                       "--out", str(out))
+    assert done.returncode == 0, done.stderr[-3000:]
+    report = json.loads(out.read_text())
+    head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    assert report["base"] == head
+    assert [(c["kernel"], c["dtype"]) for c in report["cases"]] == [("prefill", "float32"), ("prefill", "bfloat16")]
+    unchanged = subprocess.run(["git", "diff", "--quiet", "HEAD", "--", PREFILL_SOURCE], cwd=ROOT).returncode == 0
+    for case in report["cases"]:
+        assert case["base_ms"] > 0 and case["head_ms"] > 0
+        assert all(len(times) == 2 for times in case["rounds_ms"].values())
+        assert case["max_abs_diff"] < 1e-2
+        if unchanged:  # the same source built twice computes the same bits
+            assert case["max_abs_diff"] == 0.0
+
+
+def test_an_unknown_kernel_is_refused(tmp_path):
+    done = run_kernels("--kernels", "prefil", "--out", str(tmp_path / "x.json"))
+    assert done.returncode == 2 and "unknown kernels ['prefil']" in done.stderr
