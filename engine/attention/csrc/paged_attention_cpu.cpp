@@ -153,13 +153,13 @@ inline float hsum(v8f v) {
 // exp(x) for x <= 0 as 2^(x log2 e): the integer part goes into the exponent bits, the
 // fraction through a degree-6 polynomial (relative error ~2e-7, below the float32 rounding
 // of the sums it feeds). Inputs below -87 give ~0 instead of a denormal. With AVX-512 (VL) the
-// floor and the power of two are one instruction each (vrndscaleps, vscalefps), and those inputs 0.
+// floor and the power of two are one instruction each (vrndscaleps, vscalefps).
 inline v8f exp_nonpositive(v8f x) {
+  x = vmax(x, splat(-87.0f));
 #if defined(__AVX512F__) && defined(__AVX512VL__)
   const v8f t = x * splat(1.44269504088896341f);
   const v8f fi = reinterpret_cast<v8f>(_mm256_roundscale_ps(reinterpret_cast<__m256>(t), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC));
 #else
-  x = vmax(x, splat(-87.0f));
   const v8f t = x * splat(1.44269504088896341f);
   v8f fi = __builtin_convertvector(__builtin_convertvector(t, v8i), v8f);
   fi = fi > t ? fi - splat(1.0f) : fi;  // floor
