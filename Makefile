@@ -29,7 +29,7 @@ redis:
 		echo "installing redis-server with apt"; \
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; }
 
-# Worker processes run on tcmalloc where it is installed (splitserve/allocator.py: ~8 % more tok/s).
+# Worker processes run on tcmalloc where it is installed (splitserve/cli/allocator.py: ~8 % more tok/s).
 tcmalloc:
 	@ldconfig -p 2>/dev/null | grep -q libtcmalloc_minimal || { \
 		echo "installing libtcmalloc-minimal4 with apt"; \
@@ -50,11 +50,11 @@ $(CHECKOV_STAMP):
 checkov: $(CHECKOV_STAMP)
 
 model: install
-	$(PY) -m engine.model_loader smollm2-135m-instruct
+	$(PY) -m splitserve.engine.model_loader smollm2-135m-instruct
 
 # The CPU attention kernels, compiled once for this machine (otherwise at the first engine start).
 kernels: install
-	$(PY) -m engine.attention.cpu_kernels
+	$(PY) -m splitserve.engine.attention.cpu_kernels
 
 # Brings the whole stack up (Redis, gateway, one prefill and one decode worker), asks one
 # question through it and shuts down. `$(VENV)/bin/splitserve up` keeps it serving.

@@ -23,7 +23,7 @@ def git_commit() -> str:
 
 
 def machine() -> dict:
-    from splitserve.allocator import preloaded
+    from splitserve.cli.allocator import preloaded
     import torch
     info = {
         "platform": platform.platform(),
@@ -32,7 +32,7 @@ def machine() -> dict:
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
-        # This process's malloc (splitserve.allocator): served workers pick it the same way.
+        # This process's malloc (splitserve.cli.allocator): served workers pick it the same way.
         "allocator": "tcmalloc" if preloaded() else "glibc",
     }
     try:

@@ -111,7 +111,7 @@ def pooled(runs, arm: str, phase: str) -> list[dict]:
 
 # ---- the systems -----------------------------------------------------------------------
 def model_info(model: str) -> tuple[int, int]:
-    from engine.model_loader import load_config, resolve_model
+    from splitserve.engine.model_loader import load_config, resolve_model
     config = load_config(resolve_model(model))
     return config.vocab_size, getattr(config, "max_position_embeddings", 2048)
 
@@ -288,7 +288,7 @@ def cmd_prefix(args) -> int:
 
 
 def cmd_overhead(args) -> int:
-    from engine.config import EngineConfig
+    from splitserve.engine.config import EngineConfig
     vocab, _ = model_info(args.model)
     phases, (n, n_unloaded, rate) = unloaded_then_poisson(args, vocab)
 

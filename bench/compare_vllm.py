@@ -45,8 +45,8 @@ def main(argv=None) -> int:
 
     import torch
 
-    from engine.model_loader import resolve_model
-    from engine.model_runner import resolve_device, resolve_dtype
+    from splitserve.engine.model_loader import resolve_model
+    from splitserve.engine.model_runner import resolve_device, resolve_dtype
     dtype = str(resolve_dtype(args.dtype, resolve_device("auto"))).removeprefix("torch.")
     args.dtype = dtype  # the stacks get the resolved dtype too, so both sides compute alike
     vocab, model_max_len = model_info(args.model)

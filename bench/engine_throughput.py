@@ -76,7 +76,7 @@ class SplitserveSystem:
     def __init__(self, model: str, dtype: str, enforce_eager: bool, batching: str = "continuous",
                  max_model_len: int = 4096, linear_backend: str = "auto", tensor_parallel_size: int = 1,
                  threads: int = 0):
-        from engine import LLM
+        from splitserve.engine import LLM
         self.threads = threads or CORES
         torch.set_num_threads(self.threads)
         start = time.perf_counter()
@@ -87,7 +87,7 @@ class SplitserveSystem:
         self.compile_s = self.llm.engine.runner.forward.warmup_s
 
     def run(self, requests: list[BenchRequest]) -> dict:
-        from engine import SamplingParams
+        from splitserve.engine import SamplingParams
         params = [SamplingParams(temperature=0.0, max_tokens=r.max_tokens, min_tokens=r.max_tokens, ignore_eos=True)
                   for r in requests]
         torch.set_num_threads(self.threads)
@@ -105,7 +105,7 @@ class HFStaticSystem:
     """`transformers` ``generate`` in static batches, left-padded, each batch to its longest."""
 
     def __init__(self, model: str, dtype: str, batch_size: int = 8):
-        from engine.model_loader import load_model, load_tokenizer, resolve_model
+        from splitserve.engine.model_loader import load_model, load_tokenizer, resolve_model
         start = time.perf_counter()
         path = resolve_model(model)
         self.model = load_model(path, getattr(torch, dtype), "cpu", attn_implementation="sdpa")
@@ -300,8 +300,8 @@ def main(argv=None) -> int:
     names = [s for s in args.systems.split(",") if s]
     if args.peer and args.peer not in names:
         names.append(args.peer)
-    from engine.model_loader import load_config, resolve_model
-    from engine.model_runner import resolve_device, resolve_dtype
+    from splitserve.engine.model_loader import load_config, resolve_model
+    from splitserve.engine.model_runner import resolve_device, resolve_dtype
     args.dtype = str(resolve_dtype(args.dtype, resolve_device("auto"))).removeprefix("torch.")
     model_dir = str(resolve_model(args.model))
     vocab = load_config(Path(model_dir)).vocab_size
@@ -336,6 +336,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from splitserve.allocator import restart_with_tcmalloc
-    restart_with_tcmalloc()  # as the workers run (splitserve/allocator.py)
+    from splitserve.cli.allocator import restart_with_tcmalloc
+    restart_with_tcmalloc()  # as the workers run (splitserve/cli/allocator.py)
     raise SystemExit(main())

@@ -1,4 +1,4 @@
-"""Long fuzz of the public API: hypothesis-built requests (the strategies of splitserve/testing/fuzz_api.py)
+"""Long fuzz of the public API: hypothesis-built requests (the strategies of tests/harness/fuzz_api.py)
 against a real stack, counting answers per RPC and status code instead of stopping at the first bad one.
 
 Starts its own stack (Redis + gateway + prefill + decode on loopback; by default the tiny
@@ -34,8 +34,8 @@ from splitserve.v1 import generation_pb2_grpc
 
 
 def tiny_fuzz_model(root: Path) -> Path:
-    from splitserve.testing.fuzz_api import CHAT_TEMPLATE
-    from splitserve.testing.tiny_models import make_tiny_model
+    from tests.harness.fuzz_api import CHAT_TEMPLATE
+    from tests.harness.tiny_models import make_tiny_model
     path = make_tiny_model(root / "llama")
     (path / "chat_template.jinja").write_text(CHAT_TEMPLATE)
     return path
@@ -83,13 +83,13 @@ def main(argv=None) -> int:
     p.add_argument("--out", default="bench/results/fuzz.json")
     args = p.parse_args(argv)
 
-    from splitserve.testing.fuzz_api import ALLOWED, call, describe, requests
+    from tests.harness.fuzz_api import ALLOWED, call, describe, requests
     master_seed = args.seed if args.seed is not None else random.randrange(2**32)
     stack, workdir = None, None
     if args.address:
         address = args.address
     else:
-        from splitserve.testing.stack import start_stack
+        from tests.harness.stack import start_stack
         workdir = Path(tempfile.mkdtemp(prefix="ss-fuzz-"))
         model = args.model or tiny_fuzz_model(workdir / "models")
         print(f"starting a stack of {model} (logs in {workdir / 'stack'})", flush=True)
@@ -134,7 +134,7 @@ def main(argv=None) -> int:
         wall = time.monotonic() - start
         checks["healthy_at_end"] = healthy(channel)
         if stack is not None:
-            from splitserve.testing.stack import wait_pages_at_baseline, wait_redis_clean
+            from tests.harness.stack import wait_pages_at_baseline, wait_redis_clean
             try:
                 wait_pages_at_baseline(stack, baseline, timeout_s=60)
                 checks["pages_at_baseline"] = True

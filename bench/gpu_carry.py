@@ -71,7 +71,7 @@ def redis_server(out: Path) -> None:
 
 
 def model_files(out: Path, model: str) -> None:
-    from engine.model_loader import resolve_model
+    from splitserve.engine.model_loader import resolve_model
     source = resolve_model(model)
     target = out / "smollm2"
     shutil.rmtree(target, ignore_errors=True)

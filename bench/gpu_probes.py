@@ -38,7 +38,7 @@ def build_model(out: Path, carried: Path, seed: int = 0, device: str = "cuda") -
             if f.name != "config.json":
                 shutil.copy2(f, out / f.name)
     else:  # no carried tokenizer: the tests' byte-level one (ids < 259 of the 49,152)
-        from splitserve.testing.tiny_models import byte_tokenizer
+        from tests.harness.tiny_models import byte_tokenizer
         byte_tokenizer().save_pretrained(out)
     return out
 
@@ -56,7 +56,7 @@ def engine_exact(model_dir: Path, num_prompts: int = 12, max_tokens: int = 16, d
     ``tensor_parallel_size``: passed to the engine when given (None: the engine's default)."""
     from transformers import AutoModelForCausalLM
 
-    from engine import LLM, SamplingParams
+    from splitserve.engine import LLM, SamplingParams
     batch = prompts(num_prompts, seed=1)
     start = time.perf_counter()
     tp = {} if tensor_parallel_size is None else {"tensor_parallel_size": tensor_parallel_size}
@@ -115,8 +115,8 @@ def _cuda_time(fn, iters: int) -> float:
 def triton_decode_bandwidth(cases=((64, 2048), (256, 1024), (4, 8192)), iters: int = 50) -> dict:
     """KV bytes/s the Triton decode kernels read (SmolLM2 heads, bf16, pages in random order),
     against a device-to-device copy of the same number of bytes (interleaved, medians of 3)."""
-    from engine.attention import triton_decode
-    from engine.attention.triton_backend import TritonAttentionBackend
+    from splitserve.engine.attention import triton_decode
+    from splitserve.engine.attention.triton_backend import TritonAttentionBackend
     backend = TritonAttentionBackend()
     heads, kv_heads, head_dim, block = 9, 3, 64, 16
     rows = []

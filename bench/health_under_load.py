@@ -140,7 +140,7 @@ def run(args) -> dict:
     model = args.model
     workdir = Path(tempfile.mkdtemp(prefix="ss-health-"))
     if not model:
-        from splitserve.testing.tiny_models import make_tiny_model
+        from tests.harness.tiny_models import make_tiny_model
         model = str(make_tiny_model(workdir / "llama"))
     workers = ["--prefill", "1", "--decode", "1"] if args.disaggregated else ["--prefill", "0", "--decode", "0"]
     up_args = ["--model", model, "--dtype", args.dtype, "--queue-limit", str(args.streams + 16),

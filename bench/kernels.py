@@ -7,7 +7,7 @@ working tree, base, ...; each turn a few calls), so a noisy VM moves both alike,
 are compared. The base revision's ``csrc/paged_attention_cpu.cpp`` and
 ``csrc/prefill_attention_cpu.cpp`` are taken with ``git show``, their ops renamed to
 ``torch.ops.splitserve_cpu_base`` and built with the engine's own flags; the working tree's are
-``engine.attention.cpu_kernels`` as the engine loads them. Each case also records the largest
+``splitserve.engine.attention.cpu_kernels`` as the engine loads them. Each case also records the largest
 difference between the two outputs (0 when the arithmetic did not change).
 
 Cases, with SmolLM2-135M's heads (9 query, 3 KV, head size 64), pages of 16 tokens laid out
@@ -39,14 +39,14 @@ def build_base(revision: str, kernels: list[str]) -> str:
     """Build ``revision``'s ``kernels`` (keys of SOURCES) under ``BASE_NAMESPACE``; returns its commit id."""
     from torch.utils import cpp_extension
 
-    from engine.attention.cpu_kernels import CFLAGS
-    from engine.model_loader import cache_dir
+    from splitserve.engine.attention.cpu_kernels import CFLAGS
+    from splitserve.engine.model_loader import cache_dir
     commit = subprocess.run(["git", "rev-parse", revision], cwd=ROOT, capture_output=True, text=True,
                             check=True).stdout.strip()
     names = [SOURCES[kernel] for kernel in kernels]
     texts = []
     for name in names:
-        text = subprocess.run(["git", "show", f"{commit}:engine/attention/csrc/{name}"], cwd=ROOT,
+        text = subprocess.run(["git", "show", f"{commit}:splitserve/engine/attention/csrc/{name}"], cwd=ROOT,
                               capture_output=True, text=True, check=True).stdout
         texts.append(re.sub(r"\b(TORCH_LIBRARY(?:_FRAGMENT|_IMPL)?)\(splitserve_cpu,", rf"\1({BASE_NAMESPACE},", text))
     key = hashlib.sha256("".join(texts).encode() + " ".join(CFLAGS).encode() + torch.__version__.encode()).hexdigest()[:16]
@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(kernels) - set(SOURCES)
     if unknown:
         parser.error(f"unknown kernels {sorted(unknown)}; choose from {sorted(SOURCES)}")
-    from engine.attention import cpu_kernels
+    from splitserve.engine.attention import cpu_kernels
     cpu_kernels.load()
     base_commit = build_base(args.base, kernels)
     generator = torch.Generator().manual_seed(0)

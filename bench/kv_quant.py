@@ -37,15 +37,15 @@ def fixed_text() -> str:
 
 
 def make_llm(model: str, kv: str, **kw):
-    from engine import LLM
+    from splitserve.engine import LLM
     return LLM(model, kv_cache_dtype=kv, enable_prefix_caching=False, **kw)
 
 
 @torch.inference_mode()
 def perplexity(llm, ids: list[int], chunk: int) -> float:
     """exp(mean NLL of token t+1 given tokens <= t) with the text prefilled chunk by chunk into the pool."""
-    from engine.attention import StepLayout
-    from engine.attention.hf_integration import StepContext, step_context
+    from splitserve.engine.attention import StepLayout
+    from splitserve.engine.attention.hf_integration import StepContext, step_context
     engine, runner = llm.engine, llm.engine.runner
     n = len(ids)
     if engine.kv.allocate("ppl", n) is None:
@@ -76,7 +76,7 @@ def perplexity(llm, ids: list[int], chunk: int) -> float:
 
 
 def greedy(llm, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    from engine import SamplingParams
+    from splitserve.engine import SamplingParams
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     return [o.token_ids for o in llm.generate(prompts, params)]
 
@@ -96,7 +96,7 @@ def agreement(base: list[list[int]], other: list[list[int]]) -> dict:
 
 def step_time(llms: dict, batch: int, context: int, steps: int, rounds: int) -> dict:
     """Median decode step per arm; arms alternate every round, in alternating order."""
-    from engine import SamplingParams
+    from splitserve.engine import SamplingParams
     params = SamplingParams(temperature=0.0, max_tokens=10**6, ignore_eos=True)
     for kv, llm in llms.items():
         engine = llm.engine
@@ -124,8 +124,8 @@ def step_time(llms: dict, batch: int, context: int, steps: int, rounds: int) -> 
 
 def kernel_time(dtype: torch.dtype, batch: int, contexts: list[int], rounds: int, reps: int = 20) -> list[dict]:
     """Median time of one paged_decode call (30 of them make a step) over `dtype` vs int8 pages."""
-    from engine.attention import cpu_kernels
-    from engine.attention.kv_quant import kv_quant, quantize
+    from splitserve.engine.attention import cpu_kernels
+    from splitserve.engine.attention.kv_quant import kv_quant, quantize
     if not cpu_kernels.available():
         return []
     hq, hkv, d, bs = 9, 3, 64, 16  # SmolLM2-135M's attention
@@ -209,7 +209,7 @@ def main(argv=None) -> int:
         results["pages_per_gib_vs_auto"] = {kv: v / results["pages_per_gib"]["auto"]
                                             for kv, v in results["pages_per_gib"].items()}
         # "auto" is fp32 on a CPU without native bf16; the bf16 pool (GPUs, AMX CPUs) from the same arithmetic.
-        from splitserve.sizing import load_shape, pages_for
+        from splitserve.cli.sizing import load_shape, pages_for
         bf16 = pages_for(1.0, load_shape(args.model), "bfloat16", 16)
         results["pages_per_gib_bf16"] = bf16
         results["pages_per_gib_vs_bf16"] = {kv: v / bf16 for kv, v in results["pages_per_gib"].items()}

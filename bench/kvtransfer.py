@@ -26,8 +26,8 @@ from pathlib import Path
 import torch
 
 from bench.common import median, write_json
-from kvtransfer.base import KVLayout, TransferDescriptor, coalesce
-from kvtransfer.lease import LeaseTable, PageFence
+from splitserve.kvtransfer.base import KVLayout, TransferDescriptor, coalesce
+from splitserve.kvtransfer.lease import LeaseTable, PageFence
 
 LAYERS, KV_HEADS, HEAD_DIM, BLOCK = 30, 3, 64, 16
 DTYPE = torch.bfloat16
@@ -36,10 +36,10 @@ DTYPE = torch.bfloat16
 def make_receiver(name: str, num_blocks: int, device: str = "cpu"):
     shape = (LAYERS, 2, num_blocks, BLOCK, KV_HEADS, HEAD_DIM)
     if name == "cuda_ipc":
-        from kvtransfer.transports.cuda_ipc import CudaIpcReceiver
+        from splitserve.kvtransfer.transports.cuda_ipc import CudaIpcReceiver
         return CudaIpcReceiver.create(torch.zeros(shape, dtype=DTYPE, device=device), lease_ttl_s=600, clock=time.time)
     if name == "shm":
-        from kvtransfer.transports.shm import ShmReceiver, create_shared_pool
+        from splitserve.kvtransfer.transports.shm import ShmReceiver, create_shared_pool
         pool, owners, directory = create_shared_pool(shape, DTYPE)
         pool.zero_()  # a serving pool's pages are in memory; a fresh /dev/shm file's fault in at first write
         leases = LeaseTable(PageFence(owners), ttl_s=600)
@@ -47,17 +47,17 @@ def make_receiver(name: str, num_blocks: int, device: str = "cpu"):
     pool = torch.zeros(shape, dtype=DTYPE, device=device)
     leases = LeaseTable(PageFence(torch.empty(num_blocks, dtype=torch.int64)), ttl_s=600)
     if name == "tcp":
-        from kvtransfer.transports.tcp import TcpReceiver
+        from splitserve.kvtransfer.transports.tcp import TcpReceiver
         return TcpReceiver(pool, leases)
     if name == "nccl":
-        from kvtransfer.transports.nccl import NcclReceiver
+        from splitserve.kvtransfer.transports.nccl import NcclReceiver
         return NcclReceiver(pool, leases)
     raise ValueError(name)
 
 
 def sender_process(name: str, address: str, num_blocks: int, device: str = "cpu") -> None:
     """Child: reads one descriptor per line, transfers, answers with its timing (JSON lines)."""
-    from kvtransfer import sender_factories
+    from splitserve.kvtransfer import sender_factories
     src = torch.randn(LAYERS, 2, num_blocks, BLOCK, KV_HEADS, HEAD_DIM).to(DTYPE).to(device)
     sender = sender_factories(src, [name])[name](address)
     mapped = getattr(sender, "dst_pool", None)

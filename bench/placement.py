@@ -1,7 +1,7 @@
 """Placement that knows where pages live (issue 18 part 2), measured on two prefill/decode pairs
 of which only one shares a host.
 
-Hosts are network namespaces (splitserve/testing/netns.py), each with its own /dev/shm:
+Hosts are network namespaces (tests/harness/netns.py), each with its own /dev/shm:
 
     host A: prefill1 + decode1    (the same-host pair: KV over shm)
     host B: decode0               (from either prefill worker: KV over tcp)
@@ -38,11 +38,11 @@ from collections import Counter
 from pathlib import Path
 
 from bench.common import git_commit, machine, write_json
-from splitserve.testing import netns
-from splitserve.testing.prompts import mixed_prompts
-from splitserve.testing.redis_server import RedisServer
-from splitserve.testing.stack import start_stack
-from splitserve.testing.streams import join_all, run_streams
+from tests.harness import netns
+from tests.harness.prompts import mixed_prompts
+from tests.harness.redis_server import RedisServer
+from tests.harness.stack import start_stack
+from tests.harness.streams import join_all, run_streams
 
 HOST_OF = {"prefill1": "A", "decode1": "A", "decode0": "B", "prefill0": "C", "gateway": "G"}
 
@@ -111,7 +111,7 @@ def main(argv=None) -> int:
     work = Path(tempfile.mkdtemp(prefix="ss-placement-"))
     model = args.model
     if not model:
-        from splitserve.testing.tiny_models import make_tiny_model
+        from tests.harness.tiny_models import make_tiny_model
         model = str(make_tiny_model(work / "tiny-llama"))
     n = args.sequential + args.bursts * args.burst_size
     result = {"commit": git_commit(), "machine": machine(), "topology": HOST_OF, "args": vars(args), "runs": {}}

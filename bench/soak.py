@@ -179,7 +179,7 @@ WORDS = ("the quick brown fox jumps over a lazy dog while seven wizards quietly 
 # ---- sampling ---------------------------------------------------------------------------------
 
 def worker_infos(workers: dict[str, str]) -> dict[str, dict]:
-    from splitserve.testing.stack import worker_info
+    from tests.harness.stack import worker_info
     out = {}
     for name, address in workers.items():
         try:
@@ -287,7 +287,7 @@ def main(argv=None) -> int:
     if args.address:
         address = args.address
     else:
-        from splitserve.testing.stack import start_stack
+        from tests.harness.stack import start_stack
         threads = max(1, (os.cpu_count() or 2) // 2)  # as `splitserve up` splits the cores
         log_dir = Path(tempfile.mkdtemp(prefix="ss-soak-"))
         print(f"starting a stack of {args.model} (logs in {log_dir})", flush=True)
@@ -340,7 +340,7 @@ def main(argv=None) -> int:
         checks["pages_at_baseline"] = all(end_infos[n].get("free") == baseline[n] for n in workers)
         checks["settle_s"] = round(time.monotonic() - t0 - traffic_s, 1)
         if stack is not None:
-            from splitserve.testing.stack import wait_redis_clean
+            from tests.harness.stack import wait_redis_clean
             live, queues = wait_redis_clean(stack.redis, 60)
             checks["live_request_keys"] = live
             checks["queued"] = queues

@@ -90,7 +90,7 @@ def main() -> None:
     ap.add_argument("--out", default="bench/results/spec_decode.json")
     args = ap.parse_args()
 
-    from engine import LLM, SamplingParams
+    from splitserve.engine import LLM, SamplingParams
     common = dict(dtype=args.dtype, enforce_eager=args.enforce_eager, max_num_seqs=max(8, args.n))
     spec = dict(speculative_method=args.speculative_method, num_speculative_tokens=args.num_speculative_tokens,
                 prompt_lookup_max=args.prompt_lookup_max, prompt_lookup_min=args.prompt_lookup_min,

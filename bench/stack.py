@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Iterator, Sequence
 
 from bench.workloads import BenchRequest
-from splitserve.launcher import die_with_parent, free_port
+from splitserve.cli.launcher import die_with_parent, free_port
 
 REPO = Path(__file__).resolve().parent.parent
 BOOT_TIMEOUT_S = 300
@@ -104,14 +104,14 @@ def running(stacks: Sequence[Stack]) -> Iterator[Sequence[Stack]]:
 
 
 class InProcessBackend:
-    """``engine.LLMEngine`` stepped by ``worker_runtime.engine_loop.EngineLoop`` (as a worker runs it),
+    """``engine.LLMEngine`` stepped by ``splitserve.worker.engine_loop.EngineLoop`` (as a worker runs it),
     called directly: no gRPC, no Redis, no gateway, no detokenizer."""
 
     def __init__(self, config, num_threads: int = 0):
         import torch
 
-        from engine.llm_engine import LLMEngine
-        from worker_runtime.engine_loop import EngineLoop
+        from splitserve.engine.llm_engine import LLMEngine
+        from splitserve.worker.engine_loop import EngineLoop
         if num_threads > 0:
             torch.set_num_threads(num_threads)
         self.engine = LLMEngine(config)
@@ -120,7 +120,7 @@ class InProcessBackend:
         self._ids = itertools.count()
 
     def stream(self, request: BenchRequest, meta: dict) -> Iterator[list[int]]:
-        from engine.sampling_params import SamplingParams
+        from splitserve.engine.sampling_params import SamplingParams
         rid = f"bench-{next(self._ids)}"
         events = self.loop.subscribe_sync(rid)
         params = SamplingParams(temperature=0.0, max_tokens=request.max_tokens, ignore_eos=True)

@@ -20,13 +20,13 @@ from bench.common import median, write_json
 
 
 def build(model: str, dtype: str, mode: str, batches: list[int], contexts: list[int]):
-    from engine import LLM
-    from engine.config import EngineConfig
-    from engine.model_loader import load_config, resolve_model
+    from splitserve.engine import LLM
+    from splitserve.engine.config import EngineConfig
+    from splitserve.engine.model_loader import load_config, resolve_model
     hf = load_config(resolve_model(model))
     kv_heads = getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads
     head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
-    from engine.model_runner import resolve_device, resolve_dtype
+    from splitserve.engine.model_runner import resolve_device, resolve_dtype
     element = torch.empty((), dtype=resolve_dtype(dtype, resolve_device("auto"))).element_size()
     tokens = max(batches) * (max(contexts) + 64)
     gb = tokens * 2 * hf.num_hidden_layers * kv_heads * head_dim * element / 2**30 * 1.1
@@ -38,7 +38,7 @@ def build(model: str, dtype: str, mode: str, batches: list[int], contexts: list[
 
 
 def measure(llm, batch: int, context: int, steps: int) -> float:
-    from engine import SamplingParams
+    from splitserve.engine import SamplingParams
     engine = llm.engine
     params = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
     vocab = llm.engine.vocab_size
@@ -107,6 +107,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from splitserve.allocator import restart_with_tcmalloc
-    restart_with_tcmalloc()  # as the workers run (splitserve/allocator.py)
+    from splitserve.cli.allocator import restart_with_tcmalloc
+    restart_with_tcmalloc()  # as the workers run (splitserve/cli/allocator.py)
     raise SystemExit(main())

@@ -23,7 +23,7 @@ import time
 import torch
 
 from bench.common import git_commit, machine, median, write_json
-from splitserve.testing.schemas import PERSON_SCHEMA
+from tests.harness.schemas import PERSON_SCHEMA
 
 SCHEMA = PERSON_SCHEMA
 SAMPLE = {"name": "Alice Smith", "age": 31, "city": "Paris", "admin": False}
@@ -108,9 +108,9 @@ def mask_costs(tokenizer, vocab: int, device: torch.device, reps: int) -> dict:
 
 
 def sampler_overhead(tokenizer, vocab: int, device: torch.device, batch: int, reps: int) -> dict:
-    from engine.sampler import Sampler, SamplingRow
-    from engine.sampling_params import SamplingParams
-    from engine.structured_output import GrammarCompiler, StructuredOutput
+    from splitserve.engine.sampler import Sampler, SamplingRow
+    from splitserve.engine.sampling_params import SamplingParams
+    from splitserve.engine.structured_output import GrammarCompiler, StructuredOutput
 
     spec = StructuredOutput(json_schema=json.dumps(SCHEMA))
     compiler = GrammarCompiler(tokenizer, vocab, [tokenizer.eos_token_id])
@@ -141,8 +141,8 @@ def sampler_overhead(tokenizer, vocab: int, device: torch.device, batch: int, re
 
 
 def engine_throughput(model: str, batch: int, max_tokens: int, rounds: int) -> dict:
-    from engine import LLM, SamplingParams
-    from engine.structured_output import StructuredOutput
+    from splitserve.engine import LLM, SamplingParams
+    from splitserve.engine.structured_output import StructuredOutput
     llm = LLM(model, dtype="float32", max_num_seqs=max(batch, 8))
     tok = llm.get_tokenizer()
     names = ["Alice", "Bob", "Chen", "Dmitri", "Eve", "Fatima", "Gabriel", "Hana", "Ivan", "Jun", "Kofi", "Lena"]
@@ -197,8 +197,8 @@ def main(argv=None) -> dict:
     ap.add_argument("--skip-engine", action="store_true")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
-    from engine.model_loader import load_config, load_tokenizer, resolve_model
-    from engine.model_runner import resolve_device
+    from splitserve.engine.model_loader import load_config, load_tokenizer, resolve_model
+    from splitserve.engine.model_runner import resolve_device
     model_dir = resolve_model(args.model)
     tokenizer = load_tokenizer(model_dir)
     vocab = load_config(model_dir).vocab_size

@@ -26,7 +26,7 @@ def model_dir() -> Path:
     """The random SmolLM2-sized checkpoint with heads that split in two (made on first use)."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from engine.model_loader import cache_dir, load_config, resolve_model
+    from splitserve.engine.model_loader import cache_dir, load_config, resolve_model
     target = cache_dir() / "models" / "bench-tp-smollm2-shape"
     if (target / "config.json").exists():
         return target
@@ -64,6 +64,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    from splitserve.allocator import restart_with_tcmalloc
-    restart_with_tcmalloc()  # as the workers run (splitserve/allocator.py)
+    from splitserve.cli.allocator import restart_with_tcmalloc
+    restart_with_tcmalloc()  # as the workers run (splitserve/cli/allocator.py)
     sys.exit(main())

@@ -166,7 +166,7 @@ def load_workload(path: str, model: str) -> list[BenchRequest]:
                 ids = [int(t) for t in row["prompt_token_ids"]]
             else:
                 if tokenizer is None:
-                    from engine.model_loader import load_tokenizer, resolve_model
+                    from splitserve.engine.model_loader import load_tokenizer, resolve_model
                     tokenizer = load_tokenizer(resolve_model(model))
                 ids = tokenizer.encode(str(row["prompt"]))
         except (ValueError, KeyError, TypeError) as e:
@@ -262,7 +262,7 @@ def cmd_tune(args) -> int:
     from tqdm import tqdm
 
     from bench.compare import model_info
-    from splitserve import config_file
+    from splitserve.cli import config_file
     if args.mixed and args.workload:
         raise SystemExit("splitserve tune: --mixed or --workload, not both")
     slo = {"ttft_p99_ms": args.slo_ttft_p99_ms, "tpot_p50_ms": args.slo_tpot_p50_ms}
@@ -273,7 +273,7 @@ def cmd_tune(args) -> int:
         splits = [Split.parse(s) for s in args.splits.split(",")]
         points: list[Point | None] = [None] if args.address else \
             grid(_ints(args.max_num_seqs), _ints(args.max_num_batched_tokens), _ints(args.block_size), splits)
-        from engine.config import EngineConfig
+        from splitserve.engine.config import EngineConfig
         for point in filter(None, points):  # a value the engine refuses stops here, not in a stack's log
             EngineConfig(max_num_seqs=point.max_num_seqs, max_num_batched_tokens=point.max_num_batched_tokens,
                          block_size=point.block_size)

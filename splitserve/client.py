@@ -12,7 +12,7 @@ token; ``tls=True`` alone verifies the server against the system's roots.
 
 With ``retry=True``, a ``generate`` refused with UNAVAILABLE or RESOURCE_EXHAUSTED before any
 token came back is sent again after the server's pushback (or a backoff), within its deadline
-(``splitserve.grpc_options.retry_delay``); off by default, so a caller sees every refusal. Every
+(``splitserve.common.grpc_options.retry_delay``); off by default, so a caller sees every refusal. Every
 event carries its request's id (the server's own when none was given), so a stream can be
 aborted from its first event on.
 """
@@ -27,8 +27,8 @@ from typing import AsyncIterator, Iterator, Sequence
 
 import grpc
 
-from splitserve.grpc_options import client_options, retry_delay
-from splitserve.security import DEFAULT_MAX_MESSAGE_MB, Security
+from splitserve.common.grpc_options import client_options, retry_delay
+from splitserve.common.security import DEFAULT_MAX_MESSAGE_MB, Security
 from splitserve.v1 import generation_pb2, generation_pb2_grpc
 
 _SAMPLING_FIELDS = {f.name for f in generation_pb2.SamplingParams.DESCRIPTOR.fields}

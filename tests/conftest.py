@@ -11,7 +11,7 @@ os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 # says nothing about serving; the engine tests compile it where it is what they check.
 os.environ.setdefault("SPLITSERVE_ENFORCE_EAGER", "1")
 
-from engine.openmp import prefer_passive_waiting  # noqa: E402
+from splitserve.engine.openmp import prefer_passive_waiting  # noqa: E402
 
 # Before torch loads, and inherited by every process the tests start: many of them share 2 cores.
 prefer_passive_waiting()
@@ -27,7 +27,7 @@ import torch  # noqa: E402
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from splitserve.testing.tiny_models import make_tiny_model  # noqa: E402
+from tests.harness.tiny_models import make_tiny_model  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):
@@ -54,7 +54,7 @@ def step_mode(request) -> dict:
 @pytest.fixture
 def make_llm():
     """Builds LLMs and, after the test, checks each is idle: no request left, every page free or cached."""
-    from engine import LLM
+    from splitserve.engine import LLM
     made = []
 
     def factory(model, **kwargs):

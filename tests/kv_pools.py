@@ -1,7 +1,7 @@
-"""Random KV pools for the transport tests, plain or quantized (engine/attention/kv_quant.py)."""
+"""Random KV pools for the transport tests, plain or quantized (splitserve/engine/attention/kv_quant.py)."""
 import torch
 
-from engine.attention.kv_quant import kv_quant, quantize
+from splitserve.engine.attention.kv_quant import kv_quant, quantize
 
 # The pool formats the per-transport tests run over: plain floats, and quantized pages (codes +
 # a float32 scale per row), which every transport must ship byte for byte as they are.

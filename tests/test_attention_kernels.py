@@ -20,8 +20,8 @@ import random  # noqa: E402
 import pytest  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from engine.attention import reference  # noqa: E402
-from engine.attention import triton_kernels, triton_decode  # noqa: E402
+from splitserve.engine.attention import reference  # noqa: E402
+from splitserve.engine.attention import triton_kernels, triton_decode  # noqa: E402
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 

@@ -1,4 +1,4 @@
-"""The CPU decode kernel (engine/attention/csrc) and the CPU backend against the plain reference.
+"""The CPU decode kernel (splitserve/engine/attention/csrc) and the CPU backend against the plain reference.
 
 Slots outside every sequence's context hold NaN (the ``Batch`` helper of the Triton tests), so a
 kernel that reads past a context, or a page tail, poisons its output.
@@ -8,9 +8,9 @@ import random
 import pytest
 import torch
 
-from engine.attention import StepLayout, cpu_kernels, reference
-from engine.attention.cpu_backend import CpuAttentionBackend
-from engine.attention.torch_backend import TorchAttentionBackend
+from splitserve.engine.attention import StepLayout, cpu_kernels, reference
+from splitserve.engine.attention.cpu_backend import CpuAttentionBackend
+from splitserve.engine.attention.torch_backend import TorchAttentionBackend
 from tests.test_attention_kernels import SCENARIOS, Batch, dense_causal_sdpa
 
 

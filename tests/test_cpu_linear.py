@@ -1,8 +1,8 @@
-"""engine/cpu_linear.py: linear layers on prepacked oneDNN weights (fp32; bf16 where the CPU has it)."""
+"""splitserve/engine/cpu_linear.py: linear layers on prepacked oneDNN weights (fp32; bf16 where the CPU has it)."""
 import pytest
 import torch
 
-from engine.cpu_linear import (FusedLinears, FusedMember, OnednnLinear, onednn_computes, pack_linear_layers,
+from splitserve.engine.cpu_linear import (FusedLinears, FusedMember, OnednnLinear, onednn_computes, pack_linear_layers,
                                resolve_linear_backend)
 from tests.test_engine_correctness import GREEDY, assert_matches, mixed_prompts
 
@@ -41,8 +41,8 @@ def test_packed_bf16_linear_equals_nn_linear(rows):
 def test_the_cpp_linear_op_equals_the_python_one(rows):
     """The C++ op (the one packed linears call where the CPU kernels built) pads, runs and cuts
     exactly as the Python definition does: bit-identical outputs, same shapes."""
-    from engine.attention import cpu_kernels
-    from engine.cpu_linear import linear_op
+    from splitserve.engine.attention import cpu_kernels
+    from splitserve.engine.cpu_linear import linear_op
     assert cpu_kernels.available(), cpu_kernels.load_error()
     assert linear_op() is torch.ops.splitserve_cpu.onednn_linear
     torch.manual_seed(0)
@@ -58,7 +58,7 @@ def test_the_cpp_linear_op_equals_the_python_one(rows):
 def test_row_counts_are_rounded_to_a_bounded_set_of_shapes():
     """oneDNN keeps a compiled kernel per shape: above 64 rows they round up (< 12.5 % padding),
     so 2,048 row counts give 104 shapes, not 2,048."""
-    from engine.cpu_linear import padded_rows
+    from splitserve.engine.cpu_linear import padded_rows
     shapes = {padded_rows(r) for r in range(1, 2049)}
     assert len(shapes) == 64 + 40
     assert all(r <= padded_rows(r) < r * 1.125 or r <= 64 and padded_rows(r) == r for r in range(1, 2049))

@@ -1,7 +1,7 @@
 """The offline API and the worker-facing calls: prompts, finish reasons, seeds, logprobs, abort, bad input."""
 import pytest
 
-from engine import SamplingParams
+from splitserve.engine import SamplingParams
 from tests.test_engine_correctness import mixed_prompts
 
 
@@ -113,7 +113,7 @@ def test_bad_sampling_params_name_the_field():
 
 
 def test_bad_engine_config_says_what_to_change():
-    from engine import EngineConfig
+    from splitserve.engine import EngineConfig
     with pytest.raises(ValueError, match="block_size"):
         EngineConfig(block_size=12)
     with pytest.raises(ValueError, match="scheduling_policy"):

@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from engine import SamplingParams
+from splitserve.engine import SamplingParams
 
 MAX_TOKENS = 10
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -126,7 +126,7 @@ def test_static_batching_matches_and_pays_for_padding(tiny_model_dirs, make_llm,
 
 def test_triton_backend_matches_transformers(tiny_model_dirs, make_llm, hf_reference):
     """The engine on the Triton kernels (interpreted on CPU) still equals transformers."""
-    from engine.attention import triton_kernels
+    from splitserve.engine.attention import triton_kernels
     if not triton_kernels.TRITON_AVAILABLE:
         pytest.skip("triton is not installed")
     if not triton_kernels._INTERPRETED and not __import__("torch").cuda.is_available():
@@ -140,7 +140,7 @@ def test_triton_backend_matches_transformers(tiny_model_dirs, make_llm, hf_refer
 
 
 def test_cuda_graph_sizes_cover_every_decode_batch():
-    from engine.cuda_graphs import DecodeGraphs, capture_sizes
+    from splitserve.engine.cuda_graphs import DecodeGraphs, capture_sizes
     assert capture_sizes(64) == [1, 2, 4, 8, 16, 24, 32, 40, 48, 56, 64]
     assert capture_sizes(20) == [1, 2, 4, 8, 16, 20]
     graphs = DecodeGraphs(None, None, [], None, 1024, capture_sizes(20))

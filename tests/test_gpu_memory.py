@@ -2,9 +2,9 @@
 import pytest
 import torch
 
-from engine.config import EngineConfig
-from engine.gpu_memory import GIB, kv_blocks_for_budget
-from splitserve.launcher import memory_shares
+from splitserve.engine.config import EngineConfig
+from splitserve.engine.gpu_memory import GIB, kv_blocks_for_budget
+from splitserve.cli.launcher import memory_shares
 
 
 def test_the_pool_gets_the_share_minus_what_the_process_already_holds():
@@ -27,7 +27,7 @@ def test_config_refuses_a_share_outside_0_1(value):
 
 
 def test_a_cpu_engine_refuses_it(tiny_model_dirs):
-    from engine import LLM
+    from splitserve.engine import LLM
     with pytest.raises(ValueError, match="kv_cache_memory_gb"):
         LLM(model=str(tiny_model_dirs["llama"]), device="cpu", dtype="float32", enforce_eager=True,
             gpu_memory_utilization=0.5)
@@ -43,8 +43,8 @@ def test_up_gives_decode_workers_twice_a_prefill_workers_share():
 
 
 def test_up_hands_each_worker_its_share(tmp_path):
-    from splitserve.cli import parse
-    from splitserve.launcher import plan
+    from splitserve.cli.commands import parse
+    from splitserve.cli.launcher import plan
     args = parse(["up", "--device", "cuda", "--prefill", "2", "--decode", "1", "--gpu-memory-utilization", "0.8"])
     shares = {}
     for spec in plan(args, "redis://127.0.0.1:1/0", str(tmp_path)):
@@ -57,15 +57,15 @@ def test_up_hands_each_worker_its_share(tmp_path):
 
 
 def test_up_on_cpu_refuses_a_gpu_share():
-    from splitserve.cli import parse
-    from splitserve.launcher import cmd_up
+    from splitserve.cli.commands import parse
+    from splitserve.cli.launcher import cmd_up
     with pytest.raises(SystemExit, match="shares a GPU"):
         cmd_up(parse(["up", "--device", "cpu", "--gpu-memory-utilization", "0.5"]))
 
 
 @pytest.mark.gpu
 def test_a_cuda_engine_stays_inside_its_share(tiny_model_dirs):
-    from engine import LLM, SamplingParams
+    from splitserve.engine import LLM, SamplingParams
     total = torch.cuda.get_device_properties(0).total_memory
     llm = LLM(model=str(tiny_model_dirs["llama"]), device="cuda", dtype="float32", enforce_eager=True,
               gpu_memory_utilization=0.1)

@@ -4,14 +4,14 @@ import sys
 
 import pytest
 
-from engine.kv_cache_manager import KVCacheManager, prefix_block_hashes
+from splitserve.engine.kv_cache_manager import KVCacheManager, prefix_block_hashes
 
 
 def test_imports_without_torch():
-    assert "engine.kv_cache_manager" in sys.modules
+    assert "splitserve.engine.kv_cache_manager" in sys.modules
     import subprocess
     code = ("import sys; sys.modules['torch'] = None; "
-            "import engine.kv_cache_manager as m; m.KVCacheManager(4, 16)")
+            "import splitserve.engine.kv_cache_manager as m; m.KVCacheManager(4, 16)")
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

@@ -1,4 +1,4 @@
-"""Quantized KV pages (engine/attention/kv_quant.py): the row format, and every attention backend
+"""Quantized KV pages (splitserve/engine/attention/kv_quant.py): the row format, and every attention backend
 reading them against the fp32 reference.
 
 Two checks per backend and format: against the reference over the *same quantized* pages
@@ -14,9 +14,9 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 
-from engine.attention import cpu_kernels, kv_quant, reference  # noqa: E402
-from engine.attention.kv_quant import dequantize, quantize  # noqa: E402
-from engine.attention.torch_backend import TorchAttentionBackend  # noqa: E402
+from splitserve.engine.attention import cpu_kernels, kv_quant, reference  # noqa: E402
+from splitserve.engine.attention.kv_quant import dequantize, quantize  # noqa: E402
+from splitserve.engine.attention.torch_backend import TorchAttentionBackend  # noqa: E402
 from tests.test_cpu_attention import make_batch  # noqa: E402
 
 FORMATS = ["int8", "fp8_e4m3", "fp8_e5m2"]
@@ -58,15 +58,15 @@ def _backends():
 
 def _make(backend):
     if backend == "cpu":
-        from engine.attention.cpu_backend import CpuAttentionBackend
+        from splitserve.engine.attention.cpu_backend import CpuAttentionBackend
         return CpuAttentionBackend()
     if backend == "triton":
-        from engine.attention import triton_kernels
+        from splitserve.engine.attention import triton_kernels
         if not triton_kernels.TRITON_AVAILABLE:
             pytest.skip("triton is not installed")
         if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1":
             pytest.skip("CPU tensors need the Triton interpreter")
-        from engine.attention.triton_backend import TritonAttentionBackend
+        from splitserve.engine.attention.triton_backend import TritonAttentionBackend
         return TritonAttentionBackend()
     return backend()
 
@@ -126,7 +126,7 @@ def test_cpu_kernel_writes_the_rows_torch_writes(name, in_dtype):
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_triton_decode_reads_quantized_pages(name, num_splits):
     """The decode kernel whole and split into partitions (flash-decoding) over quantized pages."""
-    from engine.attention import triton_decode
+    from splitserve.engine.attention import triton_decode
     _make("triton")  # skips without triton / the interpreter
     fmt = kv_quant.kv_quant(name)
     query, key, value, k_cache, v_cache, layout = make_batch([1, 1], [130, 37], 16, 16, 4, 2, 64, seed=4)
@@ -143,7 +143,7 @@ def test_triton_decode_reads_quantized_pages(name, num_splits):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_triton_on_cuda_reads_quantized_pages(name, dtype):
     """Compiled Triton on a GPU (not run on CPU-only machines): write, prefill and decode kernels."""
-    from engine.attention.triton_backend import TritonAttentionBackend
+    from splitserve.engine.attention.triton_backend import TritonAttentionBackend
     fmt = kv_quant.kv_quant(name)
     query, key, value, k_cache, v_cache, layout = make_batch(Q_LENS, CTX_LENS, 8, 24, 6, 2, 64, seed=3)
     kq, vq = quantize(k_cache, fmt), quantize(v_cache, fmt)

@@ -6,8 +6,8 @@ every request runs to its length, and (handoff) the pages arrive byte for byte.
 """
 import pytest
 
-from engine import EngineConfig, SamplingParams
-from kvtransfer import build_decode, build_prefill
+from splitserve.engine import EngineConfig, SamplingParams
+from splitserve.kvtransfer import build_decode, build_prefill
 from tests.test_engine_correctness import mixed_prompts
 from tests.test_kvtransfer_handoff import assert_refused_before_any_byte_moves, handoff
 
@@ -80,10 +80,10 @@ def test_mismatched_kv_dtypes_are_refused_before_any_byte_moves(prefill_kv, deco
 
 
 def test_capacity_nearly_doubles_and_sizing_and_worker_info_agree(tiny_model_dirs, make_llm):
-    """Pages per GiB: the engine's pool, splitserve.sizing and GetWorkerInfo say the same, and
+    """Pages per GiB: the engine's pool, splitserve.cli.sizing and GetWorkerInfo say the same, and
     8-bit pages give 2 * head_dim / (head_dim + 4) times bf16's (the scale costs 4 B a row)."""
-    from splitserve.api_convert import worker_info_to_proto
-    from splitserve.sizing import load_shape, pages_for
+    from splitserve.wire import worker_info_to_proto
+    from splitserve.cli.sizing import load_shape, pages_for
 
     model = tiny_model_dirs["llama"]
     shape = load_shape(str(model))
@@ -104,7 +104,7 @@ def test_capacity_nearly_doubles_and_sizing_and_worker_info_agree(tiny_model_dir
 
 @pytest.mark.parametrize("head_dim, at_least", [(64, 1.88), (128, 1.93)])
 def test_sizing_pages_per_gib_about_double_bf16(head_dim, at_least):
-    from splitserve.sizing import KVShape, pages_for
+    from splitserve.cli.sizing import KVShape, pages_for
     shape = KVShape("m", 30, 3, head_dim)  # SmolLM2's shape at 64
     ratio = pages_for(20, shape, "bfloat16", 16, "int8") / pages_for(20, shape, "bfloat16", 16)
     assert at_least <= ratio < 2

@@ -17,7 +17,7 @@ import time
 import pytest
 import torch
 
-from kvtransfer.base import KVLayout, TransferDescriptor, coalesce, kv_checksum
+from splitserve.kvtransfer.base import KVLayout, TransferDescriptor, coalesce, kv_checksum
 
 pytestmark = pytest.mark.gpu
 two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
@@ -26,8 +26,8 @@ SHAPE = (4, 2, 64, 16, 3, 64)
 
 SENDER = textwrap.dedent("""
     import json, sys, torch
-    from kvtransfer.base import TransferDescriptor, coalesce
-    from kvtransfer.transports.cuda_ipc import CudaIpcSender
+    from splitserve.kvtransfer.base import TransferDescriptor, coalesce
+    from splitserve.kvtransfer.transports.cuda_ipc import CudaIpcSender
     desc = TransferDescriptor.from_dict(json.loads(sys.argv[1]))
     src_blocks = json.loads(sys.argv[2])
     torch.manual_seed(0)
@@ -50,7 +50,7 @@ def _child_env() -> dict:
 def test_cuda_ipc_pages_land_byte_for_byte(layout, src_device):
     """Decode pool on cuda:0 in this process, written from another process (on cuda:0: the single-GPU
     mode; on cuda:1: a cross-device copy through the IPC mapping)."""
-    from kvtransfer.transports.cuda_ipc import CudaIpcReceiver
+    from splitserve.kvtransfer.transports.cuda_ipc import CudaIpcReceiver
     pool = torch.zeros(SHAPE, dtype=torch.bfloat16, device="cuda:0")
     receiver = CudaIpcReceiver.create(pool, lease_ttl_s=60, clock=time.time)
     try:
@@ -78,7 +78,7 @@ def test_cuda_ipc_pages_land_byte_for_byte(layout, src_device):
 def test_engine_handoff_over_cuda_ipc_equals_transformers(tiny_model_dirs, hf_reference):
     """Prefill engine in a child process, decode engine here, one GPU, KV through CUDA IPC on the
     connector's copy stream: greedy output equals transformers."""
-    from kvtransfer import build_decode
+    from splitserve.kvtransfer import build_decode
     from tests.test_engine_correctness import mixed_prompts
     from tests.test_kvtransfer_handoff import GREEDY, PREFILL_PROCESS, config
     model = tiny_model_dirs["llama"]
@@ -118,7 +118,7 @@ def test_kv_checksum_of_a_cuda_pool_equals_its_host_copy():
 
 @pytest.mark.parametrize("dst_device", ["cuda:0", pytest.param("cuda:1", marks=two_gpus)])
 def test_page_copy_on_and_across_gpus(dst_device):
-    from kvtransfer.page_copy import copy_runs
+    from splitserve.kvtransfer.page_copy import copy_runs
     src = torch.randn(2, 64, 16, 3, 64, device="cuda:0").to(torch.bfloat16)
     dst = torch.zeros(2, 64, 16, 3, 64, dtype=torch.bfloat16, device=dst_device)
     rng = random.Random(1)
@@ -134,7 +134,7 @@ def test_page_copy_on_and_across_gpus(dst_device):
 def test_engine_on_the_second_gpu_stepped_from_another_thread(tiny_model_dirs, hf_reference):
     """A worker on cuda:1 builds its engine on the main thread and steps it on its engine loop's
     thread, whose current device is cuda:0: Triton must still launch on cuda:1."""
-    from engine import LLM, SamplingParams
+    from splitserve.engine import LLM, SamplingParams
     from tests.test_engine_correctness import mixed_prompts
     model = tiny_model_dirs["llama"]
     llm = LLM(model=str(model), dtype="float32", device="cuda:1", enforce_eager=True, num_gpu_blocks=128,

@@ -11,10 +11,10 @@ import logging
 import pytest
 import torch
 
-from engine import SamplingParams
-from kvtransfer import build_decode, build_prefill
-from kvtransfer.transports.cuda_ipc import CudaIpcSender, decode_handle, encode_handle
-from kvtransfer.transports.shm import ShmReceiver, create_pool_directory
+from splitserve.engine import SamplingParams
+from splitserve.kvtransfer import build_decode, build_prefill
+from splitserve.kvtransfer.transports.cuda_ipc import CudaIpcSender, decode_handle, encode_handle
+from splitserve.kvtransfer.transports.shm import ShmReceiver, create_pool_directory
 from tests.test_engine_correctness import mixed_prompts
 from tests.test_kvtransfer_handoff import config
 
@@ -69,7 +69,7 @@ def test_a_cuda_ipc_offer_that_cannot_open_falls_back_to_the_next_transport(hand
         desc = decode.reserve("c", len(prompt))
         offered = dataclasses.replace(desc, transport="cuda_ipc", address=str(directory),
                                       alternatives=((desc.transport, desc.address),))
-        with caplog.at_level(logging.WARNING, logger="kvtransfer.prefill_side"):
+        with caplog.at_level(logging.WARNING, logger="splitserve.kvtransfer.prefill_side"):
             prefill.start("c", prompt, GREEDY, offered)
             [result] = prefill.step()
         assert result.error is None and result.transport == "tcp"

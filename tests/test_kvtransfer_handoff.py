@@ -13,9 +13,9 @@ import time
 import pytest
 import torch
 
-from engine import EngineConfig, SamplingParams
-from kvtransfer import LayoutMismatchError, LeaseExpiredError, StaleEpochError, build_decode, build_prefill
-from kvtransfer.base import ChecksumMismatchError, kv_checksum
+from splitserve.engine import EngineConfig, SamplingParams
+from splitserve.kvtransfer import LayoutMismatchError, LeaseExpiredError, StaleEpochError, build_decode, build_prefill
+from splitserve.kvtransfer.base import ChecksumMismatchError, kv_checksum
 from tests.test_engine_correctness import mixed_prompts
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
@@ -168,7 +168,7 @@ def test_handed_over_requests_past_max_num_seqs_wait_for_a_slot(pair, tiny_model
 
 @pytest.mark.parametrize("num_layers", [1, 3])
 def test_decode_pages_equal_prefill_pages_byte_for_byte(pair, tmp_path, num_layers, transport):
-    from splitserve.testing.tiny_models import make_tiny_model
+    from tests.harness.tiny_models import make_tiny_model
     model = make_tiny_model(tmp_path / f"l{num_layers}", num_layers=num_layers)
     prefill, decode = pair(16, model=model)
     held = fragment(decode)
@@ -330,9 +330,9 @@ def test_checksum_mismatch_frees_pages_and_says_so(pair):
 
 PREFILL_CHILD = textwrap.dedent("""
     import json, sys, time
-    from engine import EngineConfig, SamplingParams
-    from kvtransfer import build_prefill
-    from kvtransfer.base import TransferDescriptor
+    from splitserve.engine import EngineConfig, SamplingParams
+    from splitserve.kvtransfer import build_prefill
+    from splitserve.kvtransfer.base import TransferDescriptor
     model, desc_json, prompt_json = sys.argv[1:4]
     prefill = build_prefill(EngineConfig(model=model, dtype="float32", num_gpu_blocks=128, block_size=8, enforce_eager=True))
     hook = prefill.engine.runner.layer_hook
@@ -371,9 +371,9 @@ def test_prefill_killed_mid_transfer_ends_with_pages_free(pair, tiny_model_dirs)
 
 PREFILL_PROCESS = textwrap.dedent("""
     import json, sys
-    from engine import EngineConfig, SamplingParams
-    from kvtransfer import build_prefill
-    from kvtransfer.base import TransferDescriptor
+    from splitserve.engine import EngineConfig, SamplingParams
+    from splitserve.kvtransfer import build_prefill
+    from splitserve.kvtransfer.base import TransferDescriptor
     model, jobs_json = sys.argv[1:3]
     device = sys.argv[3] if len(sys.argv) > 3 else "auto"
     prefill = build_prefill(EngineConfig(model=model, dtype="float32", num_gpu_blocks=128, block_size=8,
@@ -443,7 +443,7 @@ def test_auto_offers_fastest_first_and_falls_back_loudly(tiny_model_dirs, hf_ref
         assert [t for t, _ in desc.offers] == ["shm", "tcp"]
         # As seen from another host: the shared-memory pool is not there.
         elsewhere = dataclasses.replace(desc, address="/nonexistent/splitserve-kv")
-        with caplog.at_level(logging.WARNING, logger="kvtransfer.prefill_side"):
+        with caplog.at_level(logging.WARNING, logger="splitserve.kvtransfer.prefill_side"):
             prefill.start("f", prompt, GREEDY, elsewhere)
             [result] = prefill.step()
         assert result.error is None and result.transport == "tcp"
@@ -455,7 +455,7 @@ def test_auto_offers_fastest_first_and_falls_back_loudly(tiny_model_dirs, hf_ref
         # Same host: shm is taken, nothing logged.
         caplog.clear()
         desc = decode.reserve("g", len(prompt))
-        with caplog.at_level(logging.WARNING, logger="kvtransfer.prefill_side"):
+        with caplog.at_level(logging.WARNING, logger="splitserve.kvtransfer.prefill_side"):
             prefill.start("g", prompt, GREEDY, desc)
             [result] = prefill.step()
         assert result.transport == "shm" and "falls back" not in caplog.text

@@ -17,10 +17,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvtransfer.base import (KVLayout, LayoutMismatchError, TransferAbortedError, TransferDescriptor, TransferError,
+from splitserve.kvtransfer.base import (KVLayout, LayoutMismatchError, TransferAbortedError, TransferDescriptor, TransferError,
                              coalesce)
-from kvtransfer.lease import LeaseTable, PageFence
-from kvtransfer.transports.nccl import NcclReceiver, NcclSender
+from splitserve.kvtransfer.lease import LeaseTable, PageFence
+from splitserve.kvtransfer.transports.nccl import NcclReceiver, NcclSender
 from tests.kv_pools import QUANTIZED, random_pool
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -249,7 +249,7 @@ def test_cuda_pools_over_nccl(tmp_path):
 def test_nccl_refuses_a_peer_on_the_same_gpu():
     """Prefill and decode on one GPU: NCCL cannot pair them, so the sender says the transport is
     unavailable (the prefill side then takes the next offer) instead of failing mid-transfer."""
-    from kvtransfer.base import TransportUnavailableError
+    from splitserve.kvtransfer.base import TransportUnavailableError
     decode = Decode(1, 16, "bfloat16", seed=1, device="cuda:0")
     try:
         with pytest.raises(TransportUnavailableError, match="one device"):

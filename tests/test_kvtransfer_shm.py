@@ -4,10 +4,10 @@ import random
 import pytest
 import torch
 
-from kvtransfer.base import KVLayout, StaleEpochError, TransferDescriptor, coalesce
-from kvtransfer import page_copy
-from kvtransfer.lease import LeaseTable, PageFence
-from kvtransfer.transports.shm import ShmReceiver, ShmSender, create_shared_pool
+from splitserve.kvtransfer.base import KVLayout, StaleEpochError, TransferDescriptor, coalesce
+from splitserve.kvtransfer import page_copy
+from splitserve.kvtransfer.lease import LeaseTable, PageFence
+from splitserve.kvtransfer.transports.shm import ShmReceiver, ShmSender, create_shared_pool
 from tests.kv_pools import QUANTIZED, random_pool
 
 SHAPE = (3, 2, 64, 8, 2, 16)
@@ -62,7 +62,7 @@ def test_released_pages_refuse_writes(shm_pair):
 def test_page_copy_paths_agree(native, dtype, monkeypatch):
     """The C++ page copy (and the slice copies or gather/scatter used where it cannot be built) on
     one run, a few runs and a random page table of a strided layer view, as the shm sender hands them over."""
-    from engine.attention import cpu_kernels
+    from splitserve.engine.attention import cpu_kernels
     if native:
         assert cpu_kernels.available(), cpu_kernels.load_error()
     else:
@@ -82,7 +82,7 @@ def test_page_copy_paths_agree(native, dtype, monkeypatch):
 
 
 def test_page_copy_kernel_refuses_pages_outside_the_pools():
-    from engine.attention import cpu_kernels
+    from splitserve.engine.attention import cpu_kernels
     assert cpu_kernels.available(), cpu_kernels.load_error()
     src, dst = torch.zeros(2, 4, 8), torch.zeros(2, 4, 8)
     with pytest.raises(RuntimeError, match="outside the pools"):

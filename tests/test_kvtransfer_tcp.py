@@ -15,12 +15,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvtransfer.base import (KVLayout, LayoutMismatchError, LeaseExpiredError, StaleEpochError,
+from splitserve.kvtransfer.base import (KVLayout, LayoutMismatchError, LeaseExpiredError, StaleEpochError,
                              TransferAbortedError, TransferDescriptor, TransferError,
                              TransportUnavailableError, coalesce)
-from kvtransfer.lease import LeaseTable, PageFence
-from kvtransfer.transports import tcp
-from kvtransfer.transports.tcp import TcpReceiver, TcpSender
+from splitserve.kvtransfer.lease import LeaseTable, PageFence
+from splitserve.kvtransfer.transports import tcp
+from splitserve.kvtransfer.transports.tcp import TcpReceiver, TcpSender
 from tests.kv_pools import QUANTIZED, random_pool
 
 REPO = Path(__file__).resolve().parents[1]
@@ -485,8 +485,8 @@ def test_receiver_gone_or_silent_fails_the_flush_quickly(cleanup):
 
 CHILD = """
 import sys, time, torch
-from kvtransfer.base import KVLayout, TransferDescriptor
-from kvtransfer.transports import tcp
+from splitserve.kvtransfer.base import KVLayout, TransferDescriptor
+from splitserve.kvtransfer.transports import tcp
 address, epoch = sys.argv[1], int(sys.argv[2])
 pool = torch.randn(2, 2, 16, 8, 2, 8)
 sender = tcp.TcpSender(address, pool)

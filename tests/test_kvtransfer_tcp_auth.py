@@ -14,12 +14,12 @@ import time
 import pytest
 import torch
 
-from kvtransfer.base import (KVLayout, TransferAbortedError, TransferDescriptor, TransportUnavailableError,
+from splitserve.kvtransfer.base import (KVLayout, TransferAbortedError, TransferDescriptor, TransportUnavailableError,
                              coalesce)
-from kvtransfer.lease import LeaseTable, PageFence
-from kvtransfer.transports import tcp, tcp_auth
-from kvtransfer.transports.tcp import TcpReceiver, TcpSender
-from splitserve.security import Security
+from splitserve.kvtransfer.lease import LeaseTable, PageFence
+from splitserve.kvtransfer.transports import tcp, tcp_auth
+from splitserve.kvtransfer.transports.tcp import TcpReceiver, TcpSender
+from splitserve.common.security import Security
 
 KEY = Security(token="the-internal-token").kv_key
 OTHER_KEY = Security(token="another-token").kv_key
@@ -226,6 +226,6 @@ def test_an_open_receiver_beyond_loopback_says_so(caplog):
     leases = LeaseTable(PageFence(torch.empty(BLOCKS, dtype=torch.int64)), ttl_s=60.0)
     for host, key, warned in (("127.0.0.1", None, False), ("0.0.0.0", KEY, False), ("0.0.0.0", None, True)):
         caplog.clear()
-        with caplog.at_level("WARNING", logger="kvtransfer.transports.tcp"):
+        with caplog.at_level("WARNING", logger="splitserve.kvtransfer.transports.tcp"):
             TcpReceiver(pool, leases, host=host, key=key).close()
         assert ("accepts page writes from anyone" in caplog.text) == warned, (host, key)

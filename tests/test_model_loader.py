@@ -1,4 +1,4 @@
-"""Tests for engine.model_loader: resolving, caching/converting and loading checkpoints.
+"""Tests for splitserve.engine.model_loader: resolving, caching/converting and loading checkpoints.
 
 The tests on the real default model use the normal cache (``~/.cache/splitserve`` unless
 ``SPLITSERVE_CACHE`` is set), so the one-off GGUF conversion (~45 s on two cores, plus a
@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import model_loader
-from engine.model_loader import (
+from splitserve.engine import model_loader
+from splitserve.engine.model_loader import (
     DEFAULT_MODEL,
     cache_dir,
     load_config,

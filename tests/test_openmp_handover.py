@@ -1,4 +1,4 @@
-"""engine/openmp.py: the thread that built a model lets its OpenMP pool go, and the engine-loop
+"""splitserve/engine/openmp.py: the thread that built a model lets its OpenMP pool go, and the engine-loop
 thread that steps the model computes with the builder's torch thread count.
 
 Each check runs in a fresh interpreter: OpenMP's pools and thread counts are per process and per
@@ -26,7 +26,7 @@ def run_python(code: str) -> str:
 def test_releasing_the_pool_ends_the_calling_threads_openmp_workers():
     out = run_python("""
         import os, time, torch
-        from engine.openmp import release_thread_pool
+        from splitserve.engine.openmp import release_thread_pool
         torch.set_num_threads(3)
         def threads():
             return len(os.listdir("/proc/self/task"))
@@ -49,8 +49,8 @@ def test_the_engine_loop_thread_computes_with_the_builders_thread_count():
     threads = (os.cpu_count() or 1) + 1  # not the count a new thread would start from by itself
     out = run_python(f"""
         import ctypes, threading, torch
-        from engine.openmp import _loaded_libgomp
-        from worker_runtime.engine_loop import EngineLoop
+        from splitserve.engine.openmp import _loaded_libgomp
+        from splitserve.worker.engine_loop import EngineLoop
         torch.set_num_threads({threads})
         torch.randn(1 << 22).sin_()
         libgomp = _loaded_libgomp()

@@ -1,16 +1,16 @@
-"""Head-major CPU pages (engine/attention/page_order.py): the token view over them, the runner's
+"""Head-major CPU pages (splitserve/engine/attention/page_order.py): the token view over them, the runner's
 pool, the layout descriptor, and transports that move the pages as bytes."""
 import math
 
 import pytest
 import torch
 
-from engine.attention.page_order import (HEAD_MAJOR, TOKEN_MAJOR, order_of, page_order_for, page_shape, pages_of,
+from splitserve.engine.attention.page_order import (HEAD_MAJOR, TOKEN_MAJOR, order_of, page_order_for, page_shape, pages_of,
                                          token_view)
-from kvtransfer.base import KVLayout, LayoutMismatchError, TransferDescriptor, coalesce
-from kvtransfer.lease import LeaseTable, PageFence
-from kvtransfer.transports.shm import ShmReceiver, ShmSender, create_shared_pool
-from kvtransfer.transports.tcp import TcpReceiver, TcpSender
+from splitserve.kvtransfer.base import KVLayout, LayoutMismatchError, TransferDescriptor, coalesce
+from splitserve.kvtransfer.lease import LeaseTable, PageFence
+from splitserve.kvtransfer.transports.shm import ShmReceiver, ShmSender, create_shared_pool
+from splitserve.kvtransfer.transports.tcp import TcpReceiver, TcpSender
 from tests.kv_pools import random_pool
 
 LAYERS, BLOCKS, BS, HEADS, ROW = 2, 6, 4, 3, 8

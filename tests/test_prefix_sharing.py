@@ -2,11 +2,11 @@
 computing waits a step and then reads it from the prefix cache. Scheduler and KV manager only, no model."""
 import itertools
 
-from engine import SamplingParams
-from engine.config import EngineConfig
-from engine.kv_cache_manager import KVCacheManager
-from engine.request import FinishReason, Request
-from engine.scheduler import SampledToken, Scheduler
+from splitserve.engine import SamplingParams
+from splitserve.engine.config import EngineConfig
+from splitserve.engine.kv_cache_manager import KVCacheManager
+from splitserve.engine.request import FinishReason, Request
+from splitserve.engine.scheduler import SampledToken, Scheduler
 
 BLOCK = 16
 PREFIX = list(range(1000, 1064))  # 4 full blocks

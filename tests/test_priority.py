@@ -1,7 +1,7 @@
 """Priority scheduling: urgent work preempts, and aging keeps low priority from starving."""
 import pytest
 
-from engine import EngineConfig, LLMEngine, SamplingParams
+from splitserve.engine import EngineConfig, LLMEngine, SamplingParams
 from tests.test_engine_correctness import mixed_prompts
 
 

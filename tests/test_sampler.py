@@ -1,4 +1,4 @@
-"""Tests for engine.sampling_params and engine.sampler (CPU, fast)."""
+"""Tests for splitserve.engine.sampling_params and splitserve.engine.sampler (CPU, fast)."""
 
 from __future__ import annotations
 
@@ -9,14 +9,14 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine.sampler import (
+from splitserve.engine.sampler import (
     Sampler,
     SamplerOutput,
     SamplingRow,
     apply_min_tokens,
     apply_penalties,
 )
-from engine.sampling_params import SamplingParams
+from splitserve.engine.sampling_params import SamplingParams
 
 EOS = 0
 
@@ -265,7 +265,7 @@ def _reference_support(logits_row, temperature=1.0, top_k=0, top_p=1.0, min_p=0.
     ],
 )
 def test_filters_match_reference_support_for_every_top_p_tier(monkeypatch, tiers, kw):
-    import engine.sampler as sampler_mod
+    import splitserve.engine.sampler as sampler_mod
 
     if tiers is not None:  # force the candidate-tier fallbacks on a small vocabulary
         monkeypatch.setattr(sampler_mod, "_TOP_P_CANDIDATES", tiers[0])
@@ -279,7 +279,7 @@ def test_filters_match_reference_support_for_every_top_p_tier(monkeypatch, tiers
 
 
 def test_top_p_tiers_give_identical_seeded_tokens(monkeypatch):
-    import engine.sampler as sampler_mod
+    import splitserve.engine.sampler as sampler_mod
 
     gen = torch.Generator().manual_seed(5)
     logits = torch.randn(16, 500, generator=gen) * 0.5  # flat: nucleus of hundreds of tokens

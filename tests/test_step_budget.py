@@ -1,8 +1,8 @@
 """The token budget under --target-tpot-ms: the model it learns, and an engine that keeps its
 tokens exact while it cuts prompts into smaller chunks beside running decodes."""
-from engine import SamplingParams
-from engine.step_budget import StepBudget
-from splitserve.testing.prompts import mixed_prompts
+from splitserve.engine import SamplingParams
+from splitserve.engine.step_budget import StepBudget
+from tests.harness.prompts import mixed_prompts
 
 
 def test_budget_leaves_prompts_what_the_target_allows():

@@ -10,10 +10,10 @@ import re
 import jsonschema
 import pytest
 
-from engine import SamplingParams
-from engine.model_loader import DEFAULT_MODEL, resolve_model
-from engine.structured_output import StructuredOutput, check_grammar
-from splitserve.testing.schemas import PERSON_SCHEMA
+from splitserve.engine import SamplingParams
+from splitserve.engine.model_loader import DEFAULT_MODEL, resolve_model
+from splitserve.engine.structured_output import StructuredOutput, check_grammar
+from tests.harness.schemas import PERSON_SCHEMA
 from tests.test_engine_correctness import mixed_prompts
 
 # Short valid outputs: bounded strings and integers, so 64 tokens always hold a whole object.
@@ -30,7 +30,7 @@ def smollm2_dir():
 
 @pytest.fixture(scope="module")
 def llm(smollm2_dir):
-    from engine import LLM
+    from splitserve.engine import LLM
     llm = LLM(model=str(smollm2_dir), dtype="float32", num_gpu_blocks=256, block_size=16, enforce_eager=True)
     yield llm
     llm.engine.assert_idle()
@@ -107,7 +107,7 @@ def test_regex_choice_and_json_object(llm):
 def test_preemption_by_recompute_keeps_the_grammar(smollm2_dir):
     """A pool too small for the batch preempts constrained requests mid-output; they re-prefill
     and go on, with the same output as without preemption."""
-    from engine import LLM
+    from splitserve.engine import LLM
     prompts = None
     results = []
     for blocks in (256, 14):
@@ -156,8 +156,8 @@ def test_invalid_specs_name_the_field(kwargs, match):
 def test_a_retried_job_carries_its_streamed_tokens_to_the_grammar():
     """The gateway's retry puts the streamed tokens in the prompt and says how many there are;
     the worker's engine replays exactly those (test_resumed_request_replays_its_generated_tokens)."""
-    from gateway.job import Job
-    from splitserve.api_convert import sampling_from_worker, sampling_to_worker
+    from splitserve.gateway.job import Job
+    from splitserve.wire import sampling_from_worker, sampling_to_worker
     job = Job("r", [1, 2, 3], SamplingParams(max_tokens=10, structured_output=SCHEMA_SPEC), 0, 0.0, None,
               on_finish=lambda j: None)
     job.generated = [90, 91, 92, 93]

@@ -10,8 +10,8 @@ import re
 import pytest
 import torch
 
-from engine import SamplingParams
-from engine.structured_output import GrammarCompiler, StructuredOutput, apply_grammar_bitmask
+from splitserve.engine import SamplingParams
+from splitserve.engine.structured_output import GrammarCompiler, StructuredOutput, apply_grammar_bitmask
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 SCHEMA = {"type": "object", "properties": {"c": {"enum": ["x", "yy"]}, "n": {"type": "integer", "minimum": 0,
@@ -21,7 +21,7 @@ SCHEMA = {"type": "object", "properties": {"c": {"enum": ["x", "yy"]}, "n": {"ty
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_bitmask_masks_exactly_the_refused_tokens(device, tiny_model_dirs):
-    from engine.model_loader import load_tokenizer
+    from splitserve.engine.model_loader import load_tokenizer
     tok = load_tokenizer(tiny_model_dirs["llama"])
     vocab = len(tok) + 5  # a logits row wider than the tokenizer, as many models have
     compiler = GrammarCompiler(tok, vocab, [tok.eos_token_id])

@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import EngineConfig, SamplingParams
-from engine.tensor_parallel.ranks import RankDied
-from kvtransfer import LayoutMismatchError, build_decode, build_prefill
-from splitserve.testing.tiny_models import make_tiny_model
+from splitserve.engine import EngineConfig, SamplingParams
+from splitserve.engine.tensor_parallel.ranks import RankDied
+from splitserve.kvtransfer import LayoutMismatchError, build_decode, build_prefill
+from tests.harness.tiny_models import make_tiny_model
 from tests.test_engine_correctness import mixed_prompts
 from tests.test_kvtransfer_handoff import handoff
 
@@ -47,7 +47,7 @@ def engines():
 
 
 def llm(model, engines, **kw):
-    from engine import LLM
+    from splitserve.engine import LLM
     kw.setdefault("dtype", "float32")
     kw.setdefault("enforce_eager", True)
     kw.setdefault("num_gpu_blocks", 64)
@@ -90,7 +90,7 @@ def test_a_split_that_does_not_divide_the_heads_is_refused_before_any_rank_start
     6 over 2 at TP=4 (neither): the whole message, and no rank process was started for it."""
     import re
 
-    from engine.tensor_parallel import ranks
+    from splitserve.engine.tensor_parallel import ranks
 
     def no_ranks(*args, **kwargs):
         raise AssertionError("a rank was started for a split that cannot work")
@@ -202,7 +202,7 @@ def test_a_rank_killed_while_rank_0_waits_for_it_inside_a_step_fails_that_step(t
     """Mid-step for certain: rank 1 is stopped, rank 0 starts a step and reaches its first
     all-reduce (where it waits for rank 1's partial sum), then rank 1 is killed. That step raises
     within seconds instead of waiting out the all-reduce's timeout, and so does the next one."""
-    from engine.tensor_parallel import shard
+    from splitserve.engine.tensor_parallel import shard
     two = llm(tiny_model_dirs["llama"], engines, tensor_parallel_size=2)
     engine, runner = two.engine, two.engine.runner
     engine.add_request("a", list(range(1, 30)), GREEDY)
@@ -243,8 +243,8 @@ def test_a_rank_killed_while_rank_0_waits_for_it_inside_a_step_fails_that_step(t
 
 RANK_0_THAT_HANGS = """
 import sys, time
-from engine import LLM, SamplingParams
-from engine.tensor_parallel import shard
+from splitserve.engine import LLM, SamplingParams
+from splitserve.engine.tensor_parallel import shard
 llm = LLM(model=sys.argv[1], dtype="float32", enforce_eager=True, num_gpu_blocks=64, tensor_parallel_size=2)
 runner = llm.engine.runner
 
@@ -276,7 +276,7 @@ def test_rank_0_killed_takes_the_other_ranks_with_it(when, tiny_model_dirs):
     import subprocess
     import sys
 
-    from kvtransfer.transports.shm import SHM_ROOT
+    from splitserve.kvtransfer.transports.shm import SHM_ROOT
     root = Path(__file__).resolve().parent.parent
     proc = subprocess.Popen([sys.executable, "-c", RANK_0_THAT_HANGS, str(tiny_model_dirs["llama"]), when], cwd=root,
                             env={**os.environ, "PYTHONPATH": str(root)}, stdout=subprocess.PIPE, text=True)
@@ -337,9 +337,9 @@ def test_control_messages_cross_a_socket_without_pickle():
     import json
     import socket
 
-    from engine.attention import StepLayout
-    from engine.tensor_parallel import messages
-    from kvtransfer.base import KVLayout, TransferDescriptor
+    from splitserve.engine.attention import StepLayout
+    from splitserve.engine.tensor_parallel import messages
+    from splitserve.kvtransfer.base import KVLayout, TransferDescriptor
     layout = StepLayout(slot_mapping=torch.arange(5), query_start_loc=torch.tensor([0, 2, 5], dtype=torch.int32),
                         seq_lens=torch.tensor([9, 3], dtype=torch.int32), block_tables=torch.zeros((2, 0), dtype=torch.int32),
                         num_decodes=1, query_lens_list=[2, 3], seq_lens_list=[9, 3], block_size=8)

@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from engine.tensor_parallel.all_reduce import ShmAllReduce, create_shm_file
+from splitserve.engine.tensor_parallel.all_reduce import ShmAllReduce, create_shm_file
 
 WORLD, SLOT_BYTES, CALLS = 3, 4096, 300
 
@@ -34,7 +34,7 @@ def _rank(rank: int, port: int, path: str, out) -> None:
 
 
 def test_every_rank_gets_the_same_exact_sum_on_every_call(tmp_path):
-    from splitserve.launcher import free_port
+    from splitserve.cli.launcher import free_port
     path = create_shm_file(WORLD, SLOT_BYTES)
     ctx = multiprocessing.get_context("spawn")
     out = ctx.Queue()

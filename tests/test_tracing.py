@@ -1,4 +1,4 @@
-"""splitserve.tracing's configuration from the OTEL_* variables (no processes; the traces of a
+"""splitserve.common.tracing's configuration from the OTEL_* variables (no processes; the traces of a
 running stack are tests/service/test_tracing.py's)."""
 import json
 import os
@@ -9,7 +9,7 @@ from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExport
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-from splitserve import tracing
+from splitserve.common import tracing
 
 
 @pytest.fixture
@@ -141,7 +141,7 @@ def test_the_root_ends_after_the_call_the_request_ended_in(recorded):
 
 
 def test_a_retry_waits_in_the_queue_again_and_failures_are_errors(recorded):
-    from splitserve.errors import ResourceExhausted
+    from splitserve.common.errors import ResourceExhausted
     request = tracing.RequestTrace()
     request.admitted()
     request.claimed(1)

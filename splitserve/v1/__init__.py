@@ -1,1 +1,1 @@
-"""Generated code for the ``splitserve.v1`` protos; do not edit (``python -m splitserve.codegen``)."""
+"""Generated code for the ``splitserve.v1`` protos; do not edit (``python -m protos.codegen``)."""

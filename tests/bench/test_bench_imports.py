@@ -1,5 +1,5 @@
 """bench/ stands on its own: it imports nothing from tests/ (shared fixtures live in
-splitserve/testing) and its modules import each other without a cycle."""
+tests/harness) and its modules import each other without a cycle."""
 import ast
 from pathlib import Path
 

@@ -6,7 +6,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-PREFILL_SOURCE = "engine/attention/csrc/prefill_attention_cpu.cpp"
+PREFILL_SOURCE = "splitserve/engine/attention/csrc/prefill_attention_cpu.cpp"
 
 
 def run_kernels(*args: str) -> subprocess.CompletedProcess:

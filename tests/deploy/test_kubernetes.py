@@ -27,9 +27,9 @@ import click
 import pytest
 import yaml
 
-from splitserve.flags import BY_NAME
-from splitserve.grpc_server import GENERATION, LIVENESS
-from splitserve.testing.deploy import parse_container
+from splitserve.cli.flags import BY_NAME
+from splitserve.common.grpc_server import GENERATION, LIVENESS
+from tests.harness.deploy import parse_container
 
 ROOT = Path(__file__).resolve().parents[2]
 KUBE = ROOT / "deploy" / "kubernetes"

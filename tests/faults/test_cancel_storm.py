@@ -7,7 +7,7 @@ and every token any client received is the greedy reference's (a cut-short strea
 of it). The plan (prompts, kinds, delays) is seeded by ``SEED``; the interleaving is not, so
 a race may show in one run and not the next -- every problem found is listed at once.
 
-Every one of those endings goes through the request's one ``Job.finish`` (gateway/job.py):
+Every one of those endings goes through the request's one ``Job.finish`` (splitserve/gateway/job.py):
 whichever comes first (the workers' end, the client's cancel, the Abort, the deadline) is the
 one its client sees and Redis records.
 """
@@ -23,8 +23,8 @@ import grpc
 import pytest
 
 from splitserve.v1 import generation_pb2
-from splitserve.testing.stack import live_request_keys, queued_request_ids, start_stack, wait_pages_at_baseline
-from splitserve.testing.prompts import mixed_prompts
+from tests.harness.stack import live_request_keys, queued_request_ids, start_stack, wait_pages_at_baseline
+from tests.harness.prompts import mixed_prompts
 
 SEED = 20240611
 NUM_REQUESTS = 100

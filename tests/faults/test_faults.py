@@ -11,13 +11,13 @@ import time
 import grpc
 import pytest
 
-from gateway.attempt import SUSPECT_S
+from splitserve.gateway.attempt import SUSPECT_S
 from splitserve.client import Client
-from splitserve.testing.prompts import mixed_prompts
-from splitserve.testing.stack import (DEFAULT_WORKER_ARGS, start_process, start_stack, stop_process, wait_pages_at_baseline,
+from tests.harness.prompts import mixed_prompts
+from tests.harness.stack import (DEFAULT_WORKER_ARGS, start_process, start_stack, stop_process, wait_pages_at_baseline,
                                       worker_info)
-from splitserve.testing.streams import assert_all_match, busy, frozen, join_all, run_streams, wait_until
-from splitserve.testing.tools import scrape
+from tests.harness.streams import assert_all_match, busy, frozen, join_all, run_streams, wait_until
+from tests.harness.tools import scrape
 from splitserve.v1 import worker_pb2, worker_pb2_grpc
 
 

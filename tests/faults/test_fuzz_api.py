@@ -14,7 +14,7 @@ cancelled by the client: huge ``max_tokens`` must not make the suite slow, and t
 exercises the cancel path too. Fuzzed Generate requests also come from a client that stops
 reading for longer than the gateway's ``--slow-reader-timeout-s``: each ends OK (its output fit
 the window, or it ended first) or with a client-error status, never hangs, and nothing leaks.
-The strategies live in ``splitserve/testing/fuzz_api.py``; the long version is ``bench/fuzz.py``
+The strategies live in ``tests/harness/fuzz_api.py``; the long version is ``bench/fuzz.py``
 (more examples, counts per status code in JSON).
 """
 from __future__ import annotations
@@ -29,10 +29,10 @@ from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
-from splitserve.limits import RequestLimits
-from splitserve.testing.fuzz_api import (ALLOWED, CHAT_TEMPLATE, call, describe, long_streams, oversized_requests,
+from splitserve.common.limits import RequestLimits
+from tests.harness.fuzz_api import (ALLOWED, CHAT_TEMPLATE, call, describe, long_streams, oversized_requests,
                                         requests, stalled_call)
-from splitserve.testing.stack import live_request_keys, queued_request_ids, start_stack, wait_pages_at_baseline
+from tests.harness.stack import live_request_keys, queued_request_ids, start_stack, wait_pages_at_baseline
 from splitserve.v1 import generation_pb2
 
 

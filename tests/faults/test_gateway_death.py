@@ -15,11 +15,11 @@ import threading
 import grpc
 import pytest
 
-from gateway.claim import CLAIM_LEASE_S
-from gateway.redis_state import RedisState
+from splitserve.gateway.claim import CLAIM_LEASE_S
+from splitserve.state.store import RedisState
 from splitserve.client import Client
-from splitserve.testing.stack import start_process, start_stack
-from splitserve.testing.streams import wait_until
+from tests.harness.stack import start_process, start_stack
+from tests.harness.streams import wait_until
 
 QUEUE_LIMIT = 8
 # Decode steps slow enough that the long request outlives the test (it is aborted at the end).

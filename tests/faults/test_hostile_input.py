@@ -4,7 +4,7 @@
   message limit) once made its memory grow by gigabytes; now they are refused by their size,
   the gateway's peak memory over a burst stays within a few copies of the bytes it received
   (read from /proc, peak reset first), and after each of three bursts its memory comes back to
-  within two bursts' bytes of where it started (``gateway/memory.py``).
+  within two bursts' bytes of where it started (``splitserve/gateway/memory.py``).
 * Fields over the documented limits (stop strings, stop token ids, chat messages, request ids,
   token ids) are refused with INVALID_ARGUMENT before anything is admitted or reserved, while
   another client's stream runs on undisturbed.
@@ -23,10 +23,10 @@ import grpc
 import pytest
 from transformers import AutoTokenizer
 
-from gateway.redis_state import ID_REUSE_AFTER_S
-from splitserve.limits import RequestLimits
-from splitserve.testing.stack import start_stack, wait_pages_at_baseline
-from splitserve.testing.tools import memory_mib, reset_peak_memory
+from splitserve.state.store import ID_REUSE_AFTER_S
+from splitserve.common.limits import RequestLimits
+from tests.harness.stack import start_stack, wait_pages_at_baseline
+from tests.harness.tools import memory_mib, reset_peak_memory
 from splitserve.v1 import generation_pb2 as pb
 
 pytestmark = pytest.mark.timeout(600)
@@ -121,7 +121,7 @@ def test_huge_text_prompts_are_refused_before_tokenizing_and_memory_stays_bounde
 
 def wait_rss_below(pid: int, mib: float, timeout_s: float = 15.0) -> float:
     """The process's RSS once it is below ``mib`` (the gateway frees a refused request's memory
-    shortly after the refusal, gateway/memory.py), or whatever it is after ``timeout_s``."""
+    shortly after the refusal, splitserve/gateway/memory.py), or whatever it is after ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
     while True:
         rss = memory_mib(pid)["rss"]

@@ -3,7 +3,7 @@ is noticed by the gateway's pings, its request ends and its pages are freed -- n
 request would have ended, nor at the slow-reader timeout.
 
 The gateway runs with a 1 s ping interval and a 1 s ack timeout (the same options as in
-production, only shorter: ``splitserve.grpc_options.server_options``); the worker steps slowly
+production, only shorter: ``splitserve.common.grpc_options.server_options``); the worker steps slowly
 (50 ms), so the request would run ~45 s; the client talks through a relay that goes silent.
 """
 import time
@@ -12,9 +12,9 @@ import grpc
 import pytest
 
 from splitserve.client import Client
-from splitserve.grpc_options import KEEPALIVE_TIMEOUT_ENV, SERVER_KEEPALIVE_ENV
-from splitserve.testing.hostile import Blackhole
-from splitserve.testing.stack import start_stack, wait_pages_at_baseline
+from splitserve.common.grpc_options import KEEPALIVE_TIMEOUT_ENV, SERVER_KEEPALIVE_ENV
+from tests.harness.hostile import Blackhole
+from tests.harness.stack import start_stack, wait_pages_at_baseline
 
 PROMPT = [40 + i % 50 for i in range(19)]
 # Bound on noticing the silence: a ping after 1 s, 1 s for its ack, a step's delay, slack for a

@@ -10,10 +10,10 @@ own deadline passes gets it.
 import grpc
 import pytest
 
-from splitserve.testing.prompts import mixed_prompts
-from splitserve.testing.stack import start_stack, wait_pages_at_baseline
-from splitserve.testing.streams import Stream, assert_all_match, busy, join_all, wait_until
-from splitserve.testing.tools import scrape
+from tests.harness.prompts import mixed_prompts
+from tests.harness.stack import start_stack, wait_pages_at_baseline
+from tests.harness.streams import Stream, assert_all_match, busy, join_all, wait_until
+from tests.harness.tools import scrape
 
 LEASE_S = 1.5
 STEP_DELAY_S = 0.5

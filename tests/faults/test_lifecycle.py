@@ -4,9 +4,9 @@ import signal
 import grpc
 import pytest
 
-from splitserve.testing.stack import NOT_SERVING, SERVING, gateway_health, health, start_stack, wait_pages_at_baseline
-from splitserve.testing.prompts import mixed_prompts
-from splitserve.testing.streams import assert_all_match, join_all, run_streams, wait_until
+from tests.harness.stack import NOT_SERVING, SERVING, gateway_health, health, start_stack, wait_pages_at_baseline
+from tests.harness.prompts import mixed_prompts
+from tests.harness.streams import assert_all_match, join_all, run_streams, wait_until
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,5 @@
 """A stack spread over five "hosts" (issue 18): Redis, the gateway, a prefill worker and two decode
-workers, each in its own network namespace on a bridge (splitserve/testing/netns.py).
+workers, each in its own network namespace on a bridge (tests/harness/netns.py).
 
 Each host has its own address and its own /dev/shm, so the decode workers' ``shm`` offer (they run
 with the default ``auto`` transports) is unusable from the prefill host and KV must cross the
@@ -29,12 +29,12 @@ import time
 import grpc
 import pytest
 
-from splitserve.testing import netns
-from splitserve.testing.prompts import mixed_prompts
-from splitserve.testing.redis_server import RedisServer
-from splitserve.testing.stack import start_stack, wait_pages_at_baseline, wait_redis_clean
-from splitserve.testing.streams import Stream, join_all, wait_until
-from splitserve.testing.tools import scrape
+from tests.harness import netns
+from tests.harness.prompts import mixed_prompts
+from tests.harness.redis_server import RedisServer
+from tests.harness.stack import start_stack, wait_pages_at_baseline, wait_redis_clean
+from tests.harness.streams import Stream, join_all, wait_until
+from tests.harness.tools import scrape
 
 _WHY_NOT = netns.unavailable()
 pytestmark = pytest.mark.skipif(_WHY_NOT is not None, reason=f"no network namespaces here: {_WHY_NOT}")

@@ -10,10 +10,10 @@ import grpc
 import pytest
 
 from splitserve.client import Client
-from splitserve.testing.prompts import mixed_prompts
-from splitserve.testing.stack import (NOT_SERVING, SERVING, gateway_health, live_request_keys, queued_request_ids,
+from tests.harness.prompts import mixed_prompts
+from tests.harness.stack import (NOT_SERVING, SERVING, gateway_health, live_request_keys, queued_request_ids,
                                       start_process, start_stack, stop_process, wait_pages_at_baseline)
-from splitserve.testing.streams import assert_all_match, frozen, join_all, run_streams, wait_until
+from tests.harness.streams import assert_all_match, frozen, join_all, run_streams, wait_until
 
 
 

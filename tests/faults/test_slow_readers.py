@@ -1,7 +1,7 @@
 """Clients that never read their streams, and bursts past the queue limit, against a real stack
 (issue 20, point 4).
 
-* 40 streams opened by a client that never reads them (``splitserve.testing.hostile``: loopback,
+* 40 streams opened by a client that never reads them (``tests.harness.hostile``: loopback,
   a 1 KiB HTTP/2 window) are cut after ``--slow-reader-timeout-s`` with RESOURCE_EXHAUSTED, long
   before their generation would have ended; their pages come back on every worker; meanwhile
   health and the other unary calls answer within a generous bound, another client's request is
@@ -30,11 +30,11 @@ import pytest
 from grpc_health.v1 import health_pb2
 
 from splitserve.client import Client
-from splitserve.launcher import free_port
-from splitserve.testing.hostile import NeverReading
-from splitserve.testing.stack import gateway_health, start_process, stop_process, wait_pages_at_baseline
-from splitserve.testing.streams import join_all, run_streams
-from splitserve.testing.tools import memory_mib, scrape
+from splitserve.cli.launcher import free_port
+from tests.harness.hostile import NeverReading
+from tests.harness.stack import gateway_health, start_process, stop_process, wait_pages_at_baseline
+from tests.harness.streams import join_all, run_streams
+from tests.harness.tools import memory_mib, scrape
 from splitserve.v1 import generation_pb2 as pb
 
 pytestmark = pytest.mark.timeout(600)
@@ -54,10 +54,10 @@ HTTP_PORT = free_port()
 
 @pytest.fixture(scope="module")
 def stack(tiny_model_dirs, tmp_path_factory):
-    from splitserve.testing.stack import start_stack
+    from tests.harness.stack import start_stack
     # Pages for every never-read stream at once (40 x 114), so all of them run together. Room in
     # the decode batch for the whole admitted burst: a decode worker given more handed-over
-    # requests than --max-num-seqs fails its step (engine/scheduler.py add_running does not
+    # requests than --max-num-seqs fails its step (splitserve/engine/scheduler.py add_running does not
     # check it; found by the burst test, reported separately).
     running = start_stack(tiny_model_dirs["llama"], tmp_path_factory, prefill=1, decode=1,
                           worker_args=["--num-threads", "1", "--num-gpu-blocks", "6000",

@@ -10,10 +10,10 @@ import grpc
 import pytest
 import redis
 
-from splitserve.testing.prompts import mixed_prompts
-from splitserve.testing.stack import SERVING, health, worker_info
-from splitserve.testing.streams import assert_all_match, join_all, run_streams, wait_until
-from splitserve.testing.up import start_up
+from tests.harness.prompts import mixed_prompts
+from tests.harness.stack import SERVING, health, worker_info
+from tests.harness.streams import assert_all_match, join_all, run_streams, wait_until
+from tests.harness.up import start_up
 from splitserve.v1 import generation_pb2
 
 

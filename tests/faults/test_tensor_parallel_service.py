@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from splitserve.testing.prompts import mixed_prompts
-from splitserve.testing.stack import start_stack, wait_pages_at_baseline
-from splitserve.testing.streams import assert_all_match, join_all, run_streams, wait_until
+from tests.harness.prompts import mixed_prompts
+from tests.harness.stack import start_stack, wait_pages_at_baseline
+from tests.harness.streams import assert_all_match, join_all, run_streams, wait_until
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +27,7 @@ def ranks_of(pid: int) -> list[int]:
     """The tensor-parallel rank processes a worker started (its children running the follower)."""
     children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
     return [int(c) for c in children
-            if b"engine.tensor_parallel.follower" in Path(f"/proc/{c}/cmdline").read_bytes()]
+            if b"splitserve.engine.tensor_parallel.follower" in Path(f"/proc/{c}/cmdline").read_bytes()]
 
 
 def alive(pid: int) -> bool:

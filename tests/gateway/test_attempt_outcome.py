@@ -1,4 +1,4 @@
-"""What a failed attempt means for its request (``gateway.attempt._Attempt.outcome_of``): the
+"""What a failed attempt means for its request (``splitserve.gateway.attempt._Attempt.outcome_of``): the
 client's DEADLINE_EXCEEDED only once the client's own deadline passed; a worker's timeout, or
 a call the gateway capped itself, is a retry; a server's own wait that runs out is UNAVAILABLE
 (no process needed: the errors are built by hand)."""
@@ -6,10 +6,10 @@ import time
 
 import grpc
 
-from engine.sampling_params import SamplingParams
-from gateway.attempt import Retry, WorkerLost, _Attempt
-from gateway.job import Finished, Job, deadline_exceeded
-from splitserve import errors
+from splitserve.engine.sampling_params import SamplingParams
+from splitserve.gateway.attempt import Retry, WorkerLost, _Attempt
+from splitserve.gateway.job import Finished, Job, deadline_exceeded
+from splitserve.common import errors
 
 
 def job_with_deadline(deadline: float | None) -> Job:

@@ -6,11 +6,11 @@ import asyncio
 import grpc
 import pytest
 
-from gateway.backpressure import Backpressure
-from gateway.job import Finished, Job, Tokens
-from gateway.outbox import TOKEN_BYTES, Outbox
-from splitserve.errors import ResourceExhausted
-from splitserve.limits import OutputLimits
+from splitserve.gateway.backpressure import Backpressure
+from splitserve.gateway.job import Finished, Job, Tokens
+from splitserve.gateway.outbox import TOKEN_BYTES, Outbox
+from splitserve.common.errors import ResourceExhausted
+from splitserve.common.limits import OutputLimits
 from tests.gateway.test_job import make_job
 
 

@@ -1,11 +1,11 @@
-"""The claim loop's sleep (``gateway.claim._wait``) ends on a cancel even when its event is set
+"""The claim loop's sleep (``splitserve.gateway.claim._wait``) ends on a cancel even when its event is set
 in the same instant: the gateway's stop() cancels the loop while wake messages keep coming, and
 a swallowed cancel (``asyncio.wait_for`` on Python 3.11 does that) left stop() waiting forever."""
 import asyncio
 
 import pytest
 
-from gateway.claim import _wait
+from splitserve.gateway.claim import _wait
 
 
 def test_a_cancel_that_meets_a_wake_up_still_cancels():
@@ -60,7 +60,7 @@ class _State:
 
 
 def test_stop_ends_the_listener_even_when_its_reads_swallow_the_cancel():
-    from gateway.claim import ClaimLoop
+    from splitserve.gateway.claim import ClaimLoop
 
     async def never_gated():
         return False

@@ -10,8 +10,8 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
-from gateway.detokenizer import IncrementalDetokenizer, StopMatcher
-from splitserve.testing.tiny_models import VOCAB_SIZE, byte_tokenizer
+from splitserve.gateway.detokenizer import IncrementalDetokenizer, StopMatcher
+from tests.harness.tiny_models import VOCAB_SIZE, byte_tokenizer
 
 SMOLLM2 = Path(os.path.expanduser("~/.cache/splitserve/models/smollm2-135m-instruct"))
 FFFD = "\ufffd"

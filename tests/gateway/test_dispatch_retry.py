@@ -13,13 +13,13 @@ import time
 import grpc
 from grpc_health.v1 import health, health_pb2_grpc
 
-from engine.sampling_params import SamplingParams
-from gateway import dispatch
-from gateway.dispatch import Dispatcher
-from gateway.job import Finished, JobState
-from gateway.redis_state import RedisState, make_async_client
-from gateway.workers import WorkerDirectory
-from splitserve.testing.redis_server import RedisServer
+from splitserve.engine.sampling_params import SamplingParams
+from splitserve.gateway import dispatch
+from splitserve.gateway.dispatch import Dispatcher
+from splitserve.gateway.job import Finished, JobState
+from splitserve.state.store import RedisState, make_async_client
+from splitserve.gateway.workers import WorkerDirectory
+from tests.harness.redis_server import RedisServer
 from splitserve.v1 import worker_pb2, worker_pb2_grpc
 
 

@@ -1,8 +1,8 @@
 """Whom the gateway picks: prefix-cache affinity for prefill, free KV for decode (no processes needed)."""
 import asyncio
 
-from gateway.workers import AFFINITY_SLACK, WorkerDirectory
-from splitserve.locality import best_transport, default_host_id, transfer_cost
+from splitserve.gateway.workers import AFFINITY_SLACK, WorkerDirectory
+from splitserve.common.locality import best_transport, default_host_id, transfer_cost
 
 
 class FakeState:

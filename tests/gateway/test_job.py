@@ -4,10 +4,10 @@ import asyncio
 
 import grpc
 
-from engine.sampling_params import SamplingParams
-from gateway.detokenizer import TextStream
-from gateway.job import Finished, Job, JobState, Tokens, cancelled
-from splitserve.testing.tiny_models import byte_tokenizer
+from splitserve.engine.sampling_params import SamplingParams
+from splitserve.gateway.detokenizer import TextStream
+from splitserve.gateway.job import Finished, Job, JobState, Tokens, cancelled
+from tests.harness.tiny_models import byte_tokenizer
 
 
 def make_job(ended: list, stop=(), max_tokens=8, text=True) -> Job:

@@ -1,4 +1,4 @@
-"""gateway.redis_state against a real, private redis-server."""
+"""splitserve.state.store against a real, private redis-server."""
 import threading
 import time
 
@@ -6,9 +6,9 @@ import pytest
 import redis
 from redis.crc import key_slot
 
-from gateway.redis_state import (PRIORITY_MAX, PRIORITY_MIN, AdmitResult, RedisState, make_client,
+from splitserve.state.store import (PRIORITY_MAX, PRIORITY_MIN, AdmitResult, RedisState, make_client,
                                  queue_score)
-from splitserve.testing.redis_server import RedisServer
+from tests.harness.redis_server import RedisServer
 
 T0 = 1_750_000_000.0  # Unix seconds; arrival order holds for times after 2020
 
@@ -111,7 +111,7 @@ def test_id_reuse_after_must_be_shorter_than_the_record_lives(client):
 
 def test_a_retried_admit_call_is_not_a_duplicate(state, monkeypatch):
     # redis-py resends a command whose reply was lost; the same call must still read "admitted".
-    import gateway.redis_state as rs
+    import splitserve.state.store as rs
     monkeypatch.setattr(rs.uuid, "uuid4", lambda: type("U", (), {"hex": "same-call"})())
     assert admit(state, "a").admitted
     assert admit(state, "a") == AdmitResult("admitted", 1, "queued")
@@ -151,8 +151,8 @@ def test_queue_score_without_aging_orders_priority_then_arrival():
 
 
 def test_queue_score_with_aging_is_the_engine_rule():
-    """A priority point is worth 1/aging seconds of waiting: the order engine.priority gives."""
-    from engine.priority import priority_key
+    """A priority point is worth 1/aging seconds of waiting: the order splitserve.engine.priority gives."""
+    from splitserve.engine.priority import priority_key
     assert queue_score(10, T0, aging_per_s=1.0) < queue_score(0, T0 + 10.5, aging_per_s=1.0)  # waited long enough
     assert queue_score(10, T0, aging_per_s=1.0) > queue_score(0, T0 + 9.5, aging_per_s=1.0)
     assert queue_score(10, T0, aging_per_s=0.5) > queue_score(0, T0 + 10.5, aging_per_s=0.5)  # slower aging

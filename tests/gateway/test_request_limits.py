@@ -1,4 +1,4 @@
-"""splitserve.limits: the gateway's request size limits, and the prompt-bytes bound they derive."""
+"""splitserve.common.limits: the gateway's request size limits, and the prompt-bytes bound they derive."""
 from __future__ import annotations
 
 import argparse
@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from splitserve.limits import MIN_BYTES_PER_TOKEN, RequestLimits, longest_token_bytes
-from splitserve.testing.tiny_models import byte_tokenizer
+from splitserve.common.limits import MIN_BYTES_PER_TOKEN, RequestLimits, longest_token_bytes
+from tests.harness.tiny_models import byte_tokenizer
 
 CORPUS = ["the quick brown fox jumps over the lazy dog", "          indented code", "=" * 64,
           "Übergrößenträger façade naïve", "日本語のテキストです", "emoji 🙂🙃 and more emoji 🙂🙃"] * 20

@@ -5,12 +5,12 @@ import time
 
 import grpc
 
-from engine.sampling_params import SamplingParams
-from gateway.job import Job, JobState
-from gateway.redis_state import RedisState, make_async_client
-from gateway.watchdog import Watchdog
-from gateway.workers import WorkerDirectory
-from splitserve.testing.redis_server import RedisServer
+from splitserve.engine.sampling_params import SamplingParams
+from splitserve.gateway.job import Job, JobState
+from splitserve.state.store import RedisState, make_async_client
+from splitserve.gateway.watchdog import Watchdog
+from splitserve.gateway.workers import WorkerDirectory
+from tests.harness.redis_server import RedisServer
 
 
 def test_check_queued_ends_only_what_someone_else_ended():

@@ -2,8 +2,8 @@
 import openai
 import pytest
 
-from engine.model_loader import DEFAULT_MODEL
-from splitserve.testing.stack import start_stack
+from splitserve.engine.model_loader import DEFAULT_MODEL
+from tests.harness.stack import start_stack
 
 
 @pytest.fixture(scope="module")

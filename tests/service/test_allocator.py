@@ -1,11 +1,11 @@
-"""Engine processes run on tcmalloc where it is installed (splitserve/allocator.py)."""
+"""Engine processes run on tcmalloc where it is installed (splitserve/cli/allocator.py)."""
 import os
 import subprocess
 import sys
 
 import pytest
 
-from splitserve.allocator import ALLOCATOR_ENV, env_with_tcmalloc, tcmalloc_library
+from splitserve.cli.allocator import ALLOCATOR_ENV, env_with_tcmalloc, tcmalloc_library
 
 LIBRARY = "/usr/lib/libtcmalloc_minimal.so.4"
 
@@ -32,7 +32,7 @@ def test_a_user_threshold_for_large_allocation_reports_stays():
 
 
 RESTART = ("import os, sys\n"
-           "from splitserve.allocator import restart_with_tcmalloc, preloaded\n"
+           "from splitserve.cli.allocator import restart_with_tcmalloc, preloaded\n"
            "restart_with_tcmalloc()\n"
            "print(os.getpid(), preloaded(), sys.argv[1:])\n")
 

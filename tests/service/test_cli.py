@@ -9,9 +9,9 @@ import time
 import click
 import pytest
 
-from engine.config import EngineConfig
-from splitserve.cli import parse
-from splitserve.flags import FLAGS, up_options
+from splitserve.engine.config import EngineConfig
+from splitserve.cli.commands import parse
+from splitserve.cli.flags import FLAGS, up_options
 
 SUBCOMMANDS = ["up", "gateway", "prefill", "decode", "generate"]
 
@@ -92,8 +92,8 @@ def _value_for(option: click.Option, default):
 
 
 def test_up_forwards_every_flag_to_each_child_that_takes_it(tmp_path):
-    from splitserve.flags import BY_NAME
-    from splitserve.launcher import plan
+    from splitserve.cli.flags import BY_NAME
+    from splitserve.cli.launcher import plan
     argv = ["up", "--prefill", "2", "--decode", "1"]
     given = {}
     for option in up_options():
@@ -134,7 +134,7 @@ def test_up_forwards_every_flag_to_each_child_that_takes_it(tmp_path):
 def test_num_threads_sets_the_engine_threads():
     import torch
 
-    from worker_runtime.serve import engine_config
+    from splitserve.worker.serve import engine_config
     before = torch.get_num_threads()
     try:
         engine_config(parse(["decode", "--num-threads", "1"]))
@@ -148,8 +148,8 @@ def test_heartbeat_stats_do_not_wait_out_a_long_engine_step():
     import asyncio
     import threading
 
-    from worker_runtime.engine_loop import EngineLoop
-    from worker_runtime.heartbeat import engine_stats
+    from splitserve.worker.engine_loop import EngineLoop
+    from splitserve.worker.heartbeat import engine_stats
 
     go, busy, release = threading.Event(), threading.Event(), threading.Event()
     state = {"steps": 0}
@@ -185,7 +185,7 @@ def test_heartbeat_stats_do_not_wait_out_a_long_engine_step():
 def test_up_gives_each_rank_of_a_tensor_parallel_worker_its_share_of_the_cores(tmp_path, monkeypatch):
     """8 cores, a prefill and a decode worker of 2 ranks each: 4 rank processes, 2 threads each
     (1 rank each: 4 threads)."""
-    from splitserve import launcher
+    from splitserve.cli import launcher
     monkeypatch.setattr(launcher.os, "cpu_count", lambda: 8)
     for tp, threads in ((1, "4"), (2, "2")):
         argv = ["up", "--prefill", "1", "--decode", "1", "--tensor-parallel-size", str(tp)]

@@ -10,9 +10,9 @@ import grpc
 import pytest
 
 from splitserve.client import AsyncClient, Client
-from splitserve.errors import RETRY_PUSHBACK_METADATA_KEY
-from splitserve.testing.stack import start_process, start_stack, stop_process, wait_pages_at_baseline, worker_info
-from splitserve.testing.tools import scrape
+from splitserve.common.errors import RETRY_PUSHBACK_METADATA_KEY
+from tests.harness.stack import start_process, start_stack, stop_process, wait_pages_at_baseline, worker_info
+from tests.harness.tools import scrape
 
 PROMPT = [40 + i % 50 for i in range(19)]  # token ids of the tiny byte-level model
 

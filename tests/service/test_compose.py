@@ -7,7 +7,7 @@
 * The Dockerfile passes hadolint and, read with BuildKit's own parser, runs ``splitserve``.
 * The ``cpu`` profile runs as local processes with the commands and environment of compose.yaml
   and serves a streamed request (see ``cpu_stack`` for the few substitutions one host needs).
-* The sizing numbers in docs/deploy.md are what ``python -m splitserve.sizing`` prints.
+* The sizing numbers in docs/deploy.md are what ``python -m splitserve.cli.sizing`` prints.
 """
 from __future__ import annotations
 
@@ -28,12 +28,12 @@ from urllib.parse import urlsplit
 import pytest
 import yaml
 
-from engine.model_loader import load_tokenizer
+from splitserve.engine.model_loader import load_tokenizer
 from splitserve.client import Client
-from splitserve.sizing import load_shape, pages_for
-from splitserve.testing.deploy import parse_container
-from splitserve.testing.redis_server import RedisServer, _die_with_parent
-from splitserve.testing.tools import scrape
+from splitserve.cli.sizing import load_shape, pages_for
+from tests.harness.deploy import parse_container
+from tests.harness.redis_server import RedisServer, _die_with_parent
+from tests.harness.tools import scrape
 
 ROOT = Path(__file__).resolve().parents[2]
 COMPOSE = ROOT / "compose.yaml"
@@ -372,11 +372,11 @@ def test_dockerfile_lints_clean_and_runs_splitserve():
 
 
 def sizing_examples() -> list[tuple[str, str]]:
-    """(command, output) of each `$ python -m splitserve.sizing ...` block in docs/deploy.md."""
+    """(command, output) of each `$ python -m splitserve.cli.sizing ...` block in docs/deploy.md."""
     text = (ROOT / "docs" / "deploy.md").read_text()
     examples = []
     for block in re.findall(r"```console\n(.*?)```", text, re.S):
-        if block.startswith("$ python -m splitserve.sizing"):
+        if block.startswith("$ python -m splitserve.cli.sizing"):
             command, _, output = block.replace("\\\n", " ").partition("\n")
             examples.append((command[2:], output.strip()))
     return examples
@@ -559,7 +559,7 @@ def test_cpu_profile_serves_a_streamed_request(cpu_stack, hf_reference):
     # The KV crossed over shm: the decode pool in shared memory, as ipc: service:decode arranges.
     samples = scrape(int(cpu_stack["envs"]["prefill"]["SPLITSERVE_METRICS_PORT"]))
     assert samples.get("splitserve:kv_transfer_bytes_total{transport=shm}", 0) > 0, "no KV went over shm"
-    # The pools hold what python -m splitserve.sizing computes for the same settings.
+    # The pools hold what python -m splitserve.cli.sizing computes for the same settings.
     shape = load_shape(cpu_stack["model"])
     for worker in info.workers:
         if worker.role in ("prefill", "decode"):

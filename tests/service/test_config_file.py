@@ -5,9 +5,9 @@ import sys
 
 import pytest
 
-from splitserve import config_file
-from splitserve.cli import parse
-from splitserve.launcher import plan
+from splitserve.cli import config_file
+from splitserve.cli.commands import parse
+from splitserve.cli.launcher import plan
 
 
 @pytest.fixture

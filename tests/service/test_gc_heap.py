@@ -1,4 +1,4 @@
-"""Serving processes freeze their start-up heap once ready (splitserve/gc_heap.py)."""
+"""Serving processes freeze their start-up heap once ready (splitserve/common/gc_heap.py)."""
 import json
 import subprocess
 import sys
@@ -6,7 +6,7 @@ import sys
 # Run in a process of its own: freezing is for the whole process, and pytest's heap is not ours.
 SCRIPT = """
 import gc, json
-from splitserve.gc_heap import freeze_startup_heap
+from splitserve.common.gc_heap import freeze_startup_heap
 
 class Node:
     pass

@@ -9,9 +9,9 @@ import time
 
 import pytest
 
-from splitserve.testing.prompts import mixed_prompts
-from splitserve.testing.stack import start_stack
-from splitserve.testing.tools import scrape
+from tests.harness.prompts import mixed_prompts
+from tests.harness.stack import start_stack
+from tests.harness.tools import scrape
 
 
 @pytest.fixture(scope="module")

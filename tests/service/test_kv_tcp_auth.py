@@ -10,11 +10,11 @@ import socket
 
 import pytest
 
-from kvtransfer.transports import tcp
-from splitserve.api_convert import descriptor_from_proto
-from splitserve.security import Security
-from splitserve.testing.stack import start_stack
-from splitserve.testing.tools import scrape
+from splitserve.kvtransfer.transports import tcp
+from splitserve.wire import descriptor_from_proto
+from splitserve.common.security import Security
+from tests.harness.stack import start_stack
+from tests.harness.tools import scrape
 from splitserve.v1 import worker_pb2, worker_pb2_grpc
 
 PROMPT = [3, 4, 5, 6, 7, 8, 9, 10, 11, 12]

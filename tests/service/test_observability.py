@@ -7,7 +7,7 @@
   under the names Prometheus stores (vLLM's colons kept whatever format it asks for).
 * Liveness (``""``) and readiness (the process's own service) are apart: a draining process is
   alive and not ready.
-* Every process froze its start-up heap before it served (splitserve/gc_heap.py): no full garbage
+* Every process froze its start-up heap before it served (splitserve/common/gc_heap.py): no full garbage
   collection walks the loaded model and libraries while requests wait.
 """
 from __future__ import annotations
@@ -20,11 +20,11 @@ from pathlib import Path
 
 import pytest
 
-from splitserve.testing.prompts import mixed_prompts
-from splitserve.testing.stack import NOT_SERVING, SERVING, health, start_stack
-from splitserve.testing.streams import join_all, run_streams, wait_until
-from splitserve.testing.tools import PROMETHEUS_ACCEPT, scrape, scrape_samples
-from worker_runtime.engine_loop import SLOW_STEP_ENV
+from tests.harness.prompts import mixed_prompts
+from tests.harness.stack import NOT_SERVING, SERVING, health, start_stack
+from tests.harness.streams import join_all, run_streams, wait_until
+from tests.harness.tools import PROMETHEUS_ACCEPT, scrape, scrape_samples
+from splitserve.worker.engine_loop import SLOW_STEP_ENV
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "deploy" / "grafana" / "dashboards" / "splitserve.json"
@@ -90,7 +90,7 @@ def test_every_series_carries_the_public_model_name(stack, served):
 
 def test_metrics_keep_vllm_names_whatever_format_a_scraper_asks_for(stack):
     """Prometheus asks for OpenMetrics first; the processes answer in the classic text format,
-    where the colons of vLLM's names survive (splitserve/metrics.py)."""
+    where the colons of vLLM's names survive (splitserve/common/metrics.py)."""
     for name, port in stack.metrics_ports.items():
         request = urllib.request.Request(f"http://127.0.0.1:{port}/metrics", headers={"Accept": PROMETHEUS_ACCEPT})
         with urllib.request.urlopen(request, timeout=10) as response:

@@ -16,10 +16,10 @@ import httpx
 import openai
 import pytest
 
-from engine.model_loader import DEFAULT_MODEL, load_tokenizer, resolve_model
-from splitserve.launcher import free_port
-from splitserve.testing.redis_server import RedisServer
-from splitserve.testing.stack import start_process, wait_pages_at_baseline
+from splitserve.engine.model_loader import DEFAULT_MODEL, load_tokenizer, resolve_model
+from splitserve.cli.launcher import free_port
+from tests.harness.redis_server import RedisServer
+from tests.harness.stack import start_process, wait_pages_at_baseline
 from splitserve.v1 import generation_pb2
 
 pytestmark = pytest.mark.slow

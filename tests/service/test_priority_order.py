@@ -13,9 +13,9 @@ import time
 import pytest
 
 from splitserve.client import Client
-from splitserve.testing.prompts import mixed_prompts
-from splitserve.testing.stack import queued_request_ids, start_process, start_stack, stop_process, worker_info
-from splitserve.testing.streams import Stream, assert_all_match, join_all, wait_until
+from tests.harness.prompts import mixed_prompts
+from tests.harness.stack import queued_request_ids, start_process, start_stack, stop_process, worker_info
+from tests.harness.streams import Stream, assert_all_match, join_all, wait_until
 from splitserve.v1 import worker_pb2
 
 # 12 pages of 8 tokens: one 56-60-token prompt (8 pages) at a time on the decode worker.

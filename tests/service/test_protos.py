@@ -6,10 +6,10 @@ import json
 import pytest
 from google.protobuf import descriptor_pb2, json_format
 
-from splitserve import codegen
+from protos import codegen
 from splitserve.v1 import generation_pb2, generation_pb2_grpc, worker_pb2, worker_pb2_grpc
 
-REGEN_HINT = "generated stubs are stale: run python -m splitserve.codegen (and commit the result)"
+REGEN_HINT = "generated stubs are stale: run python -m protos.codegen (and commit the result)"
 
 
 def test_generated_stubs_match_protos(tmp_path):

@@ -14,8 +14,8 @@ import openai
 import pytest
 
 from splitserve.client import AsyncClient
-from splitserve.testing.stack import start_stack, wait_pages_at_baseline
-from splitserve.testing.tools import scrape
+from tests.harness.stack import start_stack, wait_pages_at_baseline
+from tests.harness.tools import scrape
 
 BLOCK = 8  # the test stacks' --block-size
 

@@ -28,16 +28,16 @@ from redis.retry import Retry
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from splitserve.client import Client, AsyncClient
-from splitserve.security import Security
+from splitserve.common.security import Security
 from splitserve.v1 import generation_pb2, worker_pb2, worker_pb2_grpc
-from splitserve.testing.redis_server import RedisServer
-from splitserve.testing.prompts import mixed_prompts
-from splitserve.testing.tools import grpcurl as _grpcurl
+from tests.harness.redis_server import RedisServer
+from tests.harness.prompts import mixed_prompts
+from tests.harness.tools import grpcurl as _grpcurl
 
 BOOT_TIMEOUT_S = 120
 RPC_TIMEOUT_S = 10
 ROOT = Path(__file__).resolve().parents[2]
-PACKAGES = ["engine", "kvtransfer", "splitserve", "gateway", "prefill_worker", "decode_worker"]
+PACKAGES = ["splitserve"]
 
 
 # ---- certificates
@@ -406,8 +406,8 @@ def test_security_refuses_half_or_bad_configuration(pki, tmp_path):
 
 
 def test_flags_and_environment_reach_every_process_and_up_passes_them_on(monkeypatch, pki):
-    from splitserve.cli import parse
-    from splitserve.flags import forward
+    from splitserve.cli.commands import parse
+    from splitserve.cli.flags import forward
     monkeypatch.setenv("SPLITSERVE_TLS_CERT", pki["node"])
     monkeypatch.setenv("SPLITSERVE_TLS_KEY", pki["node_key"])
     monkeypatch.setenv("SPLITSERVE_TLS_CA", pki["ca"])

@@ -9,11 +9,11 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from splitserve.v1 import generation_pb2, generation_pb2_grpc
-from splitserve.testing import stack as stack_util
-from splitserve.testing import tools
-from splitserve.testing.stack import start_stack
-from splitserve.testing.prompts import mixed_prompts
-from splitserve.testing.stack import start_process, wait_free_pages, worker_info
+from tests.harness import stack as stack_util
+from tests.harness import tools
+from tests.harness.stack import start_stack
+from tests.harness.prompts import mixed_prompts
+from tests.harness.stack import start_process, wait_free_pages, worker_info
 
 
 @pytest.fixture(scope="module")

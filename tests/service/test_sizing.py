@@ -1,4 +1,4 @@
-"""splitserve.sizing and splitserve.tp_layout: tensor parallelism in the KV and weight arithmetic.
+"""splitserve.cli.sizing and splitserve.cli.tp_layout: tensor parallelism in the KV and weight arithmetic.
 
 The numbers are worked out by hand in the comments (Llama-3 shapes from their config.json), not
 recomputed with the functions under test. The docs' examples are checked against the CLI's output
@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from splitserve import sizing, tp_layout
-from splitserve.sizing import KVShape, kv_bytes_per_token, pages_for, tp_refusal, weight_bytes_per_gpu, weight_params
+from splitserve.cli import sizing, tp_layout
+from splitserve.cli.sizing import KVShape, kv_bytes_per_token, pages_for, tp_refusal, weight_bytes_per_gpu, weight_params
 
 SMOLLM2 = KVShape.from_config("smollm2", {
     "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3, "head_dim": 64,

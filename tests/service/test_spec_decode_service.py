@@ -3,9 +3,9 @@ tokens per step where proposals are accepted, greedy output stays transformers',
 exports vLLM's spec_decode counters (the gateway's token counts still add up)."""
 from __future__ import annotations
 
-from splitserve.testing.prompts import mixed_prompts
-from splitserve.testing.stack import start_stack
-from splitserve.testing.tools import scrape
+from tests.harness.prompts import mixed_prompts
+from tests.harness.stack import start_stack
+from tests.harness.tools import scrape
 
 
 def test_ngram_on_a_decode_worker(tiny_model_dirs, tmp_path_factory, llama_reference):

@@ -11,8 +11,8 @@ import jsonschema
 import openai
 import pytest
 
-from engine.model_loader import DEFAULT_MODEL
-from splitserve.testing.schemas import PERSON_SCHEMA
+from splitserve.engine.model_loader import DEFAULT_MODEL
+from tests.harness.schemas import PERSON_SCHEMA
 from splitserve.v1 import generation_pb2
 
 pytestmark = pytest.mark.slow

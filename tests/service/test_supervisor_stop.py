@@ -2,7 +2,7 @@
 only once the one before has gone (a draining gateway or worker still talks to Redis)."""
 import sys
 
-from splitserve.launcher import ChildSpec, Supervisor
+from splitserve.cli.launcher import ChildSpec, Supervisor
 
 # A child that prints its ready line, and on SIGTERM notes when it got it, drains for a moment
 # and notes when it leaves (monotonic clock times, comparable across processes on one host).

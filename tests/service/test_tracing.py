@@ -12,9 +12,9 @@ import pytest
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 
 from splitserve.client import build_request
-from splitserve.testing.stack import start_stack
-from splitserve.testing.tools import scrape
-from splitserve.tracing import ATTR_KV_BYTES, ATTR_REQUEST_ID, TRACES_FILE_ENV
+from tests.harness.stack import start_stack
+from tests.harness.tools import scrape
+from splitserve.common.tracing import ATTR_KV_BYTES, ATTR_REQUEST_ID, TRACES_FILE_ENV
 
 PROCESSES = ("gateway", "prefill", "decode")
 TRANSFER_BYTES = "splitserve:kv_transfer_bytes_total"

@@ -7,8 +7,8 @@ import subprocess
 import psutil
 import pytest
 
-from splitserve.testing.tools import grpcurl
-from splitserve.testing.up import start_up
+from tests.harness.tools import grpcurl
+from tests.harness.up import start_up
 
 
 @pytest.fixture(scope="module")
@@ -33,7 +33,7 @@ def test_grpcurl_against_splitserve_up(up):
 
 
 def test_the_workers_run_on_tcmalloc(up):
-    """A worker restarts itself under tcmalloc before it loads torch (splitserve/allocator.py); the
+    """A worker restarts itself under tcmalloc before it loads torch (splitserve/cli/allocator.py); the
     gateway, which runs no model, keeps the system malloc."""
     def maps(name):
         with open(f"/proc/{up.pids[name]}/maps") as f:

@@ -11,11 +11,11 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from engine.sampling_params import SamplingParams
-from splitserve.api_convert import sampling_to_worker
+from splitserve.engine.sampling_params import SamplingParams
+from splitserve.wire import sampling_to_worker
 from splitserve.v1 import worker_pb2, worker_pb2_grpc
-from splitserve.testing.prompts import mixed_prompts
-from splitserve.testing.stack import start_process, wait_free_pages, worker_info
+from tests.harness.prompts import mixed_prompts
+from tests.harness.stack import start_process, wait_free_pages, worker_info
 
 @pytest.fixture(scope="module")
 def workers(tiny_model_dirs):

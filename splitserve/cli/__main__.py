@@ -1,0 +1,5 @@
+import sys
+
+from splitserve.cli.commands import main
+
+sys.exit(main())

@@ -1,0 +1,259 @@
+"""How many KV pages and concurrent sequences a memory budget buys: ``python -m splitserve.cli.sizing``.
+
+    python -m splitserve.cli.sizing --model smollm2-135m-instruct --kv-cache-memory-gb 20 --context-len 2048 8192
+    python -m splitserve.cli.sizing --name llama-3-8b --layers 32 --kv-heads 8 --head-dim 128 \\
+        --kv-cache-memory-gb 50 --context-len 8192
+    python -m splitserve.cli.sizing --model /models/llama-3-70b --context-len 8192 --gpus 8 --gpu-memory-gb 80
+
+The arithmetic is the engine's own (``splitserve.engine.model_runner.ModelRunner``): one token's KV is
+``2 (K and V) x layers x KV heads x head size x bytes per element``; a page holds
+``--block-size`` tokens; the pool gets ``floor(budget in GiB x 2**30 / page bytes)`` pages,
+which is what a worker started with the same ``--kv-cache-memory-gb`` allocates. With a quantized
+``--kv-cache-dtype`` (int8, fp8...) an element is one byte and each (token, head) row of head-size
+elements carries a 4-byte float32 scale (``splitserve/engine/attention/kv_quant.py``). A sequence
+of N tokens holds ``ceil(N / block size)`` pages, so a pool serves that many sequences at
+full length at once (fewer long ones or more short ones; shared prefixes cost nothing extra).
+
+With ``--tensor-parallel-size N`` a worker is N ranks on N GPUs, each holding 1/N of the KV heads:
+a page costs each GPU 1/N of its bytes, and ``--kv-cache-memory-gb`` is each rank's (each GPU's)
+budget, so the same budget holds N times the pages. ``--gpus`` compares tensor-parallel sizes
+for a box (``splitserve/cli/tp_layout.py``).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from splitserve.engine.config import KV_CACHE_DTYPES, KV_SCALE_BYTES
+
+# Bytes per element of the KV pool; "auto" is bfloat16, as in splitserve.engine.model_runner.resolve_dtype.
+DTYPE_BYTES = {"auto": 2, "bfloat16": 2, "float16": 2, "float32": 4}
+
+
+@dataclass(frozen=True)
+class KVShape:
+    """The parts of a model config that size its KV cache and, where known, its weights."""
+
+    name: str
+    layers: int
+    kv_heads: int
+    head_dim: int
+    # Attention (query) heads: tensor parallelism must divide them too. None: not given.
+    heads: int | None = None
+    # For the weights' size (Llama-family projections, no biases); None: not given.
+    hidden_size: int | None = None
+    intermediate_size: int | None = None
+    vocab_size: int | None = None
+    tied_embeddings: bool = False
+
+    @classmethod
+    def from_config(cls, name: str, config: dict) -> "KVShape":
+        # The same fallbacks as ModelRunner: no num_key_value_heads means plain multi-head attention.
+        heads = config["num_attention_heads"]
+        return cls(name=name, layers=config["num_hidden_layers"],
+                   kv_heads=config.get("num_key_value_heads") or heads,
+                   head_dim=config.get("head_dim") or config["hidden_size"] // heads, heads=heads,
+                   hidden_size=config["hidden_size"], intermediate_size=config.get("intermediate_size"),
+                   vocab_size=config.get("vocab_size"), tied_embeddings=bool(config.get("tie_word_embeddings")))
+
+
+def load_shape(model: str) -> KVShape:
+    """A checkpoint directory's config.json, or a model alias resolved as the workers resolve it."""
+    path = Path(model).expanduser()
+    if not (path / "config.json").is_file():
+        from splitserve.engine.model_loader import resolve_model  # imports torch; only needed for aliases
+        path = resolve_model(model)
+    return KVShape.from_config(model, json.loads((path / "config.json").read_text()))
+
+
+def tp_refusal(shape: KVShape, tensor_parallel_size: int) -> str | None:
+    """Why a worker would refuse this model at ``--tensor-parallel-size``, or None: each rank
+    takes whole heads, so the attention and the KV heads must divide evenly."""
+    for what, count in (("attention heads", shape.heads), ("KV heads", shape.kv_heads)):
+        if count is not None and count % tensor_parallel_size:
+            return (f"{shape.name} has {count} {what}, which do not split over {tensor_parallel_size} GPUs "
+                    "(tensor parallelism needs both head counts divisible by it)")
+    return None
+
+
+def kv_bytes_per_token(shape: KVShape, dtype: str, kv_cache_dtype: str = "auto", tensor_parallel_size: int = 1) -> int:
+    """One token's KV on one GPU: a rank holds kv_heads / tensor_parallel_size of the heads."""
+    heads = shape.kv_heads // tensor_parallel_size
+    if kv_cache_dtype != "auto":  # 1-byte codes, and a float32 scale per (token, head) row
+        return 2 * shape.layers * heads * (shape.head_dim + KV_SCALE_BYTES)
+    return 2 * shape.layers * heads * shape.head_dim * DTYPE_BYTES[dtype]
+
+
+def pages_for(budget_gib: float, shape: KVShape, dtype: str, block_size: int, kv_cache_dtype: str = "auto",
+              tensor_parallel_size: int = 1) -> int:
+    """Pages a worker allocates for ``--kv-cache-memory-gb budget_gib`` (ModelRunner._pool_blocks);
+    with tensor parallelism the budget is each rank's, and every rank holds the same pages."""
+    per_page = kv_bytes_per_token(shape, dtype, kv_cache_dtype, tensor_parallel_size) * block_size
+    return max(1, int(budget_gib * 2**30) // per_page)
+
+
+def pages_per_sequence(context_len: int, block_size: int) -> int:
+    return math.ceil(context_len / block_size)
+
+
+def weight_params(shape: KVShape) -> tuple[int, int] | None:
+    """(parameters split across ranks, parameters every rank holds), or None when the shape lacks
+    the sizes. Attention and MLP projections are split (splitserve/engine/config.py: heads and MLP columns);
+    embeddings, the output head and norms are counted whole on every rank, the conservative side."""
+    if None in (shape.heads, shape.hidden_size, shape.intermediate_size, shape.vocab_size):
+        return None
+    hidden = shape.hidden_size
+    attention = 2 * hidden * shape.heads * shape.head_dim + 2 * hidden * shape.kv_heads * shape.head_dim  # q, o; k, v
+    mlp = 3 * hidden * shape.intermediate_size  # gate, up, down
+    embeddings = shape.vocab_size * hidden * (1 if shape.tied_embeddings else 2)
+    norms = (2 * shape.layers + 1) * hidden
+    return shape.layers * (attention + mlp), embeddings + norms
+
+
+def weight_bytes_per_gpu(shape: KVShape, dtype: str, tensor_parallel_size: int = 1) -> int | None:
+    params = weight_params(shape)
+    if params is None:
+        return None
+    split, whole = params
+    return (math.ceil(split / tensor_parallel_size) + whole) * DTYPE_BYTES[dtype]
+
+
+def gib(n_bytes: float) -> str:
+    return f"{n_bytes / 2**30:,.1f} GiB"
+
+
+def describe(shape: KVShape, dtype: str, kv_cache_dtype: str = "auto") -> list[str]:
+    """The model lines every answer starts with: its KV shape, a token's KV, its weights when known."""
+    per_token = kv_bytes_per_token(shape, dtype, kv_cache_dtype)
+    dtype_name = "bfloat16" if dtype == "auto" else dtype
+    if kv_cache_dtype == "auto":
+        element = f"{dtype_name} ({DTYPE_BYTES[dtype]} B)"
+        row = f"{shape.head_dim} x {DTYPE_BYTES[dtype]}"
+    else:
+        element = f"KV {kv_cache_dtype} (1 B, a {KV_SCALE_BYTES} B scale per token and head)"
+        row = f"({shape.head_dim} + {KV_SCALE_BYTES}) x 1"
+    lines = [f"model {shape.name}: {shape.layers} layers, {shape.kv_heads} KV heads, head size {shape.head_dim}, "
+             f"{element}",
+             f"KV bytes per token: 2 x {shape.layers} x {shape.kv_heads} x {row} "
+             f"= {per_token:,} B ({per_token / 2**10:,.1f} KiB)"]
+    params = weight_params(shape)
+    if params is not None:
+        count = sum(params)
+        count_text = f"{count / 1e9:,.2f} billion" if count >= 1e9 else f"{count / 1e6:,.1f} million"
+        lines.append(f"weights: {count_text} parameters = {gib(weight_bytes_per_gpu(shape, dtype))} in {dtype_name}")
+    return lines
+
+
+def report(shape: KVShape, dtype: str, block_size: int, budget_gib: float, context_lens: list[int],
+           workers: int = 1, kv_cache_dtype: str = "auto", tensor_parallel_size: int = 1) -> str:
+    tp = tensor_parallel_size
+    lines = describe(shape, dtype, kv_cache_dtype)
+    per_gpu = " per GPU" if tp > 1 else ""
+    if tp > 1:
+        line = (f"tensor parallel {tp}: a worker on {tp} GPUs, each with {shape.kv_heads // tp} KV heads "
+                f"({kv_bytes_per_token(shape, dtype, kv_cache_dtype, tp):,} B per token)")
+        weights = weight_bytes_per_gpu(shape, dtype, tp)
+        lines.append(line + (f" and {gib(weights)} of weights" if weights is not None else ""))
+    per_page = kv_bytes_per_token(shape, dtype, kv_cache_dtype, tp) * block_size
+    pages = pages_for(budget_gib, shape, dtype, block_size, kv_cache_dtype, tp)
+    lines += [f"page of {block_size} tokens: {per_page:,} B{per_gpu}",
+              f"pool of {budget_gib:g} GiB{per_gpu}: {pages:,} pages = {pages * block_size:,} tokens"]
+    for n in context_lens:
+        need = pages_per_sequence(n, block_size)
+        seqs = pages // need
+        line = f"context {n:,} tokens: {need:,} pages each -> {seqs:,} concurrent sequences"
+        if workers > 1:
+            line += f" per worker, {seqs * workers:,} on {workers} workers"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m splitserve.cli.sizing",
+                                description="KV pages and concurrent sequences for a KV memory budget")
+    p.add_argument("--model", help="model alias or checkpoint directory (its config.json gives the shape)")
+    p.add_argument("--name", default="custom", help="label for a shape given as numbers")
+    p.add_argument("--layers", type=int, help="num_hidden_layers")
+    p.add_argument("--kv-heads", type=int, help="num_key_value_heads")
+    p.add_argument("--head-dim", type=int, help="head size (hidden_size / num_attention_heads unless set)")
+    shape = p.add_argument_group("the rest of a shape given as numbers (tensor parallelism and weights)")
+    shape.add_argument("--heads", type=int, help="num_attention_heads")
+    shape.add_argument("--hidden-size", type=int, help="hidden_size")
+    shape.add_argument("--intermediate-size", type=int, help="intermediate_size (the MLP's)")
+    shape.add_argument("--vocab-size", type=int, help="vocab_size")
+    shape.add_argument("--tied-embeddings", action="store_true", help="tie_word_embeddings (one matrix, not two)")
+    p.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPE_BYTES),
+                   help="weights and KV pool dtype (the worker's --dtype)")
+    p.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+                   help="KV page format (the worker's --kv-cache-dtype); quantized ones size pages by it, not --dtype")
+    p.add_argument("--block-size", type=int, default=16, help="tokens per page (the worker's --block-size)")
+    p.add_argument("--kv-cache-memory-gb", type=float, default=1.0,
+                   help="KV budget of one worker in GiB, of each of its GPUs with tensor parallelism "
+                        "(the worker's --kv-cache-memory-gb)")
+    p.add_argument("--context-len", type=int, nargs="+", default=[2048],
+                   help="tokens per sequence (prompt + output) to count concurrent sequences for")
+    p.add_argument("--workers", type=int, default=1, help="decode workers with this budget (prints the total)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="GPUs (ranks) per worker (the worker's --tensor-parallel-size)")
+    box = p.add_argument_group("a box of GPUs: compare tensor-parallel sizes instead (needs the weights' shape)")
+    box.add_argument("--gpus", type=int, help="GPUs on the box, shared by prefill + decode pairs")
+    box.add_argument("--gpu-memory-gb", type=float, help="memory of one GPU in GiB")
+    box.add_argument("--overhead-gb", type=float, default=8.0,
+                     help="GiB of each GPU kept for activations, CUDA graphs and the CUDA context")
+    box.add_argument("--min-sequences", type=int, default=8,
+                     help="suggest the smallest size whose decode worker holds this many of the longest context")
+    return p
+
+
+def parse_shape(parser: argparse.ArgumentParser, args: argparse.Namespace) -> KVShape:
+    numbers = (args.layers, args.kv_heads, args.head_dim)
+    extra = dict(heads=args.heads, hidden_size=args.hidden_size, intermediate_size=args.intermediate_size,
+                 vocab_size=args.vocab_size)
+    if args.model and (any(v is not None for v in (*numbers, *extra.values())) or args.tied_embeddings):
+        parser.error("give --model or the shape as numbers (--layers, --kv-heads, --head-dim...), not both")
+    if args.model:
+        try:
+            return load_shape(args.model)
+        except (FileNotFoundError, ValueError, KeyError) as e:
+            parser.error(f"cannot read the shape of {args.model!r}: {e}")
+    if not all(v is not None for v in numbers):
+        parser.error("give --model, or all of --layers, --kv-heads and --head-dim")
+    if any(v is not None and v < 1 for v in extra.values()):
+        parser.error("--heads, --hidden-size, --intermediate-size and --vocab-size must be positive")
+    return KVShape(args.name, *numbers, **extra, tied_embeddings=args.tied_embeddings)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    shape = parse_shape(parser, args)
+    if min(shape.layers, shape.kv_heads, shape.head_dim, args.block_size, args.workers, args.tensor_parallel_size,
+           args.min_sequences, *args.context_len) < 1:
+        parser.error("layers, KV heads, head size, block size, workers, tensor-parallel size, minimum sequences "
+                     "and context lengths must be positive")
+    if not args.kv_cache_memory_gb > 0:
+        parser.error("--kv-cache-memory-gb must be positive")
+    if args.gpus is not None:
+        from splitserve.cli import tp_layout  # the box comparison builds on this module's arithmetic
+        if args.gpus < 2 or not (args.gpu_memory_gb or 0) > 0 or args.overhead_gb < 0:
+            parser.error("--gpus needs at least 2 GPUs (a prefill and a decode worker), a positive --gpu-memory-gb "
+                         "and a non-negative --overhead-gb")
+        if weight_params(shape) is None:
+            parser.error("comparing layouts needs the weights: give --model, or --heads, --hidden-size, "
+                         "--intermediate-size and --vocab-size too")
+        print(tp_layout.report(shape, args.dtype, args.kv_cache_dtype, args.block_size, args.gpus,
+                               args.gpu_memory_gb, args.overhead_gb, max(args.context_len), args.min_sequences))
+        return 0
+    refusal = tp_refusal(shape, args.tensor_parallel_size)
+    if refusal:
+        parser.error(refusal)
+    print(report(shape, args.dtype, args.block_size, args.kv_cache_memory_gb, args.context_len, args.workers,
+                 args.kv_cache_dtype, args.tensor_parallel_size))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,99 @@
+"""Paged attention on the CPU: decodes and prefills read their pages in place.
+
+Decodes go to the C++ decode kernel in ``csrc/`` (one work item per sequence and KV head, online
+softmax over the block table: no context is gathered). Prefill chunks (and multi-token verify
+queries) go to the C++ prefill kernel (``csrc/prefill_attention_cpu.cpp``): causal attention of
+each chunk over its whole context, cached prefix included, in tiles of query rows against
+16-key slices of the pages; one call a layer for all of a step's chunks. Against torch's SDPA on
+one chunk (2 AVX-512 Zen 5 cores, SmolLM2's 9 x 64 heads over 3 KV heads): bf16 1.1x at 32
+tokens, 2.4-2.6x at 144-256, 1.5x at 1,024, 1.4x at 2,048; fp32 1.3x, 2.2-3.1x, 1.8x, 1.5x.
+Quantized pages (kv_quant) keep the SDPA path: each chunk attends over its dequantized context.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from splitserve.engine.attention import cpu_kernels
+from splitserve.engine.attention.backend import AttentionBackend, StepLayout
+from splitserve.engine.attention.kv_quant import load
+
+# Page dtypes the prefill kernel reads; quantized pages go through SDPA.
+_FLOAT_PAGES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+@dataclass
+class _Chunk:
+    q_start: int
+    q_end: int
+    # The pages of the whole context when the chunk follows cached tokens; None when it is the context.
+    ctx_blocks: torch.Tensor | None
+    ctx_len: int
+    mask: torch.Tensor | None  # [q, ctx] bool, only with ctx_blocks
+
+
+@dataclass
+class CpuStepPlan:
+    layout: StepLayout
+    _sdpa_chunks: list[_Chunk] | None = field(default=None, repr=False)
+
+    @property
+    def has_prefills(self) -> bool:
+        return self.layout.num_decodes < len(self.layout.seq_lens_list)
+
+    def sdpa_chunks(self) -> list[_Chunk]:
+        """The prefill chunks as SDPA calls (quantized pages only), planned on first use."""
+        if self._sdpa_chunks is None:
+            layout, chunks = self.layout, []
+            starts = layout.query_start_list
+            for b in range(layout.num_decodes, len(layout.seq_lens_list)):
+                q_len, ctx = layout.query_lens_list[b], layout.seq_lens_list[b]
+                blocks = mask = None
+                if q_len != ctx:
+                    blocks = layout.block_tables[b, :-(-ctx // layout.block_size)].to(torch.int64)
+                    q_pos = torch.arange(ctx - q_len, ctx)
+                    mask = torch.arange(ctx)[None, :] <= q_pos[:, None]
+                chunks.append(_Chunk(starts[b], starts[b + 1], blocks, ctx, mask))
+            self._sdpa_chunks = chunks
+        return self._sdpa_chunks
+
+
+class CpuAttentionBackend(AttentionBackend):
+    name = "cpu"
+
+    def __init__(self):
+        if not cpu_kernels.available():
+            raise RuntimeError("attention_backend='cpu' needs the CPU kernels, which could not be built "
+                               f"({cpu_kernels.load_error()}); use attention_backend='torch'")
+        self._write_and_decode = torch.ops.splitserve_cpu.write_and_decode
+        self._paged_prefill = torch.ops.splitserve_cpu.paged_prefill
+
+    def prepare(self, layout: StepLayout) -> CpuStepPlan:
+        return CpuStepPlan(layout)
+
+    def forward(self, query, key, value, k_cache, v_cache, layout, prepared: CpuStepPlan, scale):
+        # One call writes the step's K/V and attends for every decode, one more attends for every
+        # prefill chunk: a layer's fixed cost is a few microseconds of dispatch.
+        out = torch.empty(query.shape, dtype=query.dtype)
+        self._write_and_decode(out, query, key, value, k_cache, v_cache, layout.slot_mapping, layout.block_tables,
+                               layout.seq_lens, layout.num_decodes, scale)
+        if not prepared.has_prefills:
+            return out
+        if k_cache.dtype in _FLOAT_PAGES:
+            self._paged_prefill(out, query, k_cache, v_cache, layout.block_tables, layout.query_start_loc,
+                                layout.seq_lens, layout.num_decodes, scale)
+            return out
+        for c in prepared.sdpa_chunks():
+            q = query[c.q_start:c.q_end].transpose(0, 1).unsqueeze(0)  # [1, Hq, q, D]
+            if c.ctx_blocks is None:
+                k, v = key[c.q_start:c.q_end], value[c.q_start:c.q_end]
+            else:  # quantized pages (kv_quant) are dequantized here: later chunks see what decode sees
+                k, v = (cache[c.ctx_blocks].reshape(-1, *cache.shape[-2:])[:c.ctx_len] for cache in (k_cache, v_cache))
+            k = load(k, q.dtype).transpose(0, 1).unsqueeze(0)  # [1, Hkv, ctx, D]
+            v = load(v, q.dtype).transpose(0, 1).unsqueeze(0)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=c.mask, is_causal=c.mask is None, scale=scale,
+                                               enable_gqa=True)
+            out[c.q_start:c.q_end] = o[0].transpose(0, 1)
+        return out

@@ -1,0 +1,99 @@
+"""The CPU kernels in ``csrc/`` (paged decode and prefill attention; the page copy of the shm KV transport;
+the call of splitserve/engine/cpu_linear.py's packed linears), compiled for this machine on first use and cached.
+
+``torch.utils.cpp_extension`` builds the sources with ``-O3 -march=native`` into
+``cache_dir()/torch_extensions/<key>``, where the key covers the sources, torch's version and the
+CPU's instruction sets, so a changed kernel, torch or machine builds afresh and an unchanged
+one loads in milliseconds. ``make install`` builds it once (``python -m
+splitserve.engine.attention.cpu_kernels``) so a server's first request does not wait for the compiler.
+The ops register under ``torch.ops.splitserve_cpu``; ``available()`` says whether they loaded
+(no compiler, no ninja: the torch path serves instead, with a warning).
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import platform
+import threading
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_attention_cpu.cpp", "prefill_attention_cpu.cpp",
+                                                                   "copy_pages_cpu.cpp", "onednn_linear_cpu.cpp")]
+CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast"]
+_lock = threading.Lock()
+_state: dict[str, object] = {}
+
+
+def _cpu_flags() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _build_key() -> str:
+    h = hashlib.sha256()
+    for source in _SOURCES:
+        h.update(source.read_bytes())
+    h.update(" ".join(CFLAGS).encode())
+    h.update(torch.__version__.encode())
+    h.update(_cpu_flags().encode())
+    return h.hexdigest()[:16]
+
+
+def load() -> None:
+    """Build (if needed) and load the ops; raises if the toolchain cannot build them."""
+    with _lock:
+        if _state.get("loaded"):
+            return
+        from torch.utils import cpp_extension
+
+        from splitserve.engine.model_loader import cache_dir
+
+        key = _build_key()
+        build_dir = cache_dir() / "torch_extensions" / key
+        build_dir.mkdir(parents=True, exist_ok=True)
+        cpp_extension.load(name=f"splitserve_cpu_{key}", sources=[str(s) for s in _SOURCES],
+                           extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"], build_directory=str(build_dir),
+                           is_python_module=False, verbose=False)
+        _state["loaded"] = True
+
+
+# Head sizes the kernel is instantiated for (csrc/paged_attention_cpu.cpp, dispatch_head_dim).
+HEAD_DIMS = (16, 32, 48, 64, 80, 96, 128, 256)
+
+
+def load_error() -> BaseException | None:
+    """Why the ops could not be built, if they could not."""
+    return _state.get("error")  # type: ignore[return-value]
+
+
+def available() -> bool:
+    """True once the ops are loaded; tries to load them the first time and remembers a failure."""
+    if _state.get("loaded"):
+        return True
+    if "error" in _state:
+        return False
+    try:
+        load()
+        return True
+    except Exception as e:  # no compiler, no ninja, a failed build: the torch path still works
+        _state["error"] = e
+        log.warning("CPU attention kernels unavailable (%s); decode attention falls back to the slower "
+                    "torch path", e)
+        return False
+
+
+if __name__ == "__main__":
+    import time
+
+    start = time.perf_counter()
+    load()
+    print(f"CPU attention kernels ready ({time.perf_counter() - start:.1f} s)")

@@ -1,0 +1,86 @@
+"""Plugs the paged attention backends into the model code of `transformers`.
+
+`transformers` calls the registered function from every attention layer with query/key/
+value after rotary embedding and the module (which knows its ``layer_idx``). The function
+calls one custom op, ``splitserve::paged_attention``, with only the layer's tensors and its
+index: a compiled forward keeps each layer's attention as one opaque node (no graph break),
+and everything that describes the step (block tables, slots, lengths, the backend's plan,
+the pool, the layer hook) comes from the ``StepContext`` the runner enters around the
+forward, as vLLM's forward context does. The op writes the layer's new K/V into the pool
+itself; no other op reads the pool, so that hidden write cannot be reordered past a reader.
+"""
+from __future__ import annotations
+
+import contextlib
+import threading
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import torch
+from transformers import AttentionInterface
+
+from splitserve.engine.attention.backend import AttentionBackend, StepLayout
+
+ATTN_IMPLEMENTATION = "splitserve_paged"
+
+
+@dataclass
+class StepContext:
+    backend: AttentionBackend
+    layout: StepLayout
+    prepared: object
+    # (k_cache, v_cache) per layer, each [num_blocks, block_size, num_kv_heads, head_dim].
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+    # Called after a layer's K/V are in the cache (layer-by-layer KV transfer hooks in here).
+    on_layer_written: Callable[[int], None] | None = None
+
+
+_local = threading.local()
+
+
+@contextlib.contextmanager
+def step_context(ctx: StepContext) -> Iterator[None]:
+    """The step every paged attention call on this thread belongs to, for one forward."""
+    previous = getattr(_local, "ctx", None)
+    _local.ctx = ctx
+    try:
+        yield
+    finally:
+        _local.ctx = previous
+
+
+def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int,
+                    scale: float) -> torch.Tensor:
+    """query [T, Hq, D], key/value [T, Hkv, D] of one layer -> [T, Hq, D]; writes K/V into the pool."""
+    ctx: StepContext | None = getattr(_local, "ctx", None)
+    if ctx is None:
+        raise RuntimeError(f"the {ATTN_IMPLEMENTATION} attention runs only inside the runner's step_context()")
+    out = ctx.backend.forward(query, key, value, *ctx.kv_caches[layer], ctx.layout, ctx.prepared, scale)
+    if ctx.on_layer_written is not None:
+        ctx.on_layer_written(layer)
+    return out
+
+
+# Registered through torch.library.Library rather than the @custom_op decorator: the same op
+# for the compiler, at half the dispatch cost per call (9 vs 20 us), paid 30 times a step.
+_lib = torch.library.Library("splitserve", "DEF")
+_lib.define("paged_attention(Tensor query, Tensor key, Tensor value, int layer, float scale) -> Tensor")
+_lib.impl("paged_attention", paged_attention, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("splitserve::paged_attention")
+def _(query, key, value, layer, scale):
+    return torch.empty_like(query, memory_format=torch.contiguous_format)
+
+
+def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                            value: torch.Tensor, attention_mask: torch.Tensor | None,
+                            scaling: float | None = None, dropout: float = 0.0, **kwargs):
+    # [1, H, T, D] -> [T, H, D]
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
+    scale = scaling if scaling is not None else q.shape[-1] ** -0.5
+    out = torch.ops.splitserve.paged_attention(q, k, v, module.layer_idx, float(scale))
+    return out.unsqueeze(0), None
+
+
+AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)

@@ -1,0 +1,95 @@
+"""The model's forward as the runner calls it: (input_ids [T], positions [T]) -> hidden [T, H].
+
+Eager (``enforce_eager``): the `transformers` modules run op by op, Python per layer.
+
+Compiled (the default, as vLLM does): ``torch.compile`` traces the whole forward, every
+layer, into one graph; each layer's paged attention stays one opaque custom op
+(``splitserve::paged_attention``), so nothing breaks the graph. The token count is marked
+*unbacked*, so one graph serves every batch shape (a decode of one sequence and a 2,048-token
+prefill alike) with no recompilation as the batch changes. On a CPU the linear layers are
+already packed for oneDNN by then (splitserve/engine/cpu_linear.py), opaque ops the graph calls. inductor's
+freezing, which should prepack them itself, is left off: on an AVX-512 BF16 Zen 5 in bf16 it left
+them as plain ``aten::mm`` (with the unbacked token count), and on an AVX2 CPU in fp32 its
+MKL-packed linears measured slower than plain ones (10 vs 30 GF/s at 8 rows). The compile happens
+once, at start-up, on a dummy batch (``warmup_s`` says how long it took); after it, steps skip
+dynamo's guard evaluation (see _STANCE_LOCK);
+inductor's on-disk cache makes later start-ups of the same model fast.
+
+On CUDA the same graph runs, and the runner captures it as CUDA graphs for padded decode batch
+sizes (splitserve/engine/cuda_graphs.py).
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import torch
+
+from splitserve.engine.config import EngineConfig
+
+log = logging.getLogger(__name__)
+
+
+class EagerForward:
+    warmup_s = 0.0
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=input_ids[None], position_ids=positions[None],
+                          use_cache=False).last_hidden_state[0]
+
+    def describe(self) -> str:
+        return "eager"
+
+
+# Before each call of a compiled function dynamo evaluates its guards, ~7,800 here (the type,
+# dict and tensor checks of every module and parameter the forward reads): 2-4 ms of a 12-30 ms
+# decode step on 2 Zen 5 cores. Once warm-up has compiled a forward, nothing they check changes
+# (one graph serves every token count, the model is fixed), so later calls run under dynamo's
+# skip_guard_eval_unsafe stance, which checks only what tells cached graphs apart (vLLM's compile
+# wrapper skips them too). That stance is process-wide, and a forward compiling (another engine's
+# warm-up) must not run inside it, or it would reuse a graph of another model unchecked: one
+# lock holds both, so they never overlap.
+_STANCE_LOCK = threading.RLock()
+
+
+class CompiledForward:
+    def __init__(self, model: torch.nn.Module, device: torch.device):
+        self.eager = EagerForward(model)
+        self.device = device
+        self._compiled = torch.compile(self.eager.__call__, fullgraph=True, dynamic=False)
+        self.warmup_s = 0.0
+        self.skip_guards = False  # set by warm_up
+
+    def __call__(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        # Unbacked: no guard on the token count, hence one graph for every step (a backed size
+        # would be specialised on 1 and recompiled as batches change).
+        torch._dynamo.decorators.mark_unbacked(input_ids, 0)
+        torch._dynamo.decorators.mark_unbacked(positions, 0)
+        with _STANCE_LOCK:
+            if not self.skip_guards:
+                return self._compiled(input_ids, positions)
+            with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
+                return self._compiled(input_ids, positions)
+
+    def warm_up(self, run_dummy_step) -> None:
+        """Compile now, on a dummy step the runner provides, instead of inside the first request;
+        later calls skip the guards (see _STANCE_LOCK)."""
+        start = time.perf_counter()
+        with _STANCE_LOCK:
+            run_dummy_step()
+            self.skip_guards = True
+        self.warmup_s = time.perf_counter() - start
+        log.info("compiled the forward in %.1f s", self.warmup_s)
+
+    def describe(self) -> str:
+        return f"compiled ({self.warmup_s:.1f} s)"
+
+
+def build_forward(model: torch.nn.Module, config: EngineConfig, device: torch.device):
+    if config.enforce_eager:
+        return EagerForward(model)
+    return CompiledForward(model, device)

@@ -1,0 +1,158 @@
+"""Engine configuration: one frozen dataclass, validated once, named as vLLM names its knobs."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+SCHEDULING_POLICIES = ("fcfs", "priority")
+PREEMPTION_MODES = ("recompute", "swap")
+BATCHING_MODES = ("continuous", "static")
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+# KV page formats, vLLM's names: "auto" is the model dtype; fp8 is fp8_e4m3 (splitserve/engine/attention/kv_quant.py).
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
+# Bytes of the float32 scale that ends each quantized (token, head) row of 8-bit codes.
+KV_SCALE_BYTES = 4
+ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")
+# Linear layers: "onednn" (prepacked weights, fp32 on CPU; splitserve/engine/cpu_linear.py) or "torch".
+LINEAR_BACKENDS = ("auto", "onednn", "torch")
+# Speculative decoding (splitserve/engine/spec_decode): prompt lookup, or a small draft model.
+SPECULATIVE_METHODS = ("ngram", "draft")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything the scheduler, cache manager and runner need to agree on."""
+
+    # Model alias (smollm2-135m-instruct) or local Hugging Face checkpoint directory.
+    model: str = "smollm2-135m-instruct"
+    # Tokens per KV page.
+    block_size: int = 16
+    # Upper bound on sequences in one step (prefills and decodes together).
+    max_num_seqs: int = 64
+    # Token budget of one step, shared by prefill chunks and decodes.
+    max_num_batched_tokens: int = 2048
+    # Longest prompt + output a request may have; None takes the model's own limit.
+    max_model_len: int | None = None
+    # Pages in the device KV pool; None sizes it from kv_cache_memory_gb.
+    num_gpu_blocks: int | None = None
+    # Memory of the device KV pool, when num_gpu_blocks is not given.
+    kv_cache_memory_gb: float = 1.0
+    # CUDA: the share of the GPU's memory this engine may hold (weights, a step, the KV pool, which
+    # gets the rest), as vLLM's knob of the same name; overrides kv_cache_memory_gb. Two processes
+    # sharing one GPU (prefill + decode) split it, e.g. 0.3 + 0.6. None: kv_cache_memory_gb sizes the pool.
+    gpu_memory_utilization: float | None = None
+    # Pages in the host pool that swap preemption moves sequences into.
+    num_cpu_blocks: int = 256
+    # Reuse the KV of full prompt blocks seen before (hash of the block chain).
+    enable_prefix_caching: bool = True
+    # Chunk prompts longer than the step budget instead of refusing them.
+    enable_chunked_prefill: bool = True
+    # Order of waiting requests: "priority" (lower value first, aged by priority_aging_per_s;
+    # with equal priorities it is arrival order) or "fcfs" (arrival only, priorities ignored).
+    scheduling_policy: str = "priority"
+    # Priority points a waiting request gains per second of waiting (priority policy only),
+    # so a low-priority request cannot starve under a steady high-priority stream.
+    priority_aging_per_s: float = 1.0
+    # When pages run out: "recompute" (drop the victim's pages, prefill again later) or "swap"
+    # (move them to the host pool and back).
+    preemption_mode: str = "recompute"
+    # "continuous" (requests join and leave every step) or "static" (the baseline: fixed
+    # batches run to their longest member).
+    batching: str = "continuous"
+    # Batch size of the static baseline.
+    static_batch_size: int = 8
+    # Weights and KV dtype; "auto" is bfloat16.
+    dtype: str = "auto"
+    # KV pages: "auto" (the model dtype) or 8-bit codes with a float32 scale per token and head:
+    # "int8", "fp8"/"fp8_e4m3", "fp8_e5m2" (about half the bytes of bf16: ~1.9x the pages per GB).
+    kv_cache_dtype: str = "auto"
+    # "auto" (CUDA when present), "cpu", "cuda", "cuda:N".
+    device: str = "auto"
+    # Ranks (processes) one worker shards the model over (vLLM's name): attention heads, KV heads
+    # and MLP columns split across them, one scheduler on rank 0 (splitserve/engine/tensor_parallel). On a GPU
+    # rank r runs on the device after ``device`` by r (cuda:N+r); on a CPU each rank is a process.
+    tensor_parallel_size: int = 1
+    # Paged attention kernels: "auto" (triton on CUDA, torch on CPU), "torch" or "triton".
+    attention_backend: str = "auto"
+    # Linear layers: "auto" (oneDNN prepacked weights for fp32 on a CPU, torch elsewhere), "onednn", "torch".
+    linear_backend: str = "auto"
+    # Run the model op by op instead of as one compiled graph (vLLM's escape hatch of the same name).
+    enforce_eager: bool = False
+    # Colocated workers: size each step's share of prompt tokens (the chunked-prefill size) so that
+    # steps with decodes take about this many ms while prompts arrive (splitserve/engine/step_budget.py);
+    # None: every step may fill max_num_batched_tokens.
+    target_tpot_ms: float | None = None
+    # Engine seed (vLLM's name; requests are seeded by SamplingParams.seed, this is not read yet).
+    seed: int = 0
+    # Speculative decoding (vLLM's names): "ngram" (prompt lookup: the tokens that followed the
+    # sequence's last n-gram earlier in it) or "draft" (a small model, speculative_model); unset: off.
+    speculative_method: str | None = None
+    # Tokens proposed per decoding sequence and step; the model verifies them in one forward.
+    num_speculative_tokens: int = 3
+    # ngram: the longest suffix n-gram looked up (longer ones first).
+    prompt_lookup_max: int = 4
+    # ngram: the shortest suffix n-gram looked up.
+    prompt_lookup_min: int = 2
+    # draft: the draft model (alias or checkpoint directory) with the target's vocabulary.
+    speculative_model: str | None = None
+
+    def __post_init__(self) -> None:
+        def positive(name: str) -> None:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+        def one_of(name: str, allowed: tuple[str, ...]) -> None:
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
+
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "static_batch_size",
+                     "tensor_parallel_size"):
+            positive(name)
+        if self.block_size & (self.block_size - 1):
+            raise ValueError(f"block_size must be a power of two, got {self.block_size}")
+        if self.num_gpu_blocks is not None:
+            positive("num_gpu_blocks")
+        if self.max_model_len is not None:
+            positive("max_model_len")
+        if self.num_cpu_blocks < 0:
+            raise ValueError(f"num_cpu_blocks must be >= 0, got {self.num_cpu_blocks}")
+        if self.gpu_memory_utilization is not None and not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if not self.kv_cache_memory_gb > 0:
+            raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
+        if self.target_tpot_ms is not None and not self.target_tpot_ms > 0:
+            raise ValueError(f"target_tpot_ms must be > 0, got {self.target_tpot_ms}")
+        if self.priority_aging_per_s < 0:
+            raise ValueError(f"priority_aging_per_s must be >= 0, got {self.priority_aging_per_s}")
+        one_of("scheduling_policy", SCHEDULING_POLICIES)
+        one_of("preemption_mode", PREEMPTION_MODES)
+        one_of("batching", BATCHING_MODES)
+        one_of("dtype", DTYPES)
+        one_of("kv_cache_dtype", KV_CACHE_DTYPES)
+        one_of("attention_backend", ATTENTION_BACKENDS)
+        one_of("linear_backend", LINEAR_BACKENDS)
+        self._check_speculative(positive)
+        if self.preemption_mode == "swap" and self.num_cpu_blocks == 0:
+            raise ValueError("preemption_mode='swap' needs num_cpu_blocks > 0")
+        if not self.enable_chunked_prefill and self.max_model_len is not None \
+                and self.max_model_len > self.max_num_batched_tokens:
+            raise ValueError(
+                "without chunked prefill max_num_batched_tokens must be >= max_model_len "
+                f"({self.max_num_batched_tokens} < {self.max_model_len}); raise it or enable chunked prefill")
+
+    def _check_speculative(self, positive) -> None:
+        if not self.speculative_method:  # None or "" (an empty SPLITSERVE_SPECULATIVE_METHOD): off
+            return
+        if self.speculative_method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_method must be one of {SPECULATIVE_METHODS} (or unset), "
+                             f"got {self.speculative_method!r}")
+        for name in ("num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"):
+            positive(name)
+        if self.prompt_lookup_min > self.prompt_lookup_max:
+            raise ValueError(f"prompt_lookup_min ({self.prompt_lookup_min}) must be <= prompt_lookup_max "
+                             f"({self.prompt_lookup_max})")
+        if (self.speculative_method == "draft") != bool(self.speculative_model):
+            raise ValueError("speculative_model (the draft model) is needed with speculative_method='draft' "
+                             "and only with it")
+        if self.batching == "static":
+            raise ValueError("speculative decoding needs batching='continuous'")

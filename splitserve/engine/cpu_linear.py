@@ -1,0 +1,223 @@
+"""Linear layers on prepacked oneDNN weights, for models on the CPU (fp32; bf16/fp16 where the
+CPU computes in them natively).
+
+A decode step's time on the CPU is mostly its linear layers, and torch's ``F.linear`` (MKL
+sgemm on plain row-major weights) is far from the machine's limit at decode batch sizes. oneDNN
+with each weight reordered once into its blocked layout (as vLLM-CPU does, with the same batch
+hint of 32) measured, for all of SmolLM2-135M's linears on 2 AVX2 threads (ms per step, torch vs
+oneDNN): 42 vs 29 at 1 row, 78 vs 41 at 8, 147 vs 82 at 32, 220 vs 143 at 64.
+
+inductor's freezing does not do it for us (fp32 goes to MKL's packed sgemm, slower here; bf16,
+with the compiled step's unbacked token count, stays plain ``aten::mm``), and inductor cannot
+lower oneDNN's own linear op on a packed weight that is a graph input, so each layer calls one
+opaque op, ``splitserve_cpu::onednn_linear`` (C++, built with the CPU kernels;
+``splitserve::onednn_linear``, the same in Python, where they could not be built):
+eager and compiled steps run the same kernels.
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from splitserve.engine.config import LINEAR_BACKENDS
+
+log = logging.getLogger(__name__)
+
+# vLLM-CPU's hint too: the layout oneDNN picks for 32 rows served 1-128 rows best here.
+BATCH_HINT = 32
+
+
+# Row counts up to this run as they are (decode batches: where speed matters most).
+EXACT_ROWS = 64
+
+
+def padded_rows(rows: int) -> int:
+    """The row count a linear runs with: ``rows`` up to ``EXACT_ROWS``, above it rounded up to 8
+    steps an octave (65-128 by 8, 129-256 by 16, ...; at most 12.5 % more rows).
+
+    oneDNN JIT-compiles and keeps a kernel for every input shape it meets, and memory held that
+    way is not given back: a prefill worker fed prompts of every length from 32 to 256 tokens grew
+    by ~1.7 MiB a request without a plateau (issue 18). With rounded shapes there are at most
+    ~40 more of them up to 2,048 rows, and the growth stops once each has been seen."""
+    if rows <= EXACT_ROWS:
+        return rows
+    step = 1 << max((rows - 1).bit_length() - 4, 0)
+    return -(-rows // step) * step
+
+
+def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                  out_features: int) -> torch.Tensor:
+    x2d = x.reshape(-1, x.shape[-1])
+    rows = x2d.shape[0]
+    padded = padded_rows(rows)
+    if padded != rows:
+        x2d = torch.nn.functional.pad(x2d, (0, 0, 0, padded - rows))
+    out = torch.ops.mkldnn._linear_pointwise(x2d, weight, bias, "none", [], "")
+    if padded != rows:
+        out = out[:rows]
+    return out.reshape(*x.shape[:-1], out_features)
+
+
+# torch.library.Library, as for paged_attention: half the per-call cost of @custom_op, and this
+# op runs ~200 times a step. The packed weight is an argument (a graph input of the compiled
+# step), so engines of the same model share one compiled graph.
+_lib = torch.library.Library("splitserve", "FRAGMENT")
+_lib.define("onednn_linear(Tensor x, Tensor weight, Tensor? bias, int out_features) -> Tensor")
+_lib.impl("onednn_linear", onednn_linear, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("splitserve::onednn_linear")
+def _(x, weight, bias, out_features):
+    return x.new_empty((*x.shape[:-1], out_features))
+
+
+_cpp_op_faked = False
+
+
+def linear_op():
+    """The op a packed linear calls: the C++ one of ``csrc/onednn_linear_cpu.cpp`` (no Python
+    per call) where the CPU kernels built, else the Python one above (same steps, same result)."""
+    global _cpp_op_faked
+    from splitserve.engine.attention import cpu_kernels
+    if not cpu_kernels.available():
+        return torch.ops.splitserve.onednn_linear
+    if not _cpp_op_faked:  # its shape rule, for the compiled step: the same as the Python op's
+        torch.library.register_fake("splitserve_cpu::onednn_linear")(_)
+        _cpp_op_faked = True
+    return torch.ops.splitserve_cpu.onednn_linear
+
+
+class OnednnLinear(torch.nn.Module):
+    """Stands in for an ``nn.Linear`` whose weight was packed; the plain weight is dropped."""
+
+    def __init__(self, linear: torch.nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.register_buffer("packed_weight", torch.ops.mkldnn._reorder_linear_weight(
+            linear.weight.detach(), BATCH_HINT), persistent=False)
+        self.register_buffer("bias", None if linear.bias is None else linear.bias.detach(), persistent=False)
+        self.op = linear_op()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.op(x, self.packed_weight, self.bias, self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, onednn"
+
+
+def onednn_computes(dtype: torch.dtype) -> bool:
+    """Whether this CPU's oneDNN runs ``dtype`` linears natively: fp32 always, bf16 with AVX-512
+    BF16 or AMX, fp16 with AVX-512 FP16 or AMX-FP16 (elsewhere it emulates them: a bf16 linear on
+    an AVX2 Zen 3 at 64 rows ran at 16 GF/s against fp32's 130)."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    if dtype == torch.float32:
+        return True
+    if dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    if dtype == torch.float16:
+        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    return False
+
+
+def resolve_linear_backend(name: str, device: torch.device, dtype: torch.dtype) -> str:
+    """``auto``: oneDNN on a CPU whose oneDNN computes ``dtype`` natively, torch elsewhere.
+
+    For bf16 on an AVX-512 BF16 Zen 5 (2 threads, all of SmolLM2-135M's linears, ms per step):
+    inductor's freezing left them as plain ``aten::mm`` calls on unpacked weights (21.6 ms at 16
+    rows, the lm_head 3.7 more), prepacked oneDNN weights took 13.8 in all."""
+    if name not in LINEAR_BACKENDS:
+        raise ValueError(f"linear_backend must be one of {LINEAR_BACKENDS}, got {name!r}")
+    usable = device.type == "cpu" and onednn_computes(dtype)
+    if name == "onednn" and not usable:
+        raise ValueError(f"linear_backend='onednn' needs a CPU device and a dtype its oneDNN computes natively "
+                         f"(float32 always; bfloat16/float16 with AVX-512 or AMX), got {device.type}, {dtype}")
+    return "onednn" if name == "onednn" or (name == "auto" and usable) else "torch"
+
+
+# Linears of one module that read the same input, as `transformers` names them: one GEMM on their
+# stacked weights reads that input once and runs fewer, larger kernels (vLLM's QKVParallelLinear
+# and MergedColumnParallelLinear). SmolLM2, 30 layers, 2 AVX2 threads, ms per step: 16.8 -> 11.6
+# at 1 row, 23.8 -> 19.2 at 8, 82.3 -> 77.4 at 64; and 90 fewer op calls a step.
+FUSED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+class FusedLinears(torch.nn.Module):
+    """One packed weight for several linears of the same input. Each member's stand-in
+    (``FusedMember``) asks for its slice: the first to ask for a given input runs the GEMM, the
+    others take their slices of that result, and the last one lets it go."""
+
+    def __init__(self, linears: list[torch.nn.Linear]):
+        super().__init__()
+        self.sizes = [linear.out_features for linear in linears]
+        weight = torch.cat([linear.weight.detach() for linear in linears])
+        biases = [linear.bias.detach() if linear.bias is not None else linear.weight.new_zeros(linear.out_features)
+                  for linear in linears]
+        has_bias = any(linear.bias is not None for linear in linears)
+        self.register_buffer("packed_weight", torch.ops.mkldnn._reorder_linear_weight(weight, BATCH_HINT),
+                             persistent=False)
+        self.register_buffer("bias", torch.cat(biases) if has_bias else None, persistent=False)
+        self.op = linear_op()
+        self._input: torch.Tensor | None = None
+        self._parts: tuple[torch.Tensor, ...] = ()
+        self._taken = 0
+
+    def part(self, index: int, x: torch.Tensor) -> torch.Tensor:
+        if self._input is not x:  # a new input (or a call that never finished): compute afresh
+            out = self.op(x, self.packed_weight, self.bias, sum(self.sizes))
+            self._input, self._parts, self._taken = x, out.split(self.sizes, dim=-1), 0
+        result = self._parts[index]
+        self._taken += 1
+        if self._taken == len(self.sizes):  # every member has its slice: hold nothing between steps
+            self._input, self._parts, self._taken = None, (), 0
+        return result
+
+
+class FusedMember(torch.nn.Module):
+    """Stands in for one linear of a ``FusedLinears`` group (its plain weight is dropped)."""
+
+    def __init__(self, group: FusedLinears, index: int, linear: torch.nn.Linear):
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.index = index
+        self._group = [group]  # a list: the group is its module's child, not every member's
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._group[0].part(self.index, x)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, onednn, fused #{self.index}"
+
+
+def _fuse_groups(model: torch.nn.Module) -> int:
+    """Stack each FUSED_GROUPS set of plain linears that share a parent; returns how many were fused."""
+    fused = 0
+    for parent in list(model.modules()):
+        for names in FUSED_GROUPS:
+            linears = [getattr(parent, name, None) for name in names]
+            if not all(type(linear) is torch.nn.Linear for linear in linears):
+                continue
+            if len({linear.in_features for linear in linears}) != 1:
+                continue
+            group = FusedLinears(linears)
+            parent.add_module("fused_" + "_".join(n.split("_")[0] for n in names), group)
+            for index, (name, linear) in enumerate(zip(names, linears)):
+                setattr(parent, name, FusedMember(group, index, linear))
+            fused += len(linears)
+    return fused
+
+
+def pack_linear_layers(model: torch.nn.Module) -> int:
+    """Replace every ``nn.Linear`` of ``model`` by an oneDNN one (``FusedMember`` for the linears
+    of a FUSED_GROUPS set, ``OnednnLinear`` for the others); returns how many.
+
+    A weight tied to another module (the embedding of a tied ``lm_head``) stays where it is
+    for that module; the packed copy is the linear's own."""
+    fused = _fuse_groups(model)
+    targets = [(name, module) for name, module in model.named_modules() if type(module) is torch.nn.Linear]
+    for name, module in targets:
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name), child, OnednnLinear(module))
+    log.info("packed %d linear layers for oneDNN (%d of them in fused groups)", len(targets) + fused, fused)
+    return len(targets) + fused

@@ -1,0 +1,213 @@
+"""The engine loop the workers drive: add_request, abort_request, step.
+
+``step()`` stays three lines (schedule, run, update); everything else is bookkeeping of
+requests and turning them into ``RequestOutput``.
+"""
+from __future__ import annotations
+
+import itertools
+import time
+from typing import Callable, Sequence
+
+from splitserve.engine.config import EngineConfig
+from splitserve.engine.kv_cache_manager import KVCacheManager
+from splitserve.engine.model_loader import load_tokenizer, resolve_model
+from splitserve.engine.model_runner import ModelRunner, PoolFactory, default_pool
+from splitserve.engine.outputs import RequestMetrics, RequestOutput
+from splitserve.engine.request import Request
+from splitserve.engine.sampling_params import SamplingParams
+from splitserve.engine.scheduler import Scheduler
+from splitserve.engine.step_budget import StepBudget
+from splitserve.engine.spec_decode.proposer import build_proposer
+from splitserve.engine.structured_output import GrammarCompiler
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, clock: Callable[[], float] = time.monotonic,
+                 pool_factory: PoolFactory = default_pool):
+        self.config = config
+        self.clock = clock
+        model_dir = resolve_model(config.model)
+        self.tokenizer = load_tokenizer(model_dir)
+        self.model_name = config.model
+        self.runner = ModelRunner(config, model_dir, pool_factory)
+        hf = self.runner.model.config
+        self.vocab_size = hf.vocab_size
+        self.max_model_len = self.runner.max_model_len
+        self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
+                                 num_cpu_blocks=config.num_cpu_blocks if config.preemption_mode == "swap" else 0)
+        self.scheduler = Scheduler(config, self.kv, self.max_model_len, clock=clock)
+        self.step_budget = StepBudget(config.target_tpot_ms, config.max_num_batched_tokens, config.block_size) \
+            if config.target_tpot_ms else None
+        self.proposer = build_proposer(config, self.runner)  # None unless speculative decoding is on
+        self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.runner.eos_token_ids)
+        self.requests: dict[str, Request] = {}
+        self._ids = itertools.count()
+
+    def close(self) -> None:
+        """Stop what runs beside this process (the other ranks of a tensor-parallel engine)."""
+        self.runner.close()
+
+    # ---- requests ------------------------------------------------------------------
+    def add_request(self, request_id: str | None, prompt: str | Sequence[int],
+                    params: SamplingParams | None = None, priority: int = 0,
+                    arrival_time: float | None = None) -> Request:
+        """Validate and queue one request. Bad input raises ValueError naming the field."""
+        params = params or SamplingParams()
+        request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
+        if request_id in self.requests:
+            raise ValueError(f"request_id {request_id!r} is already in the engine")
+        text, token_ids = self._prompt_tokens(prompt)
+        params.validate_for_vocab(self.vocab_size)
+        if isinstance(priority, bool) or not isinstance(priority, int):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
+        total = len(token_ids) + params.max_tokens
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(f"prompt has {len(token_ids)} tokens; max_model_len is {self.max_model_len}")
+        if self.kv.blocks_needed(min(total, self.max_model_len)) > self.kv.num_total_blocks:
+            raise ValueError(f"prompt ({len(token_ids)} tokens) + max_tokens ({params.max_tokens}) cannot fit the "
+                             f"KV cache of {self.kv.num_total_blocks * self.config.block_size} tokens on this "
+                             "engine; shorten the prompt or lower max_tokens")
+        request = Request(request_id, token_ids, params, eos_token_ids=self.runner.eos_token_ids,
+                          priority=priority, arrival_time=self.clock() if arrival_time is None else arrival_time,
+                          prompt=text)
+        request.grammar = self._grammar(params, token_ids)
+        self.requests[request_id] = request
+        self.scheduler.add(request)
+        return request
+
+    def add_prefilled_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
+                              first_token: int, priority: int = 0,
+                              first_logprobs: list[tuple[int, float]] | None = None,
+                              arrival_time: float | None = None,
+                              sampler_state: bytes | None = None) -> RequestOutput:
+        """Admit a request whose prompt KV already sits in the pages reserved under its id.
+
+        The prefill worker computed the prompt and sampled the first token; decoding goes on
+        from there, as it would have on one engine: ``arrival_time`` (this engine's clock) keeps
+        the request's place in the priority order, ``sampler_state`` (the prefill side's
+        ``Request.sampler_state()``) continues a seeded random stream. Returns the output with
+        that first token (finished if it already ends).
+        """
+        if not self.kv.owns(request_id):
+            raise ValueError(f"request {request_id!r} has no reserved pages")
+        _, token_ids = self._prompt_tokens(list(prompt_token_ids))
+        request = Request(request_id, token_ids, params, eos_token_ids=self.runner.eos_token_ids,
+                          priority=priority, arrival_time=self.clock() if arrival_time is None else arrival_time)
+        request.grammar = self._grammar(params, token_ids)  # the first token is accepted below
+        if sampler_state:
+            request.restore_sampler_state(sampler_state)
+        request.num_computed_tokens = len(token_ids)
+        request.num_cached_tokens = 0
+        request.first_token_time = self.clock()
+        self.kv.cache_full_blocks(request_id, token_ids, len(token_ids))
+        self.requests[request_id] = request
+        request.append_token(first_token, first_logprobs)
+        self.scheduler.add_running(request)
+        reason = request.check_stop(self.max_model_len)
+        if reason is not None:
+            self.scheduler.finish(request, reason)
+        return self._output(request)
+
+    def _grammar(self, params: SamplingParams, token_ids: list[int]):
+        """The request's structured-output matcher (None without a constraint), having replayed
+        the tokens a retried request's prompt ends with (generated under it before)."""
+        spec = params.structured_output
+        if spec is None:
+            return None
+        if spec.resumed_tokens >= len(token_ids):
+            raise ValueError(f"structured_output.resumed_tokens ({spec.resumed_tokens}) must be less than the "
+                             f"prompt's {len(token_ids)} tokens")
+        return self.grammars.grammar(spec, token_ids[len(token_ids) - spec.resumed_tokens:])
+
+    def _prompt_tokens(self, prompt: str | Sequence[int]) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if not prompt:
+                raise ValueError("prompt must not be empty")
+            return prompt, self.tokenizer.encode(prompt)
+        token_ids = list(prompt)
+        if not token_ids:
+            raise ValueError("prompt token_ids must not be empty")
+        for t in token_ids:
+            if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < self.vocab_size:
+                raise ValueError(f"prompt token id {t!r} is outside the vocabulary [0, {self.vocab_size})")
+        return None, token_ids
+
+    def abort_request(self, request_id: str) -> RequestOutput | None:
+        """End a request wherever it is; its pages go back at once. None if unknown or done."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        self.scheduler.abort(request)
+        return self._output(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- the loop --------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        plan = self.scheduler.schedule()
+        started = time.perf_counter()
+        if self.proposer is not None:
+            self.proposer.propose(plan)
+        sampled = self.runner.run(plan)
+        seconds = time.perf_counter() - started
+        changed = self.scheduler.update(plan, sampled)
+        self._budget_next_step(plan, seconds)
+        return [self._output(r) for r in changed]
+
+    def _budget_next_step(self, plan, seconds: float) -> None:
+        """Under ``target_tpot_ms``: learn from this step's time, size the next one's budget."""
+        if self.step_budget is None or plan.is_empty:
+            return
+        # A speculative decode's positions run as decode rows (splitserve.engine.step_inputs.VerifyRow).
+        decodes = sum(c.num_tokens for c in plan.chunks if c.is_decode or c.spec_token_ids)
+        self.step_budget.observe(decodes, plan.num_batched_tokens - decodes, seconds)
+        decoding = sum(1 for r in self.scheduler.running
+                       if not r.is_finished and r.num_computed_tokens >= r.num_tokens - 1)
+        self.scheduler.token_budget = self.step_budget.budget(decoding)
+
+    def _output(self, request: Request) -> RequestOutput:
+        finished = request.is_finished
+        if finished:
+            self.requests.pop(request.request_id, None)
+        reason = request.finish_reason
+        return RequestOutput(
+            request_id=request.request_id,
+            prompt=request.prompt,
+            prompt_token_ids=request.prompt_token_ids,
+            token_ids=list(request.output_token_ids),
+            text=self.tokenizer.decode(request.output_token_ids, skip_special_tokens=True) if finished else "",
+            finished=finished,
+            finish_reason=str(reason) if reason is not None else None,
+            logprobs=list(request.output_logprobs) if request.sampling_params.logprobs is not None else None,
+            num_cached_tokens=max(request.num_cached_tokens, 0),
+            num_preemptions=request.num_preemptions,
+            metrics=RequestMetrics(request.arrival_time, request.first_scheduled_time,
+                                   request.first_token_time, self.clock() if finished else None),
+        )
+
+    # ---- checks ----------------------------------------------------------------------
+    def stats(self) -> dict[str, float | str]:
+        return {
+            "kv_cache_dtype": self.config.kv_cache_dtype,
+            "kv_page_bytes": self.runner.kv_bytes_per_token * self.runner.block_size,
+            "kv_blocks_total": self.kv.num_total_blocks,
+            "kv_blocks_free": self.kv.num_free_blocks,
+            "kv_blocks_cached": self.kv.num_cached_blocks,
+            "kv_usage": self.kv.usage,
+            "prefix_cache_hit_rate": self.kv.prefix_stats.hit_rate,
+            "num_running": sum(1 for r in self.scheduler.running if not r.is_finished),
+            "num_waiting": len(self.scheduler.waiting),
+            "num_preemptions": self.scheduler.num_preemptions,
+            "spec_decode_num_drafts": self.scheduler.spec_stats.num_drafts,
+            "spec_decode_num_draft_tokens": self.scheduler.spec_stats.num_draft_tokens,
+            "spec_decode_num_accepted_tokens": self.scheduler.spec_stats.num_accepted_tokens,
+        }
+
+    def assert_idle(self) -> None:
+        """No request in flight and every page free or cached (run after every engine test)."""
+        if self.scheduler.has_unfinished() or self.scheduler.running:
+            raise AssertionError("requests still scheduled")
+        self.kv.assert_idle()
+

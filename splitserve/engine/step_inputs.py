@@ -1,0 +1,183 @@
+"""A step's flat model inputs, built from the scheduler's plan with vectorised numpy.
+
+The Python work per step is one pass over the scheduled sequences (their token slices and
+block tables are copied by C-level slice assignment); positions, slot mapping and the sample
+indices are whole-array numpy expressions, whatever the number of tokens. Everything lands in
+buffers allocated once for the engine's limits, so a step allocates nothing and, on CUDA,
+every step's inputs live at the same addresses (as CUDA graphs need) and reach the device
+in one non-blocking copy each from pinned memory.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from splitserve.engine.attention import StepLayout
+from splitserve.engine.scheduler import ScheduledChunk
+
+
+@dataclass
+class StepInputs:
+    input_ids: torch.Tensor  # [T] int64, on the device
+    positions: torch.Tensor  # [T] int64, on the device
+    layout: StepLayout
+    # Rows of the hidden states whose logits are sampled, and the chunks they sample for: one row
+    # per chunk, or 1 + its proposals for a speculative decode (its last 1 + P rows, in order).
+    sample_index: torch.Tensor  # [S] int64, on the device
+    sample_chunks: list[ScheduledChunk]
+
+
+@dataclass
+class VerifyRow:
+    """One position of a speculative decode, fed as a decode of its own: a chunk [newest token,
+    d_1..d_P] becomes P + 1 one-token rows over the same block table, row i at position start + i
+    attending to everything up to it. Each layer writes the step's K/V before it attends, so row
+    i sees d_1..d_i; and decode attention reads the pages where they lie, where a multi-token
+    chunk after cached context would gather that context once per layer (measured on the CPU
+    backend: the gathers and SDPA of such chunks cost more than the whole decode kernel)."""
+    request: object
+    start: int
+    token_id: int
+    num_tokens: int = 1
+    samples: bool = True
+    padding: bool = False
+    spec_token_ids: list = field(default_factory=list)
+
+    @property
+    def is_decode(self) -> bool:
+        return True
+
+
+def expand_verification(chunks: list[ScheduledChunk]) -> list:
+    """``chunks`` with every speculative decode replaced by its VerifyRows (in place, so the
+    sampled rows keep the chunks' order)."""
+    if not any(c.spec_token_ids for c in chunks):
+        return chunks
+    rows: list = []
+    for c in chunks:
+        if c.spec_token_ids:
+            fed = [c.request.all_token_ids[c.start], *c.spec_token_ids]
+            rows.extend(VerifyRow(c.request, c.start + i, t) for i, t in enumerate(fed))
+        else:
+            rows.append(c)
+    return rows
+
+
+class InputBuffers:
+    def __init__(self, max_tokens: int, max_seqs: int, max_blocks_per_seq: int, block_size: int,
+                 device: torch.device):
+        """``max_seqs``: rows of one step (sequences; with speculative decoding each verified
+        position is a row of its own)."""
+        self.block_size = block_size
+        self.device = device
+        pin = device.type == "cuda"
+
+        def host(*shape, dtype):
+            return torch.zeros(shape, dtype=dtype, pin_memory=pin)
+
+        # Host side (numpy views share the memory of the torch tensors).
+        self._ids = host(max_tokens, dtype=torch.int64)
+        self._pos = host(max_tokens, dtype=torch.int64)
+        self._slots = host(max_tokens, dtype=torch.int64)
+        self._qsl = host(max_seqs + 1, dtype=torch.int32)
+        self._lens = host(max_seqs, dtype=torch.int32)
+        self._tables = host(max_seqs, max_blocks_per_seq, dtype=torch.int32)
+        self._sample = host(max_seqs, dtype=torch.int64)
+        self._host = [self._ids, self._pos, self._slots, self._qsl, self._lens, self._tables, self._sample]
+        # Device side: the same tensors on CPU, copies of them elsewhere.
+        self._dev = self._host if device.type == "cpu" else [t.to(device) for t in self._host]
+        # Marks the end of the last host-to-device copies: the host buffers are rewritten only after
+        # them (a step that samples nothing never waits on the device, so the next one could
+        # otherwise overwrite pinned memory a queued non-blocking copy has yet to read).
+        self._copied = torch.cuda.Event() if device.type == "cuda" else None
+
+    @property
+    def device_tensors(self) -> list[torch.Tensor]:
+        """ids, positions, slots, query starts, seq lens, block tables, sample rows: full-size device buffers."""
+        return self._dev
+
+    def fill_padding(self, lo: int, hi: int) -> None:
+        """Rows ``lo:hi`` as padding decodes (CUDA graphs replay padded batches): token 0 at
+        position 0, no KV write (slot -1), no context to read; on the host, copied to the device."""
+        self._ids[lo:hi] = 0
+        self._pos[lo:hi] = 0
+        self._slots[lo:hi] = -1
+        self._lens[lo:hi] = 0
+        self._qsl[lo + 1:hi + 1] = torch.arange(lo + 1, hi + 1, dtype=torch.int32)
+        if self.device.type != "cpu":
+            for host, dev in zip(self._host[:5], self._dev[:5]):
+                dev[lo:hi + 1].copy_(host[lo:hi + 1], non_blocking=True)
+
+    def build(self, chunks: list[ScheduledChunk], block_tables: dict[str, list[int]],
+              pad_to: int | None = None) -> StepInputs:
+        """Inputs of one step; ``chunks`` are ordered decodes (and speculative decodes) first.
+
+        ``pad_to``: a pure-decode batch replayed by a CUDA graph of that many rows; the rows past
+        the batch are written as padding too."""
+        if self._copied is not None:
+            self._copied.synchronize()
+        sample_chunks = [c for c in chunks if c.samples]
+        chunks = expand_verification(chunks)
+        bs = self.block_size
+        num_seqs = len(chunks)
+        q_lens = np.fromiter((c.num_tokens for c in chunks), dtype=np.int64, count=num_seqs)
+        starts = np.fromiter((c.start for c in chunks), dtype=np.int64, count=num_seqs)
+        qsl = self._qsl.numpy()[:num_seqs + 1]
+        qsl[0] = 0
+        np.cumsum(q_lens, out=qsl[1:])
+        num_tokens = int(qsl[-1])
+        seq_lens = starts + q_lens
+
+        ids = self._ids.numpy()
+        tables = self._tables.numpy()
+        width = 1
+        for i, chunk in enumerate(chunks):
+            tokens = chunk.request.all_token_ids
+            lo = qsl[i]
+            if chunk.padding:  # static batching: keep the row busy with its last token
+                ids[lo] = tokens[-1]
+            elif isinstance(chunk, VerifyRow):
+                ids[lo] = chunk.token_id
+            elif chunk.num_tokens == 1:
+                ids[lo] = tokens[chunk.start]
+            else:
+                ids[lo:qsl[i + 1]] = tokens[chunk.start:chunk.start + chunk.num_tokens]
+            table = block_tables[chunk.request.request_id]
+            tables[i, :len(table)] = table
+            width = max(width, len(table))
+
+        seq_of_token = np.repeat(np.arange(num_seqs), q_lens)
+        positions = self._pos.numpy()[:num_tokens]
+        np.add(np.repeat(starts - qsl[:-1], q_lens), np.arange(num_tokens), out=positions)
+        self._slots.numpy()[:num_tokens] = tables[seq_of_token, positions // bs].astype(np.int64) * bs + positions % bs
+        self._lens.numpy()[:num_seqs] = seq_lens
+        sample_at = qsl[1:][np.fromiter((c.samples for c in chunks), dtype=bool, count=num_seqs)] - 1
+        num_rows = len(sample_at)
+        self._sample.numpy()[:num_rows] = sample_at
+
+        if pad_to is not None:
+            self.fill_padding(num_seqs, pad_to)
+        ids_d, pos_d, slots_d, qsl_d, lens_d, tables_d, sample_d = self._to_device(num_tokens, num_seqs, num_rows)
+        layout = StepLayout(
+            slot_mapping=slots_d[:num_tokens],
+            query_start_loc=qsl_d[:num_seqs + 1],
+            seq_lens=lens_d[:num_seqs],
+            block_tables=tables_d[:num_seqs, :width],
+            num_decodes=sum(1 for c in chunks if c.is_decode),
+            query_lens_list=q_lens.tolist(),
+            seq_lens_list=seq_lens.tolist(),
+            query_start_list=qsl.tolist(),
+            block_size=bs,
+        )
+        return StepInputs(ids_d[:num_tokens], pos_d[:num_tokens], layout, sample_d[:num_rows], sample_chunks)
+
+    def _to_device(self, num_tokens: int, num_seqs: int, num_rows: int) -> list[torch.Tensor]:
+        if self.device.type == "cpu":
+            return self._dev
+        used = [num_tokens, num_tokens, num_tokens, num_seqs + 1, num_seqs, num_seqs, num_rows]
+        for host, dev, n in zip(self._host, self._dev, used):
+            dev[:n].copy_(host[:n], non_blocking=True)
+        self._copied.record()
+        return self._dev

@@ -1,0 +1,77 @@
+"""The gateway's readiness (grpc.health.v1 ``splitserve.v1.Generation``) means "can do work now".
+
+SERVING only while Redis answers and the registry holds a set of workers that can serve a
+request (a prefill and a decode worker, or a colocated one), and not while draining. A load
+balancer or compose health check reading it stops sending traffic that would only fail.
+Liveness (the empty service name) stays SERVING meanwhile: see ``splitserve.common.grpc_server``.
+The status is refreshed by a task every ``interval_s``; a health check itself only reads it,
+so it is answered at once however busy the gateway is.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from splitserve.common.aio import cancel_and_wait
+from splitserve.common.grpc_server import set_health
+
+log = logging.getLogger(__name__)
+
+NO_WORKERS = "no usable workers: a prefill and a decode worker, or a colocated one, must be registered"
+
+
+class GatewayHealth:
+    def __init__(self, health, services: list[str], state, directory, interval_s: float = 1.0):
+        self.health = health
+        self.services = list(services)
+        self.state = state
+        self.directory = directory
+        self.interval_s = interval_s
+        self.draining = False
+        self.reason = ""
+        self._task: asyncio.Task | None = None
+
+    async def start(self) -> "GatewayHealth":
+        await self.refresh()
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="health")
+        return self
+
+    async def stop(self) -> None:
+        await cancel_and_wait(self._task)
+
+    @property
+    def no_workers(self) -> bool:
+        """No usable set of workers is registered (new requests would only wait, then fail)."""
+        return self.reason.startswith(NO_WORKERS)
+
+    async def drain(self) -> None:
+        self.draining = True
+        await self.refresh()
+
+    async def check(self) -> str:
+        """Why the gateway cannot serve now ("" when it can)."""
+        if self.draining:
+            return "draining"
+        try:
+            await self.state.ping()
+            roles = {w.role for w in await self.directory.usable()}
+        except Exception as e:  # Redis down or unreachable
+            return f"request store (Redis) unreachable: {e}"
+        if "both" in roles or {"prefill", "decode"} <= roles:
+            return ""
+        return f"{NO_WORKERS} (registered: {', '.join(sorted(roles)) or 'none'})"
+
+    async def refresh(self) -> None:
+        reason = await self.check()
+        if reason != self.reason:
+            log.log(logging.WARNING if reason else logging.INFO, "health: %s", reason or "serving")
+            self.reason = reason
+        await set_health(self.health, self.services, serving=not reason)
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            try:
+                await self.refresh()
+            except Exception:
+                log.exception("health refresh failed")

@@ -1,0 +1,385 @@
+"""The public ``splitserve.v1.Generation`` service (asyncio).
+
+``Generate`` validates and tokenizes (the only validation of a request: everything after it
+receives resolved parameters), admits the request into the Redis queue in one atomic step and
+streams what its ``Job`` yields: token ids plus incrementally detokenized text, cut at stop
+strings, ``stream_interval`` tokens per message (more when the client reads slower than tokens
+come: ``splitserve/gateway/outbox.py``), then one ``final`` message with the finish reason, usage and
+timeline. A client that goes away, or whose deadline passes, ends its job (``Job.finish``), which
+aborts the request on every worker; one that stops reading is cut (``splitserve/gateway/backpressure.py``).
+
+Who may touch what (``splitserve.common.authz``): a request belongs to the identity that created it;
+``Abort`` and ``GetRequest`` of another identity's request answer as for an unknown id (found
+false, NOT_FOUND), so ids of others cannot be probed; the admin may do both for every request.
+``GetServerInfo`` lists worker and metrics addresses to the admin only; ``GetModelInfo`` names
+the model, never a local path.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import time
+import uuid
+import weakref
+from dataclasses import dataclass
+
+import jinja2
+from google.protobuf import json_format
+
+from splitserve.gateway.backpressure import Backpressure
+from splitserve.gateway.detokenizer import TextStream
+from splitserve.gateway.dispatch import Dispatcher
+from splitserve.gateway.job import Finished, Job, Tokens, cancelled, deadline_exceeded
+from splitserve.gateway.memory import Collector
+from splitserve.state.store import PRIORITY_MAX, PRIORITY_MIN, TERMINAL_STATES
+from splitserve.gateway.samples import MAX_N, SampleGroup, sample_params
+from splitserve.wire import check_sizes, prompt_from_request, resolve_sampling
+from splitserve.common.authz import Authorizer
+from splitserve.common.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted, Unavailable
+from splitserve.common.limits import RequestLimits
+from splitserve.common.logs import request_id_var
+from splitserve.common.metrics import GatewayMetrics
+from splitserve.common.tracing import RequestTrace, incoming_context
+from splitserve.v1 import generation_pb2, generation_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+NO_DEADLINE_S = 10 * 365 * 86400
+RETRY_AFTER_S = 1.0
+
+
+class GenerationServicer(generation_pb2_grpc.GenerationServicer):
+    def __init__(self, state, dispatcher: Dispatcher, tokenizer, model_info: generation_pb2.ModelInfo,
+                 limits: RequestLimits, metrics: GatewayMetrics | None = None, metrics_address: str = "",
+                 backpressure: Backpressure | None = None, authorizer: Authorizer | None = None):
+        """``limits``: resolved for this model (``RequestLimits.resolve``); ``backpressure``: the
+        bounds on unread output (default ones, not watching for slow readers, if not given);
+        ``authorizer``: who callers are (default: no credentials, every caller the anonymous admin)."""
+        self.authorizer = authorizer or Authorizer()
+        self.state = state
+        self.dispatcher = dispatcher
+        self.ledger = dispatcher.ledger
+        self.tokenizer = tokenizer
+        self.model_info = model_info
+        self.limits = limits
+        self.collector = Collector()
+        self.metrics = metrics
+        self.metrics_address = metrics_address
+        self.draining = False  # SIGTERM: in-flight requests finish, new ones are refused
+        self.health = None  # the GatewayHealth monitor, once the server runs
+        self.backpressure = backpressure or Backpressure()
+        # The n > 1 requests running here, by id (gone with their last reference).
+        self._groups: weakref.WeakValueDictionary[str, SampleGroup] = weakref.WeakValueDictionary()
+
+    # ---- Generate ----------------------------------------------------------------------
+    async def Generate(self, request, context):
+        group = await self.admit(request, context.time_remaining(), owner=self.authorizer.caller(context).owner,
+                                 trace_parent=incoming_context(dict(context.invocation_metadata() or ())))
+        # However the RPC ends (cancelled, deadline, the stream done), the request has ended by then.
+        context.add_done_callback(lambda _: group.finish(self._rpc_gone(group.leader)))
+        streams = []
+        group.watch(lambda job: streams.append(self.backpressure.open(job, context)))
+        try:
+            # The headers go now rather than with the first message: a status (a slow reader's
+            # cut) cannot be sent beside a pending first send, which carries them.
+            streams[0].sending_since = time.monotonic()
+            await context.send_initial_metadata(())
+            streams[0].sending_since = None
+            async for response in self._stream(group, request.stream_interval or 1, context):
+                # The yield returns once gRPC took the message: it waits as long as the client's
+                # HTTP/2 window is full, which is what the slow-reader timeout measures (on the
+                # first sample's stream: a cut of any sample ends the request).
+                streams[0].sending_since = time.monotonic()
+                yield response
+                streams[0].sending_since = None
+        except BaseException:
+            group.finish(self._rpc_gone(group.leader))  # the client left mid-stream (this task is cancelled)
+            raise
+        finally:
+            for stream in streams:
+                self.backpressure.close(stream)
+
+    async def admit(self, request: generation_pb2.GenerateRequest, remaining_s: float | None,
+                    owner: str = "", trace_parent=None) -> SampleGroup:
+        """Validate, tokenize and admit ``request`` (the one path of every API: gRPC and HTTP);
+        ``remaining_s``: time left before the client's deadline (None or huge: no deadline);
+        ``owner``: the caller's identity (``splitserve.common.authz``), who may read and abort it;
+        ``trace_parent``: the trace context the client sent (``splitserve.common.tracing``), if any.
+        Returns its samples (one unless ``sampling.n`` > 1: ``splitserve.gateway.samples``). The caller
+        streams ``outputs(group)`` and must end the group if its client goes away."""
+        trace = RequestTrace(trace_parent)
+        try:
+            group = await self._admit(request, remaining_s, owner, trace, trace_parent)
+        except BaseException as exc:
+            trace.refused(exc)
+            raise
+        trace.admitted()
+        return group
+
+    async def _admit(self, request, remaining_s: float | None, owner: str, trace: RequestTrace,
+                     trace_parent) -> SampleGroup:
+        if self.draining:
+            raise Unavailable("the gateway is shutting down; send the request to another one")
+        self._check_sizes(request)
+        if self.health is not None and self.health.no_workers:
+            raise Unavailable(f"this gateway cannot serve now: {self.health.reason}")
+        self.backpressure.check_room()
+        token_ids = self._tokenize(request)
+        params = resolve_sampling(request.sampling, len(token_ids), self.model_info.max_model_len)
+        n = request.sampling.n if request.sampling.HasField("n") else 1
+        if not 1 <= n <= MAX_N:
+            raise InvalidArgument(f"sampling.n must be in [1, {MAX_N}], got {n}")
+        if not PRIORITY_MIN <= request.priority <= PRIORITY_MAX:
+            raise InvalidArgument(f"priority must be in [{PRIORITY_MIN}, {PRIORITY_MAX}], got {request.priority}")
+        request_id = request.request_id or uuid.uuid4().hex
+        request_id_var.set(request_id)
+        log.info("admitting %d prompt tokens, priority %d%s", len(token_ids), request.priority,
+                 f", {n} samples" if n > 1 else "")
+        # No client deadline shows up as an infinite (or absurdly far) time remaining.
+        has_deadline = remaining_s is not None and remaining_s < NO_DEADLINE_S
+        deadline = time.monotonic() + remaining_s if has_deadline else None
+        admission = _Admission(token_ids, request.priority, time.time(), deadline, owner)
+        leader = await self._admit_job(admission, request_id, params, trace, room=n)
+
+        async def admit_sample(index: int, prefer_decode: str | None) -> Job:
+            sample_trace = RequestTrace(trace_parent)  # each sample's own request span
+            try:
+                if self.draining:
+                    raise Unavailable("the gateway is shutting down; send the request to another one")
+                job = await self._admit_job(admission, f"{request_id}/{index}", sample_params(params, index),
+                                            sample_trace, room=0, prefer_decode=prefer_decode)
+            except BaseException as exc:
+                sample_trace.refused(exc)
+                raise
+            sample_trace.admitted()
+            return job
+        group = SampleGroup(leader, n, admit_sample)
+        if n > 1:
+            self._groups[request_id] = group  # Abort of the request's id ends every sample
+        return group
+
+    async def _admit_job(self, admission: "_Admission", request_id: str, params, trace: RequestTrace, room: int,
+                         prefer_decode: str | None = None) -> Job:
+        """One job into the Redis queue; ``room``: the queue places it needs (``state.admit``)."""
+        job = self.dispatcher.new_job(request_id, admission.token_ids, params, admission.priority,
+                                      admission.arrival_s, deadline=admission.deadline,
+                                      text=TextStream(self.tokenizer, admission.token_ids, params.stop),
+                                      owner=admission.owner)
+        if job is None:  # this gateway runs it (its record may not even be in Redis yet)
+            raise AlreadyExists(_duplicate_message(request_id, "running", self.state.id_reuse_after_s))
+        job.prefer_decode = prefer_decode
+        job.trace = trace
+        trace.identify(request_id, len(admission.token_ids), admission.priority)
+        try:
+            result = await self.ledger.now(self.state.admit(
+                request_id, self.dispatcher.gateway_id, admission.priority, admission.arrival_s,
+                {"prompt_tokens": len(admission.token_ids)}, admission.owner, room=room))
+        except BaseException:
+            self.dispatcher.forget(job)
+            raise
+        if not result.admitted:
+            self.dispatcher.forget(job)
+            if result.status == "duplicate":
+                raise AlreadyExists(_duplicate_message(request_id, result.state, self.state.id_reuse_after_s))
+            raise ResourceExhausted(f"queue full ({result.detail} requests unfinished); retry later",
+                                    retry_after_s=RETRY_AFTER_S)
+        self.dispatcher.admitted(job)
+        return job
+
+    async def outputs(self, group: SampleGroup):
+        """``(index, event)`` of the request's samples as they come: ``Tokens`` (the last of a
+        sample may carry only the text held back for a stop string), then the sample's
+        ``Finished``; each sample's metrics are recorded as it ends. A failed sample is the last
+        thing that comes (the others are ended)."""
+        token_times: dict[int, list[float]] = {}
+        observed: set[int] = set()
+        try:
+            async for index, event in group.events():
+                job = group.jobs[index]
+                if isinstance(event, Tokens):
+                    token_times.setdefault(index, []).extend([time.monotonic()] * len(event.token_ids))
+                    yield index, event
+                    continue
+                rest = job.text.finish() if event.status is None else ""
+                if rest:
+                    yield index, Tokens([], [], rest)
+                observed.add(index)
+                self._observe(job, event, token_times.get(index, []), prompt=index == 0)
+                yield index, event
+        finally:
+            # Left early (the client went away or its deadline passed, a sample failed): the
+            # samples end here (no effect on those that ended), and are recorded as they ended.
+            group.finish(self._rpc_gone(group.leader))
+            for index, job in enumerate(group.jobs):
+                if job is not None and index not in observed:
+                    self._observe(job, job.outcome, token_times.get(index, []), prompt=index == 0)
+
+    @staticmethod
+    def _rpc_gone(job: Job) -> Finished:
+        return deadline_exceeded() if job.deadline_passed() else cancelled("client went away")
+
+    async def _stream(self, group: SampleGroup, interval: int, context):
+        pending: dict[int, Tokens] = {}
+        async for index, event in self.outputs(group):
+            if isinstance(event, Tokens):
+                batch = pending.setdefault(index, Tokens([], [], ""))
+                batch.token_ids += event.token_ids
+                batch.logprobs += event.logprobs
+                batch.text += event.text
+                if len(batch.token_ids) >= interval:
+                    yield self._chunk(group, index, pending.pop(index))
+                continue
+            batch = pending.pop(index, None)
+            if batch is not None and (batch.token_ids or batch.text):
+                yield self._chunk(group, index, batch)
+            if event.status is not None:
+                await context.abort(event.status, event.message)
+            yield self._final(group, index, event)
+
+    def _observe(self, job: Job, finished: Finished, token_times: list[float], prompt: bool = True) -> None:
+        """vLLM's definitions: TTFT, ITL (every gap), TPOT = (e2e - ttft) / (tokens - 1), e2e.
+        ``prompt``: count the prompt's tokens (once per request: not again for its later samples)."""
+        m = self.metrics
+        if m is None:
+            return
+        t = job.timeline
+        arrival, end = t["arrival"], t.get("finished", time.monotonic())
+        # The stack's only count of served tokens (splitserve/common/metrics.py): workers count their work
+        # apart; a request's prompt counts once, not again for its later samples.
+        if prompt:
+            m.prompt_tokens.inc(len(job.prompt_token_ids))
+            m.request_prompt_tokens.observe(len(job.prompt_token_ids))
+        m.generation_tokens.inc(len(token_times))
+        m.request_generation_tokens.observe(len(token_times))
+        m.success.labels(finished_reason=finished.finish_reason).inc()
+        m.e2e.observe(end - arrival)
+        if "dispatched" in t:
+            m.queue.observe(t["dispatched"] - arrival)
+        if not token_times:
+            return
+        ttft = token_times[0] - arrival
+        m.ttft.observe(ttft)
+        m.prefill.observe(ttft - (t["dispatched"] - arrival if "dispatched" in t else 0.0))
+        m.decode.observe(max(0.0, end - token_times[0]))
+        for a, b in zip(token_times, token_times[1:]):
+            m.itl.observe(b - a)
+        if len(token_times) > 1:
+            m.tpot.observe((token_times[-1] - token_times[0]) / (len(token_times) - 1))
+
+    # ---- messages ------------------------------------------------------------------------
+    @staticmethod
+    def _chunk(group: SampleGroup, index: int, tokens: Tokens) -> generation_pb2.GenerateResponse:
+        chunk = generation_pb2.Chunk(token_ids=tokens.token_ids, text=tokens.text)
+        chunk.logprobs.extend(tokens.logprobs)
+        return generation_pb2.GenerateResponse(chunk=chunk, request_id=group.request_id, index=index)
+
+    def _final(self, group: SampleGroup, index: int, finished: Finished) -> generation_pb2.GenerateResponse:
+        job = group.jobs[index]
+        final = generation_pb2.Final(
+            finish_reason=finished.finish_reason, matched_stop=job.text.matched or "",
+            usage=generation_pb2.Usage(prompt_tokens=len(job.prompt_token_ids), completion_tokens=len(job.generated),
+                                       cached_prompt_tokens=job.cached_prompt_tokens),
+            timeline=generation_pb2.Timeline(**job.timeline_fields()),
+            error=finished.message if finished.status else "")
+        return generation_pb2.GenerateResponse(final=final, request_id=group.request_id, index=index)
+
+    # ---- the other RPCs -------------------------------------------------------------------
+    def _check_sizes(self, request) -> None:
+        try:
+            check_sizes(request, self.limits, self.model_info.max_model_len)
+        except InvalidArgument:
+            self.collector.soon()  # the refused message is freed by the cyclic collector (splitserve/gateway/memory.py)
+            raise
+
+    def _tokenize(self, request) -> list[int]:
+        kind, prompt = prompt_from_request(request, vocab_size=self.model_info.vocab_size)
+        if kind == "token_ids":
+            return list(prompt)
+        if kind == "messages":
+            add_prompt = getattr(request, "add_generation_prompt", True) if isinstance(
+                request, generation_pb2.TokenizeRequest) else True
+            try:
+                text = self.tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=add_prompt)
+            except jinja2.TemplateError as e:  # the model's template refuses this conversation
+                raise InvalidArgument(f"messages: the model's chat template refused them: {e}") from e
+            return self.tokenizer.encode(text, add_special_tokens=False)
+        return self.tokenizer.encode(prompt)
+
+    async def Abort(self, request, context):
+        caller = self.authorizer.caller(context)
+        job = self.dispatcher.jobs.get(request.request_id)
+        found = job is not None and caller.may_touch(job.owner) and self.dispatcher.cancel(request.request_id)
+        group = self._groups.get(request.request_id)
+        if group is not None and caller.may_touch(group.leader.owner):
+            found = group.finish(cancelled("aborted")) or found  # its samples, the first one ended or not
+        owner = None if caller.admin else caller.owner  # checked in the same atomic step as the cancel
+        found = await self.ledger.now(self.state.cancel_pending(request.request_id, owner=owner)) or found
+        return generation_pb2.AbortResponse(found=found)
+
+    async def GetRequest(self, request, context):
+        caller = self.authorizer.caller(context)
+        info = await self.ledger.now(self.state.get(request.request_id))
+        if info is None or not caller.may_touch(info.get("owner")):
+            raise NotFound(f"no request {request.request_id!r} (finished requests are kept for a while, then expire)")
+        timeline = info.get("timeline")
+        if isinstance(timeline, str):
+            timeline = json.loads(timeline)
+        return generation_pb2.RequestInfo(request_id=request.request_id, state=str(info.get("state", "")),
+                                          priority=int(info.get("priority", 0)), attempt=int(info.get("attempt", 0)),
+                                          finish_reason=str(info.get("finish_reason", "")),
+                                          error=str(info.get("error", "")),
+                                          timeline=json_format.ParseDict(timeline or {}, generation_pb2.Timeline()))
+
+    async def Tokenize(self, request, context):
+        self._check_sizes(request)
+        ids = self._tokenize(request)
+        return generation_pb2.TokenizeResponse(token_ids=ids, tokens=self.tokenizer.convert_ids_to_tokens(ids))
+
+    async def Detokenize(self, request, context):
+        ids = request.token_ids
+        if len(ids) > self.model_info.max_model_len:
+            raise InvalidArgument(f"token_ids has {len(ids)} ids; at most max_model_len "
+                                  f"({self.model_info.max_model_len}) are taken")
+        for i, tok in enumerate(ids):
+            if tok >= self.model_info.vocab_size:
+                raise InvalidArgument(f"token_ids[{i}] is {tok}, must be < vocab_size ({self.model_info.vocab_size})")
+        text = self.tokenizer.decode(list(ids), skip_special_tokens=request.skip_special_tokens)
+        return generation_pb2.DetokenizeResponse(text=text)
+
+    async def GetModelInfo(self, request, context):
+        return self.model_info
+
+    async def GetServerInfo(self, request, context):
+        # Addresses are the admin's: anyone else learns roles and load, not where to connect.
+        admin = self.authorizer.caller(context).admin
+        info = generation_pb2.ServerInfo(queue_depth=await self.ledger.now(self.state.queue_depth()))
+        if self.metrics is not None:
+            self.metrics.queue_depth.set(info.queue_depth)
+        info.workers.add(worker_id=self.dispatcher.gateway_id, role="gateway",
+                         metrics_address=self.metrics_address if admin else "")
+        for w in await self.ledger.now(self.dispatcher.directory.list()):
+            info.workers.add(worker_id=w.worker_id, role=w.role, address=w.address if admin else "",
+                             transports=w.transports, kv_blocks_total=w.kv_blocks_total,
+                             kv_blocks_free=w.kv_blocks_free, kv_blocks_cached=w.kv_blocks_cached,
+                             num_running=w.num_running, num_waiting=w.num_waiting,
+                             metrics_address=w.metrics_address if admin else "")
+        return info
+
+
+@dataclass(frozen=True)
+class _Admission:
+    """What every sample of one request shares."""
+    token_ids: list[int]
+    priority: int
+    arrival_s: float  # Unix seconds: the request's (and each sample's) place in every queue
+    deadline: float | None  # time.monotonic() seconds
+    owner: str
+
+
+def _duplicate_message(request_id: str, state: str | None, reuse_after_s: float) -> str:
+    """Why a request id is taken: a live request has it, or one that ended moments ago."""
+    if state in TERMINAL_STATES:
+        return (f"request_id {request_id!r} belongs to a request that ended moments ago ({state}); an id can be "
+                f"used again {reuse_after_s:g} s after its request ended")
+    return (f"request_id {request_id!r} belongs to a request that is still running (state: {state}); a request id "
+            "names one request: a second Generate does not attach to it (GetRequest reads it, Abort ends it)")

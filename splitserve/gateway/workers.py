@@ -1,0 +1,203 @@
+"""The gateway's view of the workers: who is alive (Redis heartbeats), how to reach them, whom to pick."""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from splitserve.engine.kv_cache_manager import prefix_block_hashes
+from splitserve.common.grpc_server import WORKER_SERVICES
+from splitserve.common.locality import transfer_cost
+from splitserve.v1 import worker_pb2_grpc
+
+# How long a listing of the workers is reused before Redis is asked again.
+REFRESH_S = 0.5
+# A prefill worker holding a prompt's prefix is preferred while it has at most this many more
+# requests in flight than the least-loaded one: a cache hit beats a short wait, not a long one.
+AFFINITY_SLACK = 2
+# Leading blocks of a prompt that count for routing.
+AFFINITY_BLOCKS = 64
+# A live worker answers a health check within this; a frozen (SIGSTOPped) one never does.
+PROBE_TIMEOUT_S = 1.0
+
+
+class PrefixAffinity:
+    """Which prefill worker last computed each prompt prefix (chain hashes of full blocks), LRU."""
+
+    def __init__(self, block_size: int, max_entries: int = 200_000):
+        self.block_size = block_size
+        self.max_entries = max_entries
+        self._owner: OrderedDict[int, str] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def hashes(self, token_ids: Sequence[int]) -> list[int]:
+        return prefix_block_hashes(token_ids, self.block_size, AFFINITY_BLOCKS)
+
+    def overlap(self, hashes: list[int]) -> dict[str, int]:
+        """Blocks of the prefix each worker holds (the longest run from the start)."""
+        matched: dict[str, int] = {}
+        with self._lock:
+            for i, h in enumerate(hashes):
+                owner = self._owner.get(h)
+                if owner is None:
+                    break
+                matched[owner] = i + 1
+        return matched
+
+    def record(self, hashes: list[int], worker_id: str) -> None:
+        with self._lock:
+            for h in hashes:
+                self._owner[h] = worker_id
+                self._owner.move_to_end(h)
+            while len(self._owner) > self.max_entries:
+                self._owner.popitem(last=False)
+
+
+@dataclass
+class WorkerView:
+    worker_id: str
+    role: str  # prefill | decode | both
+    address: str
+    transports: list[str] = field(default_factory=list)
+    kv_blocks_total: int = 0
+    kv_blocks_free: int = 0
+    kv_blocks_cached: int = 0
+    num_running: int = 0
+    num_waiting: int = 0
+    metrics_address: str = ""
+    host_id: str = ""  # its shared-memory domain (splitserve/common/locality.py); "" when it does not say
+
+    @classmethod
+    def from_registry(cls, entry: dict) -> "WorkerView":
+        stats = entry.get("stats") or {}
+        return cls(worker_id=entry["worker_id"], role=entry["role"], address=entry["address"],
+                   transports=list(entry.get("transports") or []),
+                   kv_blocks_total=int(stats.get("kv_blocks_total", 0)),
+                   kv_blocks_free=int(stats.get("kv_blocks_free", 0)),
+                   kv_blocks_cached=int(stats.get("kv_blocks_cached", 0)),
+                   num_running=int(stats.get("num_running", 0)), num_waiting=int(stats.get("num_waiting", 0)),
+                   metrics_address=str(stats.get("metrics_address", "")), host_id=str(stats.get("host_id", "")))
+
+
+class WorkerDirectory:
+    """Live workers from the Redis registry (cached for ``REFRESH_S``), channels to them, and the
+    gateway's picks. Runs on the gateway's event loop: ``state`` is an asyncio ``RedisState``."""
+
+    def __init__(self, state, block_size: int = 16,
+                 channel_factory: Callable[[str], grpc.aio.Channel] = grpc.aio.insecure_channel):
+        """``channel_factory(address)`` opens a channel to a worker (``Security.aio_channel``: TLS, token)."""
+        self.state = state
+        self.channel_factory = channel_factory
+        self.affinity = PrefixAffinity(block_size)
+        self._refresh = asyncio.Lock()
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._cached: list[WorkerView] = []
+        self._cached_at = -REFRESH_S
+        # Requests this gateway has in flight per worker: fresher than heartbeats.
+        self.inflight: dict[str, int] = {}
+        # Workers that just failed a request, skipped until the given monotonic time.
+        self._suspects: dict[str, float] = {}
+
+    async def list(self) -> list[WorkerView]:
+        """The registered workers (one Redis read per ``REFRESH_S``, however many callers)."""
+        async with self._refresh:
+            if time.monotonic() - self._cached_at > REFRESH_S:
+                self._cached = [WorkerView.from_registry(e) for e in await self.state.workers()]
+                self._cached_at = time.monotonic()
+            return list(self._cached)
+
+    def channel(self, address: str) -> grpc.aio.Channel:
+        if address not in self._channels:
+            self._channels[address] = self.channel_factory(address)
+        return self._channels[address]
+
+    def decode_stub(self, worker: WorkerView) -> worker_pb2_grpc.DecodeWorkerStub:
+        return worker_pb2_grpc.DecodeWorkerStub(self.channel(worker.address))
+
+    def prefill_stub(self, worker: WorkerView) -> worker_pb2_grpc.PrefillWorkerStub:
+        return worker_pb2_grpc.PrefillWorkerStub(self.channel(worker.address))
+
+    async def usable(self) -> list[WorkerView]:
+        """Registered workers not suspected of having died."""
+        now = time.monotonic()
+        self._suspects = {w: t for w, t in self._suspects.items() if t > now}
+        return [w for w in await self.list() if w.worker_id not in self._suspects]
+
+    def suspect(self, worker_id: str, seconds: float) -> None:
+        """Pick ``worker_id`` for nothing for ``seconds`` (it failed a request and a probe, or a Reserve)."""
+        self._suspects[worker_id] = time.monotonic() + seconds
+
+    async def probe(self, worker: WorkerView) -> bool | None:
+        """Ask the worker itself: True serving, False alive but not serving (draining, engine
+        dead), None no answer (dead, frozen or unreachable). The question is the worker's
+        readiness (its own service's health): a draining worker is alive but takes nothing new."""
+        try:
+            reply = await health_pb2_grpc.HealthStub(self.channel(worker.address)).Check(
+                health_pb2.HealthCheckRequest(service=WORKER_SERVICES.get(worker.role, "")), timeout=PROBE_TIMEOUT_S)
+        except grpc.RpcError:
+            return None
+        return reply.status == health_pb2.HealthCheckResponse.SERVING
+
+    async def responsive(self, worker: WorkerView) -> bool:
+        return bool(await self.probe(worker))
+
+    def path_cost(self, prefill: WorkerView, decode: WorkerView) -> float:
+        """What KV from ``prefill`` to ``decode`` costs, in requests of load (splitserve/common/locality.py):
+        nothing on one host over shm or cuda_ipc, more over the network."""
+        return transfer_cost(prefill.transports, prefill.host_id, decode.transports, decode.host_id)
+
+    async def decode_candidates(self) -> list[WorkerView]:
+        """Decode-capable workers, best first: fewest requests in flight from this gateway
+        (counted from the moment a reservation is asked for, so a burst spreads out) plus how much
+        worse than the best route in the stack its cheapest route from a prefill worker is (that
+        prefill worker's load plus the transfer's cost); then fewest running and waiting as last
+        heartbeated, then most free KV pages. Where every route costs the same (one host, or one
+        transport everywhere), this is the order by load alone."""
+        usable = await self.usable()
+        workers = [w for w in usable if w.role in ("decode", "both")]
+        prefills = [w for w in usable if w.role == "prefill"]
+        route = {w.worker_id: min((self.inflight.get(p.worker_id, 0) + self.path_cost(p, w) for p in prefills),
+                                  default=0.0)
+                 for w in workers if w.role == "decode"}
+        best = min(route.values(), default=0.0)
+        # A colocated worker moves no KV: its route is as good as the best one.
+        extra = lambda w: route[w.worker_id] - best if w.role == "decode" else 0.0  # noqa: E731
+        return sorted(workers, key=lambda w: (self.inflight.get(w.worker_id, 0) + extra(w),
+                                              w.num_running + w.num_waiting, -w.kv_blocks_free))
+
+    async def pick_prefill(self, prompt_token_ids: Sequence[int] = (), decode: WorkerView | None = None
+                           ) -> WorkerView | None:
+        """The least-loaded prefill worker, unless one that holds the prompt's prefix is nearly as
+        free; with ``decode``, the transfer to it counts as load (``path_cost``)."""
+        workers = [w for w in await self.usable() if w.role == "prefill"]
+        if not workers:
+            return None
+        cost = (lambda w: self.path_cost(w, decode)) if decode is not None else (lambda w: 0.0)
+        load = lambda w: self.inflight.get(w.worker_id, 0) + cost(w)  # noqa: E731
+        least = min(workers, key=lambda w: (load(w), w.num_running + w.num_waiting))
+        overlap = self.affinity.overlap(self.affinity.hashes(prompt_token_ids)) if prompt_token_ids else {}
+        holders = [w for w in workers if overlap.get(w.worker_id)]
+        if holders:
+            best = max(holders, key=lambda w: (overlap[w.worker_id], -load(w)))
+            if load(best) <= load(least) + AFFINITY_SLACK:
+                return best
+        return least
+
+    async def can_serve(self) -> bool:
+        """A usable set of workers is registered: a prefill and a decode worker, or a colocated one."""
+        roles = {w.role for w in await self.usable()}
+        return "both" in roles or {"prefill", "decode"} <= roles
+
+    def track(self, worker_id: str, delta: int) -> None:
+        self.inflight[worker_id] = self.inflight.get(worker_id, 0) + delta
+
+    async def close(self) -> None:
+        for channel in self._channels.values():
+            await channel.close()
+        self._channels.clear()

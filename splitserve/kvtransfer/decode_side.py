@@ -1,0 +1,121 @@
+"""Decode side of the handoff: reserve pages, describe them, admit the request once its KV is in.
+
+Runs on the decode worker's engine thread (the engine is not thread-safe); only the
+transport's receiver threads run elsewhere, and they touch pool memory alone, under the
+lease fence.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Callable, Sequence
+
+from splitserve.engine.llm_engine import LLMEngine
+from splitserve.engine.outputs import RequestOutput
+from splitserve.engine.sampling_params import SamplingParams
+from splitserve.kvtransfer.base import ChecksumMismatchError, KVLayout, TransferDescriptor, kv_checksum
+from splitserve.kvtransfer.lease import LeaseTable
+from splitserve.kvtransfer.transports.base import KVReceiver
+
+log = logging.getLogger(__name__)
+
+
+class DecodeConnector:
+    def __init__(self, engine: LLMEngine, receivers: Sequence[KVReceiver], leases: LeaseTable,
+                 rank_offers: tuple = (), cleanup: Sequence[Callable[[], None]] = ()):
+        if not receivers:
+            raise ValueError("a decode connector needs at least one transport")
+        self.engine = engine
+        # Fastest first: every descriptor offers all of them, in this order.
+        self.receivers = list(receivers)
+        self.leases = leases
+        self.layout = KVLayout.of_pool(engine.model_name, engine.runner.kv_cache, engine.config.tensor_parallel_size)
+        # Tensor parallelism: the other ranks' receivers (splitserve.kvtransfer.tensor_parallel), in every descriptor.
+        self.rank_offers = rank_offers
+        self._cleanup = list(cleanup)
+        self.num_expired = 0
+
+    def reserve(self, request_id: str, num_prompt_tokens: int,
+                prompt_token_ids: Sequence[int] | None = None) -> TransferDescriptor | None:
+        """Pages for a prompt of ``num_prompt_tokens`` tokens, or None when the pool is short.
+
+        Given the prompt itself, its head is served from this worker's prefix cache: those pages
+        are shared (a ref each, like an engine's own prefix hit) and the descriptor's
+        ``num_cached_blocks`` tells the prefill side not to send them. That is how the samples of
+        an ``n > 1`` request, and prompts with a common system prefix, hold one copy of their
+        shared KV here and cross the wire once."""
+        if self.engine.kv.owns(request_id) or request_id in self.engine.requests:
+            raise ValueError(f"request {request_id!r} already has pages on this worker")
+        if prompt_token_ids is not None and len(prompt_token_ids) != num_prompt_tokens:
+            raise ValueError(f"prompt_token_ids has {len(prompt_token_ids)} tokens, num_prompt_tokens says "
+                             f"{num_prompt_tokens}")
+        hits = self.engine.kv.find_cached_prefix(prompt_token_ids) if prompt_token_ids else []
+        if self.engine.kv.allocate(request_id, num_prompt_tokens, cached_blocks=hits) is None:
+            return None
+        table = self.engine.kv.block_table(request_id)
+        # Only the pages to be written are leased (fenced): a transport may never touch a shared one.
+        lease = self.leases.grant(request_id, table[len(hits):])
+        first, *rest = self.receivers
+        return TransferDescriptor(request_id, first.name, first.address, tuple(table), self.layout,
+                                  lease.epoch, lease.deadline, tuple((r.name, r.address) for r in rest),
+                                  num_cached_blocks=len(hits), rank_offers=self.rank_offers)
+
+    def renew(self, request_id: str, epoch: int) -> float:
+        """The handoff of ``request_id`` is still under way: its lease restarts. Returns the
+        seconds it now lives; raises (stale epoch, expired) when it is gone. Thread-safe: the
+        lease table is, and no engine state is touched."""
+        self.leases.renew(request_id, epoch)
+        return self.leases.ttl_s
+
+    def complete(self, request_id: str, epoch: int, prompt_token_ids: Sequence[int], params: SamplingParams,
+                 first_token: int, checksum: int | None = None, priority: int = 0,
+                 first_logprobs: list[tuple[int, float]] | None = None, arrival_time: float | None = None,
+                 sampler_state: bytes | None = None) -> RequestOutput:
+        """The prefill side flushed every layer: check the epoch (and checksum), then start decoding.
+
+        A stale epoch or an expired lease raises and leaves the pages to their current owner;
+        a checksum mismatch frees the pages and raises.
+        """
+        lease = self.leases.complete(request_id, epoch)
+        # From here the pages belong to the engine's request: no transport may write them.
+        self.leases.release(request_id)
+        if checksum is not None:
+            # Over the pages that came (the cached head was never sent): the leased ones.
+            skipped = (len(self.engine.kv.block_table(request_id)) - len(lease.block_ids)) * self.layout.block_size
+            got = kv_checksum(self.engine.runner.kv_cache, lease.block_ids, len(prompt_token_ids) - skipped)
+            if got != checksum:
+                self.engine.kv.free(request_id)
+                raise ChecksumMismatchError(f"request {request_id!r}: KV checksum {got:#010x} != "
+                                            f"{checksum:#010x} sent by the prefill side; pages freed")
+        return self.engine.add_prefilled_request(request_id, prompt_token_ids, params, first_token,
+                                                 priority=priority, first_logprobs=first_logprobs,
+                                                 arrival_time=arrival_time, sampler_state=sampler_state)
+
+    def abort(self, request_id: str) -> bool:
+        """Drop a reservation (mid-transfer) or a running request. True if there was one."""
+        lease = self.leases.release(request_id)
+        if request_id in self.engine.requests:
+            self.engine.abort_request(request_id)
+            return True
+        if self.engine.kv.owns(request_id):
+            self.engine.kv.free(request_id)
+            return True
+        return lease is not None
+
+    def reap_expired(self) -> list[str]:
+        """Free the pages of handoffs whose prefill side went quiet past the lease."""
+        expired = self.leases.expired()
+        for request_id in expired:
+            log.warning("lease of %s expired before its KV arrived; pages freed", request_id)
+            self.abort(request_id)
+        self.num_expired += len(expired)
+        return expired
+
+    @property
+    def transports(self) -> list[str]:
+        return [r.name for r in self.receivers]
+
+    def close(self) -> None:
+        for receiver in self.receivers:
+            receiver.close()
+        for cleanup in self._cleanup:
+            cleanup()

@@ -1,0 +1,273 @@
+"""Prefill side of the handoff: run the prompt, ship its KV layer by layer, report the first token.
+
+The model runner calls ``_on_layer`` once a layer's K/V of the step are in the prefill pool;
+the connector queues that layer's page runs for a copy thread, so copies of layer l overlap
+the compute of layer l+1. At the end of the step the queue is drained (the pages of finished
+requests may be reused by the next step), each finished transfer is flushed, and the result
+carries what the decode side needs to ``complete``.
+
+On a GPU "in the pool" means "queued on the compute stream": the hook records an event there,
+and the copy thread issues the layer's copies on its own CUDA stream after waiting for that
+event on the device (not on the host), so copies run beside the next layer's kernels. At the end
+of the step the compute stream waits for the copy stream before any page can be rewritten; the
+senders themselves make sure their bytes landed before ``flush`` returns.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import torch
+
+from splitserve.engine.llm_engine import LLMEngine
+from splitserve.engine.request import Request
+from splitserve.engine.sampling_params import SamplingParams
+from splitserve.engine.scheduler import SchedulerOutput
+from splitserve.kvtransfer.base import (KVLayout, TransferDescriptor, TransferError, TransportUnavailableError, coalesce,
+                             kv_checksum)
+from splitserve.kvtransfer.transports.base import KVSender
+
+log = logging.getLogger(__name__)
+
+SenderFactory = Callable[[str], KVSender]  # address -> sender over this side's pool
+
+
+@dataclass
+class PrefillResult:
+    request_id: str
+    epoch: int
+    prompt_token_ids: list[int]
+    # Set on success.
+    first_token: int | None = None
+    first_logprobs: list[tuple[int, float]] | None = None
+    checksum: int | None = None
+    # The seeded generator's state after the first token (None without a seed): the decode
+    # side continues the same random stream.
+    sampler_state: bytes | None = None
+    # Prompt tokens whose KV came from this side's prefix cache.
+    num_cached_tokens: int = 0
+    # Set on failure: the transfer error; the request's prefill pages are already freed.
+    error: TransferError | None = None
+    num_copies: int = 0
+    bytes_sent: int = 0
+    # The transport that carried the pages.
+    transport: str | None = None
+    # Seconds spent copying and flushing this request's pages (overlapping the prefill compute).
+    transfer_s: float = 0.0
+    # Wall clock (time.time_ns, as trace spans use) of the first page write and of the flush's
+    # end: the transfer's span in a trace (0: unknown, e.g. a transfer refused mid-prefill).
+    transfer_start_ns: int = 0
+    transfer_end_ns: int = 0
+
+
+@dataclass
+class _Transfer:
+    desc: TransferDescriptor
+    sender: KVSender
+    prompt_token_ids: list[int]
+    copies_at_start: int
+    bytes_at_start: int
+    request: Request
+    first_chunk: bool = True
+    checksum: int | None = None
+    error: TransferError | None = field(default=None)
+    transfer_s: float = 0.0
+    first_write_ns: int = 0
+
+
+class PrefillConnector:
+    def __init__(self, engine: LLMEngine, senders: dict[str, SenderFactory], verify_checksum: bool = False):
+        self.engine = engine
+        self.layout = KVLayout.of_pool(engine.model_name, engine.runner.kv_cache, engine.config.tensor_parallel_size)
+        self.sender_factories = senders
+        self.verify_checksum = verify_checksum
+        self._senders: dict[tuple[str, str], KVSender] = {}
+        self._transfers: dict[str, _Transfer] = {}
+        self._copies: queue.Queue = queue.Queue()
+        pool = engine.runner.kv_cache
+        self._copy_stream = torch.cuda.Stream(pool.device) if pool.is_cuda else None
+        self._copier = threading.Thread(target=self._copy_loop, name="kv-copier", daemon=True)
+        self._copier.start()
+        engine.runner.layer_hook = self._on_layer
+        if engine.runner.followers is not None:  # the other ranks ship their slices of the same pages
+            engine.runner.tp_copy_orders = self._copy_orders
+
+    # ---- control -------------------------------------------------------------------
+    def start(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
+              desc: TransferDescriptor, priority: int = 0, arrival_time: float | None = None) -> None:
+        """Check the layout, then queue the prompt for prefill into ``desc``'s pages.
+
+        Only the first token is sampled here, under the request's own rules: with
+        ``min_tokens`` >= 1 it cannot be EOS or a stop token, as on a colocated engine.
+        ``arrival_time`` (this engine's clock) keeps the request's place in the priority order.
+        """
+        self.layout.check_compatible(desc.layout)
+        blocks_needed = self.engine.kv.blocks_needed(len(prompt_token_ids))
+        if len(desc.block_ids) < blocks_needed:
+            raise TransferError(f"request {request_id!r}: {len(desc.block_ids)} reserved pages for a prompt "
+                                f"needing {blocks_needed}")
+        sender = self._sender(desc)
+        one_token = dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
+        request = self.engine.add_request(request_id, list(prompt_token_ids), one_token, priority=priority,
+                                          arrival_time=arrival_time)
+        self._transfers[request_id] = _Transfer(desc, sender, list(prompt_token_ids), sender.num_copies,
+                                                sender.bytes_sent, request)
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request's prefill and transfer; True if it was here."""
+        had_transfer = self._transfers.pop(request_id, None) is not None
+        return self.engine.abort_request(request_id) is not None or had_transfer
+
+    def step(self) -> list[PrefillResult]:
+        """One engine step; returns the transfers that ended (flushed or failed)."""
+        outputs = self.engine.step()
+        for request_id, reason in self.engine.runner.follower_errors.items():
+            transfer = self._transfers.get(request_id)
+            if transfer is not None and transfer.error is None:
+                log.warning("KV transfer of %s refused: %s", request_id, reason)
+                transfer.error = TransferError(reason)
+        self.engine.runner.follower_errors.clear()
+        self._copies.join()  # every queued layer copy is issued before pages can be reused...
+        if self._copy_stream is not None:  # ...and, on a GPU, the next step's kernels run after them
+            torch.cuda.current_stream(self._copy_stream.device).wait_stream(self._copy_stream)
+        results = []
+        for out in outputs:
+            transfer = self._transfers.pop(out.request_id, None)
+            if transfer is None:
+                continue
+            result = PrefillResult(out.request_id, transfer.desc.epoch, transfer.prompt_token_ids)
+            try:
+                if transfer.error is not None:
+                    raise transfer.error
+                flush_start = time.perf_counter()
+                transfer.sender.flush(transfer.desc)
+                transfer.transfer_s += time.perf_counter() - flush_start
+                result.first_token = out.token_ids[0]
+                result.first_logprobs = out.logprobs[0] if out.logprobs else None
+                result.checksum = transfer.checksum
+                result.sampler_state = transfer.request.sampler_state()
+                result.num_cached_tokens = out.num_cached_tokens
+            except TransferError as e:
+                result.error = e
+            result.num_copies = transfer.sender.num_copies - transfer.copies_at_start
+            result.bytes_sent = transfer.sender.bytes_sent - transfer.bytes_at_start
+            result.transport = transfer.sender.name
+            result.transfer_s = transfer.transfer_s
+            result.transfer_start_ns, result.transfer_end_ns = transfer.first_write_ns, time.time_ns()
+            results.append(result)
+        # Transfers refused mid-prefill stop computing at once.
+        for request_id, transfer in list(self._transfers.items()):
+            if transfer.error is not None:
+                self.abort(request_id)
+                results.append(PrefillResult(request_id, transfer.desc.epoch, transfer.prompt_token_ids,
+                                             error=transfer.error))
+        return results
+
+    def has_pending(self) -> bool:
+        return bool(self._transfers)
+
+    def close(self) -> None:
+        for sender in self._senders.values():
+            sender.close()
+        self.engine.runner.layer_hook = None
+
+    # ---- data path -----------------------------------------------------------------
+    def _sender(self, desc: TransferDescriptor) -> KVSender:
+        """The first offered transport this side supports and can reach; a fallback is logged loudly."""
+        refused = []
+        for transport, address in desc.offers:
+            if transport not in self.sender_factories:
+                refused.append(f"{transport}: not enabled here")
+                continue
+            key = (transport, address)
+            if key not in self._senders:
+                try:
+                    self._senders[key] = self.sender_factories[transport](address)
+                except TransportUnavailableError as e:
+                    refused.append(f"{transport}: {e}")
+                    continue
+            if refused:
+                log.warning("KV transfer of %s falls back to %s (%s)", desc.request_id, transport, "; ".join(refused))
+            return self._senders[key]
+        raise TransportUnavailableError(f"request {desc.request_id!r}: no offered KV transport is usable here ("
+                                        + "; ".join(refused) + ")")
+
+    def _on_layer(self, plan: SchedulerOutput, layer: int) -> None:
+        last_layer = layer == self.layout.num_layers - 1
+        ready = None
+        if self._copy_stream is not None:  # this layer's K/V writes are queued, maybe not done
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(self._copy_stream.device))
+        for chunk, transfer, runs in self._shipments(plan):
+            self._copies.put((transfer, layer, runs, ready))
+            if last_layer:
+                transfer.first_chunk = False
+                if chunk.samples and self.verify_checksum:
+                    self._copies.join()
+                    skipped = transfer.desc.num_cached_blocks
+                    transfer.checksum = kv_checksum(self.engine.runner.kv_cache,
+                                                    plan.block_tables[chunk.request.request_id][skipped:],
+                                                    len(transfer.prompt_token_ids) - skipped * self.layout.block_size)
+
+    def _shipments(self, plan: SchedulerOutput) -> list[tuple]:
+        """(chunk, transfer, page runs) of every transfer this step writes pages of; the same
+        for every layer of the step."""
+        shipments = []
+        bs = self.layout.block_size
+        for chunk in plan.chunks:
+            transfer = self._transfers.get(chunk.request.request_id)
+            if transfer is None or transfer.error is not None:
+                continue
+            # The first chunk also ships prefix-cache hits: pages this step did not write; the
+            # decode side's own cached head is never sent.
+            first = max(0 if transfer.first_chunk else chunk.start // bs, transfer.desc.num_cached_blocks)
+            last = (chunk.start + chunk.num_tokens - 1) // bs
+            if first > last:
+                continue  # all of this chunk's pages are already there
+            src = plan.block_tables[chunk.request.request_id][first:last + 1]
+            shipments.append((chunk, transfer, tuple(coalesce(src, transfer.desc.block_ids[first:last + 1]))))
+        return shipments
+
+    def _copy_orders(self, plan: SchedulerOutput) -> tuple:
+        """What the other tensor-parallel ranks ship this step: the same pages, over the transport
+        rank 0 picked, each into its own decode rank (splitserve.kvtransfer.tensor_parallel)."""
+        from splitserve.engine.tensor_parallel.messages import CopyOrder
+        return tuple(CopyOrder(transfer.desc, transfer.sender.name, runs) for _, transfer, runs in self._shipments(plan))
+
+    @contextlib.contextmanager
+    def _after(self, ready):
+        """Issue CUDA work on the copy stream, once the compute stream passed ``ready``."""
+        if self._copy_stream is None:
+            yield
+            return
+        with torch.cuda.stream(self._copy_stream):
+            self._copy_stream.wait_event(ready)
+            yield
+
+    def _copy_loop(self) -> None:
+        if self._copy_stream is not None:  # kernels this thread launches go to the pool's GPU
+            torch.cuda.set_device(self._copy_stream.device)
+        while True:
+            transfer, layer, runs, ready = self._copies.get()
+            try:
+                if transfer.error is None:
+                    start = time.perf_counter()
+                    transfer.first_write_ns = transfer.first_write_ns or time.time_ns()
+                    with self._after(ready):
+                        transfer.sender.write(transfer.desc, layer, runs)
+                    transfer.transfer_s += time.perf_counter() - start
+            except TransferError as e:
+                # A fenced page (stale epoch, expired lease) says this worker fell behind: loud.
+                log.warning("KV transfer of %s refused: %s", transfer.desc.request_id, e)
+                transfer.error = e
+            except Exception as e:  # a broken peer must fail this transfer, not the copier
+                log.exception("KV copy failed")
+                transfer.error = TransferError(f"KV copy failed: {e}")
+            finally:
+                self._copies.task_done()

@@ -1,0 +1,186 @@
+"""kvtransfer on the other ranks of a tensor-parallel worker: rank r's slice goes to rank r's slice.
+
+Every rank holds its own KV heads of every page, at the same page ids. Rank 0 keeps the whole
+protocol (reserve, leases, descriptors, completion); ranks r > 0 only move bytes:
+
+* decode: each rank opens its own receivers (shm: its pool's directory; tcp: its own port)
+  and reports their addresses; the descriptor carries them (``rank_offers``). They are fenced by
+  rank 0's page-owner table, which lives in shared memory, so a page released on rank 0 stops
+  taking writes on every rank.
+* prefill: rank 0 tells each step which pages go where (``CopyOrder``); rank r writes its slice
+  of each layer as soon as the layer is computed, flushes at the end of the step and reports what
+  failed, so rank 0 completes a transfer only when every rank's bytes landed.
+
+Between tensor-parallel workers: shm and tcp (tested on CPU), cuda_ipc (GPU; not run here yet);
+not nccl.
+"""
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import logging
+import os
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import torch
+
+from splitserve.engine.tensor_parallel.messages import CopyOrder, KVSetup
+from splitserve.kvtransfer.base import TransferDescriptor, TransportUnavailableError
+from splitserve.kvtransfer.lease import Lease
+from splitserve.kvtransfer.transports.base import KVReceiver, KVSender
+
+log = logging.getLogger(__name__)
+
+TP_TRANSPORTS = ("shm", "cuda_ipc", "tcp")
+
+
+def tp_transports(names: Sequence[str], automatic: bool, tensor_parallel_size: int) -> list[str]:
+    """The transports a tensor-parallel decode worker offers: the automatic choice less those
+    ranks cannot use yet; a transport asked for by name that they cannot use is an error."""
+    unsupported = [n for n in names if n not in TP_TRANSPORTS]
+    if unsupported and not automatic:
+        raise ValueError(f"KV transport(s) {', '.join(unsupported)} are not supported with tensor_parallel_size "
+                         f"{tensor_parallel_size} yet; use {', '.join(TP_TRANSPORTS)}")
+    return [n for n in names if n in TP_TRANSPORTS]
+
+
+class FollowerPool:
+    """A follower's pool factory: the pool in shared memory (CPU), so shm senders can map it."""
+
+    def __init__(self):
+        self.directory: Path | None = None
+
+    def __call__(self, shape, dtype, device) -> torch.Tensor:
+        if device.type != "cpu":
+            return torch.zeros(shape, dtype=dtype, device=device)
+        from splitserve.kvtransfer.transports.shm import create_shared_pool
+        pool, _, self.directory = create_shared_pool(shape, dtype)
+        return pool
+
+    def remove(self) -> None:
+        if self.directory is not None:
+            from splitserve.kvtransfer.transports.shm import remove_pool_directory
+            remove_pool_directory(self.directory)
+
+
+class _SharedFence:
+    """Rank 0's page-owner table seen from another rank (read only here)."""
+
+    def __init__(self, owners: torch.Tensor):
+        self.owners = owners
+
+    def owned_by(self, block_ids, epoch: int) -> bool:
+        return bool((self.owners[list(block_ids)] == epoch).all())
+
+
+class FollowerLeases:
+    """What an in-process receiver asks of a lease table, answered from rank 0's shared page
+    owners: a write lands only on pages stamped with its epoch. Lease deadlines and completion
+    stay with rank 0, which checks them at its own flush before a transfer completes. Rank 0's
+    fence lock is in another process: a write checked just before a release may still land in
+    a page of this rank after it (the page's next owner writes it again before it is read)."""
+
+    def __init__(self, owners: torch.Tensor):
+        self.fence = _SharedFence(owners)
+
+    def check(self, request_id: str, epoch: int) -> Lease | None:
+        return None
+
+    @contextlib.contextmanager
+    def writing(self, request_id: str, epoch: int) -> Iterator[None]:
+        yield None
+
+
+def _link_owners(owners_path: Path, directory: Path) -> None:
+    """Senders map <directory>/owners beside a pool: make it the same file as rank 0's table."""
+    link = directory / "owners"
+    link.unlink(missing_ok=True)
+    os.link(owners_path, link)
+
+
+def _rank_descriptor(order: CopyOrder, rank: int) -> TransferDescriptor:
+    offers = dict(order.desc.rank_offers[rank - 1])
+    if order.transport not in offers:
+        raise TransportUnavailableError(f"decode rank {rank} offers no {order.transport} for request "
+                                        f"{order.desc.request_id!r}")
+    return dataclasses.replace(order.desc, transport=order.transport, address=offers[order.transport],
+                               alternatives=(), rank_offers=())
+
+
+class FollowerKV:
+    def __init__(self, rank: int, pool: torch.Tensor, directory: Path | None):
+        self.rank = rank
+        self.pool = pool
+        self.directory = directory
+        self.receivers: list[KVReceiver] = []
+        self.factories: dict = {}
+        self._senders: dict[tuple[str, str], KVSender] = {}
+        self._errors: dict[str, str] = {}
+
+    def setup(self, setup: KVSetup) -> list[tuple[str, str]]:
+        """Open receivers (``serve``; returns their offers, in ``setup.transports`` order) or get
+        ready to send (``send``)."""
+        if setup.role == "send":
+            from splitserve.kvtransfer import sender_factories
+            self.factories = sender_factories(self.pool, setup.transports, setup.kv_key)
+            return []
+        from splitserve.kvtransfer.transports.shm import _map
+        owners_path = Path(setup.owners_path)
+        leases = FollowerLeases(_map(owners_path, self.pool.shape[2], torch.int64))
+        for name in setup.transports:
+            if name == "shm":
+                from splitserve.kvtransfer.transports.shm import ShmReceiver
+                _link_owners(owners_path, self.directory)
+                self.receivers.append(ShmReceiver(self.pool, leases, self.directory))
+            elif name == "cuda_ipc":
+                from splitserve.kvtransfer.transports.cuda_ipc import CudaIpcReceiver, export_handle
+                from splitserve.kvtransfer.transports.shm import create_pool_directory
+                _, directory = create_pool_directory(self.pool.shape, self.pool.dtype, {"ipc": export_handle(self.pool)})
+                _link_owners(owners_path, directory)
+                self.receivers.append(CudaIpcReceiver(self.pool, leases, directory))
+            elif name == "tcp":
+                from splitserve.kvtransfer.transports.tcp import TcpReceiver
+                self.receivers.append(TcpReceiver(self.pool, leases, host=setup.host,
+                                                  advertise_host=setup.advertise_host, key=setup.kv_key))
+            else:
+                raise ValueError(f"transport {name!r} is not supported between tensor-parallel ranks")
+        return [(r.name, r.address) for r in self.receivers]
+
+    def _sender(self, order: CopyOrder) -> tuple[KVSender, TransferDescriptor]:
+        desc = _rank_descriptor(order, self.rank)
+        key = (desc.transport, desc.address)
+        if key not in self._senders:
+            self._senders[key] = self.factories[desc.transport](desc.address)
+        return self._senders[key], desc
+
+    def copy_layer(self, orders: Sequence[CopyOrder], layer: int) -> None:
+        self._each(orders, lambda sender, desc, order: sender.write(desc, layer, order.runs))
+
+    def flush(self, orders: Sequence[CopyOrder]) -> dict[str, str]:
+        """Flush this step's transfers; returns {request id: why it failed} and forgets them."""
+        self._each(orders, lambda sender, desc, order: sender.flush(desc))
+        errors, self._errors = self._errors, {}
+        return errors
+
+    def _each(self, orders: Sequence[CopyOrder], action) -> None:
+        """``action`` for every transfer not failed yet; a failure is kept for rank 0, which fails
+        the transfer (this rank goes on with the others)."""
+        for order in orders:
+            rid = order.desc.request_id
+            if rid in self._errors:
+                continue
+            try:
+                sender, desc = self._sender(order)
+                action(sender, desc, order)
+            except Exception as e:
+                self._errors[rid] = f"tensor-parallel rank {self.rank}: {e}"
+
+    def close(self) -> None:
+        for sender in self._senders.values():
+            with contextlib.suppress(Exception):
+                sender.close()
+        for receiver in self.receivers:
+            if receiver.name != "shm":  # the shm directory is the pool's, removed with it
+                with contextlib.suppress(Exception):
+                    receiver.close()

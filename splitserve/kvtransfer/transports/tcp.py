@@ -1,0 +1,452 @@
+"""Any host, no GPU interconnect: page runs streamed over one TCP connection per sender.
+
+Wire format (network byte order; never pickle). Every frame is a fixed 37-byte header,
+``HEADER = struct.Struct("!4sBBBHqIIIQ")``, then the request id, then the payload:
+
+    magic        4s  b"SSKV"
+    version      B   2 (1 had no PACKED)
+    type         B   WRITE=1, FLUSH=2, PACKED=5 (sender -> receiver); ACK=3, ERROR=4 (receiver -> sender);
+                     HELLO=6, CHALLENGE=7, AUTH=8: the handshake of a receiver with a key (``tcp_auth``)
+    error kind   B   ERROR only: STALE=1, EXPIRED=2, ABORTED=3 (else 0)
+    rid length   H   bytes of the UTF-8 request id that follows the header (<= 1024)
+    epoch        q   the lease's fencing token
+    layer        I   WRITE, PACKED: layer of the pages
+    dst_block    I   WRITE: first destination page; PACKED: runs in the frame's table (>= 1)
+    num_blocks   I   WRITE: pages in the run (>= 1); PACKED: pages in the frame (>= runs)
+    payload len  Q   bytes after the request id
+
+A WRITE payload is the run's K pages then its V pages, raw bytes in the pool's dtype: exactly
+``src_pool[layer][:, s:s+n]`` laid out as ``[2, n, block_size, kv_heads, head_dim]``, so its
+length is ``2 * n * page_bytes``. A PACKED payload is a table of uint32 pairs (dst_block,
+num_blocks), one per run, then the K pages then the V pages of every run in table order (the
+gather ``src_pool[layer][:, idx]``): ``8 * runs + 2 * pages * page_bytes`` bytes. A ``write()``
+of ``PACK_MIN_RUNS`` runs or more (fragmented pages) is sent as PACKED frames, each with its own
+table, one per layer within ``max_frame_bytes``; fewer runs go as a WRITE per run. FLUSH has no
+payload; the receiver answers it with ACK (every earlier write of that request and epoch is in
+the pool) or ERROR, whose payload is a UTF-8 message. Replies echo the request id and epoch. A
+frame that fails validation (magic, version, type, ranges, lengths, runs that leave the pool,
+overlap or miscount) gets an ERROR (kind ABORTED) and the connection is closed.
+
+The receiver reads each half of a WRITE payload straight into the destination pool slice
+(``pool[layer, k_or_v, d:d+n]`` is contiguous), holding the lease table's fence and only after
+checking that the pages still carry the frame's epoch; PACKED pages land in a per-connection
+scratch buffer, then are scattered (``index_copy_``) under the fence after the same check. A
+refused write (stale epoch, expired or released lease) is discarded and remembered, and the next
+FLUSH for that request and epoch replies ERROR. Holding the fence while receiving makes
+``release()`` wait for the current frame, so senders cut writes into frames of at most
+``max_frame_bytes`` (4 MiB).
+
+A receiver with a ``key`` (the workers' ``--internal-token``, through ``Security.kv_key``) first
+runs the challenge-response of ``tcp_auth`` on every connection and reads no frame of pages
+before the sender has proven the key; without one, anyone who reaches the port may write.
+The header layout and frame types live in ``tcp_wire``.
+"""
+from __future__ import annotations
+
+import ipaddress
+import logging
+import socket
+import struct
+import threading
+import time
+from typing import Sequence
+
+import torch
+
+from splitserve.engine.attention.kv_quant import as_bytes
+from splitserve.kvtransfer.base import (KVLayout, LeaseExpiredError, StaleEpochError, TransferAbortedError,
+                             TransferDescriptor, TransferError, TransportUnavailableError)
+from splitserve.kvtransfer.lease import LeaseTable
+from splitserve.kvtransfer.transports import tcp_auth
+from splitserve.kvtransfer.transports.base import KVReceiver, KVSender, Run
+from splitserve.kvtransfer.transports.tcp_wire import (ABORTED, ACK, ERROR, EXPIRED, FLUSH, HEADER, MAGIC, MAX_MESSAGE_BYTES,
+                                            MAX_RID_BYTES, PACKED, STALE, VERSION, WRITE, HELLO, PeerGone, PeerTimeout,
+                                            ProtocolError, frame, recv_exact)
+
+log = logging.getLogger(__name__)
+
+PACK_MIN_RUNS = 4  # from this many runs in one write(), one gathered frame beats a frame per run
+_KIND_OF = {StaleEpochError: STALE, LeaseExpiredError: EXPIRED}
+_ERROR_OF = {STALE: StaleEpochError, EXPIRED: LeaseExpiredError}
+
+
+def _loopback(host: str) -> bool:
+    """Only this machine can reach a listener on ``host``."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _byte_view(t: torch.Tensor) -> memoryview:
+    """Writable bytes of a contiguous CPU tensor, no copy."""
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+def _page_rows(t: torch.Tensor) -> torch.Tensor:
+    """[..., pages, bs, H, D] as one row of 16-byte elements per page where the strides allow (else ``t``):
+    index_select / index_copy_ move those bit for bit, several times faster than 2-byte elements."""
+    try:
+        return t.view(*t.shape[:-3], -1).view(torch.uint8).view(torch.complex128)
+    except RuntimeError:
+        return as_bytes(t)  # fp8 pages as bytes: CPU index_copy_ takes no fp8
+
+
+def _flat_view(pool: torch.Tensor) -> memoryview | None:
+    """All bytes of a contiguous CPU pool (pages are sliced out by offset), else None."""
+    return _byte_view(pool) if pool.is_contiguous() and pool.device.type == "cpu" else None
+
+
+def _scratch(holder: list, nbytes: int) -> torch.Tensor:
+    """The first ``nbytes`` of a connection's reusable uint8 buffer, grown when too small."""
+    if holder[0].numel() < nbytes:
+        holder[0] = torch.empty(nbytes, dtype=torch.uint8)
+    return holder[0][:nbytes]
+
+
+class TcpReceiver(KVReceiver):
+    name = "tcp"
+
+    def __init__(self, pool: torch.Tensor, leases: LeaseTable, host: str = "127.0.0.1", port: int = 0,
+                 timeout_s: float = 10.0, max_frame_bytes: int = 64 << 20, advertise_host: str | None = None,
+                 key: bytes | None = None):
+        """Listens on ``host``; descriptors name ``advertise_host`` (default ``host``), the name
+        senders reach it by (e.g. a container's service name when listening on 0.0.0.0).
+        ``key``: only senders proving it may write (``tcp_auth``); None: anyone who reaches the port."""
+        super().__init__(pool, leases)
+        self.key = key or None
+        self.timeout_s = timeout_s  # a frame that stalls this long mid-payload drops its connection
+        self.max_frame_bytes = max_frame_bytes
+        self.layout = KVLayout.of_pool("", pool)
+        self._flat = _flat_view(self.pool)
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._conns: dict[socket.socket, threading.Thread] = {}
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        self._listener = socket.create_server((host, port), family=family)
+        self._listener.settimeout(0.2)
+        self._host, self._port = advertise_host or host, self._listener.getsockname()[1]
+        if self.key is None and not _loopback(host):
+            log.warning("tcp KV receiver on %s accepts page writes from anyone who reaches it: %s",
+                        self.address, tcp_auth.HINT)
+        self._accept_thread = threading.Thread(target=self._accept_loop, name="tcp-kv-accept", daemon=True)
+        self._accept_thread.start()
+
+    @property
+    def address(self) -> str:
+        return f"[{self._host}]:{self._port}" if ":" in self._host else f"{self._host}:{self._port}"
+
+    @property
+    def num_connections(self) -> int:
+        with self._lock:
+            return len(self._conns)
+
+    def close(self) -> None:
+        self._stop.set()
+        try:
+            self._listener.shutdown(socket.SHUT_RDWR)  # wakes accept() at once
+        except OSError:
+            pass
+        self._listener.close()
+        with self._lock:
+            conns = dict(self._conns)
+        for conn in conns:
+            try:
+                conn.shutdown(socket.SHUT_RDWR)  # wakes a handler blocked in recv
+            except OSError:
+                pass
+        deadline = time.monotonic() + 2.0
+        for thread in [self._accept_thread, *conns.values()]:
+            thread.join(max(0.0, deadline - time.monotonic()))
+        for conn in conns:
+            conn.close()
+
+    def _accept_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._listener.accept()
+            except socket.timeout:
+                continue
+            except OSError:
+                return  # listener closed
+            conn.settimeout(self.timeout_s)
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            thread = threading.Thread(target=self._serve, args=(conn,), name="tcp-kv-conn", daemon=True)
+            with self._lock:
+                if self._stop.is_set():
+                    conn.close()
+                    return
+                self._conns[conn] = thread
+            thread.start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        errors: dict[tuple[str, int], TransferError] = {}  # refused writes, reported at the next FLUSH
+        scratch = [torch.empty(0, dtype=torch.uint8)]  # PACKED pages and refused payloads land here
+        header = bytearray(HEADER.size)
+        try:
+            if self.key is not None:  # not one page byte is read from a peer that has not proven the key
+                try:
+                    tcp_auth.accept(conn, self.key)
+                except ProtocolError as e:
+                    log.warning("tcp KV receiver %s refused a connection: %s", self.address, e)
+                    self._fail(conn, str(e))
+                    return
+            while not self._stop.is_set():
+                if not recv_exact(conn, memoryview(header), idle_ok=True):
+                    continue  # idle between frames
+                try:
+                    self._frame(conn, header, errors, scratch)
+                except ProtocolError as e:
+                    self._fail(conn, str(e))
+                    return
+        except (PeerGone, OSError):
+            pass
+        finally:
+            with self._lock:
+                self._conns.pop(conn, None)
+            conn.close()
+
+    def _frame(self, conn: socket.socket, header: bytearray, errors: dict, scratch: list) -> None:
+        magic, version, ftype, _, rid_len, epoch, layer, dst, num, nbytes = HEADER.unpack(header)
+        if magic != MAGIC or version != VERSION:
+            raise ProtocolError(f"bad frame header (magic {magic!r}, version {version}); "
+                                 f"expected {MAGIC!r} version {VERSION}")
+        if rid_len > MAX_RID_BYTES:
+            raise ProtocolError(f"request id of {rid_len} bytes (at most {MAX_RID_BYTES})")
+        rid_buf = bytearray(rid_len)
+        recv_exact(conn, memoryview(rid_buf))
+        try:
+            rid = rid_buf.decode()
+        except UnicodeDecodeError:
+            raise ProtocolError("request id is not UTF-8") from None
+        if ftype == FLUSH:
+            return self._flush(conn, rid_buf, rid, epoch, nbytes, errors)
+        if ftype == HELLO:  # a sender with a key: both sides must have one, and the same
+            raise ProtocolError(f"this receiver has no KV secret and does not authenticate; {tcp_auth.HINT}")
+        if ftype not in (WRITE, PACKED):
+            raise ProtocolError(f"unexpected frame type {ftype}")
+        layers, _, blocks = self.pool.shape[:3]
+        packed = ftype == PACKED  # dst is then the number of runs in the table that starts the payload
+        expected = 8 * dst * packed + 2 * num * self.layout.page_bytes
+        if layer >= layers or packed and not 0 < dst <= num <= blocks:
+            raise ProtocolError(f"layer {layer}" + (f", {num} pages in {dst} runs," if packed else "")
+                                 + f" does not fit the pool ({layers} layers, {blocks} pages)")
+        if nbytes != expected or nbytes > self.max_frame_bytes:
+            raise ProtocolError(f"payload of {nbytes} bytes; {num} pages of K and V" + " and their run table" * packed
+                                 + f" are {expected} bytes (at most {self.max_frame_bytes} per frame)")
+        runs = [(dst, num)]
+        if packed:
+            table = bytearray(8 * dst)
+            recv_exact(conn, memoryview(table))
+            runs = list(struct.iter_unpack("!II", table))
+        if any(n < 1 or d + n > blocks for d, n in runs) or sum(n for _, n in runs) != num:
+            raise ProtocolError(f"runs {runs[:4]}{'...' * (len(runs) > 4)} of layer {layer} are outside the pool "
+                                 f"({blocks} pages) or do not add up to {num} pages")
+        pages = range(dst, dst + num)
+        if packed:  # received before taking the fence, scattered under it
+            pages = [d + i for d, n in runs for i in range(n)]
+            if len(set(pages)) != num:
+                raise ProtocolError(f"the run table of layer {layer} has overlapping runs")
+            buf = _scratch(scratch, nbytes - 8 * dst)
+            recv_exact(conn, _byte_view(buf))
+        refused = (rid, epoch) in errors
+        if not refused:
+            try:
+                with self.leases.writing(rid, epoch):
+                    if not self.leases.fence.owned_by(pages, epoch):
+                        raise StaleEpochError(f"request {rid!r}: pages {min(pages)}..{max(pages)} do not belong to "
+                                              f"epoch {epoch}; they were released or were never reserved for it")
+                    if not packed:
+                        for kv in (0, 1):
+                            self._recv_pages(conn, layer, kv, dst, num)
+                        return
+                    rows = _page_rows(self.pool[layer])  # [2, blocks, ...]
+                    kv = buf.view(rows.dtype).view(2, num, *rows.shape[2:]).to(self.pool.device)
+                    idx = torch.tensor(pages, device=self.pool.device)
+                    for half in (0, 1):
+                        rows[half].index_copy_(0, idx, kv[half])
+                    if self.pool.is_cuda:  # landed before the fence is let go and scratch is reused
+                        torch.cuda.synchronize(self.pool.device)
+            except (StaleEpochError, LeaseExpiredError) as e:
+                refused = True
+                if len(errors) >= 1024:
+                    errors.pop(next(iter(errors)))
+                errors[(rid, epoch)] = e
+        if refused and not packed:  # drain the payload so the stream stays in step
+            recv_exact(conn, _byte_view(_scratch(scratch, nbytes)))
+
+    def _flush(self, conn: socket.socket, rid_buf: bytearray, rid: str, epoch: int, nbytes: int, errors: dict) -> None:
+        if nbytes:
+            raise ProtocolError(f"FLUSH with a {nbytes}-byte payload")
+        err = errors.pop((rid, epoch), None)
+        if err is None:
+            try:
+                self.leases.check(rid, epoch)
+            except (StaleEpochError, LeaseExpiredError) as e:
+                err = e
+        if err is None:
+            conn.sendall(frame(ACK, rid_buf, epoch))
+        else:
+            msg, kind = str(err).encode()[:MAX_MESSAGE_BYTES], _KIND_OF.get(type(err), ABORTED)
+            conn.sendall(frame(ERROR, rid_buf, epoch, payload_len=len(msg), kind=kind) + msg)
+
+    def _recv_pages(self, conn: socket.socket, layer: int, kv: int, dst: int, num: int) -> None:
+        if self._flat is not None:  # zero-copy: socket -> the bytes of pool[layer, kv, dst:dst+num]
+            start = ((layer * 2 + kv) * self.pool.shape[2] + dst) * self.layout.page_bytes
+            recv_exact(conn, self._flat[start:start + num * self.layout.page_bytes])
+            return
+        target = self.pool[layer, kv, dst:dst + num]
+        staging = torch.empty(target.shape, dtype=target.dtype)  # strided or device pool
+        recv_exact(conn, _byte_view(staging))
+        target.copy_(staging)
+        if target.is_cuda:  # landed before the fence is let go (a copy from pageable memory may not have)
+            torch.cuda.current_stream(target.device).synchronize()
+
+    def _fail(self, conn: socket.socket, message: str) -> None:
+        """Send ERROR, then close gracefully so the peer can still read it."""
+        msg = message.encode()[:MAX_MESSAGE_BYTES]
+        try:
+            conn.sendall(frame(ERROR, b"", 0, payload_len=len(msg), kind=ABORTED) + msg)
+            conn.shutdown(socket.SHUT_WR)
+            conn.settimeout(0.2)
+            deadline = time.monotonic() + 1.0
+            while time.monotonic() < deadline and not self._stop.is_set() and conn.recv(1 << 16):
+                pass
+        except OSError:
+            pass
+
+
+class TcpSender(KVSender):
+    name = "tcp"
+
+    def __init__(self, address: str, src_pool: torch.Tensor, timeout_s: float = 10.0,
+                 max_frame_bytes: int = 4 << 20, key: bytes | None = None):
+        """``key``: prove it to the receiver (and check its proof) before any page; see ``tcp_auth``."""
+        super().__init__(address, src_pool)
+        self.timeout_s = timeout_s
+        self.max_frame_bytes = max_frame_bytes
+        self.num_frames = 0  # WRITE and PACKED frames sent
+        self._lock = threading.Lock()
+        self._broken: str | None = None
+        self._flat = _flat_view(self.src_pool)
+        self._page_bytes = self.src_layout.page_bytes
+        try:
+            host, port = address.rsplit(":", 1)
+            self.sock = socket.create_connection((host.strip("[]"), int(port)), timeout=timeout_s)
+        except (OSError, ValueError) as e:
+            raise TransportUnavailableError(f"tcp KV receiver at {address!r} is not reachable ({e}); "
+                                            "is the decode worker up and its port open from here?") from e
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if key:
+            try:
+                tcp_auth.connect(self.sock, key)
+            except (tcp_auth.AuthRefused, PeerGone, OSError) as e:
+                self.sock.close()
+                raise TransportUnavailableError(f"tcp KV receiver at {address!r} refused authentication or "
+                                                f"failed to authenticate itself: {e}") from e
+
+    def write(self, desc: TransferDescriptor, layer: int, runs: Sequence[Run]) -> None:
+        # The pages themselves must match; the split (tensor_parallel_size) was checked by the connector.
+        self.check_layout(desc)
+        rid, page_bytes = desc.request_id.encode(), self._page_bytes
+        src = self.src_pool[layer]  # [2, blocks, bs, H, D]
+        for s, d, n in runs:
+            if s < 0 or d < 0 or n < 1 or s + n > src.shape[1]:
+                raise ValueError(f"run {(s, d, n)} is outside the source pool ({src.shape[1]} pages)")
+        pack = len(runs) >= PACK_MIN_RUNS  # fragmented pages: one gathered frame, not a frame per run
+        per_frame = max(1, self.max_frame_bytes // (2 * page_bytes + 8 * pack))  # a table entry per page at most
+        frames, room = [], 0  # each a list of (src, dst, n) run pieces of at most per_frame pages in all
+        for s, d, n in runs:
+            while n:
+                if not room or not pack:
+                    frames.append([])
+                    room = per_frame
+                k = min(n, room)
+                frames[-1].append((s, d, k))
+                s, d, n, room = s + k, d + k, n - k, room - k
+        with self._lock:
+            self._check_usable()
+            for pieces in frames:
+                k = sum(n for _, _, n in pieces)
+                if pack:
+                    table = b"".join(struct.pack("!II", d, n) for _, d, n in pieces)
+                    idx = torch.tensor([s + i for s, _, n in pieces for i in range(n)], device=src.device)
+                    bufs = [frame(PACKED, rid, desc.epoch, layer, len(pieces), k, len(table) + 2 * k * page_bytes),
+                            table, _byte_view(_page_rows(src).index_select(1, idx).cpu())]  # K, then V
+                else:
+                    [(s, d, _)] = pieces
+                    bufs = [frame(WRITE, rid, desc.epoch, layer, d, k, 2 * k * page_bytes),
+                            *[self._pages(layer, kv, s, k) for kv in (0, 1)]]
+                try:
+                    self._send(bufs)
+                except OSError as e:
+                    self._raise_broken(f"sending {k} pages of layer {layer} (to page {pieces[0][1]}...) failed ({e})")
+                self.num_copies += len(pieces)  # page runs, as in every transport; frames are counted apart
+                self.num_frames += 1
+                self.bytes_sent += 2 * k * page_bytes
+
+    def flush(self, desc: TransferDescriptor) -> None:
+        rid = desc.request_id.encode()
+        with self._lock:
+            self._check_usable()
+            try:
+                self.sock.sendall(frame(FLUSH, rid, desc.epoch))
+            except OSError as e:
+                self._raise_broken(f"sending FLUSH failed ({e})")
+            ftype, kind, r_rid, r_epoch, message = self._read_reply()
+            if ftype == ERROR and kind in _ERROR_OF and r_rid == rid and r_epoch == desc.epoch:
+                raise _ERROR_OF[kind](f"tcp receiver {self.address}: {message}")
+            if ftype == ERROR:
+                self._raise_broken(f"the receiver refused the stream: {message}")
+            if ftype != ACK or r_rid != rid or r_epoch != desc.epoch:
+                self._raise_broken(f"unexpected reply (type {ftype}, request {r_rid!r}, epoch {r_epoch}) "
+                                   f"to the FLUSH of {desc.request_id!r} epoch {desc.epoch}")
+
+    def close(self) -> None:
+        self._broken = self._broken or "sender closed"
+        self.sock.close()
+
+    def _pages(self, layer: int, kv: int, start: int, num: int) -> memoryview:
+        """Bytes of src_pool[layer, kv, start:start+num]: a slice of the pool itself when it is contiguous."""
+        if self._flat is not None:
+            offset = ((layer * 2 + kv) * self.src_pool.shape[2] + start) * self._page_bytes
+            return self._flat[offset:offset + num * self._page_bytes]
+        return _byte_view(self.src_pool[layer, kv, start:start + num].contiguous().cpu())
+
+    def _send(self, bufs: list) -> None:
+        """Header and payload parts in one syscall when the socket takes them (small frames)."""
+        sent = self.sock.sendmsg(bufs)
+        for buf in bufs:
+            if sent < len(buf):
+                self.sock.sendall(memoryview(buf)[sent:])
+            sent = max(0, sent - len(buf))
+
+    def _check_usable(self) -> None:
+        if self._broken:
+            raise TransferAbortedError(f"tcp connection to {self.address} is unusable: {self._broken}; "
+                                       "open a new sender and retry the transfer")
+
+    def _raise_broken(self, why: str) -> None:
+        self._broken = why
+        self.sock.close()
+        raise TransferAbortedError(f"tcp receiver {self.address}: {why}; the transfer did not complete")
+
+    def _read_reply(self) -> tuple[int, int, bytes, int, str]:
+        header = bytearray(HEADER.size)
+        try:
+            recv_exact(self.sock, memoryview(header))
+            magic, version, ftype, kind, rid_len, epoch, _, _, _, nbytes = HEADER.unpack(header)
+            if magic != MAGIC or version != VERSION or rid_len > MAX_RID_BYTES or nbytes > MAX_MESSAGE_BYTES:
+                self._raise_broken(f"malformed reply header {bytes(header)!r}")
+            body = bytearray(rid_len + nbytes)
+            recv_exact(self.sock, memoryview(body))
+        except PeerTimeout:
+            self._broken = f"no reply within {self.timeout_s} s"
+            self.sock.close()
+            raise TransferError(f"tcp receiver {self.address} did not answer the FLUSH within "
+                                f"{self.timeout_s} s; treat the transfer as failed") from None
+        except PeerGone as e:
+            self._raise_broken(str(e))
+        return ftype, kind, bytes(body[:rid_len]), epoch, body[rid_len:].decode(errors="replace")

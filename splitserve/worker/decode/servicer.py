@@ -1,0 +1,185 @@
+"""The DecodeWorker gRPC service over a DecodeConnector (role ``decode``) or a plain engine (role ``both``).
+
+Protocol (the gateway orchestrates): ``Reserve`` returns a transfer descriptor; the prefill
+worker writes the prompt's KV into those pages and returns the first token (the gateway calls
+``RenewLease`` meanwhile, so a long or queued prefill keeps its pages); ``Decode`` then
+completes the handoff with the epoch and streams every later token. On a ``both`` worker,
+``Decode`` with epoch 0 runs the whole request here, first token included.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+from splitserve.engine.llm_engine import LLMEngine
+from splitserve.engine.outputs import RequestOutput
+from splitserve.kvtransfer.decode_side import DecodeConnector
+from splitserve.common import tracing
+from splitserve.wire import (arrival_to_monotonic, descriptor_to_proto, logprobs_from_proto,
+                                    logprobs_to_proto, sampling_from_worker)
+from splitserve.common.errors import InvalidArgument, ResourceExhausted
+from splitserve.common.logs import request_id_var
+from splitserve.common.metrics import EngineMetrics
+from splitserve.v1 import worker_pb2, worker_pb2_grpc
+from splitserve.worker.engine_loop import next_event
+from splitserve.worker.servicer import WorkerServicer
+
+log = logging.getLogger(__name__)
+
+
+class DecodeWorkerServicer(WorkerServicer, worker_pb2_grpc.DecodeWorkerServicer):
+    def __init__(self, engine: LLMEngine, connector: DecodeConnector | None, worker_id: str,
+                 metrics: EngineMetrics | None = None):
+        """``connector`` None: a ``both`` worker that prefills its own requests."""
+        self.connector = connector
+        self.role = "decode" if connector else "both"
+        self.metrics = metrics
+        super().__init__(engine, worker_id, connector.transports if connector else [],
+                         housekeeping=self._housekeeping)
+
+    # ---- on the engine loop thread --------------------------------------------------------
+    def step(self):
+        before = self.engine.scheduler.num_sampled_tokens
+        outputs = self.engine.step()
+        if self.metrics is not None:  # with speculative decoding an output may carry several new tokens
+            self.metrics.generation_tokens.inc(self.engine.scheduler.num_sampled_tokens - before)
+            self.metrics.refresh_counters(self.engine)
+        return [(out.request_id, out) for out in outputs]
+
+    def has_work(self) -> bool:
+        return self.engine.has_unfinished_requests()
+
+    def _housekeeping(self) -> None:
+        if self.connector is not None:
+            expired = self.connector.reap_expired()
+            if expired and self.metrics is not None:
+                self.metrics.lease_expiries.inc(len(expired))
+        if self.metrics is not None:
+            self.metrics.refresh(self.engine)
+
+    def abort(self, request_id: str) -> bool:
+        if self.connector is not None:
+            return self.connector.abort(request_id)
+        return self.engine.abort_request(request_id) is not None
+
+    def busy(self) -> bool:
+        """Running, waiting, or reserved for a handoff still on its way."""
+        return self.engine.has_unfinished_requests() or (self.connector is not None and len(self.connector.leases) > 0)
+
+    # ---- RPCs ------------------------------------------------------------------------
+    async def Reserve(self, request, context):
+        with tracing.server_span("reserve", context, request.request_id, self.worker_id):
+            return await self._reserve(request)
+
+    async def _reserve(self, request):
+        if self.role == "both":
+            raise InvalidArgument("this worker runs prefill and decode itself (role both): call Decode with epoch 0")
+        if not request.request_id or request.num_prompt_tokens < 1:
+            raise InvalidArgument("request_id and num_prompt_tokens >= 1 are required")
+        self.refuse_if_draining()
+        prompt = list(request.prompt_token_ids) or None
+        if prompt is not None and len(prompt) != request.num_prompt_tokens:
+            raise InvalidArgument(f"prompt_token_ids has {len(prompt)} tokens, num_prompt_tokens says "
+                                  f"{request.num_prompt_tokens}")
+        try:
+            desc = await self.loop.run(lambda: self.connector.reserve(request.request_id, request.num_prompt_tokens,
+                                                                      prompt))
+        except asyncio.CancelledError:
+            # The caller gave up (its client left, its deadline passed) while the reservation was
+            # queued for the engine thread, which makes it all the same: nobody will use those
+            # pages, and the caller's Abort may have been handled before it (a cancel storm leaked
+            # 4 pages so, until the lease's end). Freed after it, in the loop's order.
+            self.abort_soon(request.request_id)
+            raise
+        if desc is None:
+            raise ResourceExhausted(f"no free KV pages for {request.num_prompt_tokens} tokens on {self.worker_id}",
+                                    retry_after_s=0.5)
+        return worker_pb2.ReserveResponse(descriptor=descriptor_to_proto(desc), lease_ttl_s=self.connector.leases.ttl_s)
+
+    async def RenewLease(self, request, context):
+        if self.role == "both":
+            raise InvalidArgument("this worker runs prefill and decode itself (role both): it holds no leases")
+        if not request.request_id:
+            raise InvalidArgument("request_id is required")
+        # On the event loop, not between engine steps: the lease table is thread-safe, and a
+        # renewal must not wait for a long step to end.
+        ttl_s = self.connector.renew(request.request_id, request.epoch)
+        if self.metrics is not None:
+            self.metrics.lease_renewals.inc()
+        return worker_pb2.RenewLeaseResponse(lease_ttl_s=ttl_s)
+
+    async def Decode(self, request, context):
+        with tracing.server_span("decode", context, request.request_id, self.worker_id) as span:
+            tokens = 0
+            # aclosing: a caller that goes away closes the inner stream now, which aborts the request
+            async with contextlib.aclosing(self._decode(request)) as chunks:
+                async for chunk in chunks:
+                    tokens += len(chunk.token_ids)
+                    yield chunk
+            span.set_attribute("splitserve.tokens_streamed", tokens)
+
+    async def _decode(self, request):
+        rid = request.request_id
+        if not rid:
+            raise InvalidArgument("request_id is required")
+        request_id_var.set(rid)
+        params = sampling_from_worker(request.sampling)
+        prompt = list(request.prompt_token_ids)
+        arrival = arrival_to_monotonic(request.arrival_time)
+        log.info("decode of a %d-token prompt (epoch %d)", len(prompt), request.epoch)
+        events = self.loop.subscribe(rid)
+        finished = False
+        try:
+            if request.epoch == 0:
+                if self.role != "both":
+                    raise InvalidArgument("epoch is required: this decode worker only continues prefilled requests")
+                self.refuse_if_draining()
+                await self.loop.run(lambda: self.engine.add_request(rid, prompt, params, priority=request.priority,
+                                                                    arrival_time=arrival))
+                if self.metrics is not None:
+                    self.metrics.prompt_tokens.inc(len(prompt))
+                sent, out = 0, None
+            else:
+                first_lp = logprobs_from_proto(request.first_logprobs) if request.HasField("first_logprobs") else None
+                checksum = request.checksum if request.HasField("checksum") else None
+                out = await self.loop.run(lambda: self.connector.complete(
+                    rid, request.epoch, prompt, params, request.first_token, checksum=checksum,
+                    priority=request.priority, first_logprobs=first_lp, arrival_time=arrival,
+                    sampler_state=request.sampler_state or None))
+                sent = 1  # the gateway already has the first token from the prefill worker
+            while True:
+                if out is not None and (len(out.token_ids) > sent or out.finished):
+                    chunk = self._chunk(out, sent)
+                    if request.epoch == 0 and sent == 0:
+                        chunk.cached_prompt_tokens = out.num_cached_tokens
+                    sent = len(out.token_ids)
+                    finished = out.finished
+                    yield chunk
+                    if finished:
+                        return
+                out = await next_event(events)
+        except BaseException:
+            # The caller went away (this task is cancelled), the engine died, or a call failed:
+            # whatever the request holds here goes.
+            if not finished:
+                self.abort_soon(rid)
+            raise
+        finally:
+            self.loop.unsubscribe(rid)
+
+    # ---- helpers -----------------------------------------------------------------------
+    @staticmethod
+    def _chunk(out: RequestOutput, sent: int) -> worker_pb2.DecodeChunk:
+        chunk = worker_pb2.DecodeChunk(token_ids=out.token_ids[sent:])
+        if out.logprobs:
+            chunk.logprobs.extend(logprobs_to_proto(lp) for lp in out.logprobs[sent:])
+        if out.finished:
+            chunk.finish_reason = out.finish_reason
+        return chunk
+
+    def close(self) -> None:
+        super().close()
+        if self.connector is not None:
+            self.connector.close()
+

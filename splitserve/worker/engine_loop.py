@@ -1,0 +1,208 @@
+"""One thread owns a worker's engine; the asyncio gRPC handlers talk to it through this loop.
+
+The engine and the kvtransfer connectors are not thread-safe, and an engine step blocks for
+milliseconds to seconds, so it cannot run on the event loop either. Handlers hand closures to
+the loop thread (``await loop.run(fn)``: run between steps, result or exception handed back;
+``loop.submit(fn)``: fire and forget) and read per-request events from ``subscribe``, an
+``asyncio.Queue`` the loop thread fills with ``call_soon_threadsafe``. The loop steps while
+there is work and otherwise sleeps on its command queue, so an idle worker burns no CPU.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import queue
+import threading
+import time
+from concurrent.futures import Future
+from typing import Any, Callable
+
+from splitserve.engine.openmp import ComputeHandover
+from splitserve.common.errors import Unavailable
+
+log = logging.getLogger(__name__)
+
+Step = Callable[[], list[tuple[str, Any]]]  # one engine step -> (request_id, event) pairs
+
+# Fault injection for the reliability tests: the N-th engine step raises (0: never).
+FAIL_STEP_ENV = "SPLITSERVE_FAULT_FAIL_STEP"
+# ... and every engine step takes this many seconds longer (0: no delay): a prefill as slow as
+# a long prompt on a small machine, with a tiny model, so a test can outlast a lease for sure.
+SLOW_STEP_ENV = "SPLITSERVE_FAULT_STEP_DELAY_S"
+
+
+class EngineDead(Unavailable):
+    """The engine loop stopped after a failed step; the worker must be restarted (its callers
+    get UNAVAILABLE, so a gateway retries the request on another worker)."""
+
+
+class EngineLoop:
+    def __init__(self, step: Step, has_work: Callable[[], bool], housekeeping: Callable[[], None] | None = None,
+                 housekeeping_interval_s: float = 0.5, name: str = "engine-loop"):
+        fail_at = int(os.environ.get(FAIL_STEP_ENV, "0") or 0)
+        delay_s = float(os.environ.get(SLOW_STEP_ENV, "0") or 0)
+        step = _slowed(step, delay_s) if delay_s > 0 else step
+        self._step = _failing_at(step, fail_at) if fail_at > 0 else step
+        self._has_work = has_work
+        self._housekeeping = housekeeping
+        self._interval = housekeeping_interval_s
+        self._commands: queue.Queue = queue.Queue()
+        # request id -> how to hand it an event (put on a queue.Queue, or onto an event loop).
+        self._subscribers: dict[str, Callable[[Any], None]] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self.error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    def start(self) -> "EngineLoop":
+        # The engine was built on this thread; from now on the loop thread computes (splitserve/engine/openmp.py).
+        self._handover = ComputeHandover()
+        self._thread.start()
+        return self
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() and self.error is None
+
+    def submit(self, fn: Callable[[], Any]) -> Future:
+        """Queue ``fn`` for the loop thread; returns a concurrent future of its result."""
+        if not self.alive:
+            raise EngineDead(f"the engine loop has stopped: {self.error!r}")
+        future: Future = Future()
+        self._commands.put((fn, future))
+        return future
+
+    def call(self, fn: Callable[[], Any], timeout: float | None = 60.0) -> Any:
+        """Run ``fn`` on the loop thread and wait for its result (from a thread, not the event loop)."""
+        return self.submit(fn).result(timeout=timeout)
+
+    async def run(self, fn: Callable[[], Any], timeout: float | None = 60.0) -> Any:
+        """Run ``fn`` on the loop thread and await its result. A caller cancelled (or timed out)
+        before the loop thread got to ``fn`` cancels it: it never runs."""
+        return await asyncio.wait_for(asyncio.wrap_future(self.submit(fn)), timeout)
+
+    def subscribe(self, request_id: str) -> asyncio.Queue:
+        """Events for ``request_id`` from now on, on the calling event loop; call before the
+        request can produce any."""
+        events: asyncio.Queue = asyncio.Queue()
+        aloop = asyncio.get_running_loop()
+
+        def put(event: Any) -> None:
+            try:
+                aloop.call_soon_threadsafe(events.put_nowait, event)
+            except RuntimeError:  # the event loop closed under us: nobody is listening
+                pass
+        with self._lock:
+            self._subscribers[request_id] = put
+        return events
+
+    def subscribe_sync(self, request_id: str) -> queue.Queue:
+        """``subscribe`` for a caller on a plain thread (benchmarks drive the engine that way)."""
+        events: queue.Queue = queue.Queue()
+        with self._lock:
+            self._subscribers[request_id] = events.put
+        return events
+
+    def unsubscribe(self, request_id: str) -> None:
+        with self._lock:
+            self._subscribers.pop(request_id, None)
+
+    def fail(self, error: BaseException) -> None:
+        """The engine is gone from outside the loop (a tensor-parallel rank died while the worker
+        was idle): mark the loop dead and fail every waiter, as a failed step does."""
+        if self.error is None:
+            log.error("engine failed outside a step: %s", error)
+            self.error = error
+            self._fail_everyone(error)
+            self._commands.put(None)
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._commands.put(None)
+        self._thread.join(timeout)
+
+    # ---- the thread ------------------------------------------------------------------
+    def _run(self) -> None:
+        self._handover.adopt()
+        next_housekeeping = time.monotonic()
+        try:
+            while not self._stop.is_set():
+                self._drain_commands(block=not self._has_work())
+                if self._stop.is_set():
+                    break
+                if self._has_work():
+                    self._publish(self._step())
+                if self._housekeeping and time.monotonic() >= next_housekeeping:
+                    self._housekeeping()
+                    next_housekeeping = time.monotonic() + self._interval
+        except BaseException as e:  # a failed step kills the worker: every waiter hears it
+            log.exception("engine loop failed")
+            self.error = e
+            self._fail_everyone(e)
+
+    def _drain_commands(self, block: bool) -> None:
+        try:
+            item = self._commands.get(timeout=self._interval) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return
+        while item is not None:
+            fn, future = item
+            if future.set_running_or_notify_cancel():
+                try:
+                    future.set_result(fn())
+                except BaseException as e:
+                    future.set_exception(e)
+            try:
+                item = self._commands.get_nowait()
+            except queue.Empty:
+                return
+
+    def _publish(self, events: list[tuple[str, Any]]) -> None:
+        with self._lock:
+            for request_id, event in events:
+                put = self._subscribers.get(request_id)
+                if put is not None:
+                    put(event)
+
+    def _fail_everyone(self, error: BaseException) -> None:
+        dead = EngineDead(f"the engine loop has stopped: {error!r}")
+        with self._lock:
+            for put in self._subscribers.values():
+                put(dead)
+        while True:
+            try:
+                item = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if item is not None and item[1].set_running_or_notify_cancel():
+                item[1].set_exception(dead)
+
+
+def _failing_at(step: Step, n: int) -> Step:
+    count = 0
+
+    def failing() -> list[tuple[str, Any]]:
+        nonlocal count
+        count += 1
+        if count >= n:
+            raise RuntimeError(f"injected fault: engine step {count} fails ({FAIL_STEP_ENV}={n})")
+        return step()
+    return failing
+
+
+def _slowed(step: Step, delay_s: float) -> Step:
+    def slow() -> list[tuple[str, Any]]:
+        time.sleep(delay_s)
+        return step()
+    return slow
+
+
+async def next_event(events: asyncio.Queue, timeout: float | None = None) -> Any:
+    """The next event of a subscription; an exception published by the loop (the engine died)
+    is raised here. ``asyncio.TimeoutError`` after ``timeout`` seconds. No polling: a caller
+    that goes away cancels the awaiting handler task."""
+    event = await asyncio.wait_for(events.get(), timeout)
+    if isinstance(event, BaseException):
+        raise event
+    return event

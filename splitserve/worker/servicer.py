@@ -1,0 +1,80 @@
+"""What the prefill and decode servicers share: identity, the engine loop, draining, Abort, GetWorkerInfo.
+
+A worker servicer subclasses ``WorkerServicer`` and its generated gRPC base class, and provides
+``step`` (one engine step -> events), ``has_work``, ``abort`` and ``busy`` (all run on the engine
+loop thread). Its handlers are coroutines: they hand engine work to the loop thread and await
+events, so an open stream holds no thread.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from splitserve.wire import worker_info_to_proto
+from splitserve.common.errors import Unavailable
+from splitserve.v1 import worker_pb2
+from splitserve.worker.engine_loop import EngineDead, EngineLoop
+
+log = logging.getLogger(__name__)
+
+
+class WorkerServicer:
+    role: str = ""
+
+    def __init__(self, engine, worker_id: str, transports: list[str], housekeeping=None):
+        self.engine = engine
+        self.worker_id = worker_id
+        self.transports = list(transports)
+        self.address = ""  # set once the server listens
+        self.metrics_address = ""
+        self.draining = False  # SIGTERM: finish what is here, take nothing new
+        self.loop = EngineLoop(self.step, self.has_work, housekeeping=housekeeping,
+                               name=f"{self.role}-engine").start()
+        followers = getattr(getattr(engine, "runner", None), "followers", None)
+        if followers is not None:  # a tensor-parallel rank that dies ends this worker (exit 1)
+            followers.on_death(self.loop.fail)
+
+    # ---- what each worker kind provides (on the engine loop thread) -------------------
+    def step(self) -> list[tuple[str, Any]]:
+        raise NotImplementedError
+
+    def has_work(self) -> bool:
+        raise NotImplementedError
+
+    def abort(self, request_id: str) -> bool:
+        """Drop whatever ``request_id`` holds here; True if there was something."""
+        raise NotImplementedError
+
+    def busy(self) -> bool:
+        """Anything running, waiting or reserved here (a drain waits until this is False)."""
+        raise NotImplementedError
+
+    # ---- shared ------------------------------------------------------------------------
+    def refuse_if_draining(self) -> None:
+        if self.draining:
+            raise Unavailable(f"worker {self.worker_id} is shutting down; it only finishes what it has")
+
+    def abort_soon(self, request_id: str) -> None:
+        """Abort on the loop thread without waiting: for a handler whose caller went away (its
+        task is being cancelled, so it must not await)."""
+        try:
+            self.loop.submit(lambda: self.abort(request_id))
+        except EngineDead:
+            pass  # a dead engine holds nothing that matters any more
+
+    async def Abort(self, request, context):
+        found = await self.loop.run(lambda: self.abort(request.request_id))
+        return worker_pb2.WorkerAbortResponse(found=bool(found))
+
+    async def GetWorkerInfo(self, request, context):
+        stats = await self.loop.run(self.engine.stats)
+        return worker_info_to_proto(self.worker_id, self.role, self.address, self.transports, stats,
+                                    self.metrics_address)
+
+    async def idle(self) -> bool:
+        return not await self.loop.run(self.busy, timeout=10)
+
+    def close(self) -> None:
+        self.loop.stop()
+        if hasattr(self.engine, "close"):
+            self.engine.close()
