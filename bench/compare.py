@@ -33,9 +33,11 @@ from typing import Callable, Sequence
 from bench.common import LoadSampler, median, wait_until_quiet, write_json
 from bench.metrics import AIM, DEFINITIONS, metric_values
 from bench.plots import plot_cdfs, plot_sweep
-from bench.serve import GrpcBackend, meets_aim, relative_slo, run_load, summarize, summarize_rounds, sweep, unloaded
-from bench.stack import InProcessBackend, Stack, running
-from bench.workloads import BenchRequest, fresh_tokens, interference, mixed, poisson_offsets, prefix_probe
+from splitserve.cli.loadgen import GrpcBackend, run_load, summarize
+from bench.serve import meets_aim, relative_slo, summarize_rounds, sweep, unloaded
+from splitserve.cli.launcher import UpProcess, running
+from bench.stack import InProcessBackend
+from splitserve.cli.workloads import BenchRequest, fresh_tokens, interference, mixed, poisson_offsets, prefix_probe
 
 METHOD = ("systems side by side, one warm-up round each, then interleaved rounds A B A B ..., each started once the "
           "machine is quiet; the same requests "
@@ -164,8 +166,8 @@ def unloaded_then_poisson(args, vocab: int):
 
 
 def cmd_disagg(args) -> int:
-    return interference_comparison(args, "disagg", [Stack("disaggregated", [*engine_args(args), *DISAGG]),
-                                                    Stack("colocated", [*engine_args(args), *COLOCATED])],
+    return interference_comparison(args, "disagg", [UpProcess("disaggregated", [*engine_args(args), *DISAGG]),
+                                                    UpProcess("colocated", [*engine_args(args), *COLOCATED])],
                                    "disaggregated (1 prefill + 1 decode) vs colocated (one 'both' worker)")
 
 
@@ -173,8 +175,8 @@ def cmd_tpot_target(args) -> int:
     """Colocated, with and without --target-tpot-ms: what holding TPOT costs the long prompts' TTFT."""
     target = ["--target-tpot-ms", f"{args.target_tpot_ms:g}"]
     return interference_comparison(args, "tpot_target", [
-        Stack("colocated", [*engine_args(args), *COLOCATED]),
-        Stack("target", [*engine_args(args), *COLOCATED, *target])],
+        UpProcess("colocated", [*engine_args(args), *COLOCATED]),
+        UpProcess("target", [*engine_args(args), *COLOCATED, *target])],
         f"colocated, without and with --target-tpot-ms {args.target_tpot_ms:g}", extra={"target_tpot_ms":
                                                                                         args.target_tpot_ms})
 
@@ -231,8 +233,8 @@ def cmd_batching(args) -> int:
         requests = warmup_requests(vocab, args.seed) if i == 0 else fresh_tokens(base, vocab, args.seed + i)
         return requests, poisson_offsets(len(requests), args.rate, args.seed)
 
-    stacks = [Stack("continuous", [*engine_args(args), *COLOCATED, "--batching", "continuous"]),
-              Stack("static", [*engine_args(args), *COLOCATED, "--batching", "static",
+    stacks = [UpProcess("continuous", [*engine_args(args), *COLOCATED, "--batching", "continuous"]),
+              UpProcess("static", [*engine_args(args), *COLOCATED, "--batching", "static",
                                "--static-batch-size", str(args.static_batch_size)])]
     with running(stacks):
         backends = {s.name: GrpcBackend(s.address) for s in stacks}
@@ -264,7 +266,7 @@ def cmd_prefix(args) -> int:
     def probe(i: int):
         return prefix_probe(2 if i == 0 else hits, prefix, vocab, seed=args.seed + i)
 
-    stack = Stack("stack", [*engine_args(args), *(COLOCATED if args.colocated else DISAGG)])
+    stack = UpProcess("stack", [*engine_args(args), *(COLOCATED if args.colocated else DISAGG)])
     with running([stack]):
         backend = GrpcBackend(stack.address)
         arms = {"hit": lambda i: {"sequential": run_load(backend, probe(i)["hit"])},
@@ -292,7 +294,7 @@ def cmd_overhead(args) -> int:
     vocab, _ = model_info(args.model)
     phases, (n, n_unloaded, rate) = unloaded_then_poisson(args, vocab)
 
-    stack = Stack("stack", [*engine_args(args), *(DISAGG if args.disagg else COLOCATED)])
+    stack = UpProcess("stack", [*engine_args(args), *(DISAGG if args.disagg else COLOCATED)])
     config = EngineConfig(model=args.model, dtype=args.dtype, block_size=args.block_size,
                           num_gpu_blocks=args.num_gpu_blocks or None, kv_cache_memory_gb=args.kv_cache_memory_gb)
     with running([stack]):
@@ -332,7 +334,7 @@ def cmd_http(args) -> int:
     vocab, _ = model_info(args.model)
     phases, (n, n_unloaded, rate) = unloaded_then_poisson(args, vocab)
 
-    stack = Stack("stack", [*engine_args(args), *(DISAGG if args.disagg else COLOCATED)])
+    stack = UpProcess("stack", [*engine_args(args), *(DISAGG if args.disagg else COLOCATED)])
     with running([stack]):
         grpc_backend, http_backend = GrpcBackend(stack.address), OpenAIBackend(stack.http, args.model)
         try:
@@ -368,7 +370,7 @@ def cmd_load(args) -> int:
     unknown = set(names) - set(layouts)
     if unknown:
         raise SystemExit(f"unknown --stacks {sorted(unknown)}; choose from {sorted(layouts)}")
-    stacks = [Stack(name, [*engine_args(args), *layouts[name]]) for name in names]
+    stacks = [UpProcess(name, [*engine_args(args), *layouts[name]]) for name in names]
     with running(stacks):
         backends = {s.name: GrpcBackend(s.address) for s in stacks}
         warm = warmup_requests(vocab, args.seed)

@@ -21,10 +21,10 @@ from bench.common import LoadSampler
 from bench.compare import (COLOCATED, engine_args, model_info, print_ratios, ratio, report, run_interleaved,
                            warmup_requests, write)
 from bench.openai_client import OpenAIBackend
-from bench.serve import GrpcBackend, run_load
-from bench.stack import Stack, running
+from splitserve.cli.loadgen import GrpcBackend, run_load
+from splitserve.cli.launcher import UpProcess, running
 from bench.vllm_server import VllmServer
-from bench.workloads import fresh_tokens, mixed, poisson_offsets
+from splitserve.cli.workloads import fresh_tokens, mixed, poisson_offsets
 
 
 def main(argv=None) -> int:
@@ -59,7 +59,7 @@ def main(argv=None) -> int:
             return requests, poisson_offsets(len(requests), args.rate, args.seed)
         return fresh_tokens(base, vocab, args.seed + i), offsets
 
-    stacks = [Stack("colocated", [*engine_args(args), *COLOCATED]), Stack("disaggregated", engine_args(args))]
+    stacks = [UpProcess("colocated", [*engine_args(args), *COLOCATED]), UpProcess("disaggregated", engine_args(args))]
     server = VllmServer(args.peer_python, str(resolve_model(args.model)), dtype, min(args.max_model_len, model_max_len)).start()
     args.load = LoadSampler().start()
     try:

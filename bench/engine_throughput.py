@@ -44,7 +44,7 @@ import torch
 
 from bench.common import LoadSampler, median, wait_until_quiet, write_json
 from bench.vllm_server import vllm_env
-from bench.workloads import BenchRequest, fresh_tokens, mixed, shared_prefix
+from splitserve.cli.workloads import BenchRequest, fresh_tokens, mixed, shared_prefix
 
 SYSTEMS = ("splitserve", "splitserve-eager", "splitserve-torch-linear", "splitserve-tp2", "static", "hf", "vllm")
 SHARED_PREFIX_LEN = 512

@@ -103,7 +103,7 @@ def kvtransfer_cuda_ipc(device: str) -> dict:
 def stack(model_dir: Path, limit_s: float, device: str = "cuda") -> dict:
     """``splitserve up --device cuda`` with a prefill and a decode worker on this GPU, one streamed request."""
     from splitserve.client import Client
-    from splitserve.cli.launcher import free_port
+    from splitserve.common.processes import free_port
     port = free_port()
     env = {**os.environ, "SPLITSERVE_ENFORCE_EAGER": "1",  # the compiled step is engine_exact's
            "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}

@@ -30,7 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from bench.common import LoadSampler, write_json
-from bench.stack import Stack
+from splitserve.cli.launcher import UpProcess
 
 AIM_HEALTH_P99_MS = 100.0
 
@@ -145,7 +145,7 @@ def run(args) -> dict:
     workers = ["--prefill", "1", "--decode", "1"] if args.disaggregated else ["--prefill", "0", "--decode", "0"]
     up_args = ["--model", model, "--dtype", args.dtype, "--queue-limit", str(args.streams + 16),
                "--max-num-seqs", str(args.max_num_seqs), "--num-gpu-blocks", str(args.num_gpu_blocks), *workers]
-    stack = Stack("health", up_args)
+    stack = UpProcess("health", up_args)
     load = LoadSampler().start()
     stack.start()
     try:

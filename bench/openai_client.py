@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from typing import Iterator
 
-from bench.workloads import BenchRequest
+from splitserve.cli.workloads import BenchRequest
 
 
 class OpenAIBackend:

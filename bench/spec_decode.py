@@ -6,7 +6,7 @@ Workloads, all requests submitted at once:
   exactly``) or for a small edit of a code excerpt (rename an identifier): the output quotes
   the prompt, where prompt lookup pays. Texts are paragraphs of this repository's docs and
   functions of its engine, chat-templated for the instruct model; greedy, EOS honoured.
-* ``mixed``: bench/workloads.py's mixed workload (random prompt tokens of 32-256, outputs
+* ``mixed``: splitserve/cli/workloads.py's mixed workload (random prompt tokens of 32-256, outputs
   exponential mean 64, EOS ignored), where lookup rarely finds anything: the cost when it does
   not pay (in fact SmolLM2 loops on random tokens, so lookup pays there too).
 * ``sampled``: the mixed workload at temperature 1 (seeded): outputs rarely repeat anything, so
@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 from bench.common import LoadSampler, median, write_json
-from bench.workloads import mixed
+from splitserve.cli.workloads import mixed
 
 ROOT = Path(__file__).resolve().parents[1]
 

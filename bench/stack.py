@@ -1,106 +1,16 @@
-"""The systems the comparisons drive: a whole `splitserve up` stack, or the engine in-process.
+"""The engine in-process, as the comparisons drive it beside whole stacks.
 
-``Stack`` starts ``splitserve up`` on a free port as a child process (it dies with this
-process, even on ``kill -9``) and stops it on exit; several start side by side so A and B can
-be interleaved in one run. ``InProcessBackend`` runs ``engine.LLMEngine`` on an engine-loop
-thread in this process, with the same ``stream(request)`` interface as ``GrpcBackend``, so
-the same load generator measures both (the cost of gRPC + Redis + gateway is the difference).
+Whole ``splitserve up`` stacks come from the launcher (``splitserve.cli.launcher.UpProcess``
+and ``running``). ``InProcessBackend`` runs ``LLMEngine`` on an engine-loop thread in this
+process, with the same ``stream(request)`` interface as ``GrpcBackend``, so the same load
+generator measures both (the cost of gRPC + Redis + gateway is the difference).
 """
 from __future__ import annotations
 
-import contextlib
 import itertools
-import os
-import subprocess
-import sys
-import tempfile
-import time
-from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Iterator
 
-from bench.workloads import BenchRequest
-from splitserve.cli.launcher import die_with_parent, free_port
-
-REPO = Path(__file__).resolve().parent.parent
-BOOT_TIMEOUT_S = 300
-
-
-
-
-class Stack:
-    """``splitserve up <args>`` as a child process; ``address`` once ``wait_ready`` returned."""
-
-    def __init__(self, name: str, up_args: Sequence[str]):
-        self.name = name
-        self.up_args = list(up_args)
-        self.port = free_port()
-        self.address = f"127.0.0.1:{self.port}"
-        self.http_port = free_port()  # not up's default 8000: several stacks run side by side
-        self.http = f"http://127.0.0.1:{self.http_port}"
-        self.proc: subprocess.Popen | None = None
-        self._log = tempfile.NamedTemporaryFile("w+", prefix=f"splitserve-bench-{name}-", suffix=".log", delete=False)
-
-    @property
-    def command(self) -> list[str]:
-        return ["splitserve", "up", *self.up_args]
-
-    def start(self) -> "Stack":
-        argv = [sys.executable, "-m", "splitserve.cli", "up", "--port", str(self.port),
-                "--http-port", str(self.http_port), *self.up_args]
-        env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-        self.proc = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT, text=True, cwd=REPO, env=env,
-                                     preexec_fn=die_with_parent)
-        return self
-
-    def log_tail(self, lines: int = 30) -> str:
-        return "\n".join(Path(self._log.name).read_text(errors="replace").splitlines()[-lines:])
-
-    def wait_ready(self, timeout_s: float = BOOT_TIMEOUT_S) -> "Stack":
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if "splitserve is up" in Path(self._log.name).read_text(errors="replace"):
-                print(f"stack {self.name} up at {self.address}: {' '.join(self.command)}", flush=True)
-                return self
-            if self.proc.poll() is not None:
-                break
-            time.sleep(0.2)
-        raise RuntimeError(f"stack {self.name} ({' '.join(self.command)}) did not come up "
-                           f"(exit code {self.proc.poll()}); its log:\n{self.log_tail()}")
-
-    def terminate(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-
-    def wait_stopped(self, timeout_s: float = 60.0) -> None:
-        if self.proc is None:
-            return
-        try:
-            self.proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:  # its children get SIGTERM from PR_SET_PDEATHSIG
-            self.proc.kill()
-            self.proc.wait(timeout=30)
-        self._log.close()
-        os.unlink(self._log.name)
-
-
-@contextlib.contextmanager
-def running(stacks: Sequence[Stack]) -> Iterator[Sequence[Stack]]:
-    """Start every stack side by side, wait until all are up; stop them all on exit."""
-    t0 = time.monotonic()
-    try:
-        for stack in stacks:
-            stack.start()
-        for stack in stacks:
-            stack.wait_ready()
-        print(f"{len(stacks)} stack(s) up in {time.monotonic() - t0:.0f} s", flush=True)
-        yield stacks
-    finally:
-        t0 = time.monotonic()
-        for stack in stacks:
-            stack.terminate()
-        for stack in stacks:
-            stack.wait_stopped()
-        print(f"{len(stacks)} stack(s) stopped in {time.monotonic() - t0:.0f} s", flush=True)
+from splitserve.cli.workloads import BenchRequest
 
 
 class InProcessBackend:

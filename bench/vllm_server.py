@@ -20,7 +20,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from splitserve.cli.launcher import free_port
+from splitserve.common.processes import free_port
 
 TCMALLOC = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
 

@@ -4,7 +4,7 @@ import torch
 
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.gpu_memory import GIB, kv_blocks_for_budget
-from splitserve.cli.launcher import memory_shares
+from splitserve.cli.up import memory_shares
 
 
 def test_the_pool_gets_the_share_minus_what_the_process_already_holds():
@@ -44,7 +44,7 @@ def test_up_gives_decode_workers_twice_a_prefill_workers_share():
 
 def test_up_hands_each_worker_its_share(tmp_path):
     from splitserve.cli.commands import parse
-    from splitserve.cli.launcher import plan
+    from splitserve.cli.up import plan
     args = parse(["up", "--device", "cuda", "--prefill", "2", "--decode", "1", "--gpu-memory-utilization", "0.8"])
     shares = {}
     for spec in plan(args, "redis://127.0.0.1:1/0", str(tmp_path)):
@@ -58,7 +58,7 @@ def test_up_hands_each_worker_its_share(tmp_path):
 
 def test_up_on_cpu_refuses_a_gpu_share():
     from splitserve.cli.commands import parse
-    from splitserve.cli.launcher import cmd_up
+    from splitserve.cli.up import cmd_up
     with pytest.raises(SystemExit, match="shares a GPU"):
         cmd_up(parse(["up", "--device", "cpu", "--gpu-memory-utilization", "0.5"]))
 

@@ -10,10 +10,10 @@ from splitserve.engine import SamplingParams
 from splitserve.engine.request import Request
 from splitserve.engine.sampler import Sampler
 from splitserve.engine.scheduler import ScheduledChunk
-from splitserve.engine.spec_decode import rejection
+from splitserve.engine import rejection_sampler as rejection
 from splitserve.engine.spec_decode.ngram import ngram_propose
 from splitserve.engine.spec_decode.proposer import Proposer
-from splitserve.engine.spec_decode.state import SpecState
+from splitserve.engine.spec_state import SpecState
 from tests.test_engine_correctness import mixed_prompts
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)

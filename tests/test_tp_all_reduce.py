@@ -34,7 +34,7 @@ def _rank(rank: int, port: int, path: str, out) -> None:
 
 
 def test_every_rank_gets_the_same_exact_sum_on_every_call(tmp_path):
-    from splitserve.cli.launcher import free_port
+    from splitserve.common.processes import free_port
     path = create_shm_file(WORLD, SLOT_BYTES)
     ctx = multiprocessing.get_context("spawn")
     out = ctx.Queue()

@@ -5,7 +5,7 @@ so compose files configure services without long command lines; ``--help`` lists
 default and variable. The flags are declared once in ``splitserve/cli/flags.py`` (the engine's are
 derived from ``EngineConfig``); what each process does with them lives with the process:
 ``splitserve/worker/decode/server.py``, ``splitserve/worker/prefill/server.py``, ``splitserve/gateway/server.py``,
-``splitserve/cli/launcher.py`` (``up``), ``splitserve/client.py`` (``generate``).
+``splitserve/cli/up.py`` (``up``), ``splitserve/cli/tune.py`` (``tune``), ``splitserve/client.py`` (``generate``).
 """
 from __future__ import annotations
 
@@ -67,11 +67,36 @@ def _command(name: str, help: str, params: list[click.Option], run: Callable[[ar
                          context_settings=CONTEXT)
 
 
-def _run(module: str, function: str = "serve") -> Callable[[argparse.Namespace], int]:
-    def run(args):
-        import importlib
-        return getattr(importlib.import_module(module), function)(args)
-    return run
+# What each command runs. Imported when the command runs, not before: `splitserve --help` and the
+# gateway never load torch, and each process loads only its own role.
+def _serve_decode(args) -> int:
+    from splitserve.worker.decode.server import serve
+    return serve(args)
+
+
+def _serve_prefill(args) -> int:
+    from splitserve.worker.prefill.server import serve
+    return serve(args)
+
+
+def _serve_gateway(args) -> int:
+    from splitserve.gateway.server import serve
+    return serve(args)
+
+
+def _up(args) -> int:
+    from splitserve.cli.up import cmd_up
+    return cmd_up(args)
+
+
+def _tune(args) -> int:
+    from splitserve.cli.tune import cmd_tune
+    return cmd_tune(args)
+
+
+def _generate(args) -> int:
+    from splitserve.client import cmd_generate
+    return cmd_generate(args)
 
 
 def _up_params() -> list[click.Option]:
@@ -153,20 +178,20 @@ def build() -> click.Group:
                                          help="json: one object per line with the request id (joinable across "
                                               "processes)")])
     group.add_command(_command("decode", "Run a decode worker (or, with --role both, a colocated prefill+decode "
-                                         "worker).", options("decode"), _run("splitserve.worker.decode.server"),
+                                         "worker).", options("decode"), _serve_decode,
                                configs=(_engine_config,)))
-    group.add_command(_command("prefill", "Run a prefill worker.", options("prefill"), _run("splitserve.worker.prefill.server"),
+    group.add_command(_command("prefill", "Run a prefill worker.", options("prefill"), _serve_prefill,
                                configs=(_engine_config,)))
-    group.add_command(_command("gateway", "Run the public gRPC gateway.", options("gateway"), _run("splitserve.gateway.server"),
+    group.add_command(_command("gateway", "Run the public gRPC gateway.", options("gateway"), _serve_gateway,
                                configs=(_request_limits, _output_limits)))
     group.add_command(_command("up", "Start Redis, a gateway, prefill and decode workers on this machine, and "
-                                     "supervise them.", _up_params(), _run("splitserve.cli.launcher", "cmd_up"),
+                                     "supervise them.", _up_params(), _up,
                                configs=(_engine_config, _request_limits, _output_limits)))
     group.add_command(_command("tune", "Find the configuration with the highest goodput within an SLO: start a "
                                        "stack per point of a grid, search its highest request rate, write the "
-                                       "best as a --config file.", _tune_params(), _run("bench.tune", "cmd_tune")))
+                                       "best as a --config file.", _tune_params(), _tune))
     group.add_command(_command("generate", "Stream a generation from a running gateway to the terminal.",
-                               _generate_params(), _run("splitserve.client", "cmd_generate")))
+                               _generate_params(), _generate))
     return group
 
 

@@ -42,12 +42,10 @@ def read(path: str | Path) -> dict:
     return values
 
 
-def known_names() -> set[str]:
-    """Every name a config file may set: the flags of every command that takes one."""
-    from splitserve.cli.commands import build
-
+def known_names(group: click.Group) -> set[str]:
+    """Every name a config file may set: the flags of every command of ``group`` that takes one."""
     names: set[str] = set()
-    for command in build().commands.values():
+    for command in group.commands.values():
         names |= {p.name for p in command.params if isinstance(p, click.Option) and p.name != "config"}
     return names
 
@@ -58,7 +56,7 @@ def option() -> click.Option:
         if not path:
             return path
         values = read(path)
-        known = known_names()
+        known = known_names(ctx.find_root().command)  # the `splitserve` group: every command
         for key in values:
             if key not in known:
                 near = difflib.get_close_matches(key, known, n=1)

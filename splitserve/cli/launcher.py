@@ -1,12 +1,18 @@
-"""``splitserve up``: Redis, a gateway, prefill and decode workers on this machine, supervised.
+"""The one launcher: child processes started, watched and stopped the same way everywhere.
 
-``up`` is a supervisor, as compose's ``restart:`` or a Kubernetes controller would be:
+``splitserve up`` runs its stack through ``Supervisor``; the test harness (``tests/harness``)
+starts its processes with ``spawn``; ``splitserve tune`` and the benchmarks run whole stacks
+with ``UpProcess``. Every child dies with the thread that started it (Linux's parent-death
+signal, ``splitserve.common.processes``), so even a ``kill -9`` of the parent leaves no orphan.
 
-* **a worker that dies** (crash, ``kill -9``, a failed engine step that exits 1) is started
+``Supervisor`` is what ``up`` needs of one, as compose's ``restart:`` or a Kubernetes
+controller would be:
+
+* **a child that dies** (crash, ``kill -9``, a failed engine step that exits 1) is started
   again with the same command after a bounded backoff (0.5 s, doubling per failure in a row,
-  at most 30 s; a child that ran for a minute starts from 0.5 s again), while everything else
-  keeps serving: the gateway retries the dead worker's requests on the others, and the new
-  worker registers in Redis and takes work;
+  at most 30 s; a child that ran for a minute starts from 0.5 s again), while the others keep
+  serving: the gateway retries a dead worker's requests on the others, and the new worker
+  registers in Redis and takes work;
 * **the gateway dying** takes its clients' open streams with it (they end with UNAVAILABLE);
   it is restarted on the same port, and new requests succeed once it is back. Requests it had
   queued are failed by the claim of any gateway once its alive key lapses (5 s), those it had
@@ -17,26 +23,25 @@
   (fsync every second), the workers register again and the gateway serves again, by
   themselves. Requests already streaming keep streaming through the outage.
 
-A child that cannot boot the first time stops ``up`` (a configuration error, not a crash).
-Children get PR_SET_PDEATHSIG (they are spawned from the main thread), so even a ``kill -9``
-of ``up`` leaves no orphan behind. SIGTERM/SIGINT stop the gateway first, then the workers,
-then Redis, each with its drain.
+Stopping goes stage by stage (the gateway, then the workers, then Redis), each child with its
+drain. What ``up`` starts, and in which order, is ``splitserve.cli.up``.
 """
 from __future__ import annotations
 
-import argparse
-import ctypes
+import contextlib
 import os
-import secrets
-import shutil
+import re
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator, Sequence
+
+from splitserve.common.processes import die_with_parent, free_port
 
 BOOT_TIMEOUT_S = 300
 # Restart backoff: first delay, cap, and how long a child must run for its backoff to reset.
@@ -46,20 +51,90 @@ STABLE_S = 60.0
 # How long a stopping child may drain before it is killed.
 STOP_TIMEOUT_S = 15.0
 
+# `python -m splitserve.cli`: the command every process of a stack runs.
+CLI = (sys.executable, "-m", "splitserve.cli")
 
-def die_with_parent() -> None:
-    """preexec_fn: the child gets SIGTERM when the thread that spawned it dies."""
+
+# ---- one child ------------------------------------------------------------------------------
+
+@dataclass
+class Process:
+    """A running child: its stdout is drained on a thread (a full pipe would block it) and the
+    first line holding ``ready_text`` is noted; with ``log_path`` every other line goes there."""
+
+    proc: subprocess.Popen
+    ready_text: str
+    log_path: Path | None = None
+    on_line: Callable[[str], None] | None = None
+    ready: threading.Event = field(default_factory=threading.Event)
+    line: str = ""  # its ready line
+
+    def _drain(self) -> None:
+        sink = open(self.log_path, "a") if self.log_path else None
+        try:
+            for text in self.proc.stdout:
+                if self.on_line is not None:
+                    self.on_line(text)
+                if not self.ready.is_set() and self.ready_text in text:
+                    self.line = text.strip()
+                    self.ready.set()
+                elif sink is not None:
+                    sink.write(text)
+                    sink.flush()
+        finally:
+            self.ready.set()
+            if sink is not None:
+                sink.close()
+
+    def log_tail(self, chars: int = 3000) -> str:
+        return self.log_path.read_text(errors="replace")[-chars:] if self.log_path and self.log_path.exists() else ""
+
+    def wait_ready(self, timeout_s: float = BOOT_TIMEOUT_S) -> str:
+        """Its ready line; RuntimeError (after killing it) if it exits or stays silent for ``timeout_s``."""
+        self.ready.wait(timeout_s)
+        if not self.line:
+            self.kill()
+            raise RuntimeError(f"{' '.join(map(str, self.proc.args))[:300]} did not start within {timeout_s:.0f} s "
+                               f"(exit code {self.proc.returncode}): {self.log_tail()}")
+        return self.line
+
+    def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> int:
+        """SIGTERM (it drains) and wait; SIGKILL past ``timeout_s``. Returns the exit code."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.send_signal(signal.SIGCONT)  # a frozen (SIGSTOP) child must see the SIGTERM
+        try:
+            return self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            return self.kill()
+
+    def kill(self) -> int:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        return self.proc.wait(10)
+
+
+def spawn(argv: Sequence[str], ready_text: str, *, env: dict[str, str] | None = None,
+          log_path: Path | None = None, cwd: str | os.PathLike | None = None,
+          death_signal: int = signal.SIGTERM, on_line: Callable[[str], None] | None = None) -> Process:
+    """Start ``argv`` with ``env`` on top of this process's environment. Call it from a thread that
+    outlives the child (the parent-death signal follows the spawning thread; it survives a prefix
+    that execs, as ``ip netns exec`` does). ``log_path``: stderr and every stdout line but the
+    ready one are appended there; without it stderr is this process's own."""
+    stderr = open(log_path, "a") if log_path else None
     try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
+        proc = subprocess.Popen(list(argv), stdout=subprocess.PIPE, stderr=stderr, stdin=subprocess.DEVNULL,
+                                text=True, cwd=cwd, env={**os.environ, **(env or {})},
+                                preexec_fn=die_with_parent(death_signal))
+    finally:
+        if stderr is not None:
+            stderr.close()
+    process = Process(proc, ready_text, Path(log_path) if log_path else None, on_line)
+    threading.Thread(target=process._drain, name=f"stdout-{proc.pid}", daemon=True).start()
+    return process
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
+# ---- a supervised set of children -----------------------------------------------------------
 
 @dataclass
 class ChildSpec:
@@ -74,14 +149,20 @@ class ChildSpec:
 @dataclass
 class Child:
     spec: ChildSpec
-    proc: subprocess.Popen | None = None
-    ready: threading.Event = field(default_factory=threading.Event)
-    line: str = ""  # its ready line
+    process: Process | None = None
     started_at: float = 0.0
     restarts: int = 0
     backoff_s: float = BACKOFF_MIN_S
     due: float | None = None  # when a dead child is started again
     announced: bool = False  # its being back was said
+
+    @property
+    def proc(self) -> subprocess.Popen | None:
+        return self.process.proc if self.process else None
+
+    @property
+    def line(self) -> str:
+        return self.process.line if self.process else ""
 
 
 class Supervisor:
@@ -92,18 +173,12 @@ class Supervisor:
     def child(self, name: str) -> Child:
         return next(c for c in self.children if c.spec.name == name)
 
-    # ---- starting ---------------------------------------------------------------------
     def _spawn(self, child: Child) -> None:
         """Start ``child`` (always from the main thread: the parent-death signal follows the
-        spawning thread); a reader thread drains its stdout and notes its ready line."""
-        spec = child.spec
-        child.ready = threading.Event()
-        child.line = ""
+        spawning thread)."""
         child.announced = False
-        child.proc = subprocess.Popen(spec.argv, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL, text=True,
-                                      preexec_fn=die_with_parent, env={**os.environ, **spec.env})
+        child.process = spawn(child.spec.argv, child.spec.ready, env=child.spec.env)
         child.started_at = time.monotonic()
-        threading.Thread(target=_drain, args=(child,), name=f"stdout-{spec.name}", daemon=True).start()
 
     def boot(self, names: list[str], timeout_s: float = BOOT_TIMEOUT_S) -> None:
         """Start ``names`` together and wait until each is ready; RuntimeError if one is not."""
@@ -112,13 +187,12 @@ class Supervisor:
             self._spawn(child)
         give_up = time.monotonic() + timeout_s
         for child in started:
-            child.ready.wait(max(0.0, give_up - time.monotonic()))
+            child.process.ready.wait(max(0.0, give_up - time.monotonic()))
             if not child.line:
                 raise RuntimeError(f"{child.spec.name} did not start within {timeout_s:.0f} s "
                                    f"(exit code {child.proc.poll()})")
             print(f"{child.spec.name} (pid {child.proc.pid}): {child.line}", flush=True)
 
-    # ---- supervising ------------------------------------------------------------------
     def watch(self, stop: threading.Event, poll_s: float = 0.2) -> None:
         """Until ``stop`` is set: restart every child that dies, with its backoff."""
         while not stop.wait(poll_s):
@@ -144,7 +218,6 @@ class Supervisor:
                 child.announced = True
                 self.say(f"{child.spec.name} is back (pid {child.proc.pid}, restart {child.restarts}): {child.line}")
 
-    # ---- stopping ---------------------------------------------------------------------
     def stop(self, stages: list[list[str]]) -> None:
         """Stage by stage: SIGTERM the children of a stage together (each drains), SIGKILL whatever
         of them outlives ``STOP_TIMEOUT_S``, and only then the next stage, so what a draining
@@ -159,165 +232,126 @@ class Supervisor:
                 try:
                     child.proc.wait(timeout=max(0.1, give_up - time.monotonic()))
                 except subprocess.TimeoutExpired:
-                    child.proc.kill()
-                    child.proc.wait(10)
+                    child.process.kill()
 
 
-def _drain(child: Child) -> None:
-    """Read a child's stdout to its end (a full pipe would block it), noting its ready line."""
-    for line in child.proc.stdout:
-        if not child.ready.is_set() and child.spec.ready in line:
-            child.line = line.strip()
-            child.ready.set()
-    child.ready.set()
+# ---- a whole `splitserve up` as one child ---------------------------------------------------
+
+_CHILD_READY = re.compile(r"^(\S+) \(pid (\d+)\): ")
+_UP_READY = re.compile(r"splitserve is up: .*\(Redis (\S+)\)")
+_BACK = re.compile(r"up: (\S+) is back \(pid (\d+),")
 
 
-# ---- what `up` runs ----------------------------------------------------------------------
+class UpProcess:
+    """``splitserve up <args>`` as a child process on free ports (several run side by side, so A
+    and B can be interleaved in one run). ``address``/``http`` once ``wait_ready`` returned;
+    ``pids`` its children by name as ``up`` announced them; ``log_path`` holds what ``up`` and
+    its children printed."""
 
-def memory_shares(total: float, prefill: int, decode: int) -> dict[str, float]:
-    """Each worker's ``--gpu-memory-utilization`` when ``up`` puts all of them on one GPU with ``total``.
+    def __init__(self, name: str, up_args: Sequence[str], log_path: str | os.PathLike | None = None,
+                 port: int | None = None, http: bool = True):
+        self.name = name
+        self.up_args = list(up_args)
+        self.port = port or free_port()
+        self.address = f"127.0.0.1:{self.port}"
+        # Not up's default 8000: several stacks (and tests) run side by side.
+        self.http_port = free_port() if http else -1
+        self.http = f"http://127.0.0.1:{self.http_port}" if http else ""
+        self.log_path = Path(log_path) if log_path else \
+            Path(tempfile.mkstemp(prefix=f"splitserve-up-{name}-", suffix=".log")[1])
+        self._own_log = log_path is None
+        self.pids: dict[str, int] = {}
+        self.redis_url = ""
+        self.process: Process | None = None
 
-    A decode worker's pool holds every running sequence's KV, a prefill worker's only the prompts
-    in flight (and its prefix cache), so a decode worker gets twice a prefill worker's share: with
-    one of each and 0.9, prefill 0.3 and decode 0.6. A colocated worker (both) gets all of it."""
-    if not 0 < total <= 1:
-        raise SystemExit(f"--gpu-memory-utilization must be in (0, 1], got {total}")
-    weights = prefill + 2 * decode
-    if weights == 0:
-        return {"both": total}
-    return {"prefill": total / weights, "decode": 2 * total / weights}
+    @property
+    def command(self) -> list[str]:
+        return ["splitserve", "up", *self.up_args]
 
+    def _note(self, line: str) -> None:
+        child = _CHILD_READY.match(line)
+        if child:
+            self.pids[child.group(1)] = int(child.group(2))
+        up = _UP_READY.search(line)
+        if up:
+            self.redis_url = up.group(1)
 
-def with_internal_token(args):
-    """``args`` with an ``--internal-token`` for the gateway's calls to the workers: the one given,
-    else, when any security is on (a client or admin token, TLS), a fresh random one that only
-    ``up``'s children learn (through their environment). Without security none is needed: the
-    workers' ports are as open as the gateway's."""
-    secured = args.auth_token or args.admin_token or args.token_file or args.tls_cert
-    if args.internal_token or not secured:
-        return args
-    return argparse.Namespace(**{**vars(args), "internal_token": secrets.token_urlsafe(32)})
+    def start(self) -> "UpProcess":
+        self.process = spawn([*CLI, "up", "--port", str(self.port), "--http-port", str(self.http_port),
+                              *self.up_args], "splitserve is up", log_path=self.log_path, on_line=self._note)
+        return self
 
-
-def plan(args, redis_url: str, workdir: str) -> list[ChildSpec]:
-    """The processes of ``splitserve up <args>``: every flag reaches each child that takes it."""
-    from splitserve.cli.flags import forward
-    args = with_internal_token(args)
-    cli = [sys.executable, "-m", "splitserve.cli", "--log-level", args.child_log_level]
-    specs: list[ChildSpec] = []
-    if not args.redis_url:
-        binary = shutil.which("redis-server")
-        if binary is None:
-            raise SystemExit("redis-server not found: install it (apt-get install redis-server) or pass --redis-url")
-        port = int(redis_url.rsplit(":", 1)[1].split("/")[0])
-        argv = [binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", workdir, "--save", "",
-                "--appendonly", "yes"]
-        if args.redis_password:
-            argv += ["--requirepass", args.redis_password]
-        specs.append(ChildSpec("redis", argv, "Ready to accept connections"))
-    # Set per child below: the Redis URL, the metrics port, the engine threads, the GPU memory share.
-    own = frozenset({"redis_url", "metrics_port", "num_threads", "gpu_memory_utilization"})
-    roles = [("decode", i) for i in range(args.decode)] + [("prefill", i) for i in range(args.prefill)]
-    if not roles:
-        roles = [("both", None)]
-    # Every worker runs on the one --device (rank r of a tensor-parallel worker on the r-th GPU
-    # after it): --gpu-memory-utilization is split between them.
-    shares = memory_shares(args.gpu_memory_utilization, args.prefill, args.decode) \
-        if args.gpu_memory_utilization else {}
-    # Worker processes share the cores: with more threads than cores they only contend
-    # (measured: 1 thread each for prefill + decode on 2 cores halved TTFT at 2 req/s).
-    # A tensor-parallel worker's ranks are processes too, each with the worker's thread count.
-    even = args.num_threads or max(1, (os.cpu_count() or 1) // (len(roles) * args.tensor_parallel_size))
-    threads = {"prefill": args.prefill_threads or even, "decode": args.decode_threads or even,
-               "both": args.decode_threads or even}
-    for k, (role, i) in enumerate(roles, start=1):
-        flags, env = forward(args, "prefill" if role == "prefill" else "decode", skip=own)
-        argv = ["decode", "--role", "both"] if role == "both" else [role]
-        argv += [*flags, "--redis-url", redis_url, "--num-threads", str(threads[role])]
-        if shares:
-            argv += ["--gpu-memory-utilization", f"{shares[role]:.4f}"]
-        if args.metrics_port > 0:  # the gateway on the port given, workers on the ports after it
-            argv += ["--metrics-port", str(args.metrics_port + k)]
-        elif args.metrics_port == 0:
-            argv += ["--metrics-port", "0"]
-        specs.append(ChildSpec(role if i is None else f"{role}{i}", cli + argv, "serving on", env))
-    flags, env = forward(args, "gateway", skip=own)
-    specs.append(ChildSpec("gateway", cli + ["gateway", *flags, "--redis-url", redis_url,
-                                             "--metrics-port", str(args.metrics_port)], "serving on", env))
-    return specs
-
-
-def cmd_up(args) -> int:
-    if args.gpu_memory_utilization and args.device.startswith("cpu"):
-        raise SystemExit("--gpu-memory-utilization shares a GPU; on CPU size the KV pools with --kv-cache-memory-gb")
-    from splitserve.common.authz import gateway_credentials
-    gateway_credentials(with_internal_token(args))  # a bad security flag stops here, before anything starts
-    workdir = tempfile.mkdtemp(prefix="splitserve-up-")
-    redis_url = args.redis_url or f"redis://127.0.0.1:{free_port()}/0"
-    supervisor = Supervisor(plan(args, redis_url, workdir))
-    names = [c.spec.name for c in supervisor.children]
-    workers = [n for n in names if n not in ("redis", "gateway")]
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-    try:
-        if "redis" in names:
-            supervisor.boot(["redis"])
-        supervisor.boot(workers)
-        supervisor.boot(["gateway"])
-        address = f"{args.host}:{args.port}"
-        _wait_serving(address, args)
-        http = f", OpenAI HTTP http://{args.host}:{args.http_port}/v1" if args.http_port > 0 else ""
-        print(f"splitserve is up: gRPC {address}{http} (Redis {redis_url})", flush=True)
-        if args.demo:
-            return _demo(address, args.demo, args)
-        supervisor.watch(stop)
-        return 0
-    finally:
-        supervisor.stop([["gateway"], workers, ["redis"] if "redis" in names else []])
-        shutil.rmtree(workdir, ignore_errors=True)
-
-
-def _wait_serving(address: str, args) -> None:
-    """Until the gateway's health says SERVING (it sees a usable set of workers in Redis)."""
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    from splitserve.common.security import Security
-    with Security.from_args(args).channel(address.replace("0.0.0.0", "127.0.0.1")) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        give_up = time.monotonic() + BOOT_TIMEOUT_S
-        while time.monotonic() < give_up:
-            try:
-                # Readiness: the gateway's own service, not liveness ("" is SERVING from its start).
-                if stub.Check(health_pb2.HealthCheckRequest(service="splitserve.v1.Generation"), timeout=5).status == \
-                        health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.RpcError:
-                pass
-            time.sleep(0.2)
-    raise RuntimeError(f"the gateway did not report SERVING within {BOOT_TIMEOUT_S} s")
-
-
-def _demo(address: str, question: str, args) -> int:
-    """One chat request through the running stack, streamed to the terminal."""
-    import grpc
-
-    from splitserve.client import Client
-    print(f"\nQ: {question}\nA: ", end="", flush=True)
-    with Client(address, ca=args.tls_ca or None, cert=args.tls_cert or None, key=args.tls_key or None,
-                token=args.auth_token or args.admin_token or None, max_message_mb=args.max_message_mb) as client:
+    def wait_ready(self, timeout_s: float = BOOT_TIMEOUT_S) -> "UpProcess":
         try:
-            for event in client.generate(messages=[{"role": "user", "content": question}], max_tokens=64,
-                                         temperature=0.0, timeout=300):
-                if event.finished:
-                    t = event.timeline
-                    print(f"\n\n[{event.finish_reason}; {event.usage.completion_tokens} tokens; first token "
-                          f"{t.first_token_ms:.0f} ms; prefill on {t.prefill_worker}, decode on {t.decode_worker}]",
-                          flush=True)
-                else:
-                    print(event.text, end="", flush=True)
-        except grpc.RpcError as e:
-            print(f"\nerror: {e.code().name}: {e.details()}", file=sys.stderr, flush=True)
-            return 1
-    return 0
+            self.process.wait_ready(timeout_s)
+        except RuntimeError:
+            raise RuntimeError(f"stack {self.name} ({' '.join(self.command)}) did not come up "
+                               f"(exit code {self.process.proc.poll()}); its log:\n{self.log_tail()}") from None
+        print(f"stack {self.name} up at {self.address}: {' '.join(self.command)}", flush=True)
+        return self
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
+
+    def log_tail(self, lines: int = 30) -> str:
+        return "\n".join(self.log().splitlines()[-lines:])
+
+    def wait_log(self, text: str, timeout_s: float = 120.0) -> str:
+        """Until ``text`` appears in up's log; returns the line (a "X is back" line updates ``pids``).
+        AssertionError after ``timeout_s``."""
+        give_up = time.monotonic() + timeout_s
+        while time.monotonic() < give_up:
+            for line in self.log().splitlines():
+                if text in line:
+                    back = _BACK.search(line)
+                    if back:
+                        self.pids[back.group(1)] = int(back.group(2))
+                    return line
+            time.sleep(0.1)
+        raise AssertionError(f"up did not say {text!r} within {timeout_s:.0f} s; it said:\n{self.log()[-3000:]}")
+
+    def terminate(self) -> None:
+        if self.process is not None and self.process.proc.poll() is None:
+            self.process.proc.terminate()
+
+    def wait_stopped(self, timeout_s: float = 60.0) -> None:
+        """Until ``up`` has drained and stopped its children (killed past ``timeout_s``: its
+        children then get SIGTERM from their parent-death signal)."""
+        if self.process is None:
+            return
+        try:
+            self.process.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+        if self._own_log:
+            self.log_path.unlink(missing_ok=True)
+
+    def close(self, timeout_s: float = 60.0) -> None:
+        self.terminate()
+        self.wait_stopped(timeout_s)
+
+    def __enter__(self) -> "UpProcess":
+        return self.start().wait_ready()
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+@contextlib.contextmanager
+def running(stacks: Sequence[UpProcess]) -> Iterator[Sequence[UpProcess]]:
+    """Start every stack side by side, wait until all are up; stop them all on exit."""
+    t0 = time.monotonic()
+    try:
+        for stack in stacks:
+            stack.start()
+        for stack in stacks:
+            stack.wait_ready()
+        print(f"{len(stacks)} stack(s) up in {time.monotonic() - t0:.0f} s", flush=True)
+        yield stacks
+    finally:
+        t0 = time.monotonic()
+        for stack in stacks:
+            stack.terminate()
+        for stack in stacks:
+            stack.wait_stopped()
+        print(f"{len(stacks)} stack(s) stopped in {time.monotonic() - t0:.0f} s", flush=True)

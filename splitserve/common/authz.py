@@ -24,7 +24,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
-from splitserve.common.security import AUTH_METADATA_KEY, AUTH_SCHEME
+from splitserve.common.security import AUTH_METADATA_KEY, AUTH_SCHEME, Security, read_token_file
 
 # Hex digits of the token's sha256 kept in the owner: 64 bits, enough to tell tokens apart.
 OWNER_DIGEST_CHARS = 16
@@ -47,21 +47,6 @@ class Caller:
 def token_owner(token: str) -> str:
     """The owner a token stands for (a digest: the token itself is never stored)."""
     return "token:" + hashlib.sha256(token.encode()).hexdigest()[:OWNER_DIGEST_CHARS]
-
-
-def read_token_file(path: str) -> list[str]:
-    """The tokens of ``--token-file``: one per line; blank lines and lines starting with '#' are skipped."""
-    if not path:
-        return []
-    try:
-        with open(path, encoding="utf-8") as f:
-            lines = f.read().splitlines()
-    except (OSError, UnicodeDecodeError) as e:
-        raise ValueError(f"cannot read --token-file {path!r}: {e}") from None
-    tokens = [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
-    if not tokens:
-        raise ValueError(f"--token-file {path!r} holds no token (one per line; '#' starts a comment)")
-    return tokens
 
 
 class Authorizer:
@@ -142,7 +127,6 @@ def _certificate_subject(auth_context) -> str:
 def gateway_credentials(args):
     """The gateway's (Authorizer, public Security, internal Security) from its flags; a
     configuration that would leave the workers open to the clients exits with why."""
-    from splitserve.common.security import Security
     public = Security.from_args(args)
     internal = Security.internal_from_args(args)
     admin = getattr(args, "admin_token", "") or ""

@@ -7,10 +7,10 @@ themselves. ``status_for`` maps any exception to ``(grpc.StatusCode, message)``:
 =============================================  ==========================================
 exception                                      status
 =============================================  ==========================================
-``SplitserveError`` subclasses                 their ``code``
+``SplitserveError`` subclasses                 their ``code`` (the layers above define
+                                               theirs: ``kvtransfer.base.TransferError`` is
+                                               UNAVAILABLE, a layout mismatch FAILED_PRECONDITION)
 ``ValueError`` (engine validation)             INVALID_ARGUMENT
-``splitserve.kvtransfer.base.LayoutMismatchError``        FAILED_PRECONDITION
-other ``splitserve.kvtransfer.base.TransferError``        UNAVAILABLE (the handoff is void; retry it)
 ``TimeoutError`` (asyncio's too)               UNAVAILABLE (the server's own wait ran out; retry)
 anything else                                  INTERNAL, generic message, logged with traceback
 =============================================  ==========================================
@@ -28,7 +28,6 @@ import dataclasses
 import functools
 import logging
 import math
-import sys
 from dataclasses import dataclass
 from typing import Callable
 
@@ -118,19 +117,6 @@ class Unauthenticated(SplitserveError):
     code = grpc.StatusCode.UNAUTHENTICATED
 
 
-def _kvtransfer_status(exc: BaseException) -> tuple[grpc.StatusCode, str] | None:
-    # Look the module up instead of importing it: kvtransfer pulls in torch, which the
-    # gateway does not need, and an exception of a module never imported cannot exist.
-    base = sys.modules.get("splitserve.kvtransfer.base")
-    if base is None:
-        return None
-    if isinstance(exc, base.LayoutMismatchError):
-        return grpc.StatusCode.FAILED_PRECONDITION, str(exc)
-    if isinstance(exc, base.TransferError):
-        return grpc.StatusCode.UNAVAILABLE, str(exc)
-    return None
-
-
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     """The gRPC status code and client-facing message for ``exc``.
 
@@ -139,9 +125,6 @@ def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:
     """
     if isinstance(exc, SplitserveError):
         return exc.code, str(exc)
-    mapped = _kvtransfer_status(exc)
-    if mapped is not None:
-        return mapped
     if isinstance(exc, ValueError):
         return grpc.StatusCode.INVALID_ARGUMENT, str(exc)
     if isinstance(exc, TimeoutError):

@@ -70,6 +70,21 @@ def _read(path: str | os.PathLike | bytes | None, flag: str) -> bytes | None:
     return data
 
 
+def read_token_file(path: str) -> list[str]:
+    """The tokens of ``--token-file``: one per line; blank lines and lines starting with '#' are skipped."""
+    if not path:
+        return []
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"cannot read --token-file {path!r}: {e}") from None
+    tokens = [line.strip() for line in lines if line.strip() and not line.lstrip().startswith("#")]
+    if not tokens:
+        raise ValueError(f"--token-file {path!r} holds no token (one per line; '#' starts a comment)")
+    return tokens
+
+
 @dataclass(frozen=True)
 class Security:
     """How one process secures its port and the calls it makes. The default is plaintext, open."""
@@ -115,7 +130,6 @@ class Security:
         """The public side, from the CLI flags (``splitserve.cli.flags``): the gateway's port accepts
         ``--auth-token``, every token of ``--token-file`` and ``--admin-token``. A bad flag exits
         with its message."""
-        from splitserve.common.authz import read_token_file
         try:
             more = (*read_token_file(getattr(args, "token_file", "")), getattr(args, "admin_token", ""))
             security = cls.load(args.tls_cert, args.tls_key, args.tls_ca, args.auth_token,

@@ -18,7 +18,7 @@ from splitserve.engine.request import Request
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.scheduler import Scheduler
 from splitserve.engine.step_budget import StepBudget
-from splitserve.engine.spec_decode.proposer import build_proposer
+from splitserve.engine.spec_decode.build import build_proposer
 from splitserve.engine.structured_output import GrammarCompiler
 
 

@@ -28,7 +28,7 @@ from splitserve.engine.cpu_linear import pack_linear_layers, resolve_linear_back
 from splitserve.engine.model_loader import load_model
 from splitserve.engine.sampler import Sampler, SamplingRow
 from splitserve.engine.scheduler import SampledToken, ScheduledChunk, SchedulerOutput
-from splitserve.engine.spec_decode.rejection import verify
+from splitserve.engine.rejection_sampler import verify
 from splitserve.engine.step_inputs import InputBuffers
 from splitserve.engine.tensor_parallel import rank_device
 from splitserve.engine.tensor_parallel.messages import StepMessage
@@ -216,7 +216,7 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, plan: SchedulerOutput) -> dict[str, list[SampledToken]]:
         """One step: the new tokens of each sampling request (one; with proposals, the accepted
-        ones and the token sampled after them, ``splitserve.engine.spec_decode.rejection``)."""
+        ones and the token sampled after them, ``splitserve.engine.rejection_sampler``)."""
         bind_device(self.device)  # the engine may be stepped by any thread (a worker's engine loop)
         if self.followers is not None and (plan.swap_out or plan.swap_in):
             self.followers.broadcast(StepMessage(swap_out=tuple(plan.swap_out), swap_in=tuple(plan.swap_in)))

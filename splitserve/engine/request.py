@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from splitserve.engine.sampling_params import SamplingParams
-from splitserve.engine.spec_decode.state import SpecState
+from splitserve.engine.spec_state import SpecState
 from splitserve.engine.structured_output import Grammar
 
 

@@ -341,7 +341,7 @@ class Sampler:
     def sampling_probs(self, work: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """The distribution a random row samples from ([n, vocab], rows sum to 1): step 5's
         temperature, top-k, top-p and min-p over ``prepare``'s logits. Speculative decoding's
-        rejection sampler needs it explicitly (``splitserve.engine.spec_decode.rejection``)."""
+        rejection sampler needs it explicitly (``splitserve.engine.rejection_sampler``)."""
         probs = self._filtered_probs(work, rows, list(range(len(rows))))
         return probs.div_(probs.sum(dim=-1, keepdim=True))
 

@@ -30,7 +30,7 @@ from splitserve.engine.config import EngineConfig
 from splitserve.engine.kv_cache_manager import KVCacheManager
 from splitserve.engine.priority import priority_key
 from splitserve.engine.request import FinishReason, Request, RequestStatus
-from splitserve.engine.spec_decode.state import SpecDecodeStats, SpecState
+from splitserve.engine.spec_state import SpecDecodeStats, SpecState
 
 
 @dataclass

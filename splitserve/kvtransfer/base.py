@@ -12,18 +12,26 @@ import zlib
 from dataclasses import asdict, dataclass, fields
 from typing import Sequence
 
+import grpc
 import torch
 
+from splitserve.common.errors import SplitserveError
 from splitserve.engine.attention import kv_quant
 from splitserve.engine.attention.page_order import TOKEN_MAJOR, order_of
 
 
-class TransferError(Exception):
-    """A KV handoff failed; the message says why and what to do."""
+class TransferError(SplitserveError):
+    """A KV handoff failed; the message says why and what to do. The handoff is void: a client
+    sees UNAVAILABLE (retry it)."""
+
+    code = grpc.StatusCode.UNAVAILABLE
 
 
 class LayoutMismatchError(TransferError):
-    pass
+    """The two pools cannot exchange pages (heads, head size, dtype, page size differ): retrying
+    the same pair cannot help."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
 
 
 class StaleEpochError(TransferError):

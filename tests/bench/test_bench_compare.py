@@ -14,8 +14,9 @@ import pytest
 from bench import compare
 from bench.common import wait_until_quiet
 from bench.metrics import metric_values
-from bench.serve import parse_rates, run_load, summarize, summarize_rounds, timeline_breakdown
-from bench.workloads import BenchRequest, fresh_tokens, interference, mixed, poisson_offsets, prefix_probe
+from splitserve.cli.loadgen import run_load, summarize, timeline_breakdown
+from bench.serve import parse_rates, summarize_rounds
+from splitserve.cli.workloads import BenchRequest, fresh_tokens, interference, mixed, poisson_offsets, prefix_probe
 
 
 def test_schedule_warms_up_every_arm_then_alternates():
@@ -177,7 +178,7 @@ class _Unavailable(grpc.RpcError):
 
 
 def test_grpc_backend_retries_unavailable_only_before_the_first_token():
-    from bench.serve import GrpcBackend
+    from splitserve.cli.loadgen import GrpcBackend
     backend = GrpcBackend("127.0.0.1:1", retry_unavailable_s=30)
     calls = []
 

@@ -4,7 +4,7 @@ asserted: the JSON must describe every system, workload and round it ran."""
 import json
 
 from bench import engine_throughput, step_time
-from bench.workloads import fresh_tokens, shared_prefix
+from splitserve.cli.workloads import fresh_tokens, shared_prefix
 
 
 def test_engine_throughput_runs_every_system_and_workload(tiny_model_dirs, tmp_path):

@@ -1,7 +1,7 @@
 """bench/serve.py computes vLLM's metric definitions; checked on hand-made timings."""
 import pytest
 
-from bench.serve import summarize
+from splitserve.cli.loadgen import summarize
 
 
 def test_metric_definitions():

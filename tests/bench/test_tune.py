@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from bench.tune import Split, highest_rate, max_probes
+from splitserve.cli.tune import Split, highest_rate, max_probes
 from splitserve.client import Client
 
 
@@ -64,8 +64,8 @@ def test_two_point_sweep_writes_a_config_that_up_starts_from(tiny_model_dirs, tm
     config = tmp_path / "sweep" / "tuned.yaml"
     assert "max-num-seqs: 4" in config.read_text() and "prefill: 0" in config.read_text()
 
-    from bench.stack import Stack, running
-    stack = Stack("from-config", ["--config", str(config), "--kv-cache-memory-gb", "0.05"])
+    from splitserve.cli.launcher import UpProcess, running
+    stack = UpProcess("from-config", ["--config", str(config), "--kv-cache-memory-gb", "0.05"])
     with running([stack]):
         with Client(stack.address) as client:
             roles = [w.role for w in client.server_info().workers if w.role != "gateway"]

@@ -30,7 +30,7 @@ import pytest
 from grpc_health.v1 import health_pb2
 
 from splitserve.client import Client
-from splitserve.cli.launcher import free_port
+from splitserve.common.processes import free_port
 from tests.harness.hostile import NeverReading
 from tests.harness.stack import gateway_health, start_process, stop_process, wait_pages_at_baseline
 from tests.harness.streams import join_all, run_streams

@@ -14,13 +14,10 @@ That signal follows the starting *thread*: start servers from a thread that outl
 from __future__ import annotations
 
 import atexit
-import ctypes
 import os
 import shutil
 import signal
-import socket
 import subprocess
-import sys
 import tempfile
 import time
 import weakref
@@ -30,21 +27,10 @@ import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
 
+from splitserve.common.processes import die_with_parent, free_port
+
 REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
 _live: "weakref.WeakSet[RedisServer]" = weakref.WeakSet()
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-_libc = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None
-
-
-def _die_with_parent():  # runs in the child between fork and exec: keep it to one C call
-    _libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 class RedisServer:
@@ -102,7 +88,7 @@ class RedisServer:
         attempts = 1 if (self._fixed_port or self.port) else 5
         for attempt in range(attempts):
             if not self.port:
-                self.port = _free_port()
+                self.port = free_port()
             try:
                 self._spawn_and_wait()
                 _live.add(self)
@@ -172,7 +158,7 @@ class RedisServer:
         self.log_path.unlink(missing_ok=True)
         self.proc = subprocess.Popen(self._args(), stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                                      stderr=subprocess.DEVNULL,
-                                     preexec_fn=_die_with_parent if sys.platform == "linux" else None)
+                                     preexec_fn=die_with_parent(signal.SIGKILL))
         probe = redis.Redis(host=self.host, port=self.port, password=self.password, socket_timeout=0.5,
                             socket_connect_timeout=0.5, retry=Retry(NoBackoff(), retries=0))
         deadline = time.monotonic() + self.startup_timeout_s

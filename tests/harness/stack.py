@@ -34,13 +34,10 @@ the main thread).
 """
 from __future__ import annotations
 
-import ctypes
 import os
 import shlex
 import signal
 import subprocess
-import sys
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -49,7 +46,9 @@ from typing import Iterable, Sequence
 import grpc
 from grpc_health.v1 import health_pb2
 
+from splitserve.cli.launcher import CLI, Process, spawn
 from splitserve.client import Client
+from splitserve.common.processes import free_port
 from splitserve.v1 import generation_pb2, generation_pb2_grpc, worker_pb2, worker_pb2_grpc
 from tests.harness.redis_server import RedisServer
 
@@ -70,66 +69,21 @@ DEFAULT_WORKER_ARGS = ("--dtype", "float32", "--block-size", "8", "--num-gpu-blo
                        "--max-num-batched-tokens", "128")
 _ROLES = ("prefill", "decode", "both")
 _REPO_ROOT = Path(__file__).resolve().parents[2]
-_libc = ctypes.CDLL(None, use_errno=True) if sys.platform == "linux" else None
-
-
-def _die_with_parent() -> None:  # between fork and exec: one C call
-    _libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
 def _spawn(args: Sequence[str], log_path: Path | None, env: dict[str, str] | None = None,
-           prefix: Sequence[str] = ()) -> "_Boot":
-    """Spawn ``<prefix> python -m splitserve.cli <args>`` on the calling thread (the parent-death
-    signal follows it, and survives a prefix that execs, as ``ip netns exec`` does), with ``env``
-    on top of this process's environment; a helper thread drains its stdout and notes the
-    ``serving on`` line."""
+           prefix: Sequence[str] = ()) -> Process:
+    """``<prefix> python -m splitserve.cli <args>`` through the launcher, from the calling thread
+    (SIGKILL when it ends: a frozen child must die too), with ``env`` on top of this process's
+    environment; it is ready once it prints ``serving on``."""
     logging = ["--log-level", "INFO", "--log-format", "json"] if log_path else ["--log-level", "WARNING"]
-    log = open(log_path, "a") if log_path else subprocess.DEVNULL
-    try:
-        proc = subprocess.Popen([*prefix, sys.executable, "-m", "splitserve.cli", *logging, *args], stdout=subprocess.PIPE,
-                                stderr=log, stdin=subprocess.DEVNULL, text=True, cwd=_REPO_ROOT,
-                                env={**os.environ, "PYTHONPATH": str(_REPO_ROOT), **(env or {})},
-                                preexec_fn=_die_with_parent if _libc is not None else None)
-    finally:
-        if log_path:
-            log.close()
-    boot = _Boot(proc, list(args), log_path)
-    threading.Thread(target=boot.drain, name=f"stdout-{args[0]}", daemon=True).start()
-    return boot
+    return spawn([*prefix, *CLI, *logging, *args], "serving on", log_path=log_path, cwd=_REPO_ROOT,
+                 env={"PYTHONPATH": str(_REPO_ROOT), **(env or {})}, death_signal=signal.SIGKILL)
 
 
-@dataclass
-class _Boot:
-    proc: subprocess.Popen
-    args: list[str]
-    log_path: Path | None
-    ready: threading.Event = field(default_factory=threading.Event)
-    line: str = ""
-
-    def drain(self) -> None:  # reads stdout to the end, so the child never blocks on a full pipe
-        sink = open(self.log_path, "a") if self.log_path else None
-        try:
-            for text in self.proc.stdout:
-                if not self.ready.is_set() and "serving on" in text:
-                    self.line = text.strip()
-                    self.ready.set()
-                elif sink is not None:
-                    sink.write(text)
-                    sink.flush()
-        finally:
-            self.ready.set()
-            if sink is not None:
-                sink.close()
-
-    def wait(self, timeout_s: float = BOOT_TIMEOUT_S) -> tuple[subprocess.Popen, str]:
-        self.ready.wait(timeout_s)
-        if not self.line:
-            self.proc.kill()
-            self.proc.wait(10)
-            tail = self.log_path.read_text(errors="replace")[-3000:] if self.log_path else ""
-            raise RuntimeError(f"{self.args[0]} did not start within {timeout_s:.0f} s "
-                               f"(exit code {self.proc.returncode}): {tail}")
-        return self.proc, self.line.rsplit(" ", 1)[-1]
+def _started(process: Process, timeout_s: float = BOOT_TIMEOUT_S) -> tuple[subprocess.Popen, str]:
+    """The process and the address of its ``serving on <host:port>`` line."""
+    return process.proc, process.wait_ready(timeout_s).rsplit(" ", 1)[-1]
 
 
 def start_process(args: Sequence[str], log_path: Path | None = None, timeout_s: float = BOOT_TIMEOUT_S,
@@ -142,7 +96,7 @@ def start_process(args: Sequence[str], log_path: Path | None = None, timeout_s: 
     or stays silent for ``timeout_s``. ``prefix``: an argv prefix that execs the command (e.g.
     ``ip netns exec <ns>``).
     """
-    return _spawn(args, log_path, env, prefix).wait(timeout_s)
+    return _started(_spawn(args, log_path, env, prefix), timeout_s)
 
 
 def stop_process(proc: subprocess.Popen, log_path: Path | None = None, timeout_s: float = 30.0) -> int:
@@ -354,12 +308,11 @@ def start_stack(model: str | os.PathLike, log_dir: str | os.PathLike | None = No
         for name, boot in pending:
             stack.procs[name] = boot.proc  # known to close() even if it never boots
         for name, boot in pending:
-            stack.procs[name], stack.addresses[name] = boot.wait()
+            stack.procs[name], stack.addresses[name] = _started(boot)
         argv = ["gateway", "--model", model, "--host", gateway_host, "--port", "0", "--redis-url", redis_server.url,
                 "--block-size", _flag_value([*worker_defaults, *worker_args], "--block-size", "16"),
                 *metrics_flag, *gateway_args, *name_args.get("gateway", ())]
         if http:
-            from splitserve.cli.launcher import free_port
             port = free_port()
             argv += ["--http-port", str(port)]
             stack.http = f"http://{gateway_host}:{port}"

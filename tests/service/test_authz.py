@@ -21,7 +21,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from splitserve.client import Client
-from splitserve.cli.launcher import free_port
+from splitserve.common.processes import free_port
 from splitserve.common.security import Security
 from tests.harness.redis_server import RedisServer
 from tests.harness.stack import DEFAULT_WORKER_ARGS, start_process
@@ -238,7 +238,7 @@ def test_configurations_that_open_the_workers_to_clients_do_not_start(tiny_model
 
 def test_up_gives_one_internal_token_to_every_child_when_security_is_on(tmp_path):
     from splitserve.cli.commands import parse
-    from splitserve.cli.launcher import plan
+    from splitserve.cli.up import plan
 
     def envs(argv, env):
         old = dict(os.environ)
@@ -264,7 +264,7 @@ def test_up_gives_one_internal_token_to_every_child_when_security_is_on(tmp_path
 
 
 def test_token_file_lines(tmp_path):
-    from splitserve.common.authz import read_token_file
+    from splitserve.common.security import read_token_file
     path = tmp_path / "tokens"
     path.write_text("# clients\n  alpha  \n\nbeta\n  # indented comment\n")
     assert read_token_file(str(path)) == ["alpha", "beta"]

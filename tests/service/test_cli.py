@@ -93,7 +93,7 @@ def _value_for(option: click.Option, default):
 
 def test_up_forwards_every_flag_to_each_child_that_takes_it(tmp_path):
     from splitserve.cli.flags import BY_NAME
-    from splitserve.cli.launcher import plan
+    from splitserve.cli.up import plan
     argv = ["up", "--prefill", "2", "--decode", "1"]
     given = {}
     for option in up_options():
@@ -185,11 +185,11 @@ def test_heartbeat_stats_do_not_wait_out_a_long_engine_step():
 def test_up_gives_each_rank_of_a_tensor_parallel_worker_its_share_of_the_cores(tmp_path, monkeypatch):
     """8 cores, a prefill and a decode worker of 2 ranks each: 4 rank processes, 2 threads each
     (1 rank each: 4 threads)."""
-    from splitserve.cli import launcher
-    monkeypatch.setattr(launcher.os, "cpu_count", lambda: 8)
+    from splitserve.cli import up
+    monkeypatch.setattr(up.os, "cpu_count", lambda: 8)
     for tp, threads in ((1, "4"), (2, "2")):
         argv = ["up", "--prefill", "1", "--decode", "1", "--tensor-parallel-size", str(tp)]
-        specs = {spec.name: spec.argv for spec in launcher.plan(parse(argv), "redis://127.0.0.1:1/0", str(tmp_path))}
+        specs = {spec.name: spec.argv for spec in up.plan(parse(argv), "redis://127.0.0.1:1/0", str(tmp_path))}
         for name in ("prefill0", "decode0"):
             child = specs[name]
             assert child[child.index("--num-threads") + 1] == threads, (tp, name)

@@ -7,7 +7,7 @@ import pytest
 
 from splitserve.cli import config_file
 from splitserve.cli.commands import parse
-from splitserve.cli.launcher import plan
+from splitserve.cli.up import plan
 
 
 @pytest.fixture

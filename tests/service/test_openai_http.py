@@ -17,7 +17,7 @@ import openai
 import pytest
 
 from splitserve.engine.model_loader import DEFAULT_MODEL, load_tokenizer, resolve_model
-from splitserve.cli.launcher import free_port
+from splitserve.common.processes import free_port
 from tests.harness.redis_server import RedisServer
 from tests.harness.stack import start_process, wait_pages_at_baseline
 from splitserve.v1 import generation_pb2

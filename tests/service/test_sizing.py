@@ -1,4 +1,4 @@
-"""splitserve.cli.sizing and splitserve.cli.tp_layout: tensor parallelism in the KV and weight arithmetic.
+"""splitserve.cli.sizing: tensor parallelism in the KV and weight arithmetic.
 
 The numbers are worked out by hand in the comments (Llama-3 shapes from their config.json), not
 recomputed with the functions under test. The docs' examples are checked against the CLI's output
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from splitserve.cli import sizing, tp_layout
+from splitserve.cli import sizing
 from splitserve.cli.sizing import KVShape, kv_bytes_per_token, pages_for, tp_refusal, weight_bytes_per_gpu, weight_params
 
 SMOLLM2 = KVShape.from_config("smollm2", {
@@ -63,7 +63,7 @@ def test_heads_must_divide_by_the_tensor_parallel_size():
 
 
 def test_llama_3_70b_on_eight_80_gib_gpus_is_one_tp4_pair():
-    options = tp_layout.layouts(LLAMA3_70B, "bfloat16", "auto", 16, gpus=8, gpu_memory_gib=80, overhead_gib=8)
+    options = sizing.layouts(LLAMA3_70B, "bfloat16", "auto", 16, gpus=8, gpu_memory_gib=80, overhead_gib=8)
     assert [o.tensor_parallel_size for o in options] == [1, 2, 4]  # 3 does not divide 64 heads; 8 leaves no pair
     tp1, tp2, tp4 = options
     assert tp1.pages == 0 and tp1.kv_gib < 0  # 131.4 GiB of weights on one GPU
@@ -72,8 +72,8 @@ def test_llama_3_70b_on_eight_80_gib_gpus_is_one_tp4_pair():
     assert (tp2.pairs, tp2.kv_gib, tp2.pages, tp2.sequences(8192, 16)) == (2, 4.3, 1_761, 3)
     # TP=4: 80 - 8 - 35.79 = 36.2 GiB; pages of 1,310,720 B: 29,655 -> 57 sequences; 1 pair.
     assert (tp4.pairs, tp4.kv_gib, tp4.pages, tp4.sequences(8192, 16)) == (1, 36.2, 29_655, 57)
-    assert tp_layout.suggest(options, 8192, 16, min_sequences=8) is tp4
-    assert tp_layout.suggest(options, 8192, 16, min_sequences=58) is None
+    assert sizing.suggest(options, 8192, 16, min_sequences=8) is tp4
+    assert sizing.suggest(options, 8192, 16, min_sequences=58) is None
 
 
 def test_llama_3_8b_on_eight_24_gib_gpus_is_two_tp2_pairs(capsys):

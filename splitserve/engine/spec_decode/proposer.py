@@ -35,14 +35,3 @@ class NgramProposer(Proposer):
     def _propose(self, chunks: list[ScheduledChunk], plan: SchedulerOutput) -> None:
         for chunk in chunks:
             chunk.spec_token_ids = ngram_propose(chunk.request.all_token_ids, chunk.lookahead, self.n_min, self.n_max)
-
-
-def build_proposer(config: EngineConfig, runner) -> Proposer | None:
-    """The proposer of ``config.speculative_method`` (None: speculation off). ``runner``: the
-    target's ModelRunner (a draft model shares its page ids and sampler)."""
-    if not config.speculative_method:
-        return None
-    if config.speculative_method == "ngram":
-        return NgramProposer(config)
-    from splitserve.engine.spec_decode.draft import DraftProposer
-    return DraftProposer(config, runner)

@@ -28,9 +28,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
-from bench.common import write_json
-from bench.serve import GrpcBackend, run_load, summarize
-from bench.workloads import BenchRequest, fresh_tokens, mixed, poisson_offsets
+from splitserve.cli.loadgen import GrpcBackend, run_load, summarize
+from splitserve.cli.workloads import BenchRequest, fresh_tokens, mixed, poisson_offsets
 
 
 @dataclass(frozen=True)
@@ -203,13 +202,13 @@ class Prober:
 def tune_point(point: Point | None, measure: Callable[[Callable[[float], dict]], tuple[float, list[dict]]],
                make_prober: Callable[[str], Prober], stack_args: list[str]) -> dict:
     """Start the point's stack (or use the running one when ``point`` is None), search its rate."""
-    from bench.stack import Stack, running
+    from splitserve.cli.launcher import UpProcess, running
     if point is None:
         prober = make_prober("")
         prober.warm_up()
         best, probes = measure(prober)
         return {"point": None, "goodput_requests_per_s": best, "probes": probes}
-    stack = Stack("tune", [*stack_args, *point.up_args()])
+    stack = UpProcess("tune", [*stack_args, *point.up_args()])
     started = time.monotonic()
     with running([stack]):
         boot_s = time.monotonic() - started
@@ -261,12 +260,11 @@ def plot(results: list[dict], slo: dict, path: Path) -> None:
 def cmd_tune(args) -> int:
     from tqdm import tqdm
 
-    from bench.compare import model_info
     from splitserve.cli import config_file
     if args.mixed and args.workload:
         raise SystemExit("splitserve tune: --mixed or --workload, not both")
     slo = {"ttft_p99_ms": args.slo_ttft_p99_ms, "tpot_p50_ms": args.slo_tpot_p50_ms}
-    vocab, _ = model_info(args.model)
+    vocab = _vocab_size(args.model)
     requests = load_workload(args.workload, args.model) if args.workload else \
         mixed(args.num_requests, vocab, seed=args.seed)
     try:
@@ -307,8 +305,11 @@ def cmd_tune(args) -> int:
     bar.close()
     best = best_of(results)
     payload = _write(out, args, slo, results)
-    plot(results, slo, out / "tune.png")
-    print(f"wrote {out / 'tune.png'}")
+    try:
+        plot(results, slo, out / "tune.png")
+        print(f"wrote {out / 'tune.png'}")
+    except ImportError:  # the plot is optional: pip install 'splitserve[tune]'
+        print("no tune.png: matplotlib is not installed (pip install 'splitserve[tune]')")
     if best is None:
         print("no point met the SLO at any rate tried: loosen it or lower --start-rate")
         return 1
@@ -335,8 +336,16 @@ def _write(out: Path, args, slo: dict, results: list[dict]) -> dict:
                f"mixed, {args.num_requests} requests a probe (fresh prompt ids each)",
                "search": {"start_rate": args.start_rate, "max_rate": args.max_rate, "steps": args.search_steps},
                "points": results, "best": best and {k: best[k] for k in ("point", "goodput_requests_per_s")}}
-    write_json(out / "tune.json", payload)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "tune.json").write_text(json.dumps({**payload, "written": time.strftime("%Y-%m-%dT%H:%M:%S%z")},
+                                              indent=2) + "\n")
     return payload
+
+
+def _vocab_size(model: str) -> int:
+    """The model's vocabulary (the synthetic prompts draw token ids from it)."""
+    from splitserve.engine.model_loader import load_config, resolve_model
+    return load_config(resolve_model(model)).vocab_size
 
 
 def _ints(text: str) -> list[int]:

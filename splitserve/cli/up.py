@@ -1,0 +1,172 @@
+"""``splitserve up``: Redis, a gateway, prefill and decode workers on this machine, supervised.
+
+``plan`` turns ``up``'s flags into the processes to run (every flag reaches each child that
+takes it); ``cmd_up`` boots them in order (Redis, the workers together, the gateway), waits
+until the gateway is ready, and supervises them (``splitserve.cli.launcher.Supervisor``: a
+child that dies is started again). A child that cannot boot the first time stops ``up`` (a
+configuration error, not a crash). SIGTERM/SIGINT stop the gateway first, then the workers,
+then Redis, each with its drain.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import secrets
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import time
+
+from splitserve.cli.launcher import BOOT_TIMEOUT_S, CLI, ChildSpec, Supervisor
+from splitserve.common.processes import free_port
+
+
+def memory_shares(total: float, prefill: int, decode: int) -> dict[str, float]:
+    """Each worker's ``--gpu-memory-utilization`` when ``up`` puts all of them on one GPU with ``total``.
+
+    A decode worker's pool holds every running sequence's KV, a prefill worker's only the prompts
+    in flight (and its prefix cache), so a decode worker gets twice a prefill worker's share: with
+    one of each and 0.9, prefill 0.3 and decode 0.6. A colocated worker (both) gets all of it."""
+    if not 0 < total <= 1:
+        raise SystemExit(f"--gpu-memory-utilization must be in (0, 1], got {total}")
+    weights = prefill + 2 * decode
+    if weights == 0:
+        return {"both": total}
+    return {"prefill": total / weights, "decode": 2 * total / weights}
+
+
+def with_internal_token(args):
+    """``args`` with an ``--internal-token`` for the gateway's calls to the workers: the one given,
+    else, when any security is on (a client or admin token, TLS), a fresh random one that only
+    ``up``'s children learn (through their environment). Without security none is needed: the
+    workers' ports are as open as the gateway's."""
+    secured = args.auth_token or args.admin_token or args.token_file or args.tls_cert
+    if args.internal_token or not secured:
+        return args
+    return argparse.Namespace(**{**vars(args), "internal_token": secrets.token_urlsafe(32)})
+
+
+def plan(args, redis_url: str, workdir: str) -> list[ChildSpec]:
+    """The processes of ``splitserve up <args>``: every flag reaches each child that takes it."""
+    from splitserve.cli.flags import forward
+    args = with_internal_token(args)
+    cli = [*CLI, "--log-level", args.child_log_level]
+    specs: list[ChildSpec] = []
+    if not args.redis_url:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise SystemExit("redis-server not found: install it (apt-get install redis-server) or pass --redis-url")
+        port = int(redis_url.rsplit(":", 1)[1].split("/")[0])
+        argv = [binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", workdir, "--save", "",
+                "--appendonly", "yes"]
+        if args.redis_password:
+            argv += ["--requirepass", args.redis_password]
+        specs.append(ChildSpec("redis", argv, "Ready to accept connections"))
+    # Set per child below: the Redis URL, the metrics port, the engine threads, the GPU memory share.
+    own = frozenset({"redis_url", "metrics_port", "num_threads", "gpu_memory_utilization"})
+    roles = [("decode", i) for i in range(args.decode)] + [("prefill", i) for i in range(args.prefill)]
+    if not roles:
+        roles = [("both", None)]
+    # Every worker runs on the one --device (rank r of a tensor-parallel worker on the r-th GPU
+    # after it): --gpu-memory-utilization is split between them.
+    shares = memory_shares(args.gpu_memory_utilization, args.prefill, args.decode) \
+        if args.gpu_memory_utilization else {}
+    # Worker processes share the cores: with more threads than cores they only contend
+    # (measured: 1 thread each for prefill + decode on 2 cores halved TTFT at 2 req/s).
+    # A tensor-parallel worker's ranks are processes too, each with the worker's thread count.
+    even = args.num_threads or max(1, (os.cpu_count() or 1) // (len(roles) * args.tensor_parallel_size))
+    threads = {"prefill": args.prefill_threads or even, "decode": args.decode_threads or even,
+               "both": args.decode_threads or even}
+    for k, (role, i) in enumerate(roles, start=1):
+        flags, env = forward(args, "prefill" if role == "prefill" else "decode", skip=own)
+        argv = ["decode", "--role", "both"] if role == "both" else [role]
+        argv += [*flags, "--redis-url", redis_url, "--num-threads", str(threads[role])]
+        if shares:
+            argv += ["--gpu-memory-utilization", f"{shares[role]:.4f}"]
+        if args.metrics_port > 0:  # the gateway on the port given, workers on the ports after it
+            argv += ["--metrics-port", str(args.metrics_port + k)]
+        elif args.metrics_port == 0:
+            argv += ["--metrics-port", "0"]
+        specs.append(ChildSpec(role if i is None else f"{role}{i}", cli + argv, "serving on", env))
+    flags, env = forward(args, "gateway", skip=own)
+    specs.append(ChildSpec("gateway", cli + ["gateway", *flags, "--redis-url", redis_url,
+                                             "--metrics-port", str(args.metrics_port)], "serving on", env))
+    return specs
+
+
+def cmd_up(args) -> int:
+    if args.gpu_memory_utilization and args.device.startswith("cpu"):
+        raise SystemExit("--gpu-memory-utilization shares a GPU; on CPU size the KV pools with --kv-cache-memory-gb")
+    from splitserve.common.authz import gateway_credentials
+    gateway_credentials(with_internal_token(args))  # a bad security flag stops here, before anything starts
+    workdir = tempfile.mkdtemp(prefix="splitserve-up-")
+    redis_url = args.redis_url or f"redis://127.0.0.1:{free_port()}/0"
+    supervisor = Supervisor(plan(args, redis_url, workdir))
+    names = [c.spec.name for c in supervisor.children]
+    workers = [n for n in names if n not in ("redis", "gateway")]
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        if "redis" in names:
+            supervisor.boot(["redis"])
+        supervisor.boot(workers)
+        supervisor.boot(["gateway"])
+        address = f"{args.host}:{args.port}"
+        _wait_serving(address, args)
+        http = f", OpenAI HTTP http://{args.host}:{args.http_port}/v1" if args.http_port > 0 else ""
+        print(f"splitserve is up: gRPC {address}{http} (Redis {redis_url})", flush=True)
+        if args.demo:
+            return _demo(address, args.demo, args)
+        supervisor.watch(stop)
+        return 0
+    finally:
+        supervisor.stop([["gateway"], workers, ["redis"] if "redis" in names else []])
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _wait_serving(address: str, args) -> None:
+    """Until the gateway's health says SERVING (it sees a usable set of workers in Redis)."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from splitserve.common.security import Security
+    with Security.from_args(args).channel(address.replace("0.0.0.0", "127.0.0.1")) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        give_up = time.monotonic() + BOOT_TIMEOUT_S
+        while time.monotonic() < give_up:
+            try:
+                # Readiness: the gateway's own service, not liveness ("" is SERVING from its start).
+                if stub.Check(health_pb2.HealthCheckRequest(service="splitserve.v1.Generation"), timeout=5).status == \
+                        health_pb2.HealthCheckResponse.SERVING:
+                    return
+            except grpc.RpcError:
+                pass
+            time.sleep(0.2)
+    raise RuntimeError(f"the gateway did not report SERVING within {BOOT_TIMEOUT_S} s")
+
+
+def _demo(address: str, question: str, args) -> int:
+    """One chat request through the running stack, streamed to the terminal."""
+    import grpc
+
+    from splitserve.client import Client
+    print(f"\nQ: {question}\nA: ", end="", flush=True)
+    with Client(address, ca=args.tls_ca or None, cert=args.tls_cert or None, key=args.tls_key or None,
+                token=args.auth_token or args.admin_token or None, max_message_mb=args.max_message_mb) as client:
+        try:
+            for event in client.generate(messages=[{"role": "user", "content": question}], max_tokens=64,
+                                         temperature=0.0, timeout=300):
+                if event.finished:
+                    t = event.timeline
+                    print(f"\n\n[{event.finish_reason}; {event.usage.completion_tokens} tokens; first token "
+                          f"{t.first_token_ms:.0f} ms; prefill on {t.prefill_worker}, decode on {t.decode_worker}]",
+                          flush=True)
+                else:
+                    print(event.text, end="", flush=True)
+        except grpc.RpcError as e:
+            print(f"\nerror: {e.code().name}: {e.details()}", file=sys.stderr, flush=True)
+            return 1
+    return 0
