@@ -7,7 +7,7 @@ every request runs to its length, and (handoff) the pages arrive byte for byte.
 import pytest
 
 from splitserve.engine import EngineConfig, SamplingParams
-from splitserve.kvtransfer import build_decode, build_prefill
+from splitserve.worker.wiring import build_decode, build_prefill
 from tests.test_engine_correctness import mixed_prompts
 from tests.test_kvtransfer_handoff import assert_refused_before_any_byte_moves, handoff
 

@@ -78,7 +78,7 @@ def test_cuda_ipc_pages_land_byte_for_byte(layout, src_device):
 def test_engine_handoff_over_cuda_ipc_equals_transformers(tiny_model_dirs, hf_reference):
     """Prefill engine in a child process, decode engine here, one GPU, KV through CUDA IPC on the
     connector's copy stream: greedy output equals transformers."""
-    from splitserve.kvtransfer import build_decode
+    from splitserve.worker.wiring import build_decode
     from tests.test_engine_correctness import mixed_prompts
     from tests.test_kvtransfer_handoff import GREEDY, PREFILL_PROCESS, config
     model = tiny_model_dirs["llama"]

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from splitserve.engine import SamplingParams
-from splitserve.kvtransfer import build_decode, build_prefill
+from splitserve.worker.wiring import build_decode, build_prefill
 from splitserve.kvtransfer.transports.cuda_ipc import CudaIpcSender, decode_handle, encode_handle
 from splitserve.kvtransfer.transports.shm import ShmReceiver, create_pool_directory
 from tests.test_engine_correctness import mixed_prompts

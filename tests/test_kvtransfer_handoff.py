@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from splitserve.engine import EngineConfig, SamplingParams
-from splitserve.kvtransfer import LayoutMismatchError, LeaseExpiredError, StaleEpochError, build_decode, build_prefill
+from splitserve.kvtransfer import LayoutMismatchError, LeaseExpiredError, StaleEpochError
+from splitserve.worker.wiring import build_decode, build_prefill
 from splitserve.kvtransfer.base import ChecksumMismatchError, kv_checksum
 from tests.test_engine_correctness import mixed_prompts
 
@@ -176,13 +177,13 @@ def test_decode_pages_equal_prefill_pages_byte_for_byte(pair, tmp_path, num_laye
     desc = decode.reserve("x", len(prompt))
     prefill.start("x", prompt, GREEDY, desc)
     src_table = []
-    hook = prefill.engine.runner.layer_hook
+    save_layer = prefill.save_layer  # the connector's per-layer call (splitserve.engine.kv_connector)
 
     def spy(plan, layer):
         if plan.block_tables.get("x"):
             src_table[:] = plan.block_tables["x"]
-        hook(plan, layer)
-    prefill.engine.runner.layer_hook = spy
+        save_layer(plan, layer)
+    prefill.save_layer = spy
     [result] = prefill.step()
     src = prefill.engine.runner.kv_cache
     dst = decode.engine.runner.kv_cache
@@ -331,16 +332,16 @@ def test_checksum_mismatch_frees_pages_and_says_so(pair):
 PREFILL_CHILD = textwrap.dedent("""
     import json, sys, time
     from splitserve.engine import EngineConfig, SamplingParams
-    from splitserve.kvtransfer import build_prefill
+    from splitserve.worker.wiring import build_prefill
     from splitserve.kvtransfer.base import TransferDescriptor
     model, desc_json, prompt_json = sys.argv[1:4]
     prefill = build_prefill(EngineConfig(model=model, dtype="float32", num_gpu_blocks=128, block_size=8, enforce_eager=True))
-    hook = prefill.engine.runner.layer_hook
-    def slow_hook(plan, layer):
-        hook(plan, layer)
+    save_layer = prefill.save_layer
+    def slow_save_layer(plan, layer):
+        save_layer(plan, layer)
         print("layer", layer, flush=True)
         time.sleep(60)  # stalls mid-transfer until killed
-    prefill.engine.runner.layer_hook = slow_hook
+    prefill.save_layer = slow_save_layer
     desc = TransferDescriptor.from_dict(json.loads(desc_json))
     prefill.start(desc.request_id, json.loads(prompt_json), SamplingParams(temperature=0, max_tokens=4), desc)
     prefill.step()
@@ -372,7 +373,7 @@ def test_prefill_killed_mid_transfer_ends_with_pages_free(pair, tiny_model_dirs)
 PREFILL_PROCESS = textwrap.dedent("""
     import json, sys
     from splitserve.engine import EngineConfig, SamplingParams
-    from splitserve.kvtransfer import build_prefill
+    from splitserve.worker.wiring import build_prefill
     from splitserve.kvtransfer.base import TransferDescriptor
     model, jobs_json = sys.argv[1:3]
     device = sys.argv[3] if len(sys.argv) > 3 else "auto"

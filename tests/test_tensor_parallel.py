@@ -20,7 +20,8 @@ import torch
 
 from splitserve.engine import EngineConfig, SamplingParams
 from splitserve.engine.tensor_parallel.ranks import RankDied
-from splitserve.kvtransfer import LayoutMismatchError, build_decode, build_prefill
+from splitserve.kvtransfer import LayoutMismatchError
+from splitserve.worker.wiring import build_decode, build_prefill
 from tests.harness.tiny_models import make_tiny_model
 from tests.test_engine_correctness import mixed_prompts
 from tests.test_kvtransfer_handoff import handoff
@@ -340,6 +341,7 @@ def test_control_messages_cross_a_socket_without_pickle():
     from splitserve.engine.attention import StepLayout
     from splitserve.engine.tensor_parallel import messages
     from splitserve.kvtransfer.base import KVLayout, TransferDescriptor
+    from splitserve.kvtransfer.tensor_parallel import CopyOrder, KVSetup
     layout = StepLayout(slot_mapping=torch.arange(5), query_start_loc=torch.tensor([0, 2, 5], dtype=torch.int32),
                         seq_lens=torch.tensor([9, 3], dtype=torch.int32), block_tables=torch.zeros((2, 0), dtype=torch.int32),
                         num_decodes=1, query_lens_list=[2, 3], seq_lens_list=[9, 3], block_size=8)
@@ -347,8 +349,8 @@ def test_control_messages_cross_a_socket_without_pickle():
                               7, 123.5, (("tcp", "h:1"),), rank_offers=((("shm", "/dev/shm/b"), ("tcp", "h:2")),))
     step = messages.StepMessage(swap_out=((1, 2),), input_ids=torch.tensor([1, 2, 3, 4, 5]),
                                 positions=torch.arange(5).to(torch.bfloat16), layout=layout,
-                                copies=(messages.CopyOrder(desc, "shm", ((0, 3, 2),)),))
-    setup = messages.KVSetup("serve", ("shm", "tcp"), "/dev/shm/o", kv_key=b"\x00secret")
+                                kv_orders=(CopyOrder(desc, "shm", ((0, 3, 2),)),))
+    setup = KVSetup("serve", ("shm", "tcp"), "/dev/shm/o", kv_key=b"\x00secret")
     a, b = socket.socketpair()
     with a, b:
         for sent in (step, setup, {"r0": "why"}, None):
@@ -358,7 +360,7 @@ def test_control_messages_cross_a_socket_without_pickle():
                 assert torch.equal(got.input_ids, sent.input_ids) and got.positions.dtype == torch.bfloat16
                 assert torch.equal(got.layout.query_start_loc, layout.query_start_loc)
                 assert got.layout.block_tables.shape == (2, 0) and got.layout.query_lens_list == [2, 3]
-                assert got.copies == sent.copies and got.swap_out == ((1, 2),) and got.wants_reply
+                assert got.kv_orders == sent.kv_orders and got.swap_out == ((1, 2),) and got.wants_reply
             else:
                 assert got == sent
         doc = json.dumps({"type": "Popen", "fields": {"args": ["sh"]}}).encode()

@@ -5,7 +5,7 @@
         --kv-cache-memory-gb 50 --context-len 8192
     python -m splitserve.cli.sizing --model /models/llama-3-70b --context-len 8192 --gpus 8 --gpu-memory-gb 80
 
-The arithmetic is the engine's own (``splitserve.engine.model_runner.ModelRunner``): one token's KV is
+The arithmetic is the engine's own (``splitserve.engine.kv_sizes``): one token's KV is
 ``2 (K and V) x layers x KV heads x head size x bytes per element``; a page holds
 ``--block-size`` tokens; the pool gets ``floor(budget in GiB x 2**30 / page bytes)`` pages,
 which is what a worker started with the same ``--kv-cache-memory-gb`` allocates. With a quantized
@@ -27,6 +27,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from splitserve.engine import kv_sizes
 from splitserve.engine.config import KV_CACHE_DTYPES, KV_SCALE_BYTES
 
 # Bytes per element of the KV pool; "auto" is bfloat16, as in splitserve.engine.model_runner.resolve_dtype.
@@ -80,23 +81,22 @@ def tp_refusal(shape: KVShape, tensor_parallel_size: int) -> str | None:
 
 
 def kv_bytes_per_token(shape: KVShape, dtype: str, kv_cache_dtype: str = "auto", tensor_parallel_size: int = 1) -> int:
-    """One token's KV on one GPU: a rank holds kv_heads / tensor_parallel_size of the heads."""
-    heads = shape.kv_heads // tensor_parallel_size
-    if kv_cache_dtype != "auto":  # 1-byte codes, and a float32 scale per (token, head) row
-        return 2 * shape.layers * heads * (shape.head_dim + KV_SCALE_BYTES)
-    return 2 * shape.layers * heads * shape.head_dim * DTYPE_BYTES[dtype]
+    """One token's KV on one GPU: a rank holds kv_heads / tensor_parallel_size of the heads; a
+    quantized pool stores 1-byte codes and a float32 scale per (token, head) row."""
+    quantized = kv_cache_dtype != "auto"
+    return kv_sizes.kv_bytes_per_token(shape.layers, shape.kv_heads // tensor_parallel_size, shape.head_dim,
+                                       1 if quantized else DTYPE_BYTES[dtype], quantized)
 
 
 def pages_for(budget_gib: float, shape: KVShape, dtype: str, block_size: int, kv_cache_dtype: str = "auto",
               tensor_parallel_size: int = 1) -> int:
-    """Pages a worker allocates for ``--kv-cache-memory-gb budget_gib`` (ModelRunner._pool_blocks);
-    with tensor parallelism the budget is each rank's, and every rank holds the same pages."""
-    per_page = kv_bytes_per_token(shape, dtype, kv_cache_dtype, tensor_parallel_size) * block_size
-    return max(1, int(budget_gib * 2**30) // per_page)
+    """Pages a worker allocates for ``--kv-cache-memory-gb budget_gib`` (the engine's own
+    arithmetic); with tensor parallelism the budget is each rank's, and every rank holds the same pages."""
+    return kv_sizes.pages_for_budget(budget_gib, kv_bytes_per_token(shape, dtype, kv_cache_dtype, tensor_parallel_size),
+                                     block_size)
 
 
-def pages_per_sequence(context_len: int, block_size: int) -> int:
-    return math.ceil(context_len / block_size)
+pages_per_sequence = kv_sizes.pages_for_tokens
 
 
 def weight_params(shape: KVShape) -> tuple[int, int] | None:

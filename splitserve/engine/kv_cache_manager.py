@@ -16,6 +16,8 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
+from splitserve.engine.kv_sizes import pages_for_tokens
+
 
 @dataclass
 class KVBlock:
@@ -205,7 +207,7 @@ class KVCacheManager:
         return request_id in self._owners
 
     def blocks_needed(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+        return pages_for_tokens(num_tokens, self.block_size)
 
     # ---- allocation ----------------------------------------------------------------
     def find_cached_prefix(self, token_ids: Sequence[int]) -> list[int]:

@@ -11,12 +11,14 @@ from typing import Callable, Sequence
 
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.kv_cache_manager import KVCacheManager
+from splitserve.engine.kv_connector import KVConnector
 from splitserve.engine.model_loader import load_tokenizer, resolve_model
 from splitserve.engine.model_runner import ModelRunner, PoolFactory, default_pool
 from splitserve.engine.outputs import RequestMetrics, RequestOutput
 from splitserve.engine.request import Request
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.scheduler import Scheduler
+from splitserve.engine.tensor_parallel import TP_FOLLOWER, FollowerProgram
 from splitserve.engine.step_budget import StepBudget
 from splitserve.engine.spec_decode.build import build_proposer
 from splitserve.engine.structured_output import GrammarCompiler
@@ -24,13 +26,15 @@ from splitserve.engine.structured_output import GrammarCompiler
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, clock: Callable[[], float] = time.monotonic,
-                 pool_factory: PoolFactory = default_pool):
+                 pool_factory: PoolFactory = default_pool, tp_follower: FollowerProgram = TP_FOLLOWER):
+        """``pool_factory``: where the KV pool lives (a KV connector may want it in shared memory);
+        ``tp_follower``: what the other tensor-parallel ranks run (``splitserve.engine.kv_connector``)."""
         self.config = config
         self.clock = clock
         model_dir = resolve_model(config.model)
         self.tokenizer = load_tokenizer(model_dir)
         self.model_name = config.model
-        self.runner = ModelRunner(config, model_dir, pool_factory)
+        self.runner = ModelRunner(config, model_dir, pool_factory, tp_follower=tp_follower)
         hf = self.runner.model.config
         self.vocab_size = hf.vocab_size
         self.max_model_len = self.runner.max_model_len
@@ -143,6 +147,51 @@ class LLMEngine:
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished()
+
+    # ---- the KV handoff's scheduler side (splitserve.engine.kv_connector.KVHandoffEngine) ----
+    @property
+    def tensor_parallel_size(self) -> int:
+        return self.config.tensor_parallel_size
+
+    @property
+    def kv_cache(self):
+        """The pool as [layers, 2, blocks, block_size, kv_heads, row]."""
+        return self.runner.kv_cache
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return self.kv.blocks_needed(num_tokens)
+
+    def reserve_pages(self, request_id: str, num_tokens: int,
+                      prompt_token_ids: Sequence[int] | None = None) -> tuple[list[int], int] | None:
+        """Pages whose KV will be written from elsewhere: (page ids, leading prefix-cache hits), or
+        None when the pool is short. Given the prompt, its head is served from this engine's prefix
+        cache (shared pages, a ref each), as the samples of an ``n > 1`` request and prompts with a
+        common system prefix want."""
+        if self.kv.owns(request_id) or request_id in self.requests:
+            raise ValueError(f"request {request_id!r} already has pages on this worker")
+        if prompt_token_ids is not None and len(prompt_token_ids) != num_tokens:
+            raise ValueError(f"prompt_token_ids has {len(prompt_token_ids)} tokens, num_prompt_tokens says "
+                             f"{num_tokens}")
+        hits = self.kv.find_cached_prefix(prompt_token_ids) if prompt_token_ids else []
+        if self.kv.allocate(request_id, num_tokens, cached_blocks=hits) is None:
+            return None
+        return self.kv.block_table(request_id), len(hits)
+
+    def release_pages(self, request_id: str) -> bool:
+        """Free a reservation, or abort the request it became; False when there was neither."""
+        if request_id in self.requests:
+            self.abort_request(request_id)
+            return True
+        if self.kv.owns(request_id):
+            self.kv.free(request_id)
+            return True
+        return False
+
+    def attach_kv_connector(self, connector: KVConnector | None) -> None:
+        self.runner.kv_connector = connector
+
+    def configure_follower_kv(self, message) -> list:
+        return self.runner.configure_follower_kv(message)
 
     # ---- the loop --------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:

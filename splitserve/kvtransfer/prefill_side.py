@@ -1,7 +1,7 @@
 """Prefill side of the handoff: run the prompt, ship its KV layer by layer, report the first token.
 
-The model runner calls ``_on_layer`` once a layer's K/V of the step are in the prefill pool;
-the connector queues that layer's page runs for a copy thread, so copies of layer l overlap
+The connector is the engine's ``KVConnector`` (``splitserve.engine.kv_connector``): the model
+runner calls ``save_layer`` once a layer's K/V of the step are in the prefill pool; the connector queues that layer's page runs for a copy thread, so copies of layer l overlap
 the compute of layer l+1. At the end of the step the queue is drained (the pages of finished
 requests may be reused by the next step), each finished transfer is flushed, and the result
 carries what the decode side needs to ``complete``.
@@ -25,7 +25,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from splitserve.engine.llm_engine import LLMEngine
+from splitserve.engine.kv_connector import KVConnector, KVHandoffEngine
 from splitserve.engine.request import Request
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.scheduler import SchedulerOutput
@@ -81,22 +81,20 @@ class _Transfer:
     first_write_ns: int = 0
 
 
-class PrefillConnector:
-    def __init__(self, engine: LLMEngine, senders: dict[str, SenderFactory], verify_checksum: bool = False):
+class PrefillConnector(KVConnector):
+    def __init__(self, engine: KVHandoffEngine, senders: dict[str, SenderFactory], verify_checksum: bool = False):
         self.engine = engine
-        self.layout = KVLayout.of_pool(engine.model_name, engine.runner.kv_cache, engine.config.tensor_parallel_size)
+        self.layout = KVLayout.of_pool(engine.model_name, engine.kv_cache, engine.tensor_parallel_size)
         self.sender_factories = senders
         self.verify_checksum = verify_checksum
         self._senders: dict[tuple[str, str], KVSender] = {}
         self._transfers: dict[str, _Transfer] = {}
         self._copies: queue.Queue = queue.Queue()
-        pool = engine.runner.kv_cache
+        pool = engine.kv_cache
         self._copy_stream = torch.cuda.Stream(pool.device) if pool.is_cuda else None
         self._copier = threading.Thread(target=self._copy_loop, name="kv-copier", daemon=True)
         self._copier.start()
-        engine.runner.layer_hook = self._on_layer
-        if engine.runner.followers is not None:  # the other ranks ship their slices of the same pages
-            engine.runner.tp_copy_orders = self._copy_orders
+        engine.attach_kv_connector(self)
 
     # ---- control -------------------------------------------------------------------
     def start(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
@@ -108,7 +106,7 @@ class PrefillConnector:
         ``arrival_time`` (this engine's clock) keeps the request's place in the priority order.
         """
         self.layout.check_compatible(desc.layout)
-        blocks_needed = self.engine.kv.blocks_needed(len(prompt_token_ids))
+        blocks_needed = self.engine.blocks_needed(len(prompt_token_ids))
         if len(desc.block_ids) < blocks_needed:
             raise TransferError(f"request {request_id!r}: {len(desc.block_ids)} reserved pages for a prompt "
                                 f"needing {blocks_needed}")
@@ -127,12 +125,6 @@ class PrefillConnector:
     def step(self) -> list[PrefillResult]:
         """One engine step; returns the transfers that ended (flushed or failed)."""
         outputs = self.engine.step()
-        for request_id, reason in self.engine.runner.follower_errors.items():
-            transfer = self._transfers.get(request_id)
-            if transfer is not None and transfer.error is None:
-                log.warning("KV transfer of %s refused: %s", request_id, reason)
-                transfer.error = TransferError(reason)
-        self.engine.runner.follower_errors.clear()
         self._copies.join()  # every queued layer copy is issued before pages can be reused...
         if self._copy_stream is not None:  # ...and, on a GPU, the next step's kernels run after them
             torch.cuda.current_stream(self._copy_stream.device).wait_stream(self._copy_stream)
@@ -175,7 +167,7 @@ class PrefillConnector:
     def close(self) -> None:
         for sender in self._senders.values():
             sender.close()
-        self.engine.runner.layer_hook = None
+        self.engine.attach_kv_connector(None)
 
     # ---- data path -----------------------------------------------------------------
     def _sender(self, desc: TransferDescriptor) -> KVSender:
@@ -198,7 +190,8 @@ class PrefillConnector:
         raise TransportUnavailableError(f"request {desc.request_id!r}: no offered KV transport is usable here ("
                                         + "; ".join(refused) + ")")
 
-    def _on_layer(self, plan: SchedulerOutput, layer: int) -> None:
+    # ---- the engine's KVConnector: called by the model runner during a step -------------
+    def save_layer(self, plan: SchedulerOutput, layer: int) -> None:
         last_layer = layer == self.layout.num_layers - 1
         ready = None
         if self._copy_stream is not None:  # this layer's K/V writes are queued, maybe not done
@@ -211,7 +204,7 @@ class PrefillConnector:
                 if chunk.samples and self.verify_checksum:
                     self._copies.join()
                     skipped = transfer.desc.num_cached_blocks
-                    transfer.checksum = kv_checksum(self.engine.runner.kv_cache,
+                    transfer.checksum = kv_checksum(self.engine.kv_cache,
                                                     plan.block_tables[chunk.request.request_id][skipped:],
                                                     len(transfer.prompt_token_ids) - skipped * self.layout.block_size)
 
@@ -234,11 +227,19 @@ class PrefillConnector:
             shipments.append((chunk, transfer, tuple(coalesce(src, transfer.desc.block_ids[first:last + 1]))))
         return shipments
 
-    def _copy_orders(self, plan: SchedulerOutput) -> tuple:
+    def step_orders(self, plan: SchedulerOutput) -> tuple:
         """What the other tensor-parallel ranks ship this step: the same pages, over the transport
         rank 0 picked, each into its own decode rank (splitserve.kvtransfer.tensor_parallel)."""
-        from splitserve.engine.tensor_parallel.messages import CopyOrder
+        from splitserve.kvtransfer.tensor_parallel import CopyOrder
         return tuple(CopyOrder(transfer.desc, transfer.sender.name, runs) for _, transfer, runs in self._shipments(plan))
+
+    def followers_failed(self, failures: dict[str, str]) -> None:
+        """A transfer another rank could not ship fails (its pages are incomplete)."""
+        for request_id, reason in failures.items():
+            transfer = self._transfers.get(request_id)
+            if transfer is not None and transfer.error is None:
+                log.warning("KV transfer of %s refused: %s", request_id, reason)
+                transfer.error = TransferError(reason)
 
     @contextlib.contextmanager
     def _after(self, ready):

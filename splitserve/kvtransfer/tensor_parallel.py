@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+from dataclasses import dataclass
 import logging
 import os
 from pathlib import Path
@@ -25,7 +26,8 @@ from typing import Iterator, Sequence
 
 import torch
 
-from splitserve.engine.tensor_parallel.messages import CopyOrder, KVSetup
+from splitserve.engine.kv_connector import FollowerKVConnector
+from splitserve.engine.tensor_parallel import messages
 from splitserve.kvtransfer.base import TransferDescriptor, TransportUnavailableError
 from splitserve.kvtransfer.lease import Lease
 from splitserve.kvtransfer.transports.base import KVReceiver, KVSender
@@ -33,6 +35,43 @@ from splitserve.kvtransfer.transports.base import KVReceiver, KVSender
 log = logging.getLogger(__name__)
 
 TP_TRANSPORTS = ("shm", "cuda_ipc", "tcp")
+
+
+@messages.register
+@dataclass(frozen=True)
+class CopyOrder:
+    """Ship this step's pages of one prefill transfer: rank r writes its own slice of ``runs`` of
+    every layer into decode rank r's pages, over ``transport`` (the one rank 0 picked). The
+    prefill connector's per-step orders (``KVConnector.step_orders``)."""
+
+    desc: TransferDescriptor  # with the decode ranks' offers
+    transport: str
+    runs: tuple[tuple[int, int, int], ...]
+
+    @classmethod
+    def from_wire(cls, values: dict) -> "CopyOrder":
+        return cls(values["desc"], values["transport"], tuple(tuple(run) for run in values["runs"]))
+
+
+@messages.register
+@dataclass(frozen=True)
+class KVSetup:
+    """Wire the followers' pools to kvtransfer: ``serve`` (decode: open receivers beside rank 0's,
+    fenced by rank 0's page-owner table) or ``send`` (prefill: senders made on demand)."""
+
+    role: str  # "serve" | "send"
+    transports: tuple[str, ...]
+    owners_path: str = ""
+    host: str = "127.0.0.1"
+    advertise_host: str | None = None
+    kv_key: bytes | None = None
+
+    @classmethod
+    def from_wire(cls, values: dict) -> "KVSetup":
+        return cls(**{**values, "transports": tuple(values["transports"])})
+
+
+messages.register(TransferDescriptor)
 
 
 def tp_transports(names: Sequence[str], automatic: bool, tensor_parallel_size: int) -> list[str]:
@@ -108,7 +147,17 @@ def _rank_descriptor(order: CopyOrder, rank: int) -> TransferDescriptor:
                                alternatives=(), rank_offers=())
 
 
-class FollowerKV:
+def remove_rank_pools(pid: int) -> None:
+    """A follower rank killed outright leaves its shared-memory pool behind (named by its pid)."""
+    from splitserve.kvtransfer.transports.shm import SHM_ROOT, remove_pool_directory
+    for directory in SHM_ROOT.glob(f"splitserve-kv-{pid}-*"):
+        remove_pool_directory(directory)
+
+
+class FollowerKV(FollowerKVConnector):
+    """kvtransfer on a rank r > 0: its receivers (decode) or its senders (prefill), moving this
+    rank's slice of every page as rank 0's orders say."""
+
     def __init__(self, rank: int, pool: torch.Tensor, directory: Path | None):
         self.rank = rank
         self.pool = pool
@@ -154,10 +203,10 @@ class FollowerKV:
             self._senders[key] = self.factories[desc.transport](desc.address)
         return self._senders[key], desc
 
-    def copy_layer(self, orders: Sequence[CopyOrder], layer: int) -> None:
+    def save_layer(self, orders: Sequence[CopyOrder], layer: int) -> None:
         self._each(orders, lambda sender, desc, order: sender.write(desc, layer, order.runs))
 
-    def flush(self, orders: Sequence[CopyOrder]) -> dict[str, str]:
+    def finish_step(self, orders: Sequence[CopyOrder]) -> dict[str, str]:
         """Flush this step's transfers; returns {request id: why it failed} and forgets them."""
         self._each(orders, lambda sender, desc, order: sender.flush(desc))
         errors, self._errors = self._errors, {}

@@ -171,8 +171,8 @@ def _descriptor(**overrides) -> TransferDescriptor:
                                                               page_order="head_major"))])
 def test_descriptor_round_trip(desc):
     msg = wire.descriptor_to_proto(desc)
-    wire = worker_pb2.TransferDescriptor.FromString(msg.SerializeToString())
-    back = wire.descriptor_from_proto(wire)
+    received = worker_pb2.TransferDescriptor.FromString(msg.SerializeToString())
+    back = wire.descriptor_from_proto(received)
     assert back == desc
     assert back.offers == desc.offers
 

@@ -17,6 +17,7 @@ import re
 import secrets
 import shlex
 import socket
+import signal
 import subprocess
 import sys
 import threading
@@ -32,7 +33,8 @@ from splitserve.engine.model_loader import load_tokenizer
 from splitserve.client import Client
 from splitserve.cli.sizing import load_shape, pages_for
 from tests.harness.deploy import parse_container
-from tests.harness.redis_server import RedisServer, _die_with_parent
+from splitserve.common.processes import die_with_parent
+from tests.harness.redis_server import RedisServer
 from tests.harness.tools import scrape
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -426,7 +428,7 @@ class Process:
         child_env.update(env, PYTHONPATH=str(ROOT))
         self.proc = subprocess.Popen([sys.executable, "-m", "splitserve.cli", *command], stdout=subprocess.PIPE,
                                      stderr=self.log, text=True, env=child_env, cwd=ROOT,
-                                     preexec_fn=_die_with_parent)
+                                     preexec_fn=die_with_parent(signal.SIGKILL))
         self.serving = threading.Event()
         threading.Thread(target=self._read, daemon=True).start()
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from splitserve.engine.config import KV_CACHE_DTYPES, KV_SCALE_BYTES as SCALE_BYTES
+from splitserve.engine.kv_sizes import kv_row_elements
 # How scales are laid out, as the handoff's KVLayout names it ("" for unquantized pools).
 SCALE_LAYOUT = "f32_per_token_head"
 
@@ -57,7 +58,7 @@ def of_storage(dtype: torch.dtype) -> KVQuant | None:
 
 def row_width(head_dim: int, quant: KVQuant | None) -> int:
     """Elements of one (token, head) row of the pool."""
-    return head_dim + SCALE_BYTES if quant else head_dim
+    return kv_row_elements(head_dim, quant is not None)
 
 
 def head_dim_of(cache: torch.Tensor) -> int:

@@ -1,9 +1,10 @@
 """What rank 0 sends its followers, and the one control-socket framing they share.
 
-One message per step (``StepMessage``); a ``KVSetup`` once, when a kvtransfer connector wires
-the worker; ``None`` to stop. Nothing is pickled (no process unpickles, tests/service/test_security.py):
-a frame is a JSON document naming each value's type from a fixed list, followed by the raw bytes of
-the tensors it refers to.
+One message per step (``StepMessage``); a KV connector's set-up message once, when a worker
+wires its connector (``splitserve.engine.kv_connector``); ``None`` to stop. Nothing is pickled (no
+process unpickles, tests/service/test_security.py): a frame is a JSON document naming each value's
+type from a fixed list, followed by the raw bytes of the tensors it refers to. The list holds the
+engine's own types and those a KV connector registers (``register``) for its orders and set-up.
 """
 from __future__ import annotations
 
@@ -15,19 +16,11 @@ from typing import Any
 
 import torch
 
+from splitserve.engine.attention.backend import StepLayout
+
 _LENGTH = struct.Struct("!Q")
 _DTYPES = {str(d).removeprefix("torch."): d for d in (torch.int32, torch.int64, torch.float32, torch.bfloat16,
                                                        torch.float16, torch.uint8)}
-
-
-@dataclass(frozen=True)
-class CopyOrder:
-    """Ship this step's pages of one prefill transfer: rank r writes its own slice of ``runs`` of
-    every layer into decode rank r's pages, over ``transport`` (the one rank 0 picked)."""
-
-    desc: Any  # splitserve.kvtransfer.base.TransferDescriptor, with the decode ranks' offers
-    transport: str
-    runs: tuple[tuple[int, int, int], ...]
 
 
 @dataclass(frozen=True)
@@ -38,25 +31,36 @@ class StepMessage:
     input_ids: Any = None
     positions: Any = None
     layout: Any = None  # splitserve.engine.attention.StepLayout
-    copies: tuple[CopyOrder, ...] = ()
+    # The KV connector's orders for this step (``KVConnector.step_orders``): its registered types.
+    kv_orders: tuple = ()
 
     @property
     def wants_reply(self) -> bool:
-        """Ranks report their copies' errors after a step that shipped pages."""
-        return bool(self.copies)
+        """Ranks report what they could not ship after a step that gave them KV orders."""
+        return bool(self.kv_orders)
+
+    @classmethod
+    def from_wire(cls, values: dict) -> "StepMessage":
+        for name in ("swap_out", "swap_in"):
+            values[name] = tuple(tuple(pair) for pair in values[name])
+        values["kv_orders"] = tuple(values["kv_orders"])
+        return cls(**values)
 
 
-@dataclass(frozen=True)
-class KVSetup:
-    """Wire the followers' pools to kvtransfer: ``serve`` (decode: open receivers beside rank 0's,
-    fenced by rank 0's page-owner table) or ``send`` (prefill: senders made on demand)."""
+# The types a frame may name: the engine's own, and those a KV connector registers.
+_TYPES: dict[str, type] = {}
 
-    role: str  # "serve" | "send"
-    transports: tuple[str, ...]
-    owners_path: str = ""
-    host: str = "127.0.0.1"
-    advertise_host: str | None = None
-    kv_key: bytes | None = None
+
+def register(cls: type) -> type:
+    """Let ``cls`` (a dataclass, or a class with ``to_wire()`` and a ``from_wire(dict)``
+    classmethod) travel between ranks; usable as a class decorator. A dataclass may also define
+    ``from_wire(values)`` to restore what JSON flattened (tuples)."""
+    _TYPES[cls.__name__] = cls
+    return cls
+
+
+register(StepMessage)
+register(StepLayout)
 
 
 def encode(obj: Any) -> bytes:
@@ -89,11 +93,6 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
-def _types() -> dict[str, type]:
-    from splitserve.engine.attention.backend import StepLayout
-    return {"StepMessage": StepMessage, "CopyOrder": CopyOrder, "KVSetup": KVSetup, "StepLayout": StepLayout}
-
-
 def _encode(value: Any, blobs: list[bytes]) -> Any:
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
@@ -107,11 +106,11 @@ def _encode(value: Any, blobs: list[bytes]) -> Any:
     if isinstance(value, dict):
         return {"dict": [[k, _encode(v, blobs)] for k, v in value.items()]}
     kind = type(value).__name__
-    if kind == "TransferDescriptor":
-        return {"descriptor": value.to_dict()}
-    if kind in _types():
-        return {"type": kind, "fields": {f.name: _encode(getattr(value, f.name), blobs) for f in fields(value)}}
-    raise TypeError(f"cannot send a {kind} to a tensor-parallel rank")
+    if _TYPES.get(kind) is not type(value):
+        raise TypeError(f"cannot send a {kind} to a tensor-parallel rank")
+    if hasattr(value, "to_wire"):
+        return {"type": kind, "wire": value.to_wire()}
+    return {"type": kind, "fields": {f.name: _encode(getattr(value, f.name), blobs) for f in fields(value)}}
 
 
 def _decode(doc: Any, next_blob) -> Any:
@@ -128,16 +127,8 @@ def _decode(doc: Any, next_blob) -> Any:
         return bytes.fromhex(doc["bytes"])
     if "dict" in doc:
         return {k: _decode(v, next_blob) for k, v in doc["dict"]}
-    if "descriptor" in doc:
-        from splitserve.kvtransfer.base import TransferDescriptor
-        return TransferDescriptor.from_dict(doc["descriptor"])
-    cls = _types()[doc["type"]]  # a KeyError for any other name: nothing else is built
+    cls = _TYPES[doc["type"]]  # a KeyError for any other name: nothing else is built
+    if "wire" in doc:
+        return cls.from_wire(doc["wire"])
     values = {name: _decode(v, next_blob) for name, v in doc["fields"].items()}
-    if cls is CopyOrder:
-        values["runs"] = tuple(tuple(run) for run in values["runs"])
-    elif cls is StepMessage:
-        for name in ("swap_out", "swap_in", "copies"):
-            values[name] = tuple(tuple(v) if name != "copies" else v for v in values[name])
-    elif cls is KVSetup:
-        values["transports"] = tuple(values["transports"])
-    return cls(**values)
+    return cls.from_wire(values) if hasattr(cls, "from_wire") else cls(**values)

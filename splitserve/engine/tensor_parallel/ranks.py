@@ -1,8 +1,9 @@
 """Rank 0's handle on the other ranks of its worker: start them, step them, notice when one dies.
 
-Ranks 1..N-1 are child processes (``python -m splitserve.engine.tensor_parallel.follower``). They join
+Ranks 1..N-1 are child processes (``python -m <follower module>``: ``splitserve.engine.tp_follower``,
+or the program of the KV connector the worker wires in). They join
 rank 0's torch.distributed group through a TCPStore rank 0 opens on a free port (no port race),
-then connect back to a control socket. Each step rank 0 sends one pickled ``StepMessage`` down
+then connect back to a control socket. Each step rank 0 sends one ``StepMessage`` down
 every control socket; the forward's all-reduces keep the ranks in step from there. A rank that
 exits is seen three ways: a collective fails (gloo: "Connection closed by peer" within ~1 s), its
 control socket breaks, or the watcher thread finds its process gone while the worker is idle;
@@ -27,7 +28,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from splitserve.engine.tensor_parallel import dist_backend, messages
+from splitserve.engine.tensor_parallel import TP_FOLLOWER, FollowerProgram, dist_backend, messages
 from splitserve.engine.tensor_parallel.all_reduce import ProcessGroupAllReduce, ShmAllReduce, create_shm_file
 
 log = logging.getLogger(__name__)
@@ -74,8 +75,10 @@ def all_reduce_min(group, value: int, device: torch.device) -> int:
 class FollowerRanks:
     """``slot_bytes``: the largest all-reduce that goes through shared memory (CPU ranks)."""
 
-    def __init__(self, config, model_dir: Path, device: torch.device, slot_bytes: int):
+    def __init__(self, config, model_dir: Path, device: torch.device, slot_bytes: int,
+                 follower: FollowerProgram = TP_FOLLOWER):
         self.world = config.tensor_parallel_size
+        self.follower = follower
         self._dead: str | None = None
         self._callbacks: list[Callable[[BaseException], None]] = []
         self._closing = False
@@ -88,7 +91,7 @@ class FollowerRanks:
                 "token": token, "config": dataclasses.asdict(config), "model_dir": str(model_dir),
                 "num_threads": torch.get_num_threads(), "shm_path": str(self.shm_path or ""),
                 "slot_bytes": slot_bytes}
-        self.procs = [subprocess.Popen([sys.executable, "-m", "splitserve.engine.tensor_parallel.follower"],
+        self.procs = [subprocess.Popen([sys.executable, "-m", follower.module],
                                        env={**os.environ, SPEC_ENV: json.dumps({**spec, "rank": rank})})
                       for rank in range(1, self.world)]
         try:
@@ -212,11 +215,10 @@ class FollowerRanks:
         self._remove_pools()
 
     def _remove_pools(self) -> None:
-        """A rank killed outright leaves its shared-memory pool behind (named by its pid): remove it."""
-        from splitserve.kvtransfer.transports.shm import SHM_ROOT, remove_pool_directory
-        for proc in self.procs:
-            for directory in SHM_ROOT.glob(f"splitserve-kv-{proc.pid}-*"):
-                remove_pool_directory(directory)
+        """What a rank killed outright leaves behind (its KV connector's pool): the program's cleanup."""
+        if self.follower.cleanup is not None:
+            for proc in self.procs:
+                self.follower.cleanup(proc.pid)
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Stop the other ranks (a ``None`` message, then a kill past ``timeout_s``)."""

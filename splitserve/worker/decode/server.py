@@ -10,7 +10,7 @@ def serve(args) -> int:
     security = worker_security(args)  # a refused security configuration stops here, before the model loads
     from splitserve.worker.decode.servicer import DecodeWorkerServicer
     from splitserve.engine.llm_engine import LLMEngine
-    from splitserve.kvtransfer import build_decode
+    from splitserve.worker.wiring import build_decode
     from splitserve.common.metrics import EngineMetrics, public_model_name, serve_metrics
     from splitserve.common.tracing import setup as setup_tracing
     from splitserve.v1 import worker_pb2_grpc

@@ -9,7 +9,8 @@ from splitserve.worker.serve import engine_config, run_worker, worker_security
 
 def serve(args) -> int:
     security = worker_security(args)  # a refused security configuration stops here, before the model loads
-    from splitserve.kvtransfer import TRANSPORTS, build_prefill
+    from splitserve.kvtransfer import TRANSPORTS
+    from splitserve.worker.wiring import build_prefill
     from splitserve.worker.prefill.servicer import PrefillWorkerServicer
     from splitserve.common.metrics import EngineMetrics, TransferMetrics, public_model_name, serve_metrics
     from splitserve.common.tracing import setup as setup_tracing
