@@ -1,4 +1,4 @@
-"""README.md and docs/deploy.md report the TP=2 vs TP=1 throughput that
+"""docs/performance.md and docs/deploy.md report the TP=2 vs TP=1 throughput that
 bench/results/tensor_parallel.json measured (both sizes in the same interleaved run), not numbers
 of their own: a rerun that changes the JSON and not the docs (or the reverse) fails here."""
 import json
@@ -21,10 +21,10 @@ def test_docs_report_the_measured_tp2_against_tp1_throughput():
     rounds = {len(runs) for w in by_name.values() for runs in w["runs"].values()}
     assert rounds == {result["config"]["pairs"]} == {3}
     assert "--prompt-lens 1024" in " ".join(result["config"]["argv"])
-    readme = flat(ROOT / "README.md")
+    performance = flat(ROOT / "docs" / "performance.md")
     assert (f"interleaved, 3 rounds: **{out2 / out1:.2f}×** output tokens/s on the mixed workload "
             f"({out2:.1f} vs {out1:.1f}) and {in2 / in1:.2f}× prompt tokens/s on a 1,024-token prompt "
-            f"({in2:,.0f} vs {in1:,.0f})") in readme
+            f"({in2:,.0f} vs {in1:,.0f})") in performance
     deploy = flat(ROOT / "docs" / "deploy.md")
     assert (f"{out2:.0f} vs {out1:.0f} output tokens/s on the mixed workload ({out2 / out1:.2f}x), "
             f"{in2:,.0f} vs {in1:,.0f} prompt tokens/s for 1,024-token prompts ({in2 / in1:.2f}x)") in deploy

@@ -1,4 +1,4 @@
-"""Who may touch what (README, Who may do what), against real processes on loopback.
+"""Who may touch what (docs/security.md, Who may do what), against real processes on loopback.
 
 One stack: Redis, a decode and a prefill worker that require the internal token, and a gateway
 with two client identities (``--auth-token`` A, B from ``--token-file``), an admin token and the
