@@ -110,7 +110,8 @@ def mask_costs(tokenizer, vocab: int, device: torch.device, reps: int) -> dict:
 def sampler_overhead(tokenizer, vocab: int, device: torch.device, batch: int, reps: int) -> dict:
     from splitserve.engine.sampler import Sampler, SamplingRow
     from splitserve.engine.sampling_params import SamplingParams
-    from splitserve.engine.structured_output import GrammarCompiler, StructuredOutput
+    from splitserve.engine.grammar import GrammarCompiler
+    from splitserve.engine.structured_output import StructuredOutput
 
     spec = StructuredOutput(json_schema=json.dumps(SCHEMA))
     compiler = GrammarCompiler(tokenizer, vocab, [tokenizer.eos_token_id])

@@ -21,12 +21,11 @@ import time
 from typing import TYPE_CHECKING, Sequence
 
 from splitserve.engine.sampling_params import SamplingParams
-from splitserve.engine.structured_output import StructuredOutput, check_grammar
+from splitserve.engine.structured_output import StructuredOutput
 from splitserve.common.errors import InvalidArgument
 from splitserve.v1 import generation_pb2, worker_pb2
 
 if TYPE_CHECKING:  # splitserve.kvtransfer.base imports torch; the gateway converts descriptors without it
-    from splitserve.kvtransfer.base import TransferDescriptor
     from splitserve.common.limits import RequestLimits
 
 __all__ = [
@@ -67,10 +66,8 @@ def sampling_from_proto(msg: generation_pb2.SamplingParams | None) -> SamplingPa
         kwargs["ignore_eos"] = msg.ignore_eos
     try:
         if msg is not None and msg.HasField("structured_output"):
+            # Checked against the grammar library by the gateway (splitserve.gateway.grammar_check).
             kwargs["structured_output"] = structured_output_from_proto(msg.structured_output)
-            # The same library the workers use compiles it here, so a schema or regex it cannot
-            # take is refused before the request is queued, not when a worker meets it.
-            check_grammar(kwargs["structured_output"])
         return SamplingParams(**kwargs)
     except ValueError as exc:
         # The engine's messages start with the field name ("top_k must be ..."); prefix the
@@ -257,66 +254,6 @@ def prompt_from_request(req, vocab_size: int | None = None) -> tuple[str, object
             raise InvalidArgument(f"messages[{i}].role must not be empty (e.g. \"user\")")
         messages.append({"role": m.role, "content": m.content})
     return "messages", messages
-
-
-# ---- KV transfer descriptor ------------------------------------------------------------
-
-def descriptor_to_proto(desc: "TransferDescriptor") -> worker_pb2.TransferDescriptor:
-    """``splitserve.kvtransfer.base.TransferDescriptor`` -> proto."""
-    layout = desc.layout
-    return worker_pb2.TransferDescriptor(
-        request_id=desc.request_id,
-        transport=desc.transport,
-        address=desc.address,
-        block_ids=list(desc.block_ids),
-        layout=worker_pb2.KVLayout(model=layout.model, num_layers=layout.num_layers,
-                                   num_kv_heads=layout.num_kv_heads, head_dim=layout.head_dim,
-                                   block_size=layout.block_size, dtype=layout.dtype,
-                                   kv_cache_dtype=layout.kv_cache_dtype, kv_scales=layout.kv_scales,
-                                   tensor_parallel_size=layout.tensor_parallel_size,
-                                   page_order=layout.page_order),
-        epoch=desc.epoch,
-        lease_deadline=desc.lease_deadline,
-        alternatives=[worker_pb2.TransportOffer(transport=t, address=a) for t, a in desc.alternatives],
-        num_cached_blocks=desc.num_cached_blocks,
-        rank_offers=[worker_pb2.RankOffers(offers=[worker_pb2.TransportOffer(transport=t, address=a) for t, a in offers])
-                     for offers in desc.rank_offers],
-    )
-
-
-def descriptor_from_proto(msg: worker_pb2.TransferDescriptor, field: str = "descriptor") -> "TransferDescriptor":
-    """Proto -> ``splitserve.kvtransfer.base.TransferDescriptor``; ``InvalidArgument`` when incomplete."""
-    from splitserve.engine.attention.page_order import TOKEN_MAJOR
-    from splitserve.kvtransfer.base import KVLayout, TransferDescriptor
-
-    for name in ("request_id", "transport", "address"):
-        if not getattr(msg, name):
-            raise InvalidArgument(f"{field}.{name} must be set")
-    if not msg.HasField("layout"):
-        raise InvalidArgument(f"{field}.layout must be set")
-    if not msg.block_ids:
-        raise InvalidArgument(f"{field}.block_ids must not be empty")
-    if msg.num_cached_blocks >= len(msg.block_ids):
-        raise InvalidArgument(f"{field}.num_cached_blocks ({msg.num_cached_blocks}) must be less than the "
-                              f"{len(msg.block_ids)} pages (the prompt's last page is always written)")
-    lay = msg.layout
-    layout = KVLayout(model=lay.model, num_layers=lay.num_layers, num_kv_heads=lay.num_kv_heads,
-                      head_dim=lay.head_dim, block_size=lay.block_size, dtype=lay.dtype,
-                      kv_cache_dtype=lay.kv_cache_dtype or "auto", kv_scales=lay.kv_scales,
-                      tensor_parallel_size=lay.tensor_parallel_size or 1,
-                      page_order=lay.page_order or TOKEN_MAJOR)
-    return TransferDescriptor(
-        request_id=msg.request_id,
-        transport=msg.transport,
-        address=msg.address,
-        block_ids=tuple(msg.block_ids),
-        layout=layout,
-        epoch=msg.epoch,
-        lease_deadline=msg.lease_deadline,
-        alternatives=tuple((o.transport, o.address) for o in msg.alternatives),
-        num_cached_blocks=msg.num_cached_blocks,
-        rank_offers=tuple(tuple((o.transport, o.address) for o in r.offers) for r in msg.rank_offers),
-    )
 
 
 # ---- logprobs --------------------------------------------------------------------------

@@ -12,7 +12,8 @@ import pytest
 
 from splitserve.engine import SamplingParams
 from splitserve.engine.model_loader import DEFAULT_MODEL, resolve_model
-from splitserve.engine.structured_output import StructuredOutput, check_grammar
+from splitserve.engine.grammar import check_grammar
+from splitserve.engine.structured_output import StructuredOutput
 from tests.harness.schemas import PERSON_SCHEMA
 from tests.test_engine_correctness import mixed_prompts
 

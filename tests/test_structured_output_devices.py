@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from splitserve.engine import SamplingParams
-from splitserve.engine.structured_output import GrammarCompiler, StructuredOutput, apply_grammar_bitmask
+from splitserve.engine.grammar import GrammarCompiler, apply_grammar_bitmask
+from splitserve.engine.structured_output import StructuredOutput
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 SCHEMA = {"type": "object", "properties": {"c": {"enum": ["x", "yy"]}, "n": {"type": "integer", "minimum": 0,

@@ -21,7 +21,7 @@ from splitserve.engine.scheduler import Scheduler
 from splitserve.engine.tensor_parallel import TP_FOLLOWER, FollowerProgram
 from splitserve.engine.step_budget import StepBudget
 from splitserve.engine.spec_decode.build import build_proposer
-from splitserve.engine.structured_output import GrammarCompiler
+from splitserve.engine.grammar import GrammarCompiler
 
 
 class LLMEngine:

@@ -213,11 +213,9 @@ def eos_token_ids(model_dir: Path) -> list[int]:
 
 
 def load_tokenizer(model_dir: Path):
-    """The model's tokenizer (with its chat template, where it has one). A checkpoint with a
-    ``tokenizer.json`` is read by transformers' fast tokenizer class directly, which does not load
-    torch (``AutoTokenizer`` does, through the model config); one without it takes ``AutoTokenizer``."""
-    if (Path(model_dir) / "tokenizer.json").is_file():
-        from transformers import PreTrainedTokenizerFast
-        return PreTrainedTokenizerFast.from_pretrained(str(model_dir), local_files_only=True)
+    """The model's tokenizer (with its chat template, where it has one), as ``AutoTokenizer``
+    picks it. It needs no torch: the gateway loads it with torch made unimportable
+    (``splitserve.gateway.server``), the engine with torch loaded, and both get the same class."""
     from transformers import AutoTokenizer
+
     return AutoTokenizer.from_pretrained(str(model_dir), local_files_only=True)

@@ -9,7 +9,7 @@ import torch
 
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.spec_state import SpecState
-from splitserve.engine.structured_output import Grammar
+from splitserve.engine.grammar import Grammar
 
 
 class RequestStatus(enum.Enum):

@@ -46,7 +46,7 @@ import numpy as np
 import torch
 
 from splitserve.engine.sampling_params import SamplingParams
-from splitserve.engine.structured_output import Grammar, apply_grammar_bitmask
+from splitserve.engine.grammar import Grammar, apply_grammar_bitmask
 
 __all__ = [
     "SamplingRow",

@@ -8,6 +8,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import os
+import sys
 import time
 import uuid
 
@@ -19,11 +21,23 @@ SERVICE = "splitserve.v1.Generation"  # also its readiness name (splitserve.comm
 def serve(args) -> int:
     if not args.redis_url:
         raise SystemExit("the gateway needs --redis-url (or SPLITSERVE_REDIS_URL)")
+    _without_torch()
     code = asyncio.run(_serve(args))
     # After this only the interpreter's exit is left (joining threads): a gateway whose log ends
     # at "stopped in" and not here was held in asyncio.run's teardown.
     log.info("event loop closed; exiting with %d", code)
     return code
+
+
+def _without_torch() -> None:
+    """A gateway never loads torch (hundreds of MB and seconds of start-up for nothing it does):
+    make it unimportable in this process, so that transformers takes it as absent (its tokenizers,
+    configs and chat templates need none) and a code path that would import it fails loudly in
+    the tests instead of costing every gateway. Structured-output specs are checked in a child
+    process (``grammar_check``), as the grammar library loads torch."""
+    if "torch" not in sys.modules:
+        sys.modules["torch"] = None  # the import system's own "not installed here"
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")  # its "PyTorch was not found" line
 
 
 def model_info(args):
@@ -120,7 +134,8 @@ async def _shutdown(args, monitor, servicer, dispatcher, http, server, backpress
     await dispatcher.drain(args.drain_timeout_s)
     steps = [("health", monitor.stop()), ("http", http.stop() if http is not None else None),
              ("grpc server", server.stop(grace=2)), ("backpressure", backpressure.stop()),
-             ("dispatcher", dispatcher.stop()), ("worker channels", directory.close())]
+             ("dispatcher", dispatcher.stop()), ("worker channels", directory.close()),
+             ("grammar checker", servicer.grammars.close())]
     for name, step in steps:
         if step is None:
             continue

@@ -29,6 +29,7 @@ from google.protobuf import json_format
 from splitserve.gateway.backpressure import Backpressure
 from splitserve.gateway.detokenizer import TextStream
 from splitserve.gateway.dispatch import Dispatcher
+from splitserve.gateway.grammar_check import GrammarChecker
 from splitserve.gateway.job import Finished, Job, Tokens, cancelled, deadline_exceeded
 from splitserve.gateway.memory import Collector
 from splitserve.state.store import PRIORITY_MAX, PRIORITY_MIN, TERMINAL_STATES
@@ -51,10 +52,12 @@ RETRY_AFTER_S = 1.0
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     def __init__(self, state, dispatcher: Dispatcher, tokenizer, model_info: generation_pb2.ModelInfo,
                  limits: RequestLimits, metrics: GatewayMetrics | None = None, metrics_address: str = "",
-                 backpressure: Backpressure | None = None, authorizer: Authorizer | None = None):
+                 backpressure: Backpressure | None = None, authorizer: Authorizer | None = None,
+                 grammars: GrammarChecker | None = None):
         """``limits``: resolved for this model (``RequestLimits.resolve``); ``backpressure``: the
         bounds on unread output (default ones, not watching for slow readers, if not given);
-        ``authorizer``: who callers are (default: no credentials, every caller the anonymous admin)."""
+        ``authorizer``: who callers are (default: no credentials, every caller the anonymous admin);
+        ``grammars``: checks structured-output specs in a child process (one is made if not given)."""
         self.authorizer = authorizer or Authorizer()
         self.state = state
         self.dispatcher = dispatcher
@@ -68,6 +71,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self.draining = False  # SIGTERM: in-flight requests finish, new ones are refused
         self.health = None  # the GatewayHealth monitor, once the server runs
         self.backpressure = backpressure or Backpressure()
+        self.grammars = grammars or GrammarChecker()
         # The n > 1 requests running here, by id (gone with their last reference).
         self._groups: weakref.WeakValueDictionary[str, SampleGroup] = weakref.WeakValueDictionary()
 
@@ -126,6 +130,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self.backpressure.check_room()
         token_ids = self._tokenize(request)
         params = resolve_sampling(request.sampling, len(token_ids), self.model_info.max_model_len)
+        if params.structured_output is not None:
+            await self.grammars.check(params.structured_output)
         n = request.sampling.n if request.sampling.HasField("n") else 1
         if not 1 <= n <= MAX_N:
             raise InvalidArgument(f"sampling.n must be in [1, {MAX_N}], got {n}")

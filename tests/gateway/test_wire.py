@@ -15,6 +15,7 @@ from splitserve.engine.sampling_params import SamplingParams
 from splitserve.kvtransfer.base import (KVLayout, LayoutMismatchError, StaleEpochError, TransferDescriptor,
                              TransferError)
 from splitserve import wire
+from splitserve.worker import descriptors
 from splitserve.common import errors
 from splitserve.common.limits import RequestLimits
 from splitserve.v1 import generation_pb2 as pb
@@ -170,22 +171,22 @@ def _descriptor(**overrides) -> TransferDescriptor:
                                   _descriptor(layout=KVLayout("tiny-llama", 2, 3, 16, 16, "float32",
                                                               page_order="head_major"))])
 def test_descriptor_round_trip(desc):
-    msg = wire.descriptor_to_proto(desc)
+    msg = descriptors.descriptor_to_proto(desc)
     received = worker_pb2.TransferDescriptor.FromString(msg.SerializeToString())
-    back = wire.descriptor_from_proto(received)
+    back = descriptors.descriptor_from_proto(received)
     assert back == desc
     assert back.offers == desc.offers
 
 
 def test_descriptor_from_proto_rejects_incomplete():
-    msg = wire.descriptor_to_proto(_descriptor())
+    msg = descriptors.descriptor_to_proto(_descriptor())
     msg.ClearField("layout")
     with pytest.raises(errors.InvalidArgument, match=r"descriptor\.layout must be set"):
-        wire.descriptor_from_proto(msg)
-    msg = wire.descriptor_to_proto(_descriptor())
+        descriptors.descriptor_from_proto(msg)
+    msg = descriptors.descriptor_to_proto(_descriptor())
     msg.transport = ""
     with pytest.raises(errors.InvalidArgument, match=r"descriptor\.transport must be set"):
-        wire.descriptor_from_proto(msg)
+        descriptors.descriptor_from_proto(msg)
 
 
 def test_logprobs_round_trip():

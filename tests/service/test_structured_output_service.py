@@ -107,3 +107,15 @@ def test_openai_refusals(client):
         client.chat.completions.create(model=DEFAULT_MODEL, messages=[{"role": "user", "content": "x"}],
                                        response_format={"type": "json_schema", "json_schema": {"name": "x"}})
     assert e.value.body["param"] == "response_format"
+
+
+def test_the_gateway_never_loads_torch_and_checks_grammars_in_a_child(stack):
+    """After the requests above (schemas, regexes, refusals), the gateway's own address space
+    still holds no torch: it tokenized without it and left every grammar to its checker child,
+    which loaded the grammar library (and torch with it)."""
+    import psutil
+
+    gateway = psutil.Process(stack.procs["gateway"].pid)
+    assert not [m.path for m in gateway.memory_maps() if "libtorch" in m.path]
+    [checker] = [c for c in gateway.children() if "splitserve.engine.grammar_server" in " ".join(c.cmdline())]
+    assert [m.path for m in checker.memory_maps() if "libtorch" in m.path]

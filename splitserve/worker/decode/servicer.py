@@ -16,7 +16,8 @@ from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.outputs import RequestOutput
 from splitserve.kvtransfer.decode_side import DecodeConnector
 from splitserve.common import tracing
-from splitserve.wire import (arrival_to_monotonic, descriptor_to_proto, logprobs_from_proto,
+from splitserve.worker.descriptors import descriptor_to_proto
+from splitserve.wire import (arrival_to_monotonic, logprobs_from_proto,
                                     logprobs_to_proto, sampling_from_worker)
 from splitserve.common.errors import InvalidArgument, ResourceExhausted
 from splitserve.common.logs import request_id_var

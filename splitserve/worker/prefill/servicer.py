@@ -16,7 +16,8 @@ import time
 
 from splitserve.kvtransfer.prefill_side import PrefillConnector, PrefillResult
 from splitserve.common import tracing
-from splitserve.wire import (arrival_to_monotonic, descriptor_from_proto, logprobs_to_proto,
+from splitserve.worker.descriptors import descriptor_from_proto
+from splitserve.wire import (arrival_to_monotonic, logprobs_to_proto,
                                     sampling_from_worker)
 from splitserve.common.errors import InvalidArgument
 from splitserve.common.logs import request_id_var
