@@ -10,7 +10,7 @@ STAMP := $(VENV)/.installed
 export HF_HUB_OFFLINE := 1
 export TOKENIZERS_PARALLELISM := false
 
-.PHONY: install run test clean model kernels redis tcmalloc checkov gpu-carry gpu-check
+.PHONY: install run test test-quick docs clean model kernels redis tcmalloc checkov gpu-carry gpu-check
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -18,7 +18,7 @@ $(PY):
 $(STAMP): pyproject.toml Makefile | $(PY)
 	$(PIP) install -q --upgrade pip
 	$(PIP) install -q "$(TORCH_SPEC)"
-	$(PIP) install -q -e ".[triton,test,bench]"
+	$(PIP) install -q -e ".[triton,test,bench,docs]"
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -65,7 +65,17 @@ run: model kernels redis tcmalloc
 test: install model kernels redis tcmalloc checkov
 	CHECKOV="$(CURDIR)/$(CHECKOV_VENV)/bin/checkov" $(PY) -m pytest -q -ra --durations=30
 
-# The GPU path, checked once on a GPU machine that has no network (README, "On GPUs").
+# The inner loop: the tests that start no stack of processes (pytest -m "not stack"; tests/conftest.py
+# marks the rest), a few minutes.
+test-quick: install model kernels
+	$(PY) -m pytest -q -ra -m "not stack" --durations=10
+
+# The documentation site (docs/, mkdocs.yml) into site/; --strict fails on a broken link or anchor.
+# The two variables silence mkdocs-material's and mkdocs' banners about MkDocs 2.
+docs: install
+	NO_MKDOCS_2_WARNING=1 DISABLE_MKDOCS_2_WARNING=true $(PY) -m mkdocs build --strict -d site
+
+# The GPU path, checked once on a GPU machine that has no network (docs/engine.md, "On GPUs").
 # gpu-carry, here: what that machine lacks, into .gpu-carry/ (git-ignored; carry it along).
 # gpu-check, there: its own python3 with torch/triton/transformers, plus what was carried.
 GPU_PYTHON ?= python3

@@ -6,7 +6,7 @@
             print(event.text, end="")
         print(event.finish_reason)
 
-Against a secured gateway (see README, Security): ``Client(address, ca="ca.pem")`` for TLS,
+Against a secured gateway (docs/security.md): ``Client(address, ca="ca.pem")`` for TLS,
 plus ``cert="client.pem", key="client.key"`` for mutual TLS, and ``token=...`` for the bearer
 token; ``tls=True`` alone verifies the server against the system's roots.
 

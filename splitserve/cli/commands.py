@@ -144,7 +144,7 @@ def _tune_params() -> list[click.Option]:
         o(["--slo-tpot-p50-ms"], type=float, required=True, help="SLO: TPOT p50 at most this (ms)"),
         o(["--workload"], type=click.Path(exists=True, dir_okay=False), default=None,
           help="JSONL, one request a line: prompt (text) or prompt_token_ids, and max_tokens (default: --mixed)"),
-        o(["--mixed"], is_flag=True, help="the mixed workload of shared/BENCHMARKS.md (the default)"),
+        o(["--mixed"], is_flag=True, help="the mixed workload: prompts of 32-256 tokens, outputs of 16-128 (the default)"),
         o(["--num-requests"], type=click.IntRange(min=1), default=32, show_default=True,
           help="requests of the mixed workload in each probe"),
         o(["--model"], default="smollm2-135m-instruct", show_default=True, envvar="SPLITSERVE_MODEL"),

@@ -1,4 +1,5 @@
-"""The workloads of shared/BENCHMARKS.md, as deterministic token ids and output lengths."""
+"""The benchmark workloads (docs/contributing.md, Benchmarks), as deterministic token ids and output lengths:
+``mixed`` (the default of ``splitserve tune``), ``shared_prefix``, ``interference``, ``prefix_probe``."""
 from __future__ import annotations
 
 import random
@@ -89,7 +90,7 @@ def interference(num_decodes: int, num_long: int, vocab_size: int, seed: int = 0
                  decode_prompt: tuple[int, int] = (32, 64), decode_tokens: int = 96,
                  long_prompt: tuple[int, int] = (1024, 2048), long_tokens: int = 8,
                  long_start_s: float = 1.0, long_every_s: float = 3.0) -> tuple[list[BenchRequest], list[float]]:
-    """Steady decodes while long prompts arrive (shared/BENCHMARKS.md ``interference``).
+    """Steady decodes while long prompts arrive (the ``interference`` workload).
 
     ``num_decodes`` short requests ("decode": prompts in ``decode_prompt``, ``decode_tokens``
     outputs) all start at t=0; ``num_long`` long prompts ("long": lengths in ``long_prompt``,

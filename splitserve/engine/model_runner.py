@@ -124,7 +124,7 @@ class ModelRunner:
         # On the CPU a page keeps each KV head's tokens together ([heads, block, row], as vLLM-CPU's
         # pages do): a decode walks one head's pages and reads them as one stream, where token-major
         # rows of a head are strided (the kernel alone: 64 x 300 tokens 25-35 % faster; a decode
-        # step at 64 x 1,000: 10-20 % faster; README, Performance).
+        # step at 64 x 1,000: 10-20 % faster; docs/performance-history.md).
         # The Triton GPU kernels keep token-major pages (page_order_for).
         self.page_order = page_order_for(self.device.type, self.block_size, self.num_kv_heads)
         shape = page_shape(self.page_order, self.num_layers, self.num_blocks, self.block_size,

@@ -49,8 +49,7 @@ Pub/sub channel ``{ss}:wake``: ``admit``, ``placed``, ``requeue`` and ``end <req
 wakes when the head of the queue or the free capacity may have changed, and the gateway that
 holds a request hears when someone else ended it.
 
-The request's page lease (``kv:lease:<id>`` in ARCHITECTURE.md) is not a key of its own in
-this design: the lease deadline is the request's score in ``q:inflight`` and the fencing
+The request's page lease is not a key of its own (a ``kv:lease:<id>`` would be): the lease deadline is the request's score in ``q:inflight`` and the fencing
 token is its ``epoch``. A new key must be added to this table and carry the hash tag.
 
 Request states: ``queued`` -> ``dispatching`` (set by ``claim``) -> any states the caller

@@ -24,10 +24,11 @@ def stack(tiny_model_dirs, tmp_path_factory):
 
 
 def ranks_of(pid: int) -> list[int]:
-    """The tensor-parallel rank processes a worker started (its children running the follower)."""
+    """The tensor-parallel rank processes a worker started (its children running a worker's rank
+    program: splitserve.worker.tp_follower for a worker that hands KV over, the engine's own
+    splitserve.engine.tp_follower for a colocated one)."""
     children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-    return [int(c) for c in children
-            if b"splitserve.engine.tensor_parallel.follower" in Path(f"/proc/{c}/cmdline").read_bytes()]
+    return [int(c) for c in children if b".tp_follower" in Path(f"/proc/{c}/cmdline").read_bytes()]
 
 
 def alive(pid: int) -> bool:

@@ -11,7 +11,7 @@ import socket
 import pytest
 
 from splitserve.kvtransfer.transports import tcp
-from splitserve.wire import descriptor_from_proto
+from splitserve.worker.descriptors import descriptor_from_proto
 from splitserve.common.security import Security
 from tests.harness.stack import start_stack
 from tests.harness.tools import scrape
