@@ -65,10 +65,10 @@ run: model kernels redis tcmalloc
 test: install model kernels redis tcmalloc checkov
 	CHECKOV="$(CURDIR)/$(CHECKOV_VENV)/bin/checkov" $(PY) -m pytest -q -ra --durations=30
 
-# The inner loop: the tests that start no stack of processes (pytest -m "not stack"; tests/conftest.py
-# marks the rest), a few minutes.
+# The inner loop: the tests that start no process of their own and load no real model
+# (tests/conftest.py marks the others), a few minutes.
 test-quick: install model kernels
-	$(PY) -m pytest -q -ra -m "not stack" --durations=10
+	$(PY) -m pytest -q -ra -m "not processes and not slow" --durations=10
 
 # The documentation site (docs/, mkdocs.yml) into site/; --strict fails on a broken link or anchor.
 # The two variables silence mkdocs-material's and mkdocs' banners about MkDocs 2.

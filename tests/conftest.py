@@ -30,7 +30,20 @@ if not torch.cuda.is_available():
 from tests.harness.tiny_models import make_tiny_model  # noqa: E402
 
 
+# Tests that start processes of their own (a stack, tensor-parallel ranks, a transfer peer, a
+# linter): every test under these directories, and these modules. `make test-quick` leaves them
+# out (pytest -m "not processes and not slow").
+PROCESS_DIRS = {"service", "faults", "bench", "deploy"}
+PROCESS_MODULES = {"test_tensor_parallel", "test_kvtransfer_handoff", "test_kvtransfer_nccl", "test_kvtransfer_tcp",
+                   "test_tp_all_reduce", "test_openmp_handover", "test_layers", "test_docs"}
+
+
 def pytest_collection_modifyitems(config, items):
+    root = Path(__file__).parent
+    for item in items:
+        path = Path(item.fspath).relative_to(root)
+        if path.parts[0] in PROCESS_DIRS or path.stem in PROCESS_MODULES:
+            item.add_marker(pytest.mark.processes)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
@@ -109,3 +122,27 @@ def hf_reference():
         return refs[str(model_dir)]
 
     return get
+
+
+@pytest.fixture
+def children_left():
+    """The processes this test started that are still alive when it calls this (children of
+    this pytest process that a longer-lived fixture, or another test, did not start before it)."""
+    import psutil
+    me = psutil.Process()
+    before = {p.pid for p in me.children(recursive=True)}
+    return lambda: [p for p in me.children(recursive=True) if p.pid not in before]
+
+
+@pytest.fixture
+def private_shm(monkeypatch):
+    """A shared-memory directory of this test's own (SPLITSERVE_SHM_DIR, which the processes it
+    starts inherit): what its pools leave behind is there, apart from other tests' running beside it."""
+    import shutil
+    import uuid
+    root = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(os.environ.get("TMPDIR", "/tmp"))
+    directory = root / f"splitserve-test-{uuid.uuid4().hex[:8]}"
+    directory.mkdir()
+    monkeypatch.setenv("SPLITSERVE_SHM_DIR", str(directory))
+    yield directory
+    shutil.rmtree(directory, ignore_errors=True)

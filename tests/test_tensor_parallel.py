@@ -29,11 +29,6 @@ from tests.test_kvtransfer_handoff import handoff
 GREEDY = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
 
 
-def _shm_dirs() -> set[str]:
-    root = Path(os.environ.get("SPLITSERVE_SHM_DIR", "/dev/shm"))
-    return {p.name for p in root.glob("splitserve-kv-*")} if root.is_dir() else set()
-
-
 @pytest.fixture
 def engines():
     """Closes every engine (and so its other ranks) the test built; checks none is left running."""
@@ -130,13 +125,12 @@ def connected(decode_config, transport, prefill_config, **prefill_kw):
 
 
 @pytest.mark.parametrize("transport", ["shm", "tcp"])
-def test_a_tp2_prefill_engine_hands_off_to_a_tp2_decode_engine(transport, tiny_model_dirs, hf_reference):
+def test_a_tp2_prefill_engine_hands_off_to_a_tp2_decode_engine(transport, tiny_model_dirs, hf_reference, private_shm):
     """Rank r of the prefill engine writes its KV head into rank r of the decode engine: the
     decode side's output equals transformers only if both ranks' pages arrived (rank 1's
     attention reads only what rank 1 of the prefill side sent). Chunked prefill ships pages over
     several steps; the pages are on the decode ranks byte for byte."""
     model = tiny_model_dirs["llama"]
-    shm_before = _shm_dirs()
     with connected(config(model, tensor_parallel_size=2), transport,
                    config(model, tensor_parallel_size=2, max_num_batched_tokens=24), verify_checksum=True) as (prefill, decode):
         desc = decode.reserve("probe", 4)
@@ -151,7 +145,7 @@ def test_a_tp2_prefill_engine_hands_off_to_a_tp2_decode_engine(transport, tiny_m
         prefill.engine.assert_idle()
         decode.engine.assert_idle()
         assert len(decode.leases) == 0
-    assert _shm_dirs() <= shm_before  # every rank's shared pool (and the page owners) removed
+    assert not list(private_shm.iterdir())  # every rank's shared pool (and the page owners) removed
 
 
 @pytest.mark.parametrize("prefill_tp, decode_tp", [(1, 2), (2, 1)])
@@ -268,7 +262,7 @@ def _running(pid: int) -> bool:
 
 
 @pytest.mark.parametrize("when", ["mid-step", "idle"])
-def test_rank_0_killed_takes_the_other_ranks_with_it(when, tiny_model_dirs):
+def test_rank_0_killed_takes_the_other_ranks_with_it(when, tiny_model_dirs, private_shm):
     """The worker process (rank 0) is SIGKILLed while rank 1 waits for it inside a step's
     all-reduce (mid-step), or for its next step (idle): rank 1 exits on its own within seconds (no
     rank left running without its worker) and removes what it made in shared memory, and the
@@ -277,7 +271,6 @@ def test_rank_0_killed_takes_the_other_ranks_with_it(when, tiny_model_dirs):
     import subprocess
     import sys
 
-    from splitserve.kvtransfer.transports.shm import SHM_ROOT
     root = Path(__file__).resolve().parent.parent
     proc = subprocess.Popen([sys.executable, "-c", RANK_0_THAT_HANGS, str(tiny_model_dirs["llama"]), when], cwd=root,
                             env={**os.environ, "PYTHONPATH": str(root)}, stdout=subprocess.PIPE, text=True)
@@ -298,7 +291,7 @@ def test_rank_0_killed_takes_the_other_ranks_with_it(when, tiny_model_dirs):
         while _running(rank1) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert not _running(rank1), "rank 1 outlived its worker"
-        assert not list(SHM_ROOT.glob(f"splitserve-kv-{rank1}-*")), "rank 1's pool was left"
+        assert not list(private_shm.glob(f"splitserve-kv-{rank1}-*")), "rank 1's pool was left"
         assert not shm_path.exists(), "the all-reduce file of the dead worker was left"
     finally:
         if proc.poll() is None:

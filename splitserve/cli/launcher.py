@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator, Sequence
 
+from splitserve.common.locality import remove_pools_of
 from splitserve.common.processes import die_with_parent, free_port
 
 BOOT_TIMEOUT_S = 300
@@ -104,14 +105,18 @@ class Process:
             self.proc.terminate()
             self.proc.send_signal(signal.SIGCONT)  # a frozen (SIGSTOP) child must see the SIGTERM
         try:
-            return self.proc.wait(timeout_s)
+            code = self.proc.wait(timeout_s)
         except subprocess.TimeoutExpired:
             return self.kill()
+        remove_pools_of(self.proc.pid)
+        return code
 
     def kill(self) -> int:
         if self.proc.poll() is None:
             self.proc.kill()
-        return self.proc.wait(10)
+        code = self.proc.wait(10)
+        remove_pools_of(self.proc.pid)  # what a killed worker could not remove itself
+        return code
 
 
 def spawn(argv: Sequence[str], ready_text: str, *, env: dict[str, str] | None = None,
@@ -204,6 +209,7 @@ class Supervisor:
             if child.proc is None:
                 continue
             if child.due is None and child.proc.poll() is not None:
+                remove_pools_of(child.proc.pid)  # a killed decode worker's KV pool, before its successor makes one
                 ran = now - child.started_at
                 child.backoff_s = BACKOFF_MIN_S if ran >= STABLE_S else child.backoff_s
                 child.due = now + child.backoff_s
@@ -231,6 +237,7 @@ class Supervisor:
             for child in running:
                 try:
                     child.proc.wait(timeout=max(0.1, give_up - time.monotonic()))
+                    remove_pools_of(child.proc.pid)
                 except subprocess.TimeoutExpired:
                     child.process.kill()
 
@@ -331,7 +338,9 @@ class UpProcess:
         self.wait_stopped(timeout_s)
 
     def __enter__(self) -> "UpProcess":
-        return self.start().wait_ready()
+        if self.process is None:  # (one started already is not started twice)
+            self.start().wait_ready()
+        return self
 
     def __exit__(self, *exc) -> None:
         self.close()

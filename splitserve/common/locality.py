@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
+import tempfile
 from pathlib import Path
 from typing import Sequence
 
@@ -28,9 +30,33 @@ TRANSFER_PENALTY = {"cuda_ipc": 0.0, "shm": 0.0, "nccl": 0.5, "tcp": 1.0}
 UNREACHABLE = 1e6
 
 
-def default_host_id(shm_root: str | os.PathLike | None = None) -> str:
+# A decode pool in shared memory is a directory named for the process that made it:
+# <shm root>/splitserve-kv-<pid>-<random>.
+POOL_PREFIX = "splitserve-kv-"
+
+
+def shm_root() -> Path:
+    """The shared-memory directory: $SPLITSERVE_SHM_DIR, else /dev/shm."""
+    return Path(os.environ.get("SPLITSERVE_SHM_DIR", "/dev/shm"))
+
+
+def pool_root() -> Path:
+    """Where shm pools are made: the shared-memory directory, or the temporary one where there is none."""
+    root = shm_root()
+    return root if root.is_dir() else Path(tempfile.gettempdir())
+
+
+def remove_pools_of(pid: int) -> None:
+    """Remove the shm pools a process that has exited left behind. A worker removes its own when
+    it stops; one killed outright cannot, and its pool (the whole KV cache) would stay in memory
+    until reboot. Call it only for a pid this process has reaped (so no live process has it)."""
+    for directory in pool_root().glob(f"{POOL_PREFIX}{pid}-*"):
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def default_host_id(directory: str | os.PathLike | None = None) -> str:
     """This process's shared-memory domain: boot id + device and inode of the shm directory."""
-    root = Path(shm_root or os.environ.get("SPLITSERVE_SHM_DIR", "/dev/shm"))
+    root = Path(directory) if directory else shm_root()
     try:
         boot = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
     except OSError:

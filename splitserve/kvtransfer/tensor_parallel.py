@@ -147,13 +147,6 @@ def _rank_descriptor(order: CopyOrder, rank: int) -> TransferDescriptor:
                                alternatives=(), rank_offers=())
 
 
-def remove_rank_pools(pid: int) -> None:
-    """A follower rank killed outright leaves its shared-memory pool behind (named by its pid)."""
-    from splitserve.kvtransfer.transports.shm import SHM_ROOT, remove_pool_directory
-    for directory in SHM_ROOT.glob(f"splitserve-kv-{pid}-*"):
-        remove_pool_directory(directory)
-
-
 class FollowerKV(FollowerKVConnector):
     """kvtransfer on a rank r > 0: its receivers (decode) or its senders (prefill), moving this
     rank's slice of every page as rank 0's orders say."""

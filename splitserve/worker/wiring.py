@@ -9,16 +9,17 @@ from __future__ import annotations
 import time
 from typing import Callable, Iterable
 
+from splitserve.common.locality import remove_pools_of
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.llm_engine import LLMEngine
 from splitserve.engine.model_runner import resolve_device
 from splitserve.engine.tensor_parallel import FollowerProgram
 from splitserve.kvtransfer import TRANSPORTS, DecodePool, choose_transports, open_decode, open_prefill
-from splitserve.kvtransfer.tensor_parallel import remove_rank_pools, tp_transports
+from splitserve.kvtransfer.tensor_parallel import tp_transports
 
 # What the other ranks of a tensor-parallel worker run: the engine's follower with kvtransfer's
 # side of the handoff (splitserve.worker.tp_follower); a rank killed outright leaves its pool behind.
-KV_FOLLOWER = FollowerProgram("splitserve.worker.tp_follower", remove_rank_pools)
+KV_FOLLOWER = FollowerProgram("splitserve.worker.tp_follower", remove_pools_of)
 
 
 def build_decode(config: EngineConfig, transport: str = "auto", lease_ttl_s: float = 30.0,

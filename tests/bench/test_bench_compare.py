@@ -8,7 +8,6 @@ import sys
 import types
 
 import grpc
-import psutil
 import pytest
 
 from bench import compare
@@ -208,7 +207,7 @@ def test_every_comparison_parses():
     assert parse_rates("1,inf") == [1.0, float("inf")]
 
 
-def test_overhead_comparison_quick_end_to_end(tiny_model_dirs, tmp_path):
+def test_overhead_comparison_quick_end_to_end(tiny_model_dirs, tmp_path, children_left):
     """`python -m bench.compare overhead --quick` on the tiny model: a stack and the in-process
     engine, interleaved; every request completes, JSON + PNG written, no process left behind."""
     out = tmp_path / "overhead.json"
@@ -223,10 +222,10 @@ def test_overhead_comparison_quick_end_to_end(tiny_model_dirs, tmp_path):
     assert report["commands"]["stack"].startswith("splitserve up")
     assert report["machine"]["cpu_count"] and report["commit"]
     assert out.with_suffix(".png").stat().st_size > 0
-    assert not psutil.Process().children(recursive=True)
+    assert not children_left()
 
 
-def test_http_comparison_quick_end_to_end(tiny_model_dirs, tmp_path):
+def test_http_comparison_quick_end_to_end(tiny_model_dirs, tmp_path, children_left):
     """`python -m bench.compare http --quick`: the same requests over gRPC and over the OpenAI HTTP
     API of one stack; every request completes with its full length on both."""
     out = tmp_path / "http.json"
@@ -240,4 +239,4 @@ def test_http_comparison_quick_end_to_end(tiny_model_dirs, tmp_path):
             assert s["completed"] == n and s["failed"] == 0, (phase, s)
         assert grpc_run["output_tokens"] == http_run["output_tokens"] > 0
     assert "poisson_ttft_p50_ms" in report["http_minus_grpc"]
-    assert not psutil.Process().children(recursive=True)
+    assert not children_left()

@@ -3,12 +3,10 @@
 (The figures, and the 2,000-stream run, are the benchmark's: no timing is asserted here.)"""
 import json
 
-import psutil
-
 from bench import health_under_load
 
 
-def test_hundreds_of_concurrent_streams_all_finish_and_health_keeps_answering(tiny_model_dirs, tmp_path):
+def test_hundreds_of_concurrent_streams_all_finish_and_health_keeps_answering(tiny_model_dirs, tmp_path, children_left):
     out = tmp_path / "health.json"
     # A worker that runs 2 at a time: the others wait open, in the gateway and in the engine's queue.
     code = health_under_load.main(["--streams", "300", "--max-tokens", "12", "--max-num-seqs", "2", "--quick",
@@ -20,4 +18,4 @@ def test_hundreds_of_concurrent_streams_all_finish_and_health_keeps_answering(ti
     # ... and got an answer, SERVING, every time it asked while they ran.
     assert report["health_during_load"]["n"] > 0 and report["health_not_serving_during_load"] == 0
     assert report["machine"]["cpu_count"] and report["commit"]
-    assert not psutil.Process().children(recursive=True)
+    assert not children_left()

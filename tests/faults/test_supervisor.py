@@ -14,6 +14,7 @@ from tests.harness.prompts import mixed_prompts
 from tests.harness.stack import SERVING, health, worker_info
 from tests.harness.streams import assert_all_match, join_all, run_streams, wait_until
 from tests.harness.up import start_up
+from splitserve.common.locality import POOL_PREFIX, pool_root
 from splitserve.v1 import generation_pb2
 
 
@@ -24,6 +25,11 @@ def up(tiny_model_dirs, tmp_path_factory):
             "--num-threads", "1", "--child-log-level", "WARNING"]
     with start_up(args, tmp_path_factory.mktemp("up")) as running:
         yield running
+
+
+def pools_of(pid: int) -> list:
+    """The shm KV pools process ``pid`` made (named by it: splitserve.common.locality)."""
+    return list(pool_root().glob(f"{POOL_PREFIX}{pid}-*"))
 
 
 def decode_workers(up) -> dict[str, str]:
@@ -49,7 +55,9 @@ def test_a_killed_decode_worker_is_restarted_while_the_rest_keep_serving(up, ref
     others = {name: pid for name, pid in up.pids.items() if name != "decode0"}
     streams = run_streams(up, "sup-decode", mixed_prompts(8, seed=91, lo=5, hi=40), max_tokens=300, client=up.client)
     wait_until(lambda: all(len(s.tokens) >= 3 for s in streams), 60, "every stream to be decoding")
-    os.kill(up.pids["decode0"], signal.SIGKILL)
+    victim = up.pids["decode0"]
+    assert pools_of(victim), "the decode worker has its KV pool in shared memory"
+    os.kill(victim, signal.SIGKILL)
     # At once, before anything came back: a new request succeeds on the survivors.
     greedy_ok(up, reference, mixed_prompts(1, seed=92, lo=10, hi=10)[0])
     join_all(streams)
@@ -57,6 +65,7 @@ def test_a_killed_decode_worker_is_restarted_while_the_rest_keep_serving(up, ref
     assert max(s.attempts() for s in streams) >= 2, "no stream was decoding on the killed worker"
     line = up.wait_log("decode0 is back")
     assert "exited with code -9" in up.log()
+    assert not pools_of(victim), "the killed worker's KV pool was left in shared memory"
     # The rest kept running: the same processes.
     assert {name: up.pids[name] for name in others} == others and up.proc.poll() is None
     wait_until(lambda: len(decode_workers(up)) == 2 and decode_workers(up).keys() != before.keys(), 30,

@@ -48,6 +48,7 @@ from grpc_health.v1 import health_pb2
 
 from splitserve.cli.launcher import CLI, Process, spawn
 from splitserve.client import Client
+from splitserve.common.locality import remove_pools_of
 from splitserve.common.processes import free_port
 from splitserve.v1 import generation_pb2, generation_pb2_grpc, worker_pb2, worker_pb2_grpc
 from tests.harness.redis_server import RedisServer
@@ -180,7 +181,9 @@ class Stack:
             proc.send_signal(sig)
         if sig in (signal.SIGSTOP, signal.SIGCONT):
             return None
-        return proc.wait(timeout_s)
+        code = proc.wait(timeout_s)
+        remove_pools_of(proc.pid)  # as `splitserve up`'s supervisor does for a worker that died
+        return code
 
     def restart(self, name: str) -> str:
         """Start process ``name`` again with its original arguments (after ``kill``); a worker
@@ -235,6 +238,7 @@ class Stack:
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait(10)
+                remove_pools_of(proc.pid)  # one that stopped in time removed its own
         self.redis.close()
 
 

@@ -10,19 +10,18 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 import uuid
 from pathlib import Path
 from typing import Sequence
 
 import torch
 
+from splitserve.common.locality import POOL_PREFIX, pool_root
 from splitserve.kvtransfer.base import StaleEpochError, TransferDescriptor, TransportUnavailableError
 from splitserve.kvtransfer.lease import LeaseTable
 from splitserve.kvtransfer.page_copy import copy_runs, page_ids
 from splitserve.kvtransfer.transports.base import KVReceiver, KVSender, Run
 
-SHM_ROOT = Path(os.environ.get("SPLITSERVE_SHM_DIR", "/dev/shm"))
 
 
 def _map(path: Path, numel: int, dtype: torch.dtype) -> torch.Tensor:
@@ -32,8 +31,7 @@ def _map(path: Path, numel: int, dtype: torch.dtype) -> torch.Tensor:
 def create_pool_directory(shape: Sequence[int], dtype: torch.dtype, extra_meta: dict | None = None
                           ) -> tuple[torch.Tensor, Path]:
     """A shared-memory directory with the page-owner table and the pool's metadata."""
-    root = SHM_ROOT if SHM_ROOT.is_dir() else Path(tempfile.gettempdir())
-    directory = root / f"splitserve-kv-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    directory = pool_root() / f"{POOL_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}"
     directory.mkdir(mode=0o700)
     owners = _map(directory / "owners", shape[2], torch.int64)
     meta = {"shape": list(shape), "dtype": str(dtype).removeprefix("torch."), **(extra_meta or {})}
