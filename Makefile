@@ -63,7 +63,7 @@ run: model kernels redis tcmalloc
 
 # Triton kernels are interpreted on CPU tensors only where no GPU can compile them (tests/conftest.py).
 test: install model kernels redis tcmalloc checkov
-	CHECKOV="$(CURDIR)/$(CHECKOV_VENV)/bin/checkov" $(PY) -m pytest -q -ra --durations=30
+	CHECKOV="$(CURDIR)/$(CHECKOV_VENV)/bin/checkov" $(PY) -m pytest -q -ra --durations=30 -n 2 --dist loadfile
 
 # The inner loop: the tests that start no process of their own and load no real model
 # (tests/conftest.py marks the others), a few minutes.

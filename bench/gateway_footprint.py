@@ -38,6 +38,8 @@ def measure(tree: Path, redis_url: str, model: str) -> dict:
         for line in proc.stdout:
             if "serving on" in line:
                 break
+        else:
+            raise RuntimeError(f"the gateway in {tree} exited with code {proc.wait()} before serving")
         seconds = time.monotonic() - started
         time.sleep(1.0)
         status = Path(f"/proc/{proc.pid}/status").read_text()
