@@ -94,6 +94,9 @@ class EngineMetrics:
         self.lease_renewals = Counter("splitserve:kv_lease_renewals",
                                       "Reservations kept past a lease because their prefill was still under way "
                                       "(decode)", registry=registry)
+        self.pages_set_aside = Gauge("splitserve:kv_pages_set_aside",
+                                     "Pages of ended reservations held back while a sender in another process "
+                                     "is still copying into them (decode)", registry=registry)
         self.role = Gauge("splitserve:worker_info", "Constant 1, labelled with the worker's role",
                           list(labels), registry=registry)
         self.role.labels(**labels).set(1)

@@ -291,6 +291,12 @@ class KVCacheManager:
             owner.last_hash = block_hash
             owner.num_hashed_blocks = i + 1
 
+    def rename(self, request_id: str, new_id: str) -> None:
+        """Hold a request's pages under another id (the request's own id is free again)."""
+        if new_id in self._owners:
+            raise ValueError(f"{new_id!r} already holds pages")
+        self._owners[new_id] = self._owners.pop(request_id)
+
     def free(self, request_id: str) -> None:
         """Return every page of a request (device and host). Safe to call twice."""
         owner = self._owners.pop(request_id, None)

@@ -99,6 +99,11 @@ class KVHandoffEngine(Protocol):
         """Free a reservation that never became a request (or abort the request it became);
         False when there was neither."""
 
+    def set_aside_pages(self, request_id: str, holder: str) -> None:
+        """Keep the pages of a reservation that never became a request out of use, under the id
+        ``holder`` (freed later with ``release_pages(holder)``): a sender in another process may
+        still be copying into them. ``request_id`` may reserve again at once."""
+
     def add_prefilled_request(self, request_id: str, prompt_token_ids: Sequence[int], params: "SamplingParams",
                               first_token: int, priority: int = 0,
                               first_logprobs: list[tuple[int, float]] | None = None,

@@ -187,6 +187,11 @@ class LLMEngine:
             return True
         return False
 
+    def set_aside_pages(self, request_id: str, holder: str) -> None:
+        if request_id in self.requests:
+            raise ValueError(f"request {request_id!r} is running: its pages are its own")
+        self.kv.rename(request_id, holder)
+
     def attach_kv_connector(self, connector: KVConnector | None) -> None:
         self.runner.kv_connector = connector
 

@@ -76,6 +76,7 @@ def open_decode(engine: KVHandoffEngine, pool: DecodePool, lease_ttl_s: float = 
     with ``kv_key`` (``Security.kv_key``) the tcp receiver takes pages only from senders with it."""
     from splitserve.kvtransfer.decode_side import DecodeConnector
     from splitserve.kvtransfer.lease import LeaseTable, PageFence
+    from splitserve.kvtransfer.page_locks import PageLocks
 
     names = pool.transports
     tp = engine.tensor_parallel_size
@@ -97,7 +98,9 @@ def open_decode(engine: KVHandoffEngine, pool: DecodePool, lease_ttl_s: float = 
             cleanup.append(lambda: remove_pool_directory(Path(directory)))
         if owners is None:
             owners = torch.empty(cache.shape[2], dtype=torch.int64)
-        leases = LeaseTable(PageFence(owners), lease_ttl_s, clock=clock)
+        # With the table in shared memory, senders in other processes lock its pages while they copy.
+        locks = PageLocks(Path(directory) / "owners") if directory is not None else None
+        leases = LeaseTable(PageFence(owners, locks), lease_ttl_s, clock=clock)
     for name in names:
         if name == "shm":
             from splitserve.kvtransfer.transports.shm import ShmReceiver

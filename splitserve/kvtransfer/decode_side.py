@@ -37,6 +37,9 @@ class DecodeConnector:
         self.rank_offers = rank_offers
         self._cleanup = list(cleanup)
         self.num_expired = 0
+        # Pages of ended leases that a sender in another process was still copying into:
+        # holder id (the engine holds them under it) -> page ids. Freed once no copy is under way.
+        self.set_aside: dict[str, tuple[int, ...]] = {}
 
     def reserve(self, request_id: str, num_prompt_tokens: int,
                 prompt_token_ids: Sequence[int] | None = None) -> TransferDescriptor | None:
@@ -92,18 +95,41 @@ class DecodeConnector:
                                                  arrival_time=arrival_time, sampler_state=sampler_state)
 
     def abort(self, request_id: str) -> bool:
-        """Drop a reservation (mid-transfer) or a running request. True if there was one."""
+        """Drop a reservation (mid-transfer) or a running request. True if there was one.
+
+        A reservation's pages are fenced at once (no new copy starts); if a sender is still
+        copying into them they are set aside, not freed, until it has stopped (``sweep``):
+        another request given them now would have its KV overwritten by the late copy."""
         lease = self.leases.release(request_id)
         self._cached_pages.pop(request_id, None)
+        if lease is not None and not lease.completed and not self.leases.fence.quiet(lease.block_ids):
+            holder = f"{request_id}#set-aside-{lease.epoch}"
+            self.engine.set_aside_pages(request_id, holder)
+            self.set_aside[holder] = lease.block_ids
+            log.warning("%s ended while a sender was still copying into %d of its pages; they are set aside "
+                        "until the copy stops", request_id, len(lease.block_ids))
+            return True
         return self.engine.release_pages(request_id) or lease is not None
 
+    def sweep(self) -> int:
+        """Free the set-aside pages no sender is copying into any more; returns how many."""
+        freed = 0
+        for holder, block_ids in list(self.set_aside.items()):
+            if self.leases.fence.quiet(block_ids):
+                self.engine.release_pages(holder)
+                del self.set_aside[holder]
+                freed += len(block_ids)
+        return freed
+
     def reap_expired(self) -> list[str]:
-        """Free the pages of handoffs whose prefill side went quiet past the lease."""
+        """Free the pages of handoffs whose prefill side went quiet past the lease (and the
+        set-aside pages whose copies have stopped)."""
         expired = self.leases.expired()
         for request_id in expired:
             log.warning("lease of %s expired before its KV arrived; pages freed", request_id)
             self.abort(request_id)
         self.num_expired += len(expired)
+        self.sweep()
         return expired
 
     @property
@@ -113,5 +139,6 @@ class DecodeConnector:
     def close(self) -> None:
         for receiver in self.receivers:
             receiver.close()
+        self.leases.fence.close()
         for cleanup in self._cleanup:
             cleanup()

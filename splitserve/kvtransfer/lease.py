@@ -6,8 +6,9 @@ frees pages whose handoff nobody drives any more. The epoch is stamped on each r
 page in a page-owner table; a writer may touch a page only while the page still carries its
 epoch. Releasing, aborting or expiring a lease clears the stamps under the same lock that
 in-process writers (tcp, nccl receivers) hold while they write, so no write of a stale
-attempt lands after the release returns. Writers in another process (shm) check the stamps
-in shared memory before each copy.
+attempt lands after the release returns. Writers in another process (shm, cuda_ipc) check the
+stamps in shared memory before each copy and hold page locks (``page_locks``) until it landed;
+pages whose copy is still under way when their lease ends are set aside until it is not.
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from typing import Callable, Iterator, Sequence
 import torch
 
 from splitserve.kvtransfer.base import LeaseExpiredError, StaleEpochError
+from splitserve.kvtransfer.page_locks import PageLocks
 
 FREE = -1
 
@@ -35,14 +37,26 @@ class Lease:
 
 
 class PageFence:
-    """Which epoch owns each page of a pool (FREE when none). Optionally backed by shared memory."""
+    """Which epoch owns each page of a pool (FREE when none). Optionally backed by shared memory,
+    with ``locks`` on the table's file that senders in other processes hold while they copy."""
 
-    def __init__(self, owners: torch.Tensor):
+    def __init__(self, owners: torch.Tensor, locks: PageLocks | None = None):
         if owners.dtype != torch.int64 or owners.dim() != 1:
             raise ValueError("page owners must be a 1-D int64 tensor")
         self.owners = owners
         self.owners.fill_(FREE)
         self.lock = threading.RLock()
+        self.locks = locks
+
+    def quiet(self, block_ids: Sequence[int]) -> bool:
+        """No writer can still be copying into these (already unstamped) pages. In-process
+        writers hold ``lock`` while they write, so a release under it is final; a sender in
+        another process holds its page locks from its epoch check until its bytes landed."""
+        return self.locks is None or self.locks.quiet(block_ids)
+
+    def close(self) -> None:
+        if self.locks is not None:
+            self.locks.close()
 
     def stamp(self, block_ids: Sequence[int], epoch: int) -> None:
         self.owners[list(block_ids)] = epoch

@@ -108,8 +108,10 @@ class CudaIpcReceiver(ShmReceiver):
     @classmethod
     def create(cls, pool: torch.Tensor, lease_ttl_s: float, clock) -> "CudaIpcReceiver":
         from splitserve.kvtransfer.lease import PageFence
+        from splitserve.kvtransfer.page_locks import PageLocks
         owners, directory = create_pool_directory(pool.shape, pool.dtype, {"ipc": export_handle(pool)})
-        return cls(pool, LeaseTable(PageFence(owners), lease_ttl_s, clock=clock), directory)
+        fence = PageFence(owners, PageLocks(directory / "owners"))
+        return cls(pool, LeaseTable(fence, lease_ttl_s, clock=clock), directory)
 
 
 class CudaIpcSender(ShmSender):
@@ -133,10 +135,10 @@ class CudaIpcSender(ShmSender):
                                             f"{pool.dtype} tensor, the directory says {meta['shape']} {meta['dtype']}")
         return pool
 
-    def write(self, desc: TransferDescriptor, layer: int, runs: Sequence[Run]) -> None:
-        super().write(desc, layer, runs)
+    def _landed(self) -> None:
         # The copies are queued on this thread's current streams (the connector's copy stream).
-        # Wait for them here, off the engine's thread: the bytes are in the decode pool before the
-        # next layer's ownership check, as on shm, and nothing is in flight at the flush.
+        # Wait for them here, off the engine's thread and before the page locks are dropped: the
+        # bytes are in the decode pool before the decode side may reuse the pages, and nothing is
+        # in flight at the flush.
         for device in {self.src_pool.device, self.dst_pool.device}:
             torch.cuda.current_stream(device).synchronize()

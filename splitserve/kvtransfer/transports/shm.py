@@ -19,6 +19,7 @@ import torch
 from splitserve.common.locality import POOL_PREFIX, pool_root
 from splitserve.kvtransfer.base import StaleEpochError, TransferDescriptor, TransportUnavailableError
 from splitserve.kvtransfer.lease import LeaseTable
+from splitserve.kvtransfer.page_locks import PageLocks
 from splitserve.kvtransfer.page_copy import copy_runs, page_ids
 from splitserve.kvtransfer.transports.base import KVReceiver, KVSender, Run
 
@@ -90,6 +91,8 @@ class ShmSender(KVSender):
                                             "is the decode worker on this host, sharing /dev/shm?") from e
         self.dst_pool = self._map_pool(directory, meta)
         self.owners = _map(directory / "owners", meta["shape"][2], torch.int64)
+        # Held on the destination pages from the epoch check until the bytes landed (page_locks).
+        self.locks = PageLocks(directory / "owners")
         self._bytes_per_block = 2 * self.dst_pool[0, 0, 0].numel() * self.dst_pool.element_size()
 
     def _map_pool(self, directory: Path, meta: dict) -> torch.Tensor:
@@ -103,9 +106,20 @@ class ShmSender(KVSender):
     def write(self, desc: TransferDescriptor, layer: int, runs: Sequence[Run]) -> None:
         runs = tuple(runs)
         dst_blocks = page_ids(runs)[1]
-        self._check_owned(desc, dst_blocks, "before the copy")
-        self.num_copies += copy_runs(self.src_pool[layer], self.dst_pool[layer], runs)
+        held = self.locks.hold_shared((d, n) for _, d, n in runs)
+        try:
+            self._check_owned(desc, dst_blocks, "before the copy")
+            self.num_copies += copy_runs(self.src_pool[layer], self.dst_pool[layer], runs)
+            self._landed()
+        finally:
+            self.locks.release(held)
         self.bytes_sent += len(dst_blocks) * self._bytes_per_block
+
+    def _landed(self) -> None:
+        """Return once the copies just issued are in the decode pool (shm: they are synchronous stores)."""
+
+    def close(self) -> None:
+        self.locks.close()
 
     def flush(self, desc: TransferDescriptor) -> None:
         # Copies are synchronous stores into the shared mapping: nothing is in flight.

@@ -54,8 +54,9 @@ class DecodeWorkerServicer(WorkerServicer, worker_pb2_grpc.DecodeWorkerServicer)
     def _housekeeping(self) -> None:
         if self.connector is not None:
             expired = self.connector.reap_expired()
-            if expired and self.metrics is not None:
+            if self.metrics is not None:
                 self.metrics.lease_expiries.inc(len(expired))
+                self.metrics.pages_set_aside.set(sum(map(len, self.connector.set_aside.values())))
         if self.metrics is not None:
             self.metrics.refresh(self.engine)
 
