@@ -17,7 +17,7 @@ import pytest
 
 from splitserve.engine.attention.page_order import HEAD_MAJOR, order_of, pages_of
 from splitserve.engine.config import EngineConfig
-from splitserve.kvtransfer.page_locks import PageLocks, page_ranges
+from splitserve.kvtransfer.page_locks import MAX_RANGES, PageLocks, destination_ranges, page_ranges
 from splitserve.worker.wiring import build_decode
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -170,3 +170,8 @@ def test_page_locks_exclude_each_other_within_one_process_too(tmp_path):
 def test_page_ranges():
     assert list(page_ranges([5, 1, 2, 3, 9, 10, 3])) == [(1, 3), (5, 1), (9, 2)]
     assert list(page_ranges([])) == []
+    # A sender's: adjacent destination runs merge; a fragmented table is locked as one span.
+    assert destination_ranges([(0, 9, 2), (2, 4, 3), (5, 7, 2)]) == [(4, 7)]
+    assert destination_ranges([(0, 1, 1), (1, 5, 1)]) == [(1, 1), (5, 1)]
+    scattered = [(i, 3 * i, 1) for i in range(MAX_RANGES + 1)]
+    assert destination_ranges(scattered) == [(0, 3 * MAX_RANGES + 1)]

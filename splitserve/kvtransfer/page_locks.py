@@ -45,6 +45,26 @@ def page_ranges(pages: Iterable[int]) -> Iterator[tuple[int, int]]:
         yield start, count
 
 
+# Past this many separate ranges a sender locks the one range that spans them: two system calls
+# per copy, not two per range of a fragmented page table. Pages of other requests inside it are
+# only ever set aside a little longer, never written.
+MAX_RANGES = 8
+
+
+def destination_ranges(runs: Iterable[tuple[int, int, int]]) -> list[tuple[int, int]]:
+    """The (first page, count) ranges a sender locks for page ``runs`` (src, dst, count)."""
+    ranges: list[tuple[int, int]] = []
+    for _, start, count in sorted(runs, key=lambda run: run[1]):
+        if ranges and ranges[-1][0] + ranges[-1][1] == start:
+            ranges[-1] = (ranges[-1][0], ranges[-1][1] + count)
+        else:
+            ranges.append((start, count))
+    if len(ranges) > MAX_RANGES:
+        end = max(start + count for start, count in ranges)
+        ranges = [(ranges[0][0], end - ranges[0][0])]
+    return ranges
+
+
 class PageLocks:
     """Byte-range locks on ``path`` (one byte per page), through an open file of this object's own."""
 

@@ -19,7 +19,7 @@ import torch
 from splitserve.common.locality import POOL_PREFIX, pool_root
 from splitserve.kvtransfer.base import StaleEpochError, TransferDescriptor, TransportUnavailableError
 from splitserve.kvtransfer.lease import LeaseTable
-from splitserve.kvtransfer.page_locks import PageLocks
+from splitserve.kvtransfer.page_locks import PageLocks, destination_ranges
 from splitserve.kvtransfer.page_copy import copy_runs, page_ids
 from splitserve.kvtransfer.transports.base import KVReceiver, KVSender, Run
 
@@ -106,7 +106,7 @@ class ShmSender(KVSender):
     def write(self, desc: TransferDescriptor, layer: int, runs: Sequence[Run]) -> None:
         runs = tuple(runs)
         dst_blocks = page_ids(runs)[1]
-        held = self.locks.hold_shared((d, n) for _, d, n in runs)
+        held = self.locks.hold_shared(destination_ranges(runs))
         try:
             self._check_owned(desc, dst_blocks, "before the copy")
             self.num_copies += copy_runs(self.src_pool[layer], self.dst_pool[layer], runs)
