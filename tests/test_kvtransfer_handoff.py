@@ -10,6 +10,8 @@ import sys
 import textwrap
 import time
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -443,7 +445,7 @@ def test_auto_offers_fastest_first_and_falls_back_loudly(tiny_model_dirs, hf_ref
         desc = decode.reserve("f", len(prompt))
         assert [t for t, _ in desc.offers] == ["shm", "tcp"]
         # As seen from another host: the shared-memory pool is not there.
-        elsewhere = dataclasses.replace(desc, address="/nonexistent/splitserve-kv")
+        elsewhere = dataclasses.replace(desc, address=str(Path(desc.address).parent / "splitserve-kv-1-00000000"))
         with caplog.at_level(logging.WARNING, logger="splitserve.kvtransfer.prefill_side"):
             prefill.start("f", prompt, GREEDY, elsewhere)
             [result] = prefill.step()

@@ -68,9 +68,10 @@ def destination_ranges(runs: Iterable[tuple[int, int, int]]) -> list[tuple[int, 
 class PageLocks:
     """Byte-range locks on ``path`` (one byte per page), through an open file of this object's own."""
 
-    def __init__(self, path: str | os.PathLike):
+    def __init__(self, path: str | os.PathLike, fd: int | None = None):
+        """Opens ``path`` (never through a link), or takes a copy of ``fd``, an open file of it."""
         self.path = Path(path)
-        self.fd = os.open(self.path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
+        self.fd = os.dup(fd) if fd is not None else os.open(self.path, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
 
     def _lock(self, kind: int, ranges: Iterable[tuple[int, int]], wait: bool) -> list[tuple[int, int]]:
         """Lock every (first page, count) range; all or none (what was taken is dropped on a refusal)."""

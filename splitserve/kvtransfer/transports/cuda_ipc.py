@@ -29,7 +29,7 @@ from torch.multiprocessing.reductions import rebuild_cuda_tensor, reduce_tensor
 from splitserve.kvtransfer.base import TransferDescriptor, TransportUnavailableError
 from splitserve.kvtransfer.lease import LeaseTable
 from splitserve.kvtransfer.transports.base import Run
-from splitserve.kvtransfer.transports.shm import ShmReceiver, ShmSender, create_pool_directory
+from splitserve.kvtransfer.transports.shm import PoolDirectory, ShmReceiver, ShmSender, create_pool_directory
 
 
 def _class_name(cls: type) -> str:
@@ -123,15 +123,15 @@ class CudaIpcSender(ShmSender):
             raise TransportUnavailableError("cuda_ipc copies from a CUDA pool; this worker's pool is on "
                                             f"{src_pool.device}")
 
-    def _map_pool(self, directory: Path, meta: dict) -> torch.Tensor:
+    def _map_pool(self, directory: PoolDirectory, meta: dict) -> torch.Tensor:
         try:
             pool = rebuild_cuda_tensor(*decode_handle(meta["ipc"]))
         except Exception as e:  # a bad handle, no CUDA, another namespace: this transport is not usable here
             raise TransportUnavailableError(
-                f"cuda_ipc pool {directory} cannot be opened from this process ({type(e).__name__}: {e}); the "
+                f"cuda_ipc pool {directory.address} cannot be opened from this process ({type(e).__name__}: {e}); the "
                 "decode worker must be on this host, share its IPC and PID namespaces and see the same GPU") from e
         if list(pool.shape) != list(meta["shape"]) or str(pool.dtype).removeprefix("torch.") != meta["dtype"]:
-            raise TransportUnavailableError(f"cuda_ipc pool {directory}: the handle opens a {tuple(pool.shape)} "
+            raise TransportUnavailableError(f"cuda_ipc pool {directory.address}: the handle opens a {tuple(pool.shape)} "
                                             f"{pool.dtype} tensor, the directory says {meta['shape']} {meta['dtype']}")
         return pool
 

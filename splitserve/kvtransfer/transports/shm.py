@@ -8,8 +8,12 @@ writer whose lease was released stops at its next copy.
 """
 from __future__ import annotations
 
+import errno
 import json
+import logging
 import os
+import re
+import stat
 import uuid
 from pathlib import Path
 from typing import Sequence
@@ -22,6 +26,8 @@ from splitserve.kvtransfer.lease import LeaseTable
 from splitserve.kvtransfer.page_locks import PageLocks, destination_ranges
 from splitserve.kvtransfer.page_copy import copy_runs, page_ids
 from splitserve.kvtransfer.transports.base import KVReceiver, KVSender, Run
+
+log = logging.getLogger(__name__)
 
 
 
@@ -78,25 +84,114 @@ class ShmReceiver(KVReceiver):
         remove_pool_directory(self.directory)
 
 
+# A descriptor's address is the decode worker's word, and a descriptor crosses the network: the
+# sender maps only what a decode worker of this project makes, as its own user, and never
+# follows a link (one planted in the directory would have the copy overwrite what it points to).
+_POOL_NAME = re.compile(re.escape(POOL_PREFIX) + r"[0-9]+-[0-9a-f]{8}")
+_META_MAX_BYTES = 1 << 16
+_DTYPES = {"float32", "float16", "bfloat16", "float8_e4m3fn", "float8_e5m2", "int8", "uint8"}
+
+
+class PoolDirectory:
+    """A decode pool's directory, opened for a sender after checking that it is one: directly
+    under the shared-memory directory, named as ``create_pool_directory`` names them, owned by
+    this process's user with mode 0700; its files regular, of that user and of the size the
+    metadata implies, each opened without following a link and mapped through that open file."""
+
+    def __init__(self, address: str):
+        directory = Path(address)
+        if directory.parent != pool_root() or not _POOL_NAME.fullmatch(directory.name):
+            raise self._refused(address, f"not a pool directory under {pool_root()}")
+        try:
+            self.fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as e:
+            if e.errno in (errno.ELOOP, errno.ENOTDIR):
+                raise self._refused(address, "a link or not a directory") from e
+            raise TransportUnavailableError(f"shm pool {address} is not reachable from here ({e.strerror}); is the "
+                                            "decode worker on this host, sharing /dev/shm?") from e
+        self.address = address
+        st = os.fstat(self.fd)
+        if st.st_uid != os.geteuid() or stat.S_IMODE(st.st_mode) != 0o700:
+            self.close()
+            raise self._refused(address, f"owned by uid {st.st_uid} with mode {stat.S_IMODE(st.st_mode):o}, "
+                                         f"not by uid {os.geteuid()} with mode 700")
+        try:
+            self.meta = self._read_meta()
+        except BaseException:
+            self.close()
+            raise
+
+    @staticmethod
+    def _refused(address: str, why: str) -> TransportUnavailableError:
+        log.warning("refused the shm pool a descriptor names, %r: %s", address, why)
+        return TransportUnavailableError(f"shm pool {address!r} refused: {why}")
+
+    def open(self, name: str, size: int | None = None, flags: int = os.O_RDWR) -> int:
+        """An open file of the directory's ``name``, checked; the caller closes it."""
+        try:
+            fd = os.open(name, flags | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self.fd)
+        except OSError as e:
+            raise self._refused(self.address, f"{name}: {e.strerror}") from e
+        st = os.fstat(fd)
+        why = ("not a regular file" if not stat.S_ISREG(st.st_mode) else
+               f"owned by uid {st.st_uid}" if st.st_uid != os.geteuid() else
+               f"{st.st_size} bytes, not {size}" if size is not None and st.st_size != size else "")
+        if why:
+            os.close(fd)
+            raise self._refused(self.address, f"{name}: {why}")
+        return fd
+
+    def _read_meta(self) -> dict:
+        fd = self.open("meta.json", flags=os.O_RDONLY)
+        try:
+            meta = json.loads(os.read(fd, _META_MAX_BYTES))
+        except ValueError as e:
+            raise self._refused(self.address, f"meta.json: {e}") from e
+        finally:
+            os.close(fd)
+        shape = meta.get("shape") if isinstance(meta, dict) else None
+        if not (isinstance(shape, list) and len(shape) == 6 and all(type(n) is int and n > 0 for n in shape)
+                and meta.get("dtype") in _DTYPES):
+            raise self._refused(self.address, "meta.json does not describe a KV pool")
+        return meta
+
+    def map(self, name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        """Map ``name`` (exactly ``numel`` elements) through a checked open file of it."""
+        fd = self.open(name, numel * torch.empty((), dtype=dtype).element_size())
+        try:
+            return torch.from_file(f"/proc/self/fd/{fd}", shared=True, size=numel, dtype=dtype)
+        finally:
+            os.close(fd)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
 class ShmSender(KVSender):
     name = "shm"
 
     def __init__(self, address: str, src_pool: torch.Tensor):
         super().__init__(address, src_pool)
-        directory = Path(address)
+        directory = PoolDirectory(address)
         try:
-            meta = json.loads((directory / "meta.json").read_text())
-        except OSError as e:
-            raise TransportUnavailableError(f"{self.name} pool {address} is not reachable from here ({e}); "
-                                            "is the decode worker on this host, sharing /dev/shm?") from e
-        self.dst_pool = self._map_pool(directory, meta)
-        self.owners = _map(directory / "owners", meta["shape"][2], torch.int64)
-        # Held on the destination pages from the epoch check until the bytes landed (page_locks).
-        self.locks = PageLocks(directory / "owners")
+            meta = directory.meta
+            self.dst_pool = self._map_pool(directory, meta)
+            blocks = meta["shape"][2]
+            self.owners = directory.map("owners", blocks, torch.int64)
+            owners = directory.open("owners", blocks * 8)
+            try:  # held on the destination pages from the epoch check until the bytes landed (page_locks)
+                self.locks = PageLocks(Path(address) / "owners", fd=owners)
+            finally:
+                os.close(owners)
+        finally:
+            directory.close()
         self._bytes_per_block = 2 * self.dst_pool[0, 0, 0].numel() * self.dst_pool.element_size()
 
-    def _map_pool(self, directory: Path, meta: dict) -> torch.Tensor:
-        return _map(directory / "pool", _numel(meta["shape"]), getattr(torch, meta["dtype"])).view(*meta["shape"])
+    def _map_pool(self, directory: PoolDirectory, meta: dict) -> torch.Tensor:
+        shape = meta["shape"]
+        return directory.map("pool", _numel(shape), getattr(torch, meta["dtype"])).view(*shape)
 
     def _check_owned(self, desc: TransferDescriptor, dst_blocks: torch.Tensor, when: str) -> None:
         if not bool((self.owners.index_select(0, dst_blocks) == desc.epoch).all()):
