@@ -14,6 +14,7 @@ that see the same directory can map each other's pools; a container or namespace
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import shutil
 import tempfile
@@ -52,6 +53,46 @@ def remove_pools_of(pid: int) -> None:
     until reboot. Call it only for a pid this process has reaped (so no live process has it)."""
     for directory in pool_root().glob(f"{POOL_PREFIX}{pid}-*"):
         shutil.rmtree(directory, ignore_errors=True)
+
+
+def pid_namespace() -> str:
+    """This process's pid namespace (``pid:[<inode>]``), or "" where /proc does not say: a pid
+    names a process only within its namespace."""
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return ""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def sweep_dead_pools() -> list[Path]:
+    """Remove the shm pools of processes that are gone (killed with nobody to reap them, or
+    before a reboot of the container): only this user's pools made in this pid namespace (a
+    pool's ``meta.json`` says which), whose process no longer exists. Returns what it removed."""
+    namespace, removed = pid_namespace(), []
+    if not namespace:
+        return removed
+    for directory in pool_root().glob(f"{POOL_PREFIX}*"):
+        try:
+            pid = int(directory.name[len(POOL_PREFIX):].split("-")[0])
+            if directory.lstat().st_uid != os.geteuid() or not directory.is_dir() or directory.is_symlink():
+                continue
+            meta = json.loads((directory / "meta.json").read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(meta, dict) and meta.get("pid_namespace") == namespace and not _alive(pid):
+            shutil.rmtree(directory, ignore_errors=True)
+            removed.append(directory)
+    return removed
 
 
 def default_host_id(directory: str | os.PathLike | None = None) -> str:

@@ -20,6 +20,7 @@ import logging
 import queue
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -36,6 +37,8 @@ from splitserve.kvtransfer.transports.base import KVSender
 log = logging.getLogger(__name__)
 
 SenderFactory = Callable[[str], KVSender]  # address -> sender over this side's pool
+# Senders kept open at most (one per decode address in use); past it the least recently used goes.
+MAX_SENDERS = 64
 
 
 @dataclass
@@ -87,7 +90,11 @@ class PrefillConnector(KVConnector):
         self.layout = KVLayout.of_pool(engine.model_name, engine.kv_cache, engine.tensor_parallel_size)
         self.sender_factories = senders
         self.verify_checksum = verify_checksum
-        self._senders: dict[tuple[str, str], KVSender] = {}
+        # (transport, address) -> its sender, least recently used first.
+        self._senders: OrderedDict[tuple[str, str], KVSender] = OrderedDict()
+        # Senders out of the cache (broken, their decode pool gone, or pushed out) that a transfer
+        # may still be using: closed once none is.
+        self._retired: list[KVSender] = []
         self._transfers: dict[str, _Transfer] = {}
         self._copies: queue.Queue = queue.Queue()
         pool = engine.kv_cache
@@ -159,15 +166,42 @@ class PrefillConnector(KVConnector):
                 self.abort(request_id)
                 results.append(PrefillResult(request_id, transfer.desc.epoch, transfer.prompt_token_ids,
                                              error=transfer.error))
+        if any(r.error is not None for r in results):  # a broken sender is not kept for the next request
+            for key, sender in list(self._senders.items()):
+                if not sender.usable():
+                    self._retire(key)
+        if self._retired:
+            self._close_retired()
         return results
 
     def has_pending(self) -> bool:
         return bool(self._transfers)
 
     def close(self) -> None:
-        for sender in self._senders.values():
+        for sender in [*self._senders.values(), *self._retired]:
             sender.close()
         self.engine.attach_kv_connector(None)
+
+    # ---- the sender cache: a broken or unreachable sender is rebuilt, not kept --------
+    def _retire(self, key: tuple[str, str]) -> None:
+        sender = self._senders.pop(key, None)
+        if sender is not None:
+            self._retired.append(sender)
+
+    def _prune(self) -> None:
+        """Retire the senders that cannot be used any more, and the oldest past MAX_SENDERS."""
+        for key, sender in list(self._senders.items()):
+            if not sender.usable():
+                log.info("KV sender %s %s retired: %s", *key, "broken" if key[0] == "tcp" else "its pool is gone")
+                self._retire(key)
+        while len(self._senders) >= MAX_SENDERS:
+            self._retire(next(iter(self._senders)))
+
+    def _close_retired(self) -> None:
+        in_use = {id(transfer.sender) for transfer in self._transfers.values()}
+        for sender in [s for s in self._retired if id(s) not in in_use]:
+            sender.close()  # (a mapped decode pool is unmapped once its last reference goes)
+            self._retired.remove(sender)
 
     # ---- data path -----------------------------------------------------------------
     def _sender(self, desc: TransferDescriptor) -> KVSender:
@@ -178,7 +212,10 @@ class PrefillConnector(KVConnector):
                 refused.append(f"{transport}: not enabled here")
                 continue
             key = (transport, address)
+            if key in self._senders and not self._senders[key].usable():
+                self._retire(key)
             if key not in self._senders:
+                self._prune()
                 try:
                     self._senders[key] = self.sender_factories[transport](address)
                 except TransportUnavailableError as e:
@@ -186,6 +223,7 @@ class PrefillConnector(KVConnector):
                     continue
             if refused:
                 log.warning("KV transfer of %s falls back to %s (%s)", desc.request_id, transport, "; ".join(refused))
+            self._senders.move_to_end(key)
             return self._senders[key]
         raise TransportUnavailableError(f"request {desc.request_id!r}: no offered KV transport is usable here ("
                                         + "; ".join(refused) + ")")

@@ -63,5 +63,10 @@ class KVSender(abc.ABC):
     def flush(self, desc: TransferDescriptor) -> None:
         """Return once every write for ``desc`` is in the decode pool; raise if any was refused."""
 
+    def usable(self) -> bool:
+        """False once this sender can carry nothing more (its connection broke, its decode pool is
+        gone): the prefill side then opens a new one rather than fail every later transfer."""
+        return True
+
     def close(self) -> None:
         pass

@@ -375,6 +375,9 @@ class NcclSender(KVSender):
         if code != OK:
             raise _ERRORS.get(code, TransferAbortedError)(bytes(msg.numpy()).decode() or f"status {code}")
 
+    def usable(self) -> bool:
+        return not self._broken
+
     def close(self) -> None:
         """Say CLOSE (bounded by timeout_s) and drop the pair."""
         with self._lock:

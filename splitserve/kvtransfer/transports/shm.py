@@ -20,7 +20,7 @@ from typing import Sequence
 
 import torch
 
-from splitserve.common.locality import POOL_PREFIX, pool_root
+from splitserve.common.locality import POOL_PREFIX, pid_namespace, pool_root, sweep_dead_pools
 from splitserve.kvtransfer.base import StaleEpochError, TransferDescriptor, TransportUnavailableError
 from splitserve.kvtransfer.lease import LeaseTable
 from splitserve.kvtransfer.page_locks import PageLocks, destination_ranges
@@ -37,11 +37,15 @@ def _map(path: Path, numel: int, dtype: torch.dtype) -> torch.Tensor:
 
 def create_pool_directory(shape: Sequence[int], dtype: torch.dtype, extra_meta: dict | None = None
                           ) -> tuple[torch.Tensor, Path]:
-    """A shared-memory directory with the page-owner table and the pool's metadata."""
+    """A shared-memory directory with the page-owner table and the pool's metadata. Pools that
+    dead processes of this namespace left behind are removed first."""
+    for stale in sweep_dead_pools():
+        log.warning("removed %s: the process that made it is gone", stale)
     directory = pool_root() / f"{POOL_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}"
     directory.mkdir(mode=0o700)
     owners = _map(directory / "owners", shape[2], torch.int64)
-    meta = {"shape": list(shape), "dtype": str(dtype).removeprefix("torch."), **(extra_meta or {})}
+    meta = {"shape": list(shape), "dtype": str(dtype).removeprefix("torch."), "pid_namespace": pid_namespace(),
+            **(extra_meta or {})}
     (directory / "meta.json").write_text(json.dumps(meta))
     return owners, directory
 
@@ -213,8 +217,14 @@ class ShmSender(KVSender):
     def _landed(self) -> None:
         """Return once the copies just issued are in the decode pool (shm: they are synchronous stores)."""
 
+    def usable(self) -> bool:
+        # The decode worker removes its pool directory when it stops (its supervisor, when it is
+        # killed); a sender kept on it would hold the whole pool mapped.
+        return self.dst_pool is not None and os.path.isdir(self.address)
+
     def close(self) -> None:
         self.locks.close()
+        self.dst_pool = self.owners = None  # the mapping goes with its last reference
 
     def flush(self, desc: TransferDescriptor) -> None:
         # Copies are synchronous stores into the shared mapping: nothing is in flight.

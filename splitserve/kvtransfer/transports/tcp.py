@@ -404,6 +404,9 @@ class TcpSender(KVSender):
                 self._raise_broken(f"unexpected reply (type {ftype}, request {r_rid!r}, epoch {r_epoch}) "
                                    f"to the FLUSH of {desc.request_id!r} epoch {desc.epoch}")
 
+    def usable(self) -> bool:
+        return not self._broken
+
     def close(self) -> None:
         self._broken = self._broken or "sender closed"
         self.sock.close()
