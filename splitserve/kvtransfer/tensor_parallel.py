@@ -192,6 +192,9 @@ class FollowerKV(FollowerKVConnector):
     def _sender(self, order: CopyOrder) -> tuple[KVSender, TransferDescriptor]:
         desc = _rank_descriptor(order, self.rank)
         key = (desc.transport, desc.address)
+        if key in self._senders and not self._senders[key].usable():  # broken, or its pool is gone
+            with contextlib.suppress(Exception):
+                self._senders.pop(key).close()
         if key not in self._senders:
             self._senders[key] = self.factories[desc.transport](desc.address)
         return self._senders[key], desc
