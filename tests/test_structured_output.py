@@ -166,3 +166,37 @@ def test_a_retried_job_carries_its_streamed_tokens_to_the_grammar():
     assert prompt == [1, 2, 3, 90, 91, 92, 93] and params.max_tokens == 6
     over_the_wire = sampling_from_worker(sampling_to_worker(params)).structured_output
     assert over_the_wire == SCHEMA_SPEC.resumed(4) and over_the_wire.key == SCHEMA_SPEC.key
+
+
+def test_compiled_grammars_are_kept_up_to_a_bound(llm):
+    """Clients that send a new regex each time (issue 36, point 2): the compiled grammars an
+    engine keeps stay under --grammar-cache-mb, least recently used out first; a repeated spec
+    is a hit. Every request is still constrained."""
+    grammars = llm.engine.grammars
+    saved = grammars.cache_bytes
+    grammars.cache_bytes = 40_000  # a few of these small grammars (~10 KB each on SmolLM2's vocabulary)
+    try:
+        hits, misses = grammars.hits, grammars.misses
+        prompt = chat(llm, "Say a code.")
+        sizes = []
+        for i in range(16):
+            regex = f"c{i}[a-f]{{2}}"
+            [out] = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8,
+                                                         structured_output=StructuredOutput(regex=regex)))
+            assert re.fullmatch(regex, llm.get_tokenizer().decode(out.token_ids, skip_special_tokens=True)), out.token_ids
+            sizes.append(grammars.cached_bytes)
+        assert grammars.misses - misses == 16 and max(sizes) <= 40_000
+        assert len(grammars._cache) < 16  # the oldest went
+        llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8,
+                                              structured_output=StructuredOutput(regex="c15[a-f]{2}")))
+        assert grammars.hits - hits == 1 and grammars.misses - misses == 16
+        stats = llm.engine.stats()
+        assert stats["grammar_cache_bytes"] == grammars.cached_bytes and stats["grammar_cache_hits"] == grammars.hits
+    finally:
+        grammars.cache_bytes = saved
+
+
+def test_the_grammar_cache_bound_is_checked():
+    from splitserve.engine.config import EngineConfig
+    with pytest.raises(ValueError, match="grammar_cache_mb"):
+        EngineConfig(model="m", grammar_cache_mb=0)

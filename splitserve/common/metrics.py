@@ -94,6 +94,14 @@ class EngineMetrics:
         self.lease_renewals = Counter("splitserve:kv_lease_renewals",
                                       "Reservations kept past a lease because their prefill was still under way "
                                       "(decode)", registry=registry)
+        self.grammar_cache_bytes = Gauge("splitserve:grammar_cache_bytes",
+                                         "Bytes of compiled structured-output grammars kept for reuse (bounded by "
+                                         "--grammar-cache-mb)", registry=registry)
+        self.grammar_cache_hits = Counter("splitserve:grammar_cache_hits",
+                                          "Constrained requests whose grammar was compiled already", registry=registry)
+        self.grammar_cache_misses = Counter("splitserve:grammar_cache_misses",
+                                            "Constrained requests whose grammar was compiled for them",
+                                            registry=registry)
         self.pages_set_aside = Gauge("splitserve:kv_pages_set_aside",
                                      "Pages of ended reservations held back while a sender in another process "
                                      "is still copying into them (decode)", registry=registry)
@@ -101,7 +109,7 @@ class EngineMetrics:
                           list(labels), registry=registry)
         self.role.labels(**labels).set(1)
         self._seen = {"num_preemptions": 0, "prefix_queries": 0, "prefix_hits": 0, "spec_drafts": 0,
-                      "spec_draft_tokens": 0, "spec_accepted_tokens": 0}
+                      "spec_draft_tokens": 0, "spec_accepted_tokens": 0, "grammar_hits": 0, "grammar_misses": 0}
 
     def refresh(self, engine) -> None:
         """Copy the engine's counters into the metrics; runs on the engine thread."""
@@ -118,11 +126,15 @@ class EngineMetrics:
         totals = {"num_preemptions": engine.scheduler.num_preemptions,
                   "prefix_queries": engine.kv.prefix_stats.queries, "prefix_hits": engine.kv.prefix_stats.hits,
                   "spec_drafts": spec.num_drafts, "spec_draft_tokens": spec.num_draft_tokens,
-                  "spec_accepted_tokens": spec.num_accepted_tokens}
+                  "spec_accepted_tokens": spec.num_accepted_tokens,
+                  "grammar_hits": engine.grammars.hits, "grammar_misses": engine.grammars.misses}
+        self.grammar_cache_bytes.set(engine.grammars.cached_bytes)
         for name, counter in (("num_preemptions", self.preemptions), ("prefix_queries", self.prefix_queries),
                               ("prefix_hits", self.prefix_hits), ("spec_drafts", self.spec_drafts),
                               ("spec_draft_tokens", self.spec_draft_tokens),
-                              ("spec_accepted_tokens", self.spec_accepted_tokens)):
+                              ("spec_accepted_tokens", self.spec_accepted_tokens),
+                              ("grammar_hits", self.grammar_cache_hits),
+                              ("grammar_misses", self.grammar_cache_misses)):
             counter.inc(max(0, totals[name] - self._seen[name]))
             self._seen[name] = totals[name]
 

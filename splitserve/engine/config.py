@@ -94,6 +94,10 @@ class EngineConfig:
     prompt_lookup_min: int = 2
     # draft: the draft model (alias or checkpoint directory) with the target's vocabulary.
     speculative_model: str | None = None
+    # Structured output: MB of compiled grammars kept for reuse (least recently used go first); a
+    # compiled grammar takes from kilobytes to megabytes (its token masks), and each distinct
+    # schema, regex or choice list is one.
+    grammar_cache_mb: int = 256
 
     def __post_init__(self) -> None:
         def positive(name: str) -> None:
@@ -106,7 +110,7 @@ class EngineConfig:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
 
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "static_batch_size",
-                     "tensor_parallel_size"):
+                     "tensor_parallel_size", "grammar_cache_mb"):
             positive(name)
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import logging
+from collections import OrderedDict
 from typing import TYPE_CHECKING, Sequence
 
 from splitserve.engine.structured_output import StructuredOutput
@@ -105,15 +106,21 @@ class Grammar:
 
 class GrammarCompiler:
     """Per engine: the tokenizer's token table (built on the first constrained request, ~0.4 s
-    for a 49k vocabulary) and the compiled grammars, cached by spec."""
+    for a 49k vocabulary) and the compiled grammars, kept by spec up to ``cache_bytes`` (least
+    recently used out first): clients that send a new schema each time must not grow the worker
+    without bound. ``hits``/``misses``/``cached_bytes`` say how it does."""
 
-    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: Sequence[int]):
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: Sequence[int], cache_bytes: int = 256 << 20):
         # vocab_size is the logits' width (the model's), which may exceed the tokenizer's.
         self._tokenizer = tokenizer
         self.vocab_size = vocab_size
         self._stop_token_ids = sorted(stop_token_ids)
         self._compiler = None
-        self._cache: dict[tuple, object] = {}
+        self.cache_bytes = cache_bytes
+        self._cache: OrderedDict[tuple, object] = OrderedDict()  # spec key -> compiled grammar, oldest first
+        self.cached_bytes = 0
+        self.hits = 0
+        self.misses = 0
 
     def _compile(self, spec: StructuredOutput):
         import xgrammar as xgr
@@ -123,9 +130,17 @@ class GrammarCompiler:
                                                       stop_token_ids=self._stop_token_ids or None)
             self._compiler = xgr.GrammarCompiler(info, cache_enabled=False)  # cached below, by spec
         compiled = self._cache.get(spec.key)
-        if compiled is None:
-            compiled = self._compiler.compile_grammar(_grammar(spec))
-            self._cache[spec.key] = compiled
+        if compiled is not None:
+            self.hits += 1
+            self._cache.move_to_end(spec.key)
+            return compiled
+        self.misses += 1
+        compiled = self._compiler.compile_grammar(_grammar(spec))
+        self._cache[spec.key] = compiled
+        self.cached_bytes += compiled.memory_size_bytes
+        while self.cached_bytes > self.cache_bytes and len(self._cache) > 1:  # (the newest stays: in use)
+            _, evicted = self._cache.popitem(last=False)
+            self.cached_bytes -= evicted.memory_size_bytes
         return compiled
 
     def grammar(self, spec: StructuredOutput, generated: Sequence[int] = ()) -> Grammar:

@@ -44,7 +44,8 @@ class LLMEngine:
         self.step_budget = StepBudget(config.target_tpot_ms, config.max_num_batched_tokens, config.block_size) \
             if config.target_tpot_ms else None
         self.proposer = build_proposer(config, self.runner)  # None unless speculative decoding is on
-        self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.runner.eos_token_ids)
+        self.grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.runner.eos_token_ids,
+                                        cache_bytes=config.grammar_cache_mb << 20)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
 
@@ -257,6 +258,9 @@ class LLMEngine:
             "spec_decode_num_drafts": self.scheduler.spec_stats.num_drafts,
             "spec_decode_num_draft_tokens": self.scheduler.spec_stats.num_draft_tokens,
             "spec_decode_num_accepted_tokens": self.scheduler.spec_stats.num_accepted_tokens,
+            "grammar_cache_bytes": self.grammars.cached_bytes,
+            "grammar_cache_hits": self.grammars.hits,
+            "grammar_cache_misses": self.grammars.misses,
         }
 
     def assert_idle(self) -> None:
