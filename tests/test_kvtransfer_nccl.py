@@ -257,3 +257,22 @@ def test_nccl_refuses_a_peer_on_the_same_gpu():
         assert decode.receiver.peers == 0
     finally:
         decode.receiver.close()
+
+
+def test_the_receivers_store_listens_on_its_host_only(tiny_model_dirs):
+    """torch's TCPStore listens on every interface whatever host it is given, and has no
+    authentication (issue 36, point 7): the receiver's listens where it was told."""
+    import psutil
+    import torch
+
+    from splitserve.kvtransfer.lease import LeaseTable, PageFence
+    from splitserve.kvtransfer.transports.nccl import NcclReceiver
+    pool = torch.zeros(2, 2, 4, 8, 2, 16)
+    receiver = NcclReceiver(pool, LeaseTable(PageFence(torch.empty(4, dtype=torch.int64)), 30.0), host="127.0.0.1")
+    try:
+        port = int(receiver.address.rsplit(":", 1)[1])
+        listening = [c.laddr for c in psutil.Process().net_connections("tcp")
+                     if c.status == psutil.CONN_LISTEN and c.laddr.port == port]
+        assert [addr.ip for addr in listening] == ["127.0.0.1"]
+    finally:
+        receiver.close()

@@ -68,6 +68,22 @@ def test_two_ranks_give_the_tokens_of_one_rank_and_of_transformers(arch, tiny_mo
     assert got == [ref.greedy(p, 8) for p in prompts]
 
 
+def test_the_ranks_rendezvous_listens_on_loopback_only(tiny_model_dirs, engines):
+    """The ranks meet through a TCPStore on rank 0, which has no authentication: it listens on
+    127.0.0.1, not on every interface as torch's own would (issue 36, point 7)."""
+    import psutil
+    me = psutil.Process()
+
+    def listening() -> set:
+        return {c.laddr for proc in (me, *me.children(recursive=True))
+                for c in proc.net_connections("tcp") if c.status == psutil.CONN_LISTEN}
+
+    before = listening()  # (another test's servers in this process are not this engine's)
+    llm(tiny_model_dirs["llama"], engines, tensor_parallel_size=2)
+    opened = listening() - before
+    assert opened and {addr.ip for addr in opened} == {"127.0.0.1"}, opened
+
+
 def test_swap_preemption_moves_every_ranks_pages(tiny_model_dirs, hf_reference, engines):
     """Few pages: sequences are swapped out and back in; each rank swaps its own slice."""
     model = tiny_model_dirs["llama"]

@@ -45,6 +45,22 @@ class RankDied(RuntimeError):
     """A tensor-parallel rank of this worker exited; the worker cannot step any more."""
 
 
+def listening_store(host: str, port: int, world: int | None, timeout, wait_for_workers: bool = True) -> dist.TCPStore:
+    """A TCPStore server that listens on ``host`` only. Given a host, torch's own still listens on
+    every interface, and the store has no authentication; this one is handed a socket bound to
+    ``host`` (loopback for a worker's own ranks, the configured address for a KV receiver)."""
+    sock = socket.create_server((host.strip("[]"), port), family=socket.AF_INET6 if ":" in host else socket.AF_INET,
+                                backlog=128)
+    try:
+        store = dist.TCPStore(host, sock.getsockname()[1], world, is_master=True, timeout=timeout,
+                              wait_for_workers=wait_for_workers, master_listen_fd=sock.fileno())
+    except BaseException:
+        sock.close()
+        raise
+    sock.detach()  # the store owns the socket now
+    return store
+
+
 def init_group(backend: str, host: str, port: int, rank: int, world: int, store: dist.TCPStore | None = None):
     """This worker's own process group (not torch.distributed's default one: one process may hold
     two tensor-parallel engines, as a test of a prefill/decode pair does)."""
@@ -83,8 +99,7 @@ class FollowerRanks:
         self._callbacks: list[Callable[[BaseException], None]] = []
         self._closing = False
         server = socket.create_server(("127.0.0.1", 0))
-        store = dist.TCPStore("127.0.0.1", 0, self.world, is_master=True, timeout=COLLECTIVE_TIMEOUT,
-                              wait_for_workers=False)
+        store = listening_store("127.0.0.1", 0, self.world, COLLECTIVE_TIMEOUT, wait_for_workers=False)
         token = secrets.token_hex(16)
         self.shm_path = create_shm_file(self.world, slot_bytes) if device.type == "cpu" else None
         spec = {"world": self.world, "store_port": store.port, "control_port": server.getsockname()[1],

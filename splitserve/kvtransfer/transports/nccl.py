@@ -43,6 +43,7 @@ import torch
 import torch.distributed as dist
 
 from splitserve.engine.attention.kv_quant import as_bytes
+from splitserve.engine.tensor_parallel.ranks import listening_store
 from splitserve.kvtransfer.base import (KVLayout, LeaseExpiredError, StaleEpochError, TransferAbortedError,
                              TransferDescriptor, TransferError, TransportUnavailableError)
 from splitserve.kvtransfer.lease import LeaseTable
@@ -106,7 +107,7 @@ class NcclReceiver(KVReceiver):
         if not self.pool.is_contiguous():  # its pages as they lie in memory (KVReceiver)
             raise ValueError("the decode pool must be contiguous: runs are received in place")
         self.host, self.timeout = host, timedelta(seconds=timeout_s)
-        self._store = dist.TCPStore(host, port, is_master=True, wait_for_workers=False, timeout=self.timeout)
+        self._store = listening_store(host, port, None, self.timeout, wait_for_workers=False)
         self._port = self._store.port
         self._store.set("device", gpu_uuid(pool.device))
         self._advertised = advertise_host or host  # what senders dial (the store listens on ``host``)
