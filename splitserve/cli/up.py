@@ -18,6 +18,7 @@ import sys
 import tempfile
 import threading
 import time
+from pathlib import Path
 
 from splitserve.cli.launcher import BOOT_TIMEOUT_S, CLI, ChildSpec, Supervisor
 from splitserve.common.processes import free_port
@@ -48,10 +49,20 @@ def with_internal_token(args):
     return argparse.Namespace(**{**vars(args), "internal_token": secrets.token_urlsafe(32)})
 
 
+def with_redis_password(args):
+    """``args`` with a ``--redis-password`` for the Redis ``up`` starts itself: the one given,
+    else a fresh random one that only ``up``'s children learn (through their environment). A
+    Redis without one is open to every local user, who could register a fake worker and be sent
+    prompts and the internal token. A Redis given with ``--redis-url`` is the operator's."""
+    if args.redis_url or args.redis_password:
+        return args
+    return argparse.Namespace(**{**vars(args), "redis_password": secrets.token_urlsafe(32)})
+
+
 def plan(args, redis_url: str, workdir: str) -> list[ChildSpec]:
     """The processes of ``splitserve up <args>``: every flag reaches each child that takes it."""
     from splitserve.cli.flags import forward
-    args = with_internal_token(args)
+    args = with_redis_password(with_internal_token(args))
     cli = [*CLI, "--log-level", args.child_log_level]
     specs: list[ChildSpec] = []
     if not args.redis_url:
@@ -59,10 +70,12 @@ def plan(args, redis_url: str, workdir: str) -> list[ChildSpec]:
         if binary is None:
             raise SystemExit("redis-server not found: install it (apt-get install redis-server) or pass --redis-url")
         port = int(redis_url.rsplit(":", 1)[1].split("/")[0])
-        argv = [binary, "--port", str(port), "--bind", "127.0.0.1", "--dir", workdir, "--save", "",
+        # The password goes in a file only this user reads, not on a command line every user sees.
+        config = Path(workdir) / "redis.conf"
+        config.touch(mode=0o600)
+        config.write_text(f"requirepass {args.redis_password}\n")
+        argv = [binary, str(config), "--port", str(port), "--bind", "127.0.0.1", "--dir", workdir, "--save", "",
                 "--appendonly", "yes"]
-        if args.redis_password:
-            argv += ["--requirepass", args.redis_password]
         specs.append(ChildSpec("redis", argv, "Ready to accept connections"))
     # Set per child below: the Redis URL, the metrics port, the engine threads, the GPU memory share.
     own = frozenset({"redis_url", "metrics_port", "num_threads", "gpu_memory_utilization"})

@@ -18,11 +18,15 @@ from splitserve.common.locality import POOL_PREFIX, pool_root
 from splitserve.v1 import generation_pb2
 
 
+# Given, so that this test can look into up's Redis (up makes one up otherwise).
+REDIS_PASSWORD = "supervisor-test"
+
+
 @pytest.fixture(scope="module")
 def up(tiny_model_dirs, tmp_path_factory):
     args = ["--model", str(tiny_model_dirs["llama"]), "--dtype", "float32", "--block-size", "8",
             "--num-gpu-blocks", "256", "--max-num-batched-tokens", "128", "--prefill", "2", "--decode", "2",
-            "--num-threads", "1", "--child-log-level", "WARNING"]
+            "--num-threads", "1", "--child-log-level", "WARNING", "--redis-password", REDIS_PASSWORD]
     with start_up(args, tmp_path_factory.mktemp("up")) as running:
         yield running
 
@@ -111,7 +115,7 @@ def test_a_killed_redis_is_restarted_with_its_append_only_file_and_the_stack_rec
     the workers register again and new requests succeed; up itself never stopped."""
     greedy_ok(up, reference, mixed_prompts(1, seed=97, lo=10, hi=10)[0], request_id="before-redis-kill")
     wait_until(lambda: request_state(up, "before-redis-kill") == "finished", 30, "its end to be recorded")
-    store = redis.Redis.from_url(up.redis_url, decode_responses=True, socket_timeout=5)
+    store = redis.Redis.from_url(up.redis_url, password=REDIS_PASSWORD, decode_responses=True, socket_timeout=5)
     try:
         assert store.info("persistence")["aof_enabled"] == 1
         # Written to the file (a kill -9 keeps what the process wrote; fsync is for power loss).

@@ -195,3 +195,34 @@ def test_up_gives_each_rank_of_a_tensor_parallel_worker_its_share_of_the_cores(t
             assert child[child.index("--num-threads") + 1] == threads, (tp, name)
             if tp > 1:
                 assert child[child.index("--tensor-parallel-size") + 1] == "2", name
+
+
+def test_up_gives_its_own_redis_a_password_only_its_children_learn(tmp_path):
+    """Issue 36, point 10: a Redis without a password is open to every local user (a fake worker
+    could register and be sent prompts). up's own Redis gets a fresh random one, in a config file
+    only this user reads, never on a command line; the children get it in their environment."""
+    import stat
+
+    from splitserve.cli import up
+    from splitserve.cli.flags import BY_NAME
+    specs = {spec.name: spec for spec in up.plan(parse(["up"]), "redis://127.0.0.1:1/0", str(tmp_path))}
+    config = tmp_path / "redis.conf"
+    [password] = [line.split()[1] for line in config.read_text().splitlines() if line.startswith("requirepass ")]
+    assert len(password) >= 32 and stat.S_IMODE(config.stat().st_mode) == 0o600
+    assert specs["redis"].argv[1] == str(config)
+    envvar = BY_NAME["redis_password"].envvar
+    for name, spec in specs.items():
+        assert password not in " ".join(spec.argv), name
+        if name != "redis":
+            assert spec.env[envvar] == password, name
+    # Another run, another password; one given is used as it is; a Redis of the operator's is theirs.
+    (tmp_path / "x").mkdir()
+    again = {s.name: s for s in up.plan(parse(["up"]), "redis://127.0.0.1:1/0", str(tmp_path / "x"))}
+    assert again["gateway"].env[envvar] != password
+    given = {s.name: s for s in up.plan(parse(["up", "--redis-password", "s3cret-pw"]), "redis://127.0.0.1:1/0",
+                                        str(tmp_path / "x"))}
+    assert given["gateway"].env[envvar] == "s3cret-pw"
+    assert (tmp_path / "x" / "redis.conf").read_text() == "requirepass s3cret-pw\n"
+    theirs = {s.name: s for s in up.plan(parse(["up", "--redis-url", "redis://10.0.0.9:6379/0"]),
+                                         "redis://10.0.0.9:6379/0", str(tmp_path / "x"))}
+    assert "redis" not in theirs and envvar not in theirs["gateway"].env

@@ -42,6 +42,19 @@ def test_the_workers_run_on_tcmalloc(up):
     assert "tcmalloc" not in maps("gateway")
 
 
+def test_ups_redis_answers_only_its_children(up):
+    """up's own Redis has a password (issue 36, point 10): a local client without it is refused,
+    and the password is on no command line of up's processes (its children serve, so they have it)."""
+    import redis
+    with pytest.raises(redis.AuthenticationError):
+        redis.Redis.from_url(up.redis_url, socket_timeout=5).ping()
+    config = os.path.join(psutil.Process(up.pids["redis"]).cwd(), "redis.conf")  # up's working directory
+    [password] = [line.split()[1] for line in open(config) if line.startswith("requirepass ")]
+    assert redis.Redis.from_url(up.redis_url, password=password, socket_timeout=5).ping()
+    for proc in [psutil.Process(up.proc.pid), *psutil.Process(up.proc.pid).children(recursive=True)]:
+        assert password not in " ".join(proc.cmdline()), proc.cmdline()[:4]
+
+
 def test_kill_9_of_up_leaves_no_orphan(up):
     children = psutil.Process(up.proc.pid).children(recursive=True)
     assert len(children) >= 4  # redis, decode, prefill, gateway
