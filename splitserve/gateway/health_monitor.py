@@ -18,6 +18,18 @@ from splitserve.common.grpc_server import set_health
 log = logging.getLogger(__name__)
 
 NO_WORKERS = "no usable workers: a prefill and a decode worker, or a colocated one, must be registered"
+STORE_DOWN = "request store (Redis) unreachable"
+
+
+def public_reason(reason: str) -> str:
+    """What an unauthenticated caller may read of why the gateway cannot serve: no error text."""
+    if not reason:
+        return ""
+    if reason.startswith(NO_WORKERS):
+        return "no usable workers"
+    if reason.startswith(STORE_DOWN):
+        return "request store unreachable"
+    return "draining" if reason == "draining" else "unavailable"
 
 
 class GatewayHealth:
@@ -56,7 +68,7 @@ class GatewayHealth:
             await self.state.ping()
             roles = {w.role for w in await self.directory.usable()}
         except Exception as e:  # Redis down or unreachable
-            return f"request store (Redis) unreachable: {e}"
+            return f"{STORE_DOWN}: {e}"
         if "both" in roles or {"prefill", "decode"} <= roles:
             return ""
         return f"{NO_WORKERS} (registered: {', '.join(sorted(roles)) or 'none'})"

@@ -200,9 +200,17 @@ def test_a_gateway_without_workers_answers_503(stack, tmp_path):
             while (health := httpx.get(base + "/health")).status_code != 503:  # its first check runs
                 assert time.monotonic() < deadline, health.text
                 time.sleep(0.2)
+            # Unauthenticated, so a few fixed words, no registry (issue 36, point 12).
+            assert health.json() == {"status": "unavailable", "reason": "no usable workers"}
             answer = httpx.post(base + "/v1/completions", json={"prompt": "x", "max_tokens": 2})
             assert answer.status_code == 503 and answer.json()["error"]["type"] == "service_unavailable"
             assert "cannot serve" in answer.json()["error"]["message"]
+            empty.kill()  # and with its Redis gone: 503, without Redis's error text
+            while (health := httpx.get(base + "/health")).json()["reason"] != "request store unreachable":
+                assert time.monotonic() < deadline + 30, health.text
+                time.sleep(0.2)
+            assert health.status_code == 503 and health.json() == {"status": "unavailable",
+                                                                   "reason": "request store unreachable"}
         finally:
             gateway.terminate()
             gateway.wait(30)

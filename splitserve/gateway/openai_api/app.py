@@ -27,6 +27,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
+from splitserve.gateway.health_monitor import public_reason
 from splitserve.gateway.job import Finished, cancelled
 from splitserve.gateway.openai_api.protocol import UNSUPPORTED_FIELDS, ChatCompletionRequest, CompletionRequest
 from splitserve.gateway.openai_api.responses import Responses, new_request_id
@@ -81,9 +82,11 @@ def build_app(servicer, authorizer: Authorizer | None = None, model_aliases: Seq
 
     @app.get("/health")
     async def health():
+        # Unauthenticated: the reason in a few fixed words; the details (Redis's error, which
+        # workers are registered) are in the gateway's log, not for whoever asks.
         monitor = servicer.health
-        if servicer.draining or (monitor is not None and monitor.no_workers):
-            reason = "draining" if servicer.draining else monitor.reason
+        reason = "draining" if servicer.draining else public_reason(monitor.reason if monitor is not None else "")
+        if reason:
             return JSONResponse({"status": "unavailable", "reason": reason}, status_code=503)
         return JSONResponse({"status": "ok"})
 
