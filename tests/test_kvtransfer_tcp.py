@@ -535,3 +535,30 @@ def test_sender_process_killed_mid_frame(cleanup):
     assert leases.get("child") is None
     transfer(receiver, src, dst, leases, "next", [1, 2, 3], [4, 5, 6], cleanup)
     assert same_bytes(dst[:, :, 4:7], src[:, :, 1:4])
+
+
+def test_idle_connections_cannot_pile_up_threads(cleanup):
+    """A thread serves each connection; past max_connections one more is closed at once, and a
+    slot freed is taken again (issue 36, point 12). A real sender still gets through after."""
+    import socket
+    dst = make_pool(seed=1)
+    leases = make_leases(dst.shape[2])
+    receiver = receiver_for(cleanup, dst, leases, max_connections=3)
+    host, port = receiver.address.rsplit(":", 1)
+    idle = [socket.create_connection((host, int(port))) for _ in range(3)]
+    deadline = time.monotonic() + 10
+    while receiver.num_connections < 3:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    extra = socket.create_connection((host, int(port)))
+    extra.settimeout(10)
+    assert extra.recv(1) == b""  # closed by the receiver
+    assert receiver.num_connections == 3
+    for s in [extra, *idle]:
+        s.close()
+    while receiver.num_connections:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    src = make_pool(seed=2)
+    transfer(receiver, src, dst, leases, "r", [0, 1], [5, 6], cleanup)
+    assert same_bytes(dst[:, :, 5:7], src[:, :, 0:2])

@@ -111,11 +111,14 @@ class TcpReceiver(KVReceiver):
 
     def __init__(self, pool: torch.Tensor, leases: LeaseTable, host: str = "127.0.0.1", port: int = 0,
                  timeout_s: float = 10.0, max_frame_bytes: int = 64 << 20, advertise_host: str | None = None,
-                 key: bytes | None = None):
+                 key: bytes | None = None, max_connections: int = 256):
         """Listens on ``host``; descriptors name ``advertise_host`` (default ``host``), the name
         senders reach it by (e.g. a container's service name when listening on 0.0.0.0).
-        ``key``: only senders proving it may write (``tcp_auth``); None: anyone who reaches the port."""
+        ``key``: only senders proving it may write (``tcp_auth``); None: anyone who reaches the port.
+        ``max_connections``: connections served at once (a thread each; a prefill worker keeps one
+        per rank); one more is closed at once, so idle connections cannot pile up threads."""
         super().__init__(pool, leases)
+        self.max_connections = max_connections
         self.key = key or None
         self.timeout_s = timeout_s  # a frame that stalls this long mid-payload drops its connection
         self.max_frame_bytes = max_frame_bytes
@@ -178,6 +181,11 @@ class TcpReceiver(KVReceiver):
                 if self._stop.is_set():
                     conn.close()
                     return
+                if len(self._conns) >= self.max_connections:
+                    log.warning("tcp KV receiver %s refused a connection: %d are open already", self.address,
+                                len(self._conns))
+                    conn.close()
+                    continue
                 self._conns[conn] = thread
             thread.start()
 
