@@ -37,7 +37,7 @@ log = logging.getLogger(__name__)
 
 __all__ = [
     "SplitserveError", "InvalidArgument", "AlreadyExists", "ResourceExhausted", "NotFound", "Cancelled",
-    "DeadlineExceeded", "Unavailable", "Unauthenticated", "status_for", "ErrorMappingInterceptor",
+    "DeadlineExceeded", "Unavailable", "Unauthenticated", "PermissionDenied", "status_for", "ErrorMappingInterceptor",
     "RETRY_AFTER_METADATA_KEY", "RETRY_PUSHBACK_METADATA_KEY", "INTERNAL_MESSAGE", "HttpError", "http_error_for",
 ]
 
@@ -115,6 +115,12 @@ class Unauthenticated(SplitserveError):
     """The call lacks valid credentials (the bearer token of ``--auth-token``)."""
 
     code = grpc.StatusCode.UNAUTHENTICATED
+
+
+class PermissionDenied(SplitserveError):
+    """The caller is known but may not do this (a client token asking for an admin's right)."""
+
+    code = grpc.StatusCode.PERMISSION_DENIED
 
 
 def status_for(exc: BaseException) -> tuple[grpc.StatusCode, str]:

@@ -36,7 +36,8 @@ from splitserve.state.store import PRIORITY_MAX, PRIORITY_MIN, TERMINAL_STATES
 from splitserve.gateway.samples import MAX_N, SampleGroup, sample_params
 from splitserve.wire import check_sizes, prompt_from_request, resolve_sampling
 from splitserve.common.authz import Authorizer
-from splitserve.common.errors import AlreadyExists, InvalidArgument, NotFound, ResourceExhausted, Unavailable
+from splitserve.common.errors import (AlreadyExists, InvalidArgument, NotFound, PermissionDenied, ResourceExhausted,
+                                      Unavailable)
 from splitserve.common.limits import RequestLimits
 from splitserve.common.logs import request_id_var
 from splitserve.common.metrics import GatewayMetrics
@@ -77,7 +78,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     # ---- Generate ----------------------------------------------------------------------
     async def Generate(self, request, context):
-        group = await self.admit(request, context.time_remaining(), owner=self.authorizer.caller(context).owner,
+        caller = self.authorizer.caller(context)
+        group = await self.admit(request, context.time_remaining(), owner=caller.owner, admin=caller.admin,
                                  trace_parent=incoming_context(dict(context.invocation_metadata() or ())))
         # However the RPC ends (cancelled, deadline, the stream done), the request has ended by then.
         context.add_done_callback(lambda _: group.finish(self._rpc_gone(group.leader)))
@@ -104,16 +106,18 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 self.backpressure.close(stream)
 
     async def admit(self, request: generation_pb2.GenerateRequest, remaining_s: float | None,
-                    owner: str = "", trace_parent=None) -> SampleGroup:
+                    owner: str = "", trace_parent=None, admin: bool = False) -> SampleGroup:
         """Validate, tokenize and admit ``request`` (the one path of every API: gRPC and HTTP);
         ``remaining_s``: time left before the client's deadline (None or huge: no deadline);
         ``owner``: the caller's identity (``splitserve.common.authz``), who may read and abort it;
+        ``admin``: the caller holds the admin credential (or none is configured): only it may ask
+        for a priority below 0, ahead of every default request;
         ``trace_parent``: the trace context the client sent (``splitserve.common.tracing``), if any.
         Returns its samples (one unless ``sampling.n`` > 1: ``splitserve.gateway.samples``). The caller
         streams ``outputs(group)`` and must end the group if its client goes away."""
         trace = RequestTrace(trace_parent)
         try:
-            group = await self._admit(request, remaining_s, owner, trace, trace_parent)
+            group = await self._admit(request, remaining_s, owner, trace, trace_parent, admin)
         except BaseException as exc:
             trace.refused(exc)
             raise
@@ -121,7 +125,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         return group
 
     async def _admit(self, request, remaining_s: float | None, owner: str, trace: RequestTrace,
-                     trace_parent) -> SampleGroup:
+                     trace_parent, admin: bool) -> SampleGroup:
         if self.draining:
             raise Unavailable("the gateway is shutting down; send the request to another one")
         self._check_sizes(request)
@@ -137,6 +141,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             raise InvalidArgument(f"sampling.n must be in [1, {MAX_N}], got {n}")
         if not PRIORITY_MIN <= request.priority <= PRIORITY_MAX:
             raise InvalidArgument(f"priority must be in [{PRIORITY_MIN}, {PRIORITY_MAX}], got {request.priority}")
+        if request.priority < 0 and not admin:
+            raise PermissionDenied(f"priority {request.priority}: a priority below 0 goes ahead of every default "
+                                   "request and needs the admin token (--admin-token); clients may use 0 and above")
         request_id = request.request_id or uuid.uuid4().hex
         request_id_var.set(request_id)
         log.info("admitting %d prompt tokens, priority %d%s", len(token_ids), request.priority,

@@ -273,3 +273,21 @@ def test_token_file_lines(tmp_path):
         read_token_file(str(path))
     with pytest.raises(ValueError, match="cannot read --token-file"):
         read_token_file(str(tmp_path / "missing"))
+
+
+def test_only_the_admin_may_jump_the_queue(stack):
+    """A priority below 0 goes ahead of every default request (issue 36, point 12): a client token
+    asking for one is refused with PERMISSION_DENIED (HTTP 403), saying why; the admin may."""
+    client, admin = stack["clients"]["a"], stack["clients"]["admin"]
+    err = rpc_error(lambda: list(client.generate([5, 6, 7], max_tokens=2, temperature=0.0, priority=-5, timeout=30)))
+    assert err.code() == grpc.StatusCode.PERMISSION_DENIED and "admin token" in err.details()
+    assert list(client.generate([5, 6, 7], max_tokens=2, temperature=0.0, priority=3, timeout=30))
+    assert list(admin.generate([5, 6, 7], max_tokens=2, temperature=0.0, priority=-5, timeout=30))
+    refused = httpx.post(stack["http"] + "/v1/completions", timeout=30,
+                         headers={"authorization": f"Bearer {stack['tokens']['a']}"},
+                         json={"prompt": [5, 6, 7], "max_tokens": 2, "priority": -5})
+    assert refused.status_code == 403 and refused.json()["error"]["type"] == "permission_error"
+    allowed = httpx.post(stack["http"] + "/v1/completions", timeout=30,
+                         headers={"authorization": f"Bearer {stack['tokens']['admin']}"},
+                         json={"prompt": [5, 6, 7], "max_tokens": 2, "priority": -5})
+    assert allowed.status_code == 200, allowed.text

@@ -110,7 +110,7 @@ def build_app(servicer, authorizer: Authorizer | None = None, model_aliases: Seq
             if body.model is not None and body.model not in names:
                 raise NotFound(f"model: the model {body.model!r} does not exist; this server serves {model!r}")
             group = await servicer.admit(body.to_generate(request_id), remaining_s=None,
-                                         owner=request.state.caller.owner,
+                                         owner=request.state.caller.owner, admin=request.state.caller.admin,
                                          trace_parent=http_parent(request.headers))
         except Exception as exc:  # a refused request: its error, as the gRPC API would say it
             error = http_error_for(exc, param=_param_of(exc))
