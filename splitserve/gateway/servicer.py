@@ -16,11 +16,13 @@ the model, never a local path.
 """
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import time
 import uuid
 import weakref
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import jinja2
@@ -50,6 +52,14 @@ NO_DEADLINE_S = 10 * 365 * 86400
 RETRY_AFTER_S = 1.0
 
 
+# A text prompt at the size limit takes a few hundred ms to encode (SmolLM2, 650 KB: 0.3 s): prompts
+# are encoded on a few threads beside the event loop (a fast tokenizer lets go of the GIL while it
+# encodes), so every other stream of the gateway goes on meanwhile. Past MAX_TOKENIZE_WAITING
+# prompts waiting for one, more are refused at once (RESOURCE_EXHAUSTED), as a full queue is.
+TOKENIZE_THREADS = 2
+MAX_TOKENIZE_WAITING = 64
+
+
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     def __init__(self, state, dispatcher: Dispatcher, tokenizer, model_info: generation_pb2.ModelInfo,
                  limits: RequestLimits, metrics: GatewayMetrics | None = None, metrics_address: str = "",
@@ -72,6 +82,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self.draining = False  # SIGTERM: in-flight requests finish, new ones are refused
         self.health = None  # the GatewayHealth monitor, once the server runs
         self.backpressure = backpressure or Backpressure()
+        self._encoders = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="tokenize")
+        self._encoding = asyncio.Semaphore(TOKENIZE_THREADS)
+        self._waiting_to_encode = 0
         self.grammars = grammars or GrammarChecker()
         # The n > 1 requests running here, by id (gone with their last reference).
         self._groups: weakref.WeakValueDictionary[str, SampleGroup] = weakref.WeakValueDictionary()
@@ -132,7 +145,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         if self.health is not None and self.health.no_workers:
             raise Unavailable(f"this gateway cannot serve now: {self.health.reason}")
         self.backpressure.check_room()
-        token_ids = self._tokenize(request)
+        token_ids = await self._tokenize(request)
         params = resolve_sampling(request.sampling, len(token_ids), self.model_info.max_model_len)
         if params.structured_output is not None:
             await self.grammars.check(params.structured_output)
@@ -304,10 +317,24 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             self.collector.soon()  # the refused message is freed by the cyclic collector (splitserve/gateway/memory.py)
             raise
 
-    def _tokenize(self, request) -> list[int]:
+    async def _tokenize(self, request) -> list[int]:
+        """The request's prompt as token ids; text and messages are encoded off the event loop, a
+        few at a time (its size was checked before: ``check_sizes``)."""
         kind, prompt = prompt_from_request(request, vocab_size=self.model_info.vocab_size)
         if kind == "token_ids":
             return list(prompt)
+        if self._waiting_to_encode >= MAX_TOKENIZE_WAITING:
+            raise ResourceExhausted(f"{self._waiting_to_encode} prompts are waiting to be tokenized on this gateway; "
+                                    "retry shortly or send it to another gateway")
+        self._waiting_to_encode += 1
+        try:
+            async with self._encoding:
+                return await asyncio.get_running_loop().run_in_executor(self._encoders, self._encode, request, kind,
+                                                                        prompt)
+        finally:
+            self._waiting_to_encode -= 1
+
+    def _encode(self, request, kind: str, prompt) -> list[int]:
         if kind == "messages":
             add_prompt = getattr(request, "add_generation_prompt", True) if isinstance(
                 request, generation_pb2.TokenizeRequest) else True
@@ -344,8 +371,12 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                                           timeline=json_format.ParseDict(timeline or {}, generation_pb2.Timeline()))
 
     async def Tokenize(self, request, context):
+        # The same limits as a Generate's admission: its sizes, the gateway's room, the encoders' queue.
+        if self.draining:
+            raise Unavailable("the gateway is shutting down; send the request to another one")
         self._check_sizes(request)
-        ids = self._tokenize(request)
+        self.backpressure.check_room()
+        ids = await self._tokenize(request)
         return generation_pb2.TokenizeResponse(token_ids=ids, tokens=self.tokenizer.convert_ids_to_tokens(ids))
 
     async def Detokenize(self, request, context):
