@@ -191,6 +191,10 @@ def _flags() -> list[Flag]:
         f("max_attempts", i, 3, "tries per request when a worker dies under it; then UNAVAILABLE", gw),
         f("http_port", i, -1, "port of the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
           "/v1/models, /health) on --host; -1: off, 0: any free port (up: 8000)", gw),
+        f("http_max_connections", i, 2048, "HTTP connections served at once; one more is answered 503 at once",
+          gw),
+        f("http_body_timeout_s", fl, 30.0, "seconds an HTTP request's body may take to arrive (else 408); its "
+          "size is bounded by --max-message-mb (else 413), checked while it is read", gw),
     ]
 
 

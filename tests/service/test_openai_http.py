@@ -309,3 +309,50 @@ def test_priority_reaches_the_queue(stack, client):
                               extra_body={"priority": 7, "request_id": "http-priority"})
     info = _request(stack, "http-priority")
     assert (info.priority, info.state) == (7, "finished")
+
+
+def _raw_request(port: int, head: bytes, body: bytes = b"", timeout_s: float = 20.0) -> tuple[int, socket.socket]:
+    """Send ``head`` (and ``body``) on a connection of its own; the answer's status and the socket."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=timeout_s)
+    sock.sendall(head + body)
+    status_line = sock.makefile("rb").readline()
+    return int(status_line.split()[1]), sock
+
+
+def test_http_bodies_and_connections_are_bounded(stack, tmp_path, llama_reference):
+    """Issue 36, point 4, with real clients: a body over --max-message-mb is refused with 413 while
+    it is read (a declared length at once, a chunked one as it passes), one that dribbles in is
+    cut with 408 after --http-body-timeout-s, and past --http-max-connections a request gets 503;
+    requests within the bounds are served."""
+    port = free_port()
+    gateway, _ = start_process([*stack.argv["gateway"], "--http-port", str(port), "--max-message-mb", "0.01",
+                                "--http-body-timeout-s", "1", "--http-max-connections", "3"],
+                               tmp_path / "gateway-bounded.log")
+    base = f"http://127.0.0.1:{port}"
+    try:
+        head = (b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                b"Content-Length: %d\r\n\r\n")
+        status, sock = _raw_request(port, head % (8 << 30))  # 8 GB announced, nothing sent
+        sock.close()
+        assert status == 413
+        chunks = (b" " * 4096 for _ in range(10))  # 40 KB, chunked: no length announced
+        assert httpx.post(base + "/v1/completions", content=chunks, timeout=20).status_code == 413
+        status, sock = _raw_request(port, head % 100, b'{"prompt": ')  # ... and the rest never comes
+        sock.close()
+        assert status == 408
+        ok = httpx.post(base + "/v1/completions", timeout=60,
+                        json={"prompt": [5, 6, 7], "max_tokens": 4, "temperature": 0, "ignore_eos": True})
+        assert ok.status_code == 200 and ok.json()["choices"][0]["text"] is not None
+        idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(3)]
+        try:
+            assert httpx.get(base + "/health", timeout=20).status_code == 503
+        finally:
+            for sock in idle:
+                sock.close()
+        deadline = time.monotonic() + 20
+        while httpx.get(base + "/health", timeout=20).status_code != 200:
+            assert time.monotonic() < deadline
+            time.sleep(0.1)
+    finally:
+        gateway.terminate()
+        gateway.wait(30)

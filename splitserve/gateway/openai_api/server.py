@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import socket
 import ssl
 
@@ -34,15 +35,74 @@ def bind(host: str, port: int) -> socket.socket:
     return sock
 
 
+class BodyLimits:
+    """ASGI middleware: a request's body is read here, before the application sees any of it, up
+    to ``max_bytes`` (413 past it: a declared Content-Length at once, a chunked body as soon as it
+    passes) and within ``timeout_s`` from the request's start (408 after: a client that uploads a
+    byte now and then holds a connection and its buffer no longer). The application then gets it
+    in one piece; later ``receive`` calls (a client's disconnect, watched while streaming) go
+    through unchanged. Without it, a multi-GB body would be read and parsed, several times over,
+    before any size check."""
+
+    def __init__(self, app, max_bytes: int, timeout_s: float):
+        self.app, self.max_bytes, self.timeout_s = app, max_bytes, timeout_s
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope.get("headers") or ()).get(b"content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_bytes:
+            return await _answer(send, 413, f"the request body ({int(declared)} bytes) is larger than "
+                                            f"{self.max_bytes} bytes (--max-message-mb)")
+        body, loop = bytearray(), asyncio.get_running_loop()
+        deadline = loop.time() + self.timeout_s
+        while True:
+            try:
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - loop.time()))
+            except asyncio.TimeoutError:
+                return await _answer(send, 408, f"the request body did not arrive within {self.timeout_s:g} s "
+                                                "(--http-body-timeout-s)")
+            if message["type"] == "http.disconnect":
+                return None
+            body += message.get("body", b"")
+            if len(body) > self.max_bytes:
+                return await _answer(send, 413, f"the request body is larger than {self.max_bytes} bytes "
+                                                "(--max-message-mb)")
+            if not message.get("more_body"):
+                break
+        whole = {"type": "http.request", "body": bytes(body), "more_body": False}
+
+        async def replay():
+            nonlocal whole
+            if whole is not None:
+                message, whole = whole, None
+                return message
+            return await receive()
+
+        return await self.app(scope, replay, send)
+
+
+async def _answer(send, status: int, message: str) -> None:
+    """An OpenAI-style error body, and the connection closed (what is left of the body is not read)."""
+    body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "code": status}}).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                            (b"connection", b"close")]})
+    await send({"type": "http.response.body", "body": body})
+
+
 class HttpServer:
-    def __init__(self, app, sock: socket.socket, ssl_certfile: str = "", ssl_keyfile: str = "", ssl_ca: str = ""):
+    def __init__(self, app, sock: socket.socket, ssl_certfile: str = "", ssl_keyfile: str = "", ssl_ca: str = "",
+                 max_connections: int = 2048, max_body_bytes: int = 16 << 20, body_timeout_s: float = 30.0):
         """``sock``: from ``bind``. With ``ssl_ca`` (and a certificate), clients must present a
-        certificate it signed, as on the gRPC port."""
-        config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off",
+        certificate it signed, as on the gRPC port. ``max_connections``: connections served at once
+        (one more gets 503 at once); bodies are bounded by ``BodyLimits``."""
+        config = uvicorn.Config(BodyLimits(app, max_body_bytes, body_timeout_s), log_level="warning",
+                                access_log=False, lifespan="off",
                                 ssl_certfile=ssl_certfile or None, ssl_keyfile=ssl_keyfile or None,
                                 ssl_ca_certs=ssl_ca or None,
                                 ssl_cert_reqs=ssl.CERT_REQUIRED if ssl_ca and ssl_certfile else ssl.CERT_NONE,
-                                timeout_graceful_shutdown=2)
+                                timeout_graceful_shutdown=2, limit_concurrency=max_connections)
         self._server = _Server(config)
         self._socket = sock
         self.port = sock.getsockname()[1]
