@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 import time
 from typing import TYPE_CHECKING, Sequence
 
@@ -201,6 +202,42 @@ def check_sizes(req, limits: "RequestLimits", max_model_len: int) -> None:
         if len(sampling.stop_token_ids) > limits.max_stop_token_ids:
             raise InvalidArgument(f"sampling.stop_token_ids has {len(sampling.stop_token_ids)} ids; this server "
                                   f"takes at most {limits.max_stop_token_ids} (--max-stop-token-ids)")
+        if sampling.HasField("structured_output"):
+            _check_grammar_size(sampling.structured_output, limits)
+
+
+def _check_grammar_size(spec, limits: "RequestLimits") -> None:
+    """A structured-output spec's size, and a JSON schema's depth, before anything compiles it."""
+    kind = spec.WhichOneof("kind")
+    path = f"sampling.structured_output.{kind}"
+    if kind in ("json_schema", "regex"):
+        _check_bytes(path, getattr(spec, kind), limits.max_grammar_bytes, "--max-grammar-bytes")
+    elif kind == "choice":
+        left = limits.max_grammar_bytes
+        for value in spec.choice.values:
+            left -= _utf8_len(value, left)
+            if left < 0:
+                raise InvalidArgument(f"{path}: its strings together are more than the {limits.max_grammar_bytes} "
+                                      "bytes this server takes (--max-grammar-bytes)")
+    if kind == "json_schema":
+        depth = json_depth(spec.json_schema)
+        if depth > limits.max_schema_depth:
+            raise InvalidArgument(f"{path} nests {depth} levels of objects and arrays; this server takes at most "
+                                  f"{limits.max_schema_depth} (--max-schema-depth)")
+
+
+_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')
+_BRACKET = re.compile(r"[\[\]{}]")
+
+
+def json_depth(text: str) -> int:
+    """How deep objects and arrays nest in JSON ``text`` (strings skipped), without parsing it:
+    a parser recurses once per level."""
+    depth = deepest = 0
+    for match in _BRACKET.finditer(_STRING.sub("", text)):
+        depth += 1 if match.group() in "[{" else -1
+        deepest = max(deepest, depth)
+    return deepest
 
 
 def _utf8_len(text: str, limit: int) -> int:

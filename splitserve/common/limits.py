@@ -55,6 +55,12 @@ class RequestLimits:
     max_stop_token_ids: int = 128
     # longest request_id, in UTF-8 bytes
     max_request_id_bytes: int = 256
+    # largest structured-output spec (a JSON schema, a regex, or a choice's strings together), in
+    # UTF-8 bytes: each distinct one is compiled on the gateway's checker and on every worker
+    max_grammar_bytes: int = 32768
+    # deepest nesting of a JSON schema's objects and arrays (each level of "properties" or
+    # "items" takes two); a few hundred levels compile for minutes
+    max_schema_depth: int = 48
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

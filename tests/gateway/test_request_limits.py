@@ -47,7 +47,7 @@ def test_resolve_derives_the_zeros_from_the_model_and_keeps_the_rest():
     assert (given_.max_prompt_bytes, given_.max_messages) == (77, 5)
     assert RequestLimits.from_args(argparse.Namespace(
         max_prompt_bytes=1, max_messages=2, max_stop_sequences=3, max_stop_bytes=4, max_stop_token_ids=5,
-        max_request_id_bytes=6, unrelated="x")) == RequestLimits(1, 2, 3, 4, 5, 6)
+        max_request_id_bytes=6, max_grammar_bytes=7, max_schema_depth=8, unrelated="x")) == RequestLimits(1, 2, 3, 4, 5, 6, 7, 8)
 
 
 def test_the_floor_is_one_utf8_character_per_token():

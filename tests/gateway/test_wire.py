@@ -205,7 +205,7 @@ def test_logprobs_round_trip():
 # ---- sizes -----------------------------------------------------------------------------
 
 LIMITS = RequestLimits(max_prompt_bytes=100, max_messages=3, max_stop_sequences=2, max_stop_bytes=8,
-                       max_stop_token_ids=4, max_request_id_bytes=10)
+                       max_stop_token_ids=4, max_request_id_bytes=10, max_grammar_bytes=64, max_schema_depth=4)
 MAX_MODEL_LEN = 50
 
 
@@ -220,6 +220,10 @@ def generate(**kw) -> pb.GenerateRequest:
     {"messages": [{"role": "user", "content": "a" * 46}, {"role": "assistant", "content": ""},
                   {"role": "user", "content": "b" * 31}]},
     {"text": "hi", "sampling": {"stop": ["12345678", "é" * 4], "stop_token_ids": [1, 2, 3, 4]}},
+    {"text": "hi", "sampling": {"structured_output": {"regex": "a" * 64}}},
+    {"text": "hi", "sampling": {"structured_output": {"choice": {"values": ["a" * 32, "é" * 16]}}}},
+    # Four levels; brackets inside strings do not count.
+    {"text": "hi", "sampling": {"structured_output": {"json_schema": '{"a": {"b": [{"c": "[[{{"}]}}'}}},
 ])
 def test_sizes_at_the_limits_pass(request_fields):
     wire.check_sizes(generate(**request_fields), LIMITS, MAX_MODEL_LEN)
@@ -241,6 +245,15 @@ def test_sizes_at_the_limits_pass(request_fields):
      "--max-stop-bytes"),
     ({"text": "a", "sampling": {"stop_token_ids": [1] * 5}}, "sampling.stop_token_ids has 5 ids",
      "--max-stop-token-ids"),
+    # Issue 36, point 1: a spec's size and a schema's depth, before anything compiles it.
+    ({"text": "a", "sampling": {"structured_output": {"regex": "a" * 65}}},
+     "sampling.structured_output.regex is 65 characters", "--max-grammar-bytes"),
+    ({"text": "a", "sampling": {"structured_output": {"json_schema": '{"enum": ["' + "é" * 30 + '"]}'}}},
+     "sampling.structured_output.json_schema is 74 bytes", "--max-grammar-bytes"),
+    ({"text": "a", "sampling": {"structured_output": {"choice": {"values": ["a" * 40, "b" * 40]}}}},
+     "sampling.structured_output.choice: its strings together", "--max-grammar-bytes"),
+    ({"text": "a", "sampling": {"structured_output": {"json_schema": '{"items": {"items": {"items": [{}]}}}'}}},
+     "sampling.structured_output.json_schema nests 5 levels", "--max-schema-depth"),
 ])
 def test_sizes_over_a_limit_are_invalid_argument_naming_field_and_flag(request_fields, field_path, flag):
     with pytest.raises(errors.InvalidArgument) as err:

@@ -109,6 +109,24 @@ def test_openai_refusals(client):
     assert e.value.body["param"] == "response_format"
 
 
+def test_a_deeply_nested_schema_is_refused_before_it_compiles(stack, client):
+    """Issue 36, point 1: 300 levels of {"type": "array", "items": ...} (8 KB) compile for a long
+    time; the gateway refuses them by their depth, before its checker or any worker sees them:
+    INVALID_ARGUMENT / HTTP 400 naming the field and the flag."""
+    schema = {"type": "string"}
+    for _ in range(300):
+        schema = {"type": "array", "items": schema}
+    with pytest.raises(grpc.RpcError) as err:
+        stack.client.complete("x", max_tokens=4,
+                              structured_output=generation_pb2.StructuredOutput(json_schema=json.dumps(schema)))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "structured_output.json_schema nests 301 levels" in err.value.details()
+    assert "--max-schema-depth" in err.value.details()
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model=DEFAULT_MODEL, prompt="x", max_tokens=4, extra_body={"guided_json": schema})
+    assert "--max-schema-depth" in e.value.body["message"]
+
+
 def test_the_gateway_never_loads_torch_and_checks_grammars_in_a_child(stack):
     """After the requests above (schemas, regexes, refusals), the gateway's own address space
     still holds no torch: it tokenized without it and left every grammar to its checker child,
