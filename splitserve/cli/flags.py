@@ -141,7 +141,9 @@ def _flags() -> list[Flag]:
     gw = frozenset({"gateway"})
     return [
         # Where to listen (the gateway's public port; workers pick a free one by default).
-        f("host", s, None, "address to listen on (gateway 0.0.0.0, workers 127.0.0.1)", ALL, up_to=gw),
+        f("host", s, None, "address to listen on (default 127.0.0.1: this machine only; 0.0.0.0 or a "
+          "container's own address to serve others, with --tls-cert and --auth-token beyond a private network)",
+          ALL, up_to=gw),
         f("port", i, None, "gRPC port (0 picks a free one; gateway 50051, workers 0)", ALL, up_to=gw),
         f("advertise_host", s, "", "host name others use to reach this process (default: --host), e.g. the "
           "compose service name when listening on 0.0.0.0", ALL, up=False),
@@ -201,7 +203,7 @@ def _flags() -> list[Flag]:
 FLAGS: list[Flag] = engine_flags() + _flags() + limit_flags()
 BY_NAME = {flag.name: flag for flag in FLAGS}
 # Defaults that differ by process kind.
-KIND_DEFAULTS = {"gateway": {"host": "0.0.0.0", "port": 50051}, "decode": {"host": "127.0.0.1", "port": 0},
+KIND_DEFAULTS = {"gateway": {"host": "127.0.0.1", "port": 50051}, "decode": {"host": "127.0.0.1", "port": 0},
                  "prefill": {"host": "127.0.0.1", "port": 0}}
 # Help that differs by process kind.
 KIND_HELP = {"gateway": {"model": "the model the workers serve (its tokenizer and limits)",

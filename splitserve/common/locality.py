@@ -14,6 +14,7 @@ that see the same directory can map each other's pools; a container or namespace
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 import json
 import os
 import shutil
@@ -53,6 +54,16 @@ def remove_pools_of(pid: int) -> None:
     until reboot. Call it only for a pid this process has reaped (so no live process has it)."""
     for directory in pool_root().glob(f"{POOL_PREFIX}{pid}-*"):
         shutil.rmtree(directory, ignore_errors=True)
+
+
+def is_loopback(host: str) -> bool:
+    """Only this machine can reach a listener on ``host``."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
 
 
 def pid_namespace() -> str:

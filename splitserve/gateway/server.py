@@ -68,6 +68,7 @@ async def _serve(args) -> int:
     from splitserve.common.metrics import GatewayMetrics, serve_metrics
     from splitserve.common.tracing import setup as setup_tracing
     from splitserve.common.authz import gateway_credentials
+    from splitserve.common.locality import is_loopback
     from splitserve.v1 import generation_pb2_grpc
     from splitserve.gateway.memory import return_big_buffers
     from splitserve.common.gc_heap import freeze_startup_heap
@@ -75,6 +76,10 @@ async def _serve(args) -> int:
     # Checked before anything starts: the client and admin tokens of the public port, the
     # internal token of the calls to the workers.
     authorizer, security, internal = gateway_credentials(args)
+    if not is_loopback(args.host) and security.cert is None and authorizer.open:
+        log.warning("the gateway serves %s with neither TLS nor a client token: anyone who reaches it may generate, "
+                    "and read or abort every request. Give --tls-cert and --auth-token, or listen on 127.0.0.1 "
+                    "(the default) or a private network only", args.host)
     http_socket = None
     if args.http_port >= 0:
         from splitserve.gateway.openai_api.server import bind

@@ -356,3 +356,28 @@ def test_http_bodies_and_connections_are_bounded(stack, tmp_path, llama_referenc
     finally:
         gateway.terminate()
         gateway.wait(30)
+
+
+def test_a_bare_gateway_listens_on_loopback_and_an_open_one_says_so(stack, tmp_path):
+    """Issue 36, point 12: without --host a gateway serves this machine only; told to serve every
+    interface with neither TLS nor a client token, it says so in its log."""
+    argv = list(stack.argv["gateway"])
+    if "--http-port" in argv:  # (the stack's gateway holds its HTTP port)
+        at = argv.index("--http-port")
+        argv[at + 1] = "-1"
+    at = argv.index("--host")
+    bare = argv[:at] + argv[at + 2:]
+    gateway, address = start_process(bare, tmp_path / "gateway-bare.log")
+    try:
+        assert address.startswith("127.0.0.1:")
+    finally:
+        gateway.terminate()
+        gateway.wait(30)
+    assert "neither TLS nor a client token" not in (tmp_path / "gateway-bare.log").read_text()
+    gateway, _ = start_process(argv[:at] + ["--host", "0.0.0.0"] + argv[at + 2:], tmp_path / "gateway-open.log")
+    try:
+        assert "the gateway serves 0.0.0.0 with neither TLS nor a client token" in \
+            (tmp_path / "gateway-open.log").read_text()
+    finally:
+        gateway.terminate()
+        gateway.wait(30)

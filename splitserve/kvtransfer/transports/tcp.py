@@ -43,7 +43,6 @@ The header layout and frame types live in ``tcp_wire``.
 """
 from __future__ import annotations
 
-import ipaddress
 import logging
 import socket
 import struct
@@ -53,6 +52,7 @@ from typing import Sequence
 
 import torch
 
+from splitserve.common.locality import is_loopback
 from splitserve.engine.attention.kv_quant import as_bytes
 from splitserve.kvtransfer.base import (KVLayout, LeaseExpiredError, StaleEpochError, TransferAbortedError,
                              TransferDescriptor, TransferError, TransportUnavailableError)
@@ -68,16 +68,6 @@ log = logging.getLogger(__name__)
 PACK_MIN_RUNS = 4  # from this many runs in one write(), one gathered frame beats a frame per run
 _KIND_OF = {StaleEpochError: STALE, LeaseExpiredError: EXPIRED}
 _ERROR_OF = {STALE: StaleEpochError, EXPIRED: LeaseExpiredError}
-
-
-def _loopback(host: str) -> bool:
-    """Only this machine can reach a listener on ``host``."""
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def _byte_view(t: torch.Tensor) -> memoryview:
@@ -131,7 +121,7 @@ class TcpReceiver(KVReceiver):
         self._listener = socket.create_server((host, port), family=family)
         self._listener.settimeout(0.2)
         self._host, self._port = advertise_host or host, self._listener.getsockname()[1]
-        if self.key is None and not _loopback(host):
+        if self.key is None and not is_loopback(host):
             log.warning("tcp KV receiver on %s accepts page writes from anyone who reaches it: %s",
                         self.address, tcp_auth.HINT)
         self._accept_thread = threading.Thread(target=self._accept_loop, name="tcp-kv-accept", daemon=True)
