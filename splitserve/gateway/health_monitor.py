@@ -76,7 +76,9 @@ class GatewayHealth:
     async def refresh(self) -> None:
         reason = await self.check()
         if reason != self.reason:
-            log.log(logging.WARNING if reason else logging.INFO, "health: %s", reason or "serving")
+            # Draining is the gateway stopping as asked: not a warning.
+            log.log(logging.WARNING if reason and reason != "draining" else logging.INFO, "health: %s",
+                    reason or "serving")
             self.reason = reason
         await set_health(self.health, self.services, serving=not reason)
 
