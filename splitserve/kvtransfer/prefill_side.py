@@ -167,9 +167,7 @@ class PrefillConnector(KVConnector):
                 results.append(PrefillResult(request_id, transfer.desc.epoch, transfer.prompt_token_ids,
                                              error=transfer.error))
         if any(r.error is not None for r in results):  # a broken sender is not kept for the next request
-            for key, sender in list(self._senders.items()):
-                if not sender.usable():
-                    self._retire(key)
+            self._retire_unusable()
         if self._retired:
             self._close_retired()
         return results
@@ -188,12 +186,15 @@ class PrefillConnector(KVConnector):
         if sender is not None:
             self._retired.append(sender)
 
-    def _prune(self) -> None:
-        """Retire the senders that cannot be used any more, and the oldest past MAX_SENDERS."""
+    def _retire_unusable(self) -> None:
         for key, sender in list(self._senders.items()):
             if not sender.usable():
                 log.info("KV sender %s %s retired: %s", *key, "broken" if key[0] == "tcp" else "its pool is gone")
                 self._retire(key)
+
+    def _prune(self) -> None:
+        """Retire the senders that cannot be used any more, and the oldest past MAX_SENDERS."""
+        self._retire_unusable()
         while len(self._senders) >= MAX_SENDERS:
             self._retire(next(iter(self._senders)))
 
