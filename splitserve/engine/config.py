@@ -98,6 +98,9 @@ class EngineConfig:
     # compiled grammar takes from kilobytes to megabytes (its token masks), and each distinct
     # schema, regex or choice list is one.
     grammar_cache_mb: int = 256
+    # Structured output: seconds a request's grammar may take to compile on a worker (off the
+    # engine thread) before the request is refused.
+    grammar_compile_timeout_s: float = 10.0
 
     def __post_init__(self) -> None:
         def positive(name: str) -> None:
@@ -126,6 +129,8 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory_gb must be > 0, got {self.kv_cache_memory_gb}")
         if self.target_tpot_ms is not None and not self.target_tpot_ms > 0:
             raise ValueError(f"target_tpot_ms must be > 0, got {self.target_tpot_ms}")
+        if not self.grammar_compile_timeout_s > 0:
+            raise ValueError(f"grammar_compile_timeout_s must be > 0, got {self.grammar_compile_timeout_s}")
         if self.priority_aging_per_s < 0:
             raise ValueError(f"priority_aging_per_s must be >= 0, got {self.priority_aging_per_s}")
         one_of("scheduling_policy", SCHEDULING_POLICIES)

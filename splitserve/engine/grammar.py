@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Sequence
 
@@ -108,7 +109,12 @@ class GrammarCompiler:
     """Per engine: the tokenizer's token table (built on the first constrained request, ~0.4 s
     for a 49k vocabulary) and the compiled grammars, kept by spec up to ``cache_bytes`` (least
     recently used out first): clients that send a new schema each time must not grow the worker
-    without bound. ``hits``/``misses``/``cached_bytes`` say how it does."""
+    without bound. ``hits``/``misses``/``cached_bytes`` say how it does.
+
+    ``compile`` is thread-safe: a worker compiles each request's spec on a thread of its own
+    (``splitserve.worker.grammars``) before the request reaches the engine thread, whose
+    ``grammar`` then finds it cached. Such a worker sets ``counted_on_engine_thread`` False: a
+    request is then counted once, where it was compiled, not again on the engine thread."""
 
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: Sequence[int], cache_bytes: int = 256 << 20):
         # vocab_size is the logits' width (the model's), which may exceed the tokenizer's.
@@ -118,29 +124,57 @@ class GrammarCompiler:
         self._compiler = None
         self.cache_bytes = cache_bytes
         self._cache: OrderedDict[tuple, object] = OrderedDict()  # spec key -> compiled grammar, oldest first
+        self._lock = threading.Lock()  # the cache and the token table; never held while compiling
         self.cached_bytes = 0
         self.hits = 0
         self.misses = 0
+        self.counted_on_engine_thread = True
 
-    def _compile(self, spec: StructuredOutput):
+    def _xgrammar_compiler(self):
         import xgrammar as xgr
 
-        if self._compiler is None:
-            info = xgr.TokenizerInfo.from_huggingface(self._tokenizer, vocab_size=self.vocab_size,
-                                                      stop_token_ids=self._stop_token_ids or None)
-            self._compiler = xgr.GrammarCompiler(info, cache_enabled=False)  # cached below, by spec
-        compiled = self._cache.get(spec.key)
-        if compiled is not None:
-            self.hits += 1
-            self._cache.move_to_end(spec.key)
+        with self._lock:
+            if self._compiler is None:
+                info = xgr.TokenizerInfo.from_huggingface(self._tokenizer, vocab_size=self.vocab_size,
+                                                          stop_token_ids=self._stop_token_ids or None)
+                self._compiler = xgr.GrammarCompiler(info, cache_enabled=False)  # cached below, by spec
+            return self._compiler
+
+    def _cached(self, key: tuple, count: bool):
+        with self._lock:
+            compiled = self._cache.get(key)
+            if compiled is not None:
+                self._cache.move_to_end(key)
+            if count:
+                if compiled is not None:
+                    self.hits += 1
+                else:
+                    self.misses += 1
             return compiled
-        self.misses += 1
-        compiled = self._compiler.compile_grammar(_grammar(spec))
-        self._cache[spec.key] = compiled
-        self.cached_bytes += compiled.memory_size_bytes
-        while self.cached_bytes > self.cache_bytes and len(self._cache) > 1:  # (the newest stays: in use)
-            _, evicted = self._cache.popitem(last=False)
-            self.cached_bytes -= evicted.memory_size_bytes
+
+    def _keep(self, key: tuple, compiled) -> None:
+        with self._lock:
+            if key in self._cache:  # compiled twice at once (two threads): keep one
+                return
+            self._cache[key] = compiled
+            self.cached_bytes += compiled.memory_size_bytes
+            while self.cached_bytes > self.cache_bytes and len(self._cache) > 1:  # (the newest stays: in use)
+                _, evicted = self._cache.popitem(last=False)
+                self.cached_bytes -= evicted.memory_size_bytes
+
+    def compile(self, spec: StructuredOutput, count: bool = True):
+        """The compiled grammar of ``spec``, from the cache or compiled now (any thread; the GIL
+        is mostly released while xgrammar compiles). Raises ValueError naming the field if the
+        spec does not compile."""
+        compiled = self._cached(spec.key, count)
+        if compiled is not None:
+            return compiled
+        compiler = self._xgrammar_compiler()
+        try:
+            compiled = compiler.compile_grammar(_grammar(spec))
+        except RuntimeError as e:
+            raise ValueError(f"structured_output.{spec.kind} is not supported: {_library_message(e)}") from None
+        self._keep(spec.key, compiled)
         return compiled
 
     def grammar(self, spec: StructuredOutput, generated: Sequence[int] = ()) -> Grammar:
@@ -149,11 +183,7 @@ class GrammarCompiler:
         Raises ValueError if the spec does not compile or the tokens do not fit it."""
         import xgrammar as xgr
 
-        try:
-            compiled = self._compile(spec)
-        except RuntimeError as e:
-            raise ValueError(f"structured_output.{spec.kind} is not supported: {_library_message(e)}") from None
-        grammar = Grammar(xgr.GrammarMatcher(compiled))
+        grammar = Grammar(xgr.GrammarMatcher(self.compile(spec, count=self.counted_on_engine_thread)))
         for token in generated:
             if not grammar.accept(token):
                 raise ValueError(f"structured_output: token {token} of the resumed output does not fit the "

@@ -179,10 +179,7 @@ class _Attempt:
             try:
                 with job.trace.call("reserve", worker.worker_id, job.attempt) as metadata:
                     response = await self.directory.decode_stub(worker).Reserve(
-                        # With the prompt, the worker serves its head from its prefix cache: a shared
-                        # prefix (the other samples of an n > 1 request, a system prompt) crosses once.
-                        worker_pb2.ReserveRequest(request_id=job.request_id, num_prompt_tokens=len(self.prompt),
-                                                  prompt_token_ids=self.prompt),
+                        self._reserve_request(),
                         timeout=job.timeout(RESERVE_TIMEOUT_S), metadata=metadata)
             except grpc.RpcError as e:
                 # A Reserve that timed out may still run when a frozen worker wakes up: the worker
@@ -196,6 +193,16 @@ class _Attempt:
             self.lease_ttl_s = response.lease_ttl_s
             return True
         raise _NoRoom()
+
+    def _reserve_request(self) -> worker_pb2.ReserveRequest:
+        # With the prompt, the worker serves its head from its prefix cache: a shared prefix (the
+        # other samples of an n > 1 request, a system prompt) crosses once. With the constraint,
+        # it compiles the grammar while the prompt is prefilled.
+        request = worker_pb2.ReserveRequest(request_id=self.job.request_id, num_prompt_tokens=len(self.prompt),
+                                            prompt_token_ids=self.prompt)
+        if self.sampling.HasField("structured_output"):
+            request.structured_output.CopyFrom(self.sampling.structured_output)
+        return request
 
     async def _reserve_failed(self, worker: WorkerView, error: grpc.RpcError) -> None:
         """A Reserve that failed: returns when the next candidate may be asked, raises when the

@@ -14,6 +14,7 @@ from splitserve.wire import worker_info_to_proto
 from splitserve.common.errors import Unavailable
 from splitserve.v1 import worker_pb2
 from splitserve.worker.engine_loop import EngineDead, EngineLoop
+from splitserve.worker.grammars import GrammarPreparer
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +29,8 @@ class WorkerServicer:
         self.address = ""  # set once the server listens
         self.metrics_address = ""
         self.draining = False  # SIGTERM: finish what is here, take nothing new
+        # Each request's grammar is compiled before the request reaches the engine thread.
+        self.grammars = GrammarPreparer(engine.grammars, engine.config.grammar_compile_timeout_s)
         self.loop = EngineLoop(self.step, self.has_work, housekeeping=housekeeping,
                                name=f"{self.role}-engine").start()
         followers = getattr(getattr(engine, "runner", None), "followers", None)
@@ -76,5 +79,6 @@ class WorkerServicer:
 
     def close(self) -> None:
         self.loop.stop()
+        self.grammars.close()
         if hasattr(self.engine, "close"):
             self.engine.close()

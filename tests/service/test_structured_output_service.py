@@ -4,6 +4,8 @@ grammar, the decode worker replays it and constrains the rest. Through gRPC and 
 OpenAI HTTP API (the ``openai`` package); invalid schemas and regexes are refused at the edge."""
 import json
 import re
+import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -137,3 +139,42 @@ def test_the_gateway_never_loads_torch_and_checks_grammars_in_a_child(stack):
     assert not [m.path for m in gateway.memory_maps() if "libtorch" in m.path]
     [checker] = [c for c in gateway.children() if "splitserve.engine.grammar_server" in " ".join(c.cmdline())]
     assert [m.path for m in checker.memory_maps() if "libtorch" in m.path]
+
+
+def test_a_slow_grammar_compiles_beside_the_decode_batch(stack):
+    """Issue 36, point 1: a regex that the gateway's check parses at once but that takes seconds
+    to compile against the vocabulary ([^x]{1,5000}: ~3 s here) is compiled by the workers beside
+    their engine threads (the decode worker from its Reserve on, while the prompt is prefilled), so
+    a bystander decoding on the same worker keeps getting tokens: before, the decode worker
+    compiled it between two steps of the bystander, which then got nothing for the whole compile."""
+    spec = generation_pb2.StructuredOutput(regex=f"[^x]{{1,{5000 + int(time.time()) % 1000}}}")  # a new one
+    arrivals: list[float] = []
+    started, slow_window = threading.Event(), []
+
+    def bystander():
+        for event in stack.client.generate("Tell me a long story about the sea.", max_tokens=120, min_tokens=120,
+                                           temperature=0.0, timeout=120):
+            if event.token_ids:
+                arrivals.append(time.monotonic())
+                if len(arrivals) == 5:
+                    started.set()
+
+    def slow():
+        assert started.wait(60)
+        begin = time.monotonic()
+        text, last = stack.client.complete("Say something.", max_tokens=4, temperature=0.0, structured_output=spec,
+                                           timeout=120)
+        slow_window.extend([begin, time.monotonic()])
+        return text, last
+
+    with ThreadPoolExecutor(2) as pool:
+        streaming = pool.submit(bystander)
+        text, last = pool.submit(slow).result()
+        streaming.result()
+    assert last.finish_reason == "length" and "x" not in text, (text, last)
+    begin, end = slow_window
+    during = [t for t in arrivals if begin <= t <= end]
+    gaps = [b - a for a, b in zip(during, during[1:])]
+    assert end - begin > 1.0, "the grammar compiled too fast to show anything"
+    assert len(during) > 3 and max(gaps) < 1.0, (
+        f"the bystander got no token for {max(gaps, default=0):.2f} s while the {end - begin:.1f} s request ran")

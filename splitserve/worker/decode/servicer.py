@@ -17,8 +17,8 @@ from splitserve.engine.outputs import RequestOutput
 from splitserve.kvtransfer.decode_side import DecodeConnector
 from splitserve.common import tracing
 from splitserve.worker.descriptors import descriptor_to_proto
-from splitserve.wire import (arrival_to_monotonic, logprobs_from_proto,
-                                    logprobs_to_proto, sampling_from_worker)
+from splitserve.wire import (arrival_to_monotonic, logprobs_from_proto, logprobs_to_proto,
+                             sampling_from_worker, structured_output_from_proto)
 from splitserve.common.errors import InvalidArgument, ResourceExhausted
 from splitserve.common.logs import request_id_var
 from splitserve.common.metrics import EngineMetrics
@@ -84,6 +84,9 @@ class DecodeWorkerServicer(WorkerServicer, worker_pb2_grpc.DecodeWorkerServicer)
         if prompt is not None and len(prompt) != request.num_prompt_tokens:
             raise InvalidArgument(f"prompt_token_ids has {len(prompt)} tokens, num_prompt_tokens says "
                                   f"{request.num_prompt_tokens}")
+        if request.HasField("structured_output"):  # compiled meanwhile; Decode awaits it
+            with contextlib.suppress(ValueError):  # (a malformed spec: Decode says so)
+                self.grammars.start(structured_output_from_proto(request.structured_output))
         try:
             desc = await self.loop.run(lambda: self.connector.reserve(request.request_id, request.num_prompt_tokens,
                                                                       prompt))
@@ -130,6 +133,9 @@ class DecodeWorkerServicer(WorkerServicer, worker_pb2_grpc.DecodeWorkerServicer)
         prompt = list(request.prompt_token_ids)
         arrival = arrival_to_monotonic(request.arrival_time)
         log.info("decode of a %d-token prompt (epoch %d)", len(prompt), request.epoch)
+        # Before subscribing: a refused spec leaves nothing behind. (On a handoff the pages stay
+        # reserved; the gateway's Abort, or the lease's end, frees them.)
+        await self.grammars.prepare(params.structured_output)
         events = self.loop.subscribe(rid)
         finished = False
         try:

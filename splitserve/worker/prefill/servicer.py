@@ -71,8 +71,9 @@ class PrefillWorkerServicer(WorkerServicer, worker_pb2_grpc.PrefillWorkerService
         prompt = list(request.prompt_token_ids)
         arrival = arrival_to_monotonic(request.arrival_time)
         log.info("prefill of %d tokens into %d pages over %s", len(prompt), len(desc.block_ids), desc.transport)
-        events = self.loop.subscribe(rid)
         start = time.monotonic()
+        await self.grammars.prepare(params.structured_output)
+        events = self.loop.subscribe(rid)
         done = False
         try:
             await self.loop.run(lambda: self.connector.start(rid, prompt, params, desc, priority=request.priority,
