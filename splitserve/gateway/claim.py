@@ -61,6 +61,9 @@ class ClaimLoop:
         # under a timeout, and a cancel arriving as that timeout fires can be swallowed (redis-py
         # issue 2551): the listener would then run on and stop() wait forever.
         self._stopping = False
+        # True from sending a claim until its claimed requests are started: a request Redis
+        # shows claimed meanwhile is this claim's, not one whose reply was lost.
+        self.claiming = False
 
     def start(self) -> "ClaimLoop":
         loop = asyncio.get_running_loop()
@@ -89,10 +92,14 @@ class ClaimLoop:
                 self._room.set()
             self._wake.clear()  # before the claim: a message from here on sets it again
             try:
+                self.claiming = True
                 gated = await self.needs_gate()
                 claimed = await self.state.claim_many(self.gateway_id, CLAIM_LEASE_S, time.time(), PLACE_LEASE_S,
                                                       limit=1 if gated else BATCH, gate=gated)
+                decided = [self.start_attempt(c, gated) for c in claimed]
             except OUTAGE as e:  # Redis down: new requests get UNAVAILABLE meanwhile
+                # The claim may have run and only its reply been lost: the watchdog adopts such
+                # claims (``Watchdog.check_queued``).
                 log.warning("claim failed: %s", e)
                 await asyncio.sleep(OUTAGE_PAUSE_S)
                 continue
@@ -100,10 +107,11 @@ class ClaimLoop:
                 log.exception("claim failed")
                 await asyncio.sleep(OUTAGE_PAUSE_S)
                 continue
+            finally:
+                self.claiming = False
             if not claimed:
                 await _wait(self._wake, RECHECK_S)
                 continue
-            decided = [self.start_attempt(c, gated) for c in claimed]
             done, _ = await asyncio.wait(decided, timeout=PLACE_LEASE_S + 1)
             if any(not f.result() for f in done):
                 self._room.clear()

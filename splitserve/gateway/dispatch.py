@@ -50,7 +50,8 @@ class Dispatcher:
         self.jobs: dict[str, Job] = {}
         self.claims = ClaimLoop(state, gateway_id, self._start_attempt, self._ended_in_redis,
                                 needs_gate=self._needs_gate)
-        self.watchdog = Watchdog(state, directory, gateway_id, lambda: list(self.jobs.values()))
+        self.watchdog = Watchdog(state, directory, gateway_id, lambda: list(self.jobs.values()),
+                                 adopt=self._adopt_lost_claim, claiming=lambda: self.claims.claiming)
 
     async def start(self) -> "Dispatcher":
         await self.watchdog.beat()  # alive before the first admission: others keep its requests
@@ -119,11 +120,32 @@ class Dispatcher:
         if job.finished:  # its end, on its way to Redis, takes it out of the queues
             decided.set_result(True)
             return decided
+        if job.state in (JobState.PLACING, JobState.RUNNING):
+            # Claimed again while an attempt runs here: Redis lost its writes since the last
+            # claim (restarted from an older AOF or snapshot) and queued the request again, under
+            # an epoch the running attempt may hold too. A second attempt would stream the request
+            # twice; the running one keeps it, under the new epoch (the only one Redis accepts).
+            log.warning("%s was claimed again (epoch %d) while its attempt (epoch %d) runs here: Redis lost "
+                        "writes; the running attempt goes on", job.request_id, claimed.epoch, job.epoch)
+            job.epoch = claimed.epoch
+            if gated:
+                spawn(self.ledger.placed(job.request_id))
+            spawn(self.ledger.note(job.request_id, job.epoch, state="decoding" if job.decoding else "prefilling"))
+            decided.set_result(True)
+            return decided
         job.epoch, job.attempt, job.lost, job.gated = claimed.epoch, claimed.attempt, None, gated
         job.state = JobState.PLACING
         job.trace.claimed(claimed.attempt)
         job.task = spawn(self._run(job, decided), name=f"attempt-{job.request_id}")
         return decided
+
+    async def _adopt_lost_claim(self, claimed) -> None:
+        """The watchdog found a claim of this gateway whose reply never came (the connection
+        dropped after Redis ran it): run it as the claim loop would have."""
+        gated = await self._needs_gate()
+        job = self.jobs.get(claimed)
+        if job is not None and job.state is JobState.QUEUED and not job.finished:
+            self._start_attempt(claimed, gated)
 
     async def _run(self, job: Job, decided: asyncio.Future) -> None:
         try:

@@ -16,7 +16,10 @@ Every ``WATCH_INTERVAL_S`` it
   claimed requests whose gateway stopped renewing (it died with their client streams);
 * every ``QUEUED_CHECK_S``: reads the Redis state of its queued requests, and ends those that
   someone else ended (an Abort through another gateway, a claim that judged this gateway dead)
-  -- the wake channel normally says so at once; this catches a message lost in an outage.
+  -- the wake channel normally says so at once; this catches a message lost in an outage; and
+  adopts those that Redis shows claimed under an epoch this gateway never heard of: its claim
+  ran, and its reply was lost (without this the request waited forever, its lease unrenewed and
+  unreaped, since its gateway still holds it).
 
 Redis away: a round is skipped (the outage policy of ``splitserve/gateway/ledger.py``).
 """
@@ -25,13 +28,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Callable, Iterable
+from typing import Awaitable, Callable, Iterable
 
 from splitserve.gateway.claim import CLAIM_LEASE_S
 from splitserve.gateway.job import Finished, Job, JobState, cancelled, unavailable
 from splitserve.gateway.ledger import OUTAGE
 from splitserve.gateway.workers import WorkerDirectory
 from splitserve.common.aio import cancel_and_wait
+from splitserve.state.store import Claimed
 
 log = logging.getLogger(__name__)
 
@@ -63,11 +67,16 @@ async def end_if_ended_elsewhere(state, job: Job) -> None:
 
 
 class Watchdog:
-    def __init__(self, state, directory: WorkerDirectory, gateway_id: str, jobs: Callable[[], Iterable[Job]]):
+    def __init__(self, state, directory: WorkerDirectory, gateway_id: str, jobs: Callable[[], Iterable[Job]],
+                 adopt: Callable[[Claimed], Awaitable[None]] | None = None, claiming: Callable[[], bool] = bool):
+        """``adopt(claimed)`` runs a claim whose reply was lost; ``claiming()`` says whether the
+        claim loop waits for a reply now (the claims Redis shows are then perhaps that one's)."""
         self.state = state
         self.directory = directory
         self.gateway_id = gateway_id
         self.jobs = jobs
+        self.adopt = adopt
+        self.claiming = claiming
         self._task: asyncio.Task | None = None
 
     def start(self) -> "Watchdog":
@@ -149,3 +158,17 @@ class Watchdog:
         for job, state in zip(queued, states):
             if state in TERMINAL and not job.finished and job.state is JobState.QUEUED:
                 await end_if_ended_elsewhere(self.state, job)
+            elif state != "queued" and self.adopt is not None:
+                await self.adopt_lost_claim(job)
+
+    async def adopt_lost_claim(self, job: Job) -> None:
+        """``job`` waits here as queued, Redis shows it claimed: adopt the claim if it is a newer
+        one (a requeue on its way to Redis shows the job's own epoch) and no claim is in flight."""
+        record = await self.state.get(job.request_id)
+        if record is None or record.get("state") in TERMINAL + ("queued",) or record.get("gateway") != self.gateway_id:
+            return
+        if job.state is not JobState.QUEUED or job.finished or self.claiming() or record["epoch"] <= job.epoch:
+            return
+        log.warning("request %s: its claim (epoch %d) ran in Redis but the reply was lost; running it now",
+                    job.request_id, record["epoch"])
+        await self.adopt(Claimed(job.request_id, record["epoch"], record["attempt"]))
