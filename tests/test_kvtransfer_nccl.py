@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -276,3 +277,36 @@ def test_the_receivers_store_listens_on_its_host_only(tiny_model_dirs):
         assert [addr.ip for addr in listening] == ["127.0.0.1"]
     finally:
         receiver.close()
+
+
+def test_with_a_key_only_senders_holding_it_find_the_receivers_store(tmp_path):
+    """The store has no authentication (issue 36, point 7): with the workers' key, every store key
+    a pair uses is under a prefix derived from it. A sender with the key pairs and writes pages; one
+    without it, or with another key, finds no receiver (its pairing times out) and the receiver
+    serves no pair for it; a raw client of the store finds none of the receiver's keys."""
+    import torch.distributed as dist
+
+    from splitserve.kvtransfer.base import TransportUnavailableError
+    key = b"k" * 32
+    decode = Decode(2, 4, "float32", seed=5, timeout_s=5)
+    decode.receiver.close()
+    decode.receiver = NcclReceiver(decode.pool, decode.leases, timeout_s=5, key=key)
+    src = make_pool(2, 4, "float32", 6)
+    sender = NcclSender(decode.receiver.address, src, timeout_s=5, key=key)
+    try:
+        job = decode.job("r0", [1], [10], ())
+        desc = TransferDescriptor.from_dict(job["desc"])
+        for layer in range(2):
+            sender.write(desc, layer, coalesce([1], [10]))
+        sender.flush(desc)
+        _check_pages(decode, src, [1], [10])
+        host, port = decode.receiver.address.rsplit(":", 1)
+        raw = dist.TCPStore(host, int(port), is_master=False, timeout=timedelta(seconds=2))
+        assert not raw.check(["device"]) and not raw.check(["pair/1"]) and not raw.check(["pairs"])
+        for other in (None, b"x" * 32):
+            with pytest.raises(TransportUnavailableError):
+                NcclSender(decode.receiver.address, src, timeout_s=1, key=other)
+        assert decode.receiver.peers == 1  # the keyed sender's pair only
+    finally:
+        sender.close()
+        decode.receiver.close()

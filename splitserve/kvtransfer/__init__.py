@@ -110,7 +110,7 @@ def open_decode(engine: KVHandoffEngine, pool: DecodePool, lease_ttl_s: float = 
             receivers.append(TcpReceiver(cache, leases, host=host, advertise_host=advertise_host, key=kv_key))
         elif name == "nccl":
             from splitserve.kvtransfer.transports.nccl import NcclReceiver
-            receivers.append(NcclReceiver(cache, leases, host=host, advertise_host=advertise_host))
+            receivers.append(NcclReceiver(cache, leases, host=host, advertise_host=advertise_host, key=kv_key))
     receivers.sort(key=lambda r: names.index(r.name))
     log.info("decode KV transports (fastest first): %s", ", ".join(f"{r.name}@{r.address}" for r in receivers))
     rank_offers = ()
@@ -135,7 +135,7 @@ def sender_factories(pool: torch.Tensor, transports: Iterable[str], kv_key: byte
                 from splitserve.kvtransfer.transports.tcp import TcpSender
                 return TcpSender(address, pool, key=kv_key)
             from splitserve.kvtransfer.transports.nccl import NcclSender
-            return NcclSender(address, pool)
+            return NcclSender(address, pool, key=kv_key)
         return factory
     return {name: make(name) for name in transports}
 

@@ -10,6 +10,13 @@ own 2-rank backend objects (``dist.ProcessGroupGloo`` / ``dist.ProcessGroupNCCL`
 worker serves any number of prefill peers and one prefill worker can talk to many decode
 workers, each pair with its own group; tearing a pair down is dropping its group objects.
 
+Who may pair. A ``TCPStore`` has no authentication: anyone who reaches its port may read and
+write keys, and so join a pair and write pages. With a ``key`` (the workers' ``--internal-token``,
+through ``Security.kv_key``) every key both sides use lives under a prefix derived from it
+(``store_namespace``); the store cannot list its keys, so a peer without the token finds none of
+them and cannot take a ticket the receiver would serve. The store listens on the receiver's
+``host`` only (``listening_store``).
+
 Channels. Control frames always travel over the gloo group (CPU tensors); page payloads over
 the data group: the same gloo group for CPU pools, an NCCL group for CUDA pools. Every
 ``write``/``flush`` call is one burst: the sender rings a doorbell key in the store, then sends
@@ -34,6 +41,8 @@ Frames. Header = int64[8]: MAGIC, type, key, epoch, layer, dst_block, num_blocks
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import hmac
 import threading
 import time
 from datetime import timedelta
@@ -58,6 +67,23 @@ PACK_MIN_RUNS = 4  # from this many runs in one write, gather/scatter beats one 
 IDLE_SLICE = timedelta(hours=1)  # store waits are re-armed; close() rings instead of waiting these out
 _ERRORS = {STALE: StaleEpochError, EXPIRED: LeaseExpiredError, ABORTED: TransferAbortedError}
 _CODES = {StaleEpochError: STALE, LeaseExpiredError: EXPIRED}
+
+
+# Derivation label of the store's key prefix; changing it breaks mixed versions.
+NAMESPACE_LABEL = b"splitserve kv-nccl store namespace v1"
+
+
+def store_namespace(key: bytes | None) -> str:
+    """The prefix of every store key a pair uses: '' without a key, else one that only holders of
+    ``key`` can compute."""
+    if key is None:
+        return ""
+    return "k" + hmac.new(key, NAMESPACE_LABEL, hashlib.sha256).hexdigest()[:32] + "/"
+
+
+def _keyed(store: dist.Store, key: bytes | None) -> dist.Store:
+    namespace = store_namespace(key)
+    return dist.PrefixStore(namespace, store) if namespace else store
 
 
 def _groups(store: dist.Store, n: int, rank: int, device: torch.device, timeout: timedelta):
@@ -102,13 +128,15 @@ class NcclReceiver(KVReceiver):
     name = "nccl"
 
     def __init__(self, pool: torch.Tensor, leases: LeaseTable, host: str = "127.0.0.1", port: int = 0,
-                 timeout_s: float = 30.0, advertise_host: str | None = None):
+                 timeout_s: float = 30.0, advertise_host: str | None = None, key: bytes | None = None):
+        """``key``: senders must hold it (see "Who may pair")."""
         super().__init__(pool, leases)
         if not self.pool.is_contiguous():  # its pages as they lie in memory (KVReceiver)
             raise ValueError("the decode pool must be contiguous: runs are received in place")
-        self.host, self.timeout = host, timedelta(seconds=timeout_s)
-        self._store = listening_store(host, port, None, self.timeout, wait_for_workers=False)
-        self._port = self._store.port
+        self.host, self.timeout, self._key = host, timedelta(seconds=timeout_s), key
+        self._listening = listening_store(host, port, None, self.timeout, wait_for_workers=False)
+        self._port = self._listening.port
+        self._store = _keyed(self._listening, key)
         self._store.set("device", gpu_uuid(pool.device))
         self._advertised = advertise_host or host  # what senders dial (the store listens on ``host``)
         self._closed, self._lock = threading.Event(), threading.Lock()
@@ -127,8 +155,8 @@ class NcclReceiver(KVReceiver):
         with self._lock:
             return len(self._bells)
 
-    def _client(self) -> dist.TCPStore:
-        return dist.TCPStore(self.host, self._port, is_master=False, timeout=self.timeout)
+    def _client(self) -> dist.Store:
+        return _keyed(dist.TCPStore(self.host, self._port, is_master=False, timeout=self.timeout), self._key)
 
     def _accept(self) -> None:
         try:
@@ -273,18 +301,19 @@ class NcclReceiver(KVReceiver):
         self._accepter.join(self.timeout.total_seconds())  # it starts no pair once closed
         for thread in list(self._threads):
             thread.join(max(0.0, deadline - time.monotonic()))
-        self._store = None  # stops the store server; a straggler's next store call fails and it exits
+        self._store = self._listening = None  # stops the store server; a straggler's next store call fails
 
 
 class NcclSender(KVSender):
     name = "nccl"
 
-    def __init__(self, address: str, src_pool: torch.Tensor, timeout_s: float = 30.0):
+    def __init__(self, address: str, src_pool: torch.Tensor, timeout_s: float = 30.0, key: bytes | None = None):
+        """``key``: the receiver's (see "Who may pair"); with another one, or none, pairing times out."""
         super().__init__(address, src_pool)
         self.timeout = timedelta(seconds=timeout_s)
         host, _, port = address.rpartition(":")
         try:
-            self._store = dist.TCPStore(host, int(port), is_master=False, timeout=self.timeout)
+            self._store = _keyed(dist.TCPStore(host, int(port), is_master=False, timeout=self.timeout), key)
             mine = gpu_uuid(src_pool.device)
             if mine and self._store.get("device").decode() == mine:
                 raise TransportUnavailableError(f"nccl receiver {address} is on this process's GPU ({mine}); NCCL "
