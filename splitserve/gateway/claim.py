@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from typing import Awaitable, Callable
 
@@ -39,6 +40,9 @@ NO_ROOM_RECHECK_S = 0.25
 OUTAGE_PAUSE_S = 0.5
 # Most requests one claim takes when no placement gate is needed.
 BATCH = 64
+# Fault injection for the hostile-input tests: the reply of the N-th claim that took something is
+# dropped after Redis ran it, as when the connection breaks on its way back (0: never).
+LOSE_CLAIM_REPLY_ENV = "SPLITSERVE_FAULT_LOSE_CLAIM_REPLY"
 
 
 class ClaimLoop:
@@ -64,6 +68,8 @@ class ClaimLoop:
         # True from sending a claim until its claimed requests are started: a request Redis
         # shows claimed meanwhile is this claim's, not one whose reply was lost.
         self.claiming = False
+        self._lose_reply_at = int(os.environ.get(LOSE_CLAIM_REPLY_ENV, "0") or 0)
+        self._replies = 0  # claims that took something, for the fault above
 
     def start(self) -> "ClaimLoop":
         loop = asyncio.get_running_loop()
@@ -96,6 +102,7 @@ class ClaimLoop:
                 gated = await self.needs_gate()
                 claimed = await self.state.claim_many(self.gateway_id, CLAIM_LEASE_S, time.time(), PLACE_LEASE_S,
                                                       limit=1 if gated else BATCH, gate=gated)
+                self._lose_reply_if_told(claimed)
                 decided = [self.start_attempt(c, gated) for c in claimed]
             except OUTAGE as e:  # Redis down: new requests get UNAVAILABLE meanwhile
                 # The claim may have run and only its reply been lost: the watchdog adopts such
@@ -115,6 +122,13 @@ class ClaimLoop:
             done, _ = await asyncio.wait(decided, timeout=PLACE_LEASE_S + 1)
             if any(not f.result() for f in done):
                 self._room.clear()
+
+    def _lose_reply_if_told(self, claimed: list) -> None:
+        if claimed and self._lose_reply_at > 0:
+            self._replies += 1
+            if self._replies == self._lose_reply_at:
+                raise OUTAGE[0](f"fault injection ({LOSE_CLAIM_REPLY_ENV}): the reply of the claim of "
+                                f"{', '.join(claimed)} was lost")
 
     async def _listen(self) -> None:
         """The wake channel: every gateway hears admissions, placements, requeues and ends."""
