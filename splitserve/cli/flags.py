@@ -195,6 +195,9 @@ def _flags() -> list[Flag]:
           "/v1/models, /health) on --host; -1: off, 0: any free port (up: 8000)", gw),
         f("http_max_connections", i, 2048, "HTTP connections served at once; one more is answered 503 at once",
           gw),
+        f("http_header_timeout_s", fl, 10.0, "seconds an HTTP request's line and headers may take to arrive, "
+          "from the connection's start or the previous response's end; then the connection is closed "
+          "(with 408 if part of a request came)", gw),
         f("http_body_timeout_s", fl, 30.0, "seconds an HTTP request's body may take to arrive (else 408); its "
           "size is bounded by --max-message-mb (else 413), checked while it is read", gw),
     ]

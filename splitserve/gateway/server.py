@@ -161,4 +161,5 @@ async def _start_http(args, servicer, authorizer, sock):
     return await HttpServer(build_app(servicer, authorizer, model_aliases=[args.model]), sock,
                             ssl_certfile=args.tls_cert, ssl_keyfile=args.tls_key, ssl_ca=args.tls_ca,
                             max_connections=args.http_max_connections, max_body_bytes=int(args.max_message_mb * 2**20),
-                            body_timeout_s=args.http_body_timeout_s).start()
+                            body_timeout_s=args.http_body_timeout_s,
+                            header_timeout_s=args.http_header_timeout_s).start()

@@ -4,6 +4,7 @@ in fp32: greedy answers equal ``transformers``' token for token, streams equal w
 errors are OpenAI's bodies with the right status, and a client that disconnects gives every
 KV page back on every worker."""
 import asyncio
+import http.client
 import json
 import socket
 import subprocess
@@ -353,6 +354,69 @@ def test_http_bodies_and_connections_are_bounded(stack, tmp_path, llama_referenc
         while httpx.get(base + "/health", timeout=20).status_code != 200:
             assert time.monotonic() < deadline
             time.sleep(0.1)
+    finally:
+        gateway.terminate()
+        gateway.wait(30)
+
+
+def _answer_until_closed(sock: socket.socket, limit_s: float) -> bytes:
+    """All the server sends on ``sock`` until it closes it; fails if it is still open after ``limit_s``."""
+    got, deadline = b"", time.monotonic() + limit_s
+    while True:
+        sock.settimeout(max(0.01, deadline - time.monotonic()))
+        try:
+            chunk = sock.recv(4096)
+        except socket.timeout:
+            raise AssertionError(f"the server kept the connection open over {limit_s:g} s; it sent {got!r}") from None
+        if not chunk:
+            return got
+        got += chunk
+
+
+def test_http_request_headers_have_a_deadline(stack, tmp_path):
+    """Issue 36, point 4 (slowloris): a connection that has not sent a whole request line and
+    headers within --http-header-timeout-s is closed (from its start, or on a kept-alive
+    connection from the previous response's end), with 408 if part of a request came, silently
+    if nothing did; other connections are served meanwhile, and a request whose headers came in
+    time may take longer for its body (that is --http-body-timeout-s's to bound)."""
+    timeout_s, margin_s = 1.5, 20.0  # the margin: a loaded machine, not a speed requirement
+    port = free_port()
+    gateway, _ = start_process([*stack.argv["gateway"], "--http-port", str(port),
+                                "--http-header-timeout-s", str(timeout_s), "--http-body-timeout-s", "60"],
+                               tmp_path / "gateway-header-deadline.log")
+    base = f"http://127.0.0.1:{port}"
+    try:
+        silent = socket.create_connection(("127.0.0.1", port))
+        dribbling = socket.create_connection(("127.0.0.1", port))
+        started = time.monotonic()
+        dribbling.sendall(b"GET /health HTTP/1.1\r\n")
+        # A header byte now and then, stopping well before the deadline (a byte sent after the
+        # server closed could turn into a reset that hides its answer).
+        while time.monotonic() - started < timeout_s - 0.5:
+            dribbling.sendall(b"X")
+            time.sleep(0.1)
+        assert httpx.get(base + "/health", timeout=20).status_code == 200  # another connection is served
+        answer = _answer_until_closed(dribbling, timeout_s + margin_s)
+        assert answer.startswith(b"HTTP/1.1 408 ") and b"--http-header-timeout-s" in answer, answer
+        assert _answer_until_closed(silent, timeout_s + margin_s) == b""
+        # A kept-alive connection: its second request's headers have the same deadline.
+        kept = http.client.HTTPConnection("127.0.0.1", port, timeout=20)
+        kept.request("GET", "/health")
+        first = kept.getresponse()
+        assert first.status == 200 and not first.will_close
+        first.read()
+        kept.sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n")  # ... and never the blank line
+        assert _answer_until_closed(kept.sock, timeout_s + margin_s).startswith(b"HTTP/1.1 408 ")
+        kept.close()
+        # Headers in time, then the body well after the header deadline: served.
+        body = json.dumps({"prompt": [5, 6, 7], "max_tokens": 2, "temperature": 0, "ignore_eos": True}).encode()
+        late = socket.create_connection(("127.0.0.1", port), timeout=60)
+        late.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n" % len(body))
+        time.sleep(timeout_s + 1.0)
+        late.sendall(body)
+        assert late.makefile("rb").readline().split()[1] == b"200"
+        late.close()
     finally:
         gateway.terminate()
         gateway.wait(30)

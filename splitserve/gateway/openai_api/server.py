@@ -7,7 +7,9 @@ import json
 import socket
 import ssl
 
+import h11
 import uvicorn
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 
 # Kernel send buffer of each HTTP connection: SSE events are small; this is many of them.
@@ -82,22 +84,72 @@ class BodyLimits:
         return await self.app(scope, replay, send)
 
 
+def _error_body(status: int, message: str) -> bytes:
+    return json.dumps({"error": {"message": message, "type": "invalid_request_error", "code": status}}).encode()
+
+
 async def _answer(send, status: int, message: str) -> None:
     """An OpenAI-style error body, and the connection closed (what is left of the body is not read)."""
-    body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "code": status}}).encode()
+    body = _error_body(status, message)
     await send({"type": "http.response.start", "status": status,
                 "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                             (b"connection", b"close")]})
     await send({"type": "http.response.body", "body": body})
 
 
+class HeaderDeadline(H11Protocol):
+    """uvicorn's h11 protocol (what its "auto" picks without httptools, which splitserve does not
+    install) with a deadline on each request's line and headers: ``header_timeout_s`` from the
+    connection's start, or from the previous response's end on a kept-alive connection. uvicorn
+    has none (its keep-alive timer stops at a request's first byte), so a client that sends
+    nothing, or a header byte now and then, held one of the --http-max-connections slots for
+    good. Past the deadline the connection is closed: with a 408 if part of a request came; with
+    nothing if none did (a 408 on an idle connection could pass for the answer to a request the
+    client is sending at that moment). Once the headers are in, the body has BodyLimits' timeout."""
+
+    header_timeout_s = 10.0
+
+    def connection_made(self, transport) -> None:
+        super().connection_made(transport)
+        self._header_timer = self.loop.call_later(self.header_timeout_s, self._headers_late)
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._header_timer.cancel()
+        if not self.transport.is_closing():  # the next request on this connection gets its own deadline
+            self._header_timer = self.loop.call_later(self.header_timeout_s, self._headers_late)
+
+    def connection_lost(self, exc) -> None:
+        super().connection_lost(exc)
+        self._header_timer.cancel()
+
+    def _headers_late(self) -> None:
+        # h11 leaves IDLE once a request's headers are parsed, and returns to it only for the next one.
+        if self.transport.is_closing() or self.conn.their_state is not h11.IDLE:
+            return
+        partial, _ = self.conn.trailing_data
+        if partial:
+            body = _error_body(408, f"the request's headers did not arrive within {self.header_timeout_s:g} s "
+                                    "(--http-header-timeout-s)")
+            headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                       (b"connection", b"close")]
+            for event in (h11.Response(status_code=408, headers=headers, reason=b"Request Timeout"),
+                          h11.Data(data=body), h11.EndOfMessage()):
+                self.transport.write(self.conn.send(event))
+        self.transport.close()
+
+
 class HttpServer:
     def __init__(self, app, sock: socket.socket, ssl_certfile: str = "", ssl_keyfile: str = "", ssl_ca: str = "",
-                 max_connections: int = 2048, max_body_bytes: int = 16 << 20, body_timeout_s: float = 30.0):
+                 max_connections: int = 2048, max_body_bytes: int = 16 << 20, body_timeout_s: float = 30.0,
+                 header_timeout_s: float = 10.0):
         """``sock``: from ``bind``. With ``ssl_ca`` (and a certificate), clients must present a
         certificate it signed, as on the gRPC port. ``max_connections``: connections served at once
-        (one more gets 503 at once); bodies are bounded by ``BodyLimits``."""
-        config = uvicorn.Config(BodyLimits(app, max_body_bytes, body_timeout_s), log_level="warning",
+        (one more gets 503 at once); request headers are bounded by ``HeaderDeadline``, bodies by
+        ``BodyLimits``."""
+        # uvicorn makes one protocol object per connection from a class: this server's, with its timeout.
+        protocol = type("HeaderDeadline", (HeaderDeadline,), {"header_timeout_s": header_timeout_s})
+        config = uvicorn.Config(BodyLimits(app, max_body_bytes, body_timeout_s), http=protocol, log_level="warning",
                                 access_log=False, lifespan="off",
                                 ssl_certfile=ssl_certfile or None, ssl_keyfile=ssl_keyfile or None,
                                 ssl_ca_certs=ssl_ca or None,
