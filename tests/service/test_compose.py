@@ -321,6 +321,48 @@ def test_observability_profile_scrapes_every_splitserve_process_and_provisions_g
     assert grafana["depends_on"]["prometheus"]["condition"] == "service_healthy"
 
 
+def grafana_admin_password(compose: dict, data: Path) -> subprocess.CompletedProcess:
+    """Run compose's grafana entrypoint here, the image's own (/run.sh) replaced by a print of the
+    admin password Grafana would get; ``data``: the data volume (GF_PATHS_DATA, from the image)."""
+    grafana = compose["services"]["grafana"]
+    shell, script, *image_entrypoint = grafana["entrypoint"]
+    assert image_entrypoint == ["/run.sh"]  # the grafana image's ENTRYPOINT, run after the script
+    script = next(source for source, target in bind_mounts(grafana).items() if target == script)
+    env = {**{k: str(v) for k, v in grafana["environment"].items()}, "GF_PATHS_DATA": str(data),
+           "PATH": os.environ["PATH"]}
+    show = [sys.executable, "-c", "import os; print(os.environ.get('GF_SECURITY_ADMIN_PASSWORD', ''))"]
+    return subprocess.run([shell, str(ROOT / script), *show], env=env, capture_output=True, text=True,
+                          timeout=30, check=True)
+
+
+def test_grafana_admin_password_has_no_fixed_default(tmp_path):
+    """Issue 36, point 12: with SPLITSERVE_GRAFANA_PASSWORD unset, Grafana's admin password is no
+    string compose.yaml holds (it was admin / admin) but a random one made at the first start,
+    kept in the data volume for later starts and for the user to read; when set, it is used."""
+    compose = load_compose()
+    assert compose["services"]["grafana"]["environment"]["GF_SECURITY_ADMIN_PASSWORD"] == ""
+    first, other = tmp_path / "first", tmp_path / "other"
+    first.mkdir(), other.mkdir()
+    password = grafana_admin_password(compose, first).stdout.splitlines()[-1]
+    assert len(password) >= 32 and password not in COMPOSE.read_text()
+    assert (first / "admin-password").read_text() == password
+    assert (first / "admin-password").stat().st_mode & 0o077 == 0  # Grafana's user only
+    assert grafana_admin_password(compose, first).stdout.splitlines()[-1] == password  # kept
+    assert grafana_admin_password(compose, other).stdout.splitlines()[-1] not in (password, "")  # random
+    chosen = load_compose({"SPLITSERVE_GRAFANA_PASSWORD": "chosen-password"})
+    given = tmp_path / "given"
+    given.mkdir()
+    assert grafana_admin_password(chosen, given).stdout.splitlines() == ["chosen-password"]
+    assert not (given / "admin-password").exists()
+    # A data volume from before (a database, no password file): Grafana keeps the admin password
+    # in its database, so none is made (it would not be Grafana's); the log says how to set one.
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / "grafana.db").write_bytes(b"")
+    result = grafana_admin_password(compose, old)
+    assert not (old / "admin-password").exists() and "reset-admin-password" in result.stderr
+
+
 def health_check_argv(service: dict, service_name: str | None = None) -> dict:
     """``service`` with its health check asking ``service_name`` instead (None: as compose.yaml has it)."""
     check = dict(service["healthcheck"])
