@@ -196,6 +196,9 @@ class GatewayMetrics:
         self.unread_output = Gauge("splitserve:unread_output_bytes", "Generated output waiting at the gateway for "
                                    "clients that have not taken it (estimated bytes; --max-buffered-bytes)",
                                    registry=registry)
+        self.untrusted_workers = Gauge("splitserve:untrusted_workers", "Worker records in the Redis registry "
+                                       "the gateway ignores: unsigned, or signed with another --internal-token",
+                                       registry=registry)
         self.slow_readers_cut = Counter("splitserve:slow_readers_cut", "Requests ended because their client did "
                                         "not read its stream (--slow-reader-timeout-s, "
                                         "--max-buffered-tokens-per-stream)", registry=registry)

@@ -17,6 +17,9 @@ One ``Security`` per process, built from its flags (``Security.from_args``):
 * ``max_message_bytes`` (``--max-message-mb``): the largest message a port accepts or sends.
 * ``kv_key``: derived from ``token``; the workers' tcp KV socket admits only senders that prove
   it (a challenge-response per connection, ``splitserve/kvtransfer/transports/tcp_auth.py``).
+* ``registry_key``: derived from ``token``; workers sign their Redis registry record with it and
+  the gateway routes to no record that it does not verify (``splitserve.state.store``), so
+  whoever can write to Redis but lacks the token cannot pose as a worker.
 
 Two sides, two sets of tokens (``from_args`` and ``internal_from_args``):
 
@@ -52,6 +55,8 @@ OPEN_SERVICES = ("/grpc.health.v1.Health/",)
 DEFAULT_MAX_MESSAGE_MB = 16
 # Derivation label of the KV transport's key (``Security.kv_key``); changing it breaks mixed versions.
 KV_KEY_LABEL = b"splitserve kv-tcp key v1"
+# Derivation label of the worker registry's signing key (``Security.registry_key``); likewise.
+REGISTRY_KEY_LABEL = b"splitserve worker-registry key v1"
 
 
 def _read(path: str | os.PathLike | bytes | None, flag: str) -> bytes | None:
@@ -157,6 +162,15 @@ class Security:
         if not self.token:
             return None
         return hmac.new(self.token.encode(), KV_KEY_LABEL, hashlib.sha256).digest()
+
+    @property
+    def registry_key(self) -> bytes | None:
+        """The key workers sign their registry record with and gateways verify it with
+        (``RedisState(registry_key=...)``), derived from ``token`` (the internal token) like
+        ``kv_key``, separately. None without a token: the registry is trusted as Redis is."""
+        if not self.token:
+            return None
+        return hmac.new(self.token.encode(), REGISTRY_KEY_LABEL, hashlib.sha256).digest()
 
     @property
     def accepted_tokens(self) -> tuple[str, ...]:

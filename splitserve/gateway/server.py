@@ -86,10 +86,12 @@ async def _serve(args) -> int:
         http_socket = bind(args.host, args.http_port)
     info, tokenizer = model_info(args)
     state = RedisState(make_async_client(args.redis_url, password=args.redis_password or None),
-                       queue_limit=args.queue_limit, priority_aging_per_s=args.priority_aging_per_s)
+                       queue_limit=args.queue_limit, priority_aging_per_s=args.priority_aging_per_s,
+                       registry_key=internal.registry_key)
     registry, metrics_address = serve_metrics(args.metrics_port, args.host, model_name=info.model)
     metrics = GatewayMetrics(registry)
-    directory = WorkerDirectory(state, block_size=args.block_size, channel_factory=internal.aio_channel)
+    directory = WorkerDirectory(state, block_size=args.block_size, channel_factory=internal.aio_channel,
+                                on_untrusted=metrics.untrusted_workers.set)
     gateway_id = args.gateway_id or f"gw-{uuid.uuid4().hex[:8]}"
     setup_tracing("gateway", gateway_id)
     dispatcher = Dispatcher(state, directory, gateway_id,

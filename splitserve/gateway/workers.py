@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import threading
 import time
 from collections import OrderedDict
@@ -16,6 +17,8 @@ from splitserve.common.grpc_server import WORKER_SERVICES
 from splitserve.common.locality import transfer_cost
 from splitserve.v1 import worker_pb2_grpc
 
+log = logging.getLogger(__name__)
+
 # How long a listing of the workers is reused before Redis is asked again.
 REFRESH_S = 0.5
 # A prefill worker holding a prompt's prefix is preferred while it has at most this many more
@@ -25,6 +28,9 @@ AFFINITY_SLACK = 2
 AFFINITY_BLOCKS = 64
 # A live worker answers a health check within this; a frozen (SIGSTOPped) one never does.
 PROBE_TIMEOUT_S = 1.0
+# An untrusted registry record (not signed with the internal token) is logged once per this many
+# seconds per worker id: every listing sees it again, the log must not.
+UNTRUSTED_LOG_EVERY_S = 60.0
 
 
 class PrefixAffinity:
@@ -90,9 +96,14 @@ class WorkerDirectory:
     gateway's picks. Runs on the gateway's event loop: ``state`` is an asyncio ``RedisState``."""
 
     def __init__(self, state, block_size: int = 16,
-                 channel_factory: Callable[[str], grpc.aio.Channel] = grpc.aio.insecure_channel):
-        """``channel_factory(address)`` opens a channel to a worker (``Security.aio_channel``: TLS, token)."""
+                 channel_factory: Callable[[str], grpc.aio.Channel] = grpc.aio.insecure_channel,
+                 on_untrusted: Callable[[int], None] = lambda count: None):
+        """``channel_factory(address)`` opens a channel to a worker (``Security.aio_channel``: TLS, token);
+        ``on_untrusted(count)``: how many registry records the last listing ignored (a metric)."""
         self.state = state
+        self.on_untrusted = on_untrusted
+        # Untrusted worker ids -> when they may be logged again (monotonic).
+        self._untrusted_logged: dict[str, float] = {}
         self.channel_factory = channel_factory
         self.affinity = PrefixAffinity(block_size)
         self._refresh = asyncio.Lock()
@@ -108,9 +119,26 @@ class WorkerDirectory:
         """The registered workers (one Redis read per ``REFRESH_S``, however many callers)."""
         async with self._refresh:
             if time.monotonic() - self._cached_at > REFRESH_S:
-                self._cached = [WorkerView.from_registry(e) for e in await self.state.workers()]
+                entries = await self.state.workers()
+                # A record not signed with the internal token was not written by a worker of
+                # this deployment (or by one with another token): no request, and so no prompt
+                # and no internal token, ever goes to its address.
+                self._note_untrusted([e for e in entries if not e.get("trusted", True)])
+                self._cached = [WorkerView.from_registry(e) for e in entries if e.get("trusted", True)]
                 self._cached_at = time.monotonic()
             return list(self._cached)
+
+    def _note_untrusted(self, entries: list[dict]) -> None:
+        self.on_untrusted(len(entries))
+        now = time.monotonic()
+        self._untrusted_logged = {w: t for w, t in self._untrusted_logged.items() if t > now}
+        for e in entries:
+            if e["worker_id"] in self._untrusted_logged:
+                continue
+            self._untrusted_logged[e["worker_id"]] = now + UNTRUSTED_LOG_EVERY_S
+            log.warning("ignoring worker %r (%r at %r) in the Redis registry: its record is not signed with this "
+                        "gateway's --internal-token (a worker with another token, or someone writing to Redis)",
+                        e["worker_id"], e.get("role", ""), e.get("address", ""))
 
     def channel(self, address: str) -> grpc.aio.Channel:
         if address not in self._channels:

@@ -38,8 +38,11 @@ key                            type    holds
                                        ``workers()``).
 ``{ss}:w:<worker id>``         HASH    ``role``, ``address``, ``transports`` (JSON list),
                                        ``stats`` (JSON object: free pages, load...),
-                                       ``updated`` (Unix s). PEXPIRE of 10 heartbeat TTLs, so
-                                       it never outlives a dead worker for long.
+                                       ``updated`` (Unix s), ``sig`` and ``stats_sig``
+                                       (HMAC-SHA256 with a key derived from the internal
+                                       token, "" without one: gateways with the token ignore a
+                                       record whose signatures do not verify). PEXPIRE of 10
+                                       heartbeat TTLs, so it never outlives a dead worker for long.
 ``{ss}:w:<worker id>:alive``   STRING  ``1`` with PX = the heartbeat TTL: the worker is alive
                                        exactly while this key exists.
 =============================  ======  =====================================================
@@ -299,22 +302,23 @@ redis.call('PUBLISH', KEYS[3], 'end ' .. ARGV[1])
 return 1
 """
 
-# KEYS: w, alive, workers. ARGV: id, ttl_ms, hash_ttl_ms, role, address, transports, stats, now.
+# KEYS: w, alive, workers. ARGV: id, ttl_ms, hash_ttl_ms, role, address, transports, stats, now,
+# sig, stats_sig (the record's signatures, "" without a registry key: RedisState._sign).
 REGISTER = """
 redis.call('DEL', KEYS[1])
 redis.call('HSET', KEYS[1], 'role', ARGV[4], 'address', ARGV[5], 'transports', ARGV[6],
-           'stats', ARGV[7], 'updated', ARGV[8])
+           'stats', ARGV[7], 'updated', ARGV[8], 'sig', ARGV[9], 'stats_sig', ARGV[10])
 redis.call('PEXPIRE', KEYS[1], ARGV[3])
 redis.call('SET', KEYS[2], '1', 'PX', ARGV[2])
 redis.call('SADD', KEYS[3], ARGV[1])
 return 1
 """
 
-# KEYS: w, alive, workers. ARGV: id, ttl_ms, hash_ttl_ms, stats, now.
+# KEYS: w, alive, workers. ARGV: id, ttl_ms, hash_ttl_ms, stats, now, stats_sig.
 # 0 when the worker is not registered or its alive key already expired: it must register again.
 HEARTBEAT = """
 if redis.call('EXISTS', KEYS[1]) == 0 or redis.call('EXISTS', KEYS[2]) == 0 then return 0 end
-redis.call('HSET', KEYS[1], 'stats', ARGV[4], 'updated', ARGV[5])
+redis.call('HSET', KEYS[1], 'stats', ARGV[4], 'updated', ARGV[5], 'stats_sig', ARGV[6])
 redis.call('PEXPIRE', KEYS[1], ARGV[3])
 redis.call('SET', KEYS[2], '1', 'PX', ARGV[2])
 redis.call('SADD', KEYS[3], ARGV[1])

@@ -20,6 +20,8 @@ builds its call once and decodes the reply in one function, whichever way the re
 """
 from __future__ import annotations
 
+import hashlib
+import hmac
 import inspect
 import json
 import time
@@ -142,7 +144,11 @@ class RedisState:
 
     def __init__(self, client, prefix: str = "ss", queue_limit: int = 256, terminal_ttl_s: int = 600,
                  claim_scan: int = 64, priority_aging_per_s: float = DEFAULT_AGING_PER_S,
-                 id_reuse_after_s: int = ID_REUSE_AFTER_S):
+                 id_reuse_after_s: int = ID_REUSE_AFTER_S, registry_key: bytes | None = None):
+        """``registry_key``: the key worker records are signed with (``Security.registry_key``,
+        derived from the internal token): ``register_worker``/``heartbeat`` sign with it and
+        ``workers()`` trusts only records it verifies. None: records are neither signed nor
+        checked, and whoever can write to Redis can register a worker."""
         if not prefix or any(c in prefix for c in "{}"):
             raise ValueError(f"prefix must be non-empty and free of braces, got {prefix!r}")
         if queue_limit < 0:
@@ -163,6 +169,7 @@ class RedisState:
         self.id_reuse_after_s = int(id_reuse_after_s)
         self.claim_scan = int(claim_scan)
         self.priority_aging_per_s = float(priority_aging_per_s)
+        self.registry_key = registry_key or None
         tag = "{" + prefix + "}"
         self.pending_key = f"{tag}:q:pending"
         self.inflight_key = f"{tag}:q:inflight"
@@ -351,25 +358,49 @@ class RedisState:
 
     def register_worker(self, worker_id: str, role: str, address: str, transports: list[str],
                         stats: dict, ttl_s: float):
-        """(Re)register a worker: a fresh hash and an alive key that lives ``ttl_s``."""
+        """(Re)register a worker: a fresh hash and an alive key that lives ``ttl_s``; signed
+        with ``registry_key`` when there is one."""
         ttl_ms, hash_ttl_ms = _ttls(ttl_s)
+        transports_json, stats_json = json.dumps(list(transports)), json.dumps(stats)
         return _then(self._register(keys=[self.worker_key(worker_id), self.alive_key(worker_id), self.workers_key],
-                                    args=[worker_id, ttl_ms, hash_ttl_ms, role, address,
-                                          json.dumps(list(transports)), json.dumps(stats),
-                                          _float_arg(time.time())]), lambda _: None)
+                                    args=[worker_id, ttl_ms, hash_ttl_ms, role, address, transports_json, stats_json,
+                                          _float_arg(time.time()),
+                                          self._sign("record", worker_id, role, address, transports_json),
+                                          self._sign("stats", worker_id, stats_json)]), lambda _: None)
 
     def heartbeat(self, worker_id: str, stats: dict, ttl_s: float):
-        """Refresh stats and the alive key. False if the worker is unknown or its alive key
-        already expired (it was presumed dead and must ``register_worker`` again)."""
+        """Refresh stats (signed anew) and the alive key. False if the worker is unknown or its
+        alive key already expired (it was presumed dead and must ``register_worker`` again)."""
         ttl_ms, hash_ttl_ms = _ttls(ttl_s)
+        stats_json = json.dumps(stats)
         return _then(self._heartbeat(keys=[self.worker_key(worker_id), self.alive_key(worker_id), self.workers_key],
-                                     args=[worker_id, ttl_ms, hash_ttl_ms, json.dumps(stats),
-                                           _float_arg(time.time())]), bool)
+                                     args=[worker_id, ttl_ms, hash_ttl_ms, stats_json, _float_arg(time.time()),
+                                           self._sign("stats", worker_id, stats_json)]), bool)
 
     def workers(self):
         """Live workers, by id: dicts with worker_id, role, address, transports (list), stats (dict),
-        updated (float). Dead workers are pruned from the registry on the way."""
-        return _then(self._workers(keys=[self.workers_key], args=[self._w_prefix]), _worker_entries)
+        updated (float) and trusted (bool: there is no ``registry_key``, or the record's
+        signatures verify with it; a record written by anyone without the key is not). Dead
+        workers are pruned from the registry on the way."""
+        return _then(self._workers(keys=[self.workers_key], args=[self._w_prefix]),
+                     lambda flat: _worker_entries(flat, self._trusted))
+
+    def _sign(self, kind: str, *fields: str) -> str:
+        """The signature of a worker record's ``fields`` (``""`` without a key). Two of them: the
+        record's identity (where requests go: id, role, address, transports), written once at
+        registration, and its stats (load, host id, metrics address), written on every beat.
+        ``kind`` keeps one from passing for the other; a JSON list keeps field bounds unambiguous."""
+        if self.registry_key is None:
+            return ""
+        message = json.dumps([kind, *fields], separators=(",", ":")).encode()
+        return hmac.new(self.registry_key, message, hashlib.sha256).hexdigest()
+
+    def _trusted(self, worker_id: str, d: dict[str, str]) -> bool:
+        if self.registry_key is None:
+            return True
+        expected = (self._sign("record", worker_id, d.get("role", ""), d.get("address", ""), d.get("transports", "[]"))
+                    + self._sign("stats", worker_id, d.get("stats", "{}")))
+        return hmac.compare_digest(expected, d.get("sig", "") + d.get("stats_sig", ""))
 
     def deregister(self, worker_id: str):
         return _then(self._deregister(keys=[self.worker_key(worker_id), self.alive_key(worker_id),
@@ -403,15 +434,23 @@ def _request_fields(raw: dict) -> dict[str, Any] | None:
     return out
 
 
-def _worker_entries(flat: list) -> list[dict[str, Any]]:
+def _worker_entries(flat: list, trusted: Callable[[str, dict[str, str]], bool]) -> list[dict[str, Any]]:
     out = []
     for i in range(0, len(flat), 2):
         fields = flat[i + 1]
+        worker_id = _s(flat[i])
         d = {_s(fields[j]): _s(fields[j + 1]) for j in range(0, len(fields), 2)}
-        out.append({"worker_id": _s(flat[i]), "role": d.get("role", ""), "address": d.get("address", ""),
+        if not trusted(worker_id, d):
+            # Its JSON fields are not parsed: whoever wrote them may have written anything. Role and
+            # address stay, for the gateway's log line.
+            out.append({"worker_id": worker_id, "role": d.get("role", ""), "address": d.get("address", ""),
+                        "transports": [], "stats": {},
+                        "updated": 0.0, "trusted": False})
+            continue
+        out.append({"worker_id": worker_id, "role": d.get("role", ""), "address": d.get("address", ""),
                     "transports": json.loads(d.get("transports", "[]")),
                     "stats": json.loads(d.get("stats", "{}")),
-                    "updated": float(d.get("updated", 0.0))})
+                    "updated": float(d.get("updated", 0.0)), "trusted": True})
     out.sort(key=lambda w: w["worker_id"])
     return out
 

@@ -35,14 +35,18 @@ async def _serve(servicer: WorkerServicer, add_to_server, service_name: str, arg
     def register(server):
         add_to_server(servicer, server)
         return [service_name]
+    security = worker_security(args)
     server, health, port = await start_server(register, f"{args.host}:{args.port}",
                                               reflection_enabled=not args.no_reflection,
-                                              security=worker_security(args))
+                                              security=security)
     servicer.address = advertised(args.host, args.advertise_host, port)
     heartbeat = None
     if args.redis_url:
         from splitserve.state.store import RedisState, make_async_client
-        state = RedisState(make_async_client(args.redis_url, password=args.redis_password or None))
+        # Signed with the internal token's key: gateways that have the token route to no record
+        # that lacks it, so a fake worker written into Redis gets nothing.
+        state = RedisState(make_async_client(args.redis_url, password=args.redis_password or None),
+                           registry_key=security.registry_key)
         from splitserve.common.locality import default_host_id
         # The host id tells the gateway which workers can reach each other over shm / cuda_ipc.
         stats = engine_stats(servicer.loop, servicer.engine.stats, {"metrics_address": servicer.metrics_address,

@@ -442,6 +442,40 @@ def test_worker_registry(state):
     assert state.client.pttl(state.worker_key("p1")) > 0  # the hash never outlives the worker for long
 
 
+def test_only_records_signed_with_the_registry_key_are_trusted(client):
+    """With a registry key (from the internal token) a worker's record is signed at registration
+    and on every beat; a record written by anyone without the key -- the store without one,
+    another key, or raw writes over a signed record -- is listed as untrusted."""
+    key = b"k" * 32
+    signed = RedisState(client, registry_key=key)
+    signed.register_worker("real", "decode", "127.0.0.1:5001", ["tcp"], {"kv_blocks_free": 10}, ttl_s=5)
+    RedisState(client).register_worker("unsigned", "decode", "10.0.0.9:1", ["tcp"], {}, ttl_s=5)
+    RedisState(client, registry_key=b"x" * 32).register_worker("wrong-key", "decode", "10.0.0.9:2", [], {}, ttl_s=5)
+
+    def trusted(st):
+        return {w["worker_id"]: w["trusted"] for w in st.workers()}
+    assert trusted(signed) == {"real": True, "unsigned": False, "wrong-key": False}
+    # Without a key nothing is checked (the registry is as trusted as Redis).
+    assert trusted(RedisState(client)) == {"real": True, "unsigned": True, "wrong-key": True}
+
+    assert signed.heartbeat("real", {"kv_blocks_free": 3}, ttl_s=5)  # re-signed with the new stats
+    real = signed.workers()[0]
+    assert (real["worker_id"], real["stats"], real["trusted"]) == ("real", {"kv_blocks_free": 3}, True)
+    # Someone with write access to Redis edits the signed record: where prompts go, or the stats.
+    client.hset(signed.worker_key("real"), "address", "10.0.0.9:3")
+    assert trusted(signed)["real"] is False
+    signed.register_worker("real", "decode", "127.0.0.1:5001", ["tcp"], {}, ttl_s=5)
+    client.hset(signed.worker_key("real"), "stats", '{"host_id": "elsewhere"}')
+    assert trusted(signed)["real"] is False
+    # Another worker's signatures do not fit a record of another id.
+    signed.register_worker("real", "decode", "127.0.0.1:5001", ["tcp"], {}, ttl_s=5)
+    copy = client.hgetall(signed.worker_key("real"))
+    client.hset(signed.worker_key("copy"), mapping=copy)
+    client.set(signed.alive_key("copy"), "1", px=5000)
+    client.sadd(signed.workers_key, "copy")
+    assert trusted(signed) == {"copy": False, "real": True, "unsigned": False, "wrong-key": False}
+
+
 def test_ping(state):
     assert state.ping()
 

@@ -5,9 +5,12 @@ with two client identities (``--auth-token`` A, B from ``--token-file``), an adm
 internal token. Checked: a request belongs to the token that created it (B can neither read nor
 abort A's, the admin can do both); worker and metrics addresses only for the admin; no local
 path in ModelInfo; a worker port refuses every credential but the internal token (a direct
-Reserve takes no page) while the gateway keeps serving; configurations that would leave the
-workers open to clients do not start.
+Reserve takes no page) while the gateway keeps serving; a worker record in Redis that is not
+signed with the internal token gets no request; configurations that would leave the workers open
+to clients do not start.
 """
+import concurrent.futures
+import json
 import os
 import secrets
 import subprocess
@@ -23,9 +26,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from splitserve.client import Client
 from splitserve.common.processes import free_port
 from splitserve.common.security import Security
+from splitserve.state.store import RedisState
 from tests.harness.redis_server import RedisServer
 from tests.harness.stack import DEFAULT_WORKER_ARGS, start_process
 from tests.harness.streams import wait_until
+from tests.harness.tools import scrape
 from splitserve.v1 import generation_pb2, worker_pb2, worker_pb2_grpc
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -63,7 +68,7 @@ def stack(tiny_model_dirs, tmp_path_factory):
         wait_until(lambda: {w.address for w in clients["admin"].server_info().workers} >= {decode_addr, prefill_addr},
                    60, "the gateway to list both workers")
         yield {"model": model, "tokens": tokens, "gateway": gateway_addr, "http": f"http://127.0.0.1:{http_port}",
-               "decode": decode_addr,
+               "redis": redis_server, "gateway_log": d / "gateway.log", "decode": decode_addr,
                "prefill": prefill_addr, "clients": clients}
         for client in clients.values():
             client.close()
@@ -212,6 +217,75 @@ def test_worker_ports_accept_only_the_internal_token(stack):
             health_pb2.HealthCheckResponse.SERVING
     text, final = stack["clients"]["a"].complete([3, 4, 5], max_tokens=4, ignore_eos=True, timeout=60)
     assert final.finish_reason == "length" and final.usage.completion_tokens == 4
+
+
+class StandInWorker(grpc.GenericRpcHandler):
+    """A gRPC server that answers every method UNAVAILABLE and records each call it gets, with
+    whether it carried the internal token: what a fake worker registered in Redis would learn."""
+
+    def __init__(self, internal_token: str):
+        self.calls: list[tuple[str, bool]] = []
+        self._bearer = "Bearer " + internal_token
+        self.server = grpc.server(concurrent.futures.ThreadPoolExecutor(2), handlers=[self])
+        self.address = f"127.0.0.1:{self.server.add_insecure_port('127.0.0.1:0')}"
+        self.server.start()
+
+    def service(self, details):
+        self.calls.append((details.method, dict(details.invocation_metadata).get("authorization") == self._bearer))
+
+        def refuse(request, context):
+            context.abort(grpc.StatusCode.UNAVAILABLE, "a stand-in")
+        return grpc.unary_unary_rpc_method_handler(refuse)
+
+
+def test_a_worker_record_without_the_internal_token_gets_no_request(stack):
+    """Whoever can write to Redis but lacks the internal token cannot pose as a worker: records
+    not signed with it (no key, another key, a real worker's signatures on another record) all
+    point at a stand-in server that would be every gateway's first pick (the most free pages),
+    yet it is never called, so it sees no prompt and no internal token; the gateway lists none
+    of them, counts them in a metric, logs each, and serves on the real workers."""
+    stand_in = StandInWorker(stack["tokens"]["internal"])
+    redis_client = stack["redis"].client()
+    unsigned = RedisState(redis_client)
+    admin = stack["clients"]["admin"]
+    real_id = next(w.worker_id for w in admin.server_info().workers if w.address == stack["decode"])
+    real = next(w for w in unsigned.workers() if w["worker_id"] == real_id)
+    # Colocated (no KV to move: no route to weigh) on the real workers' host, with the most free pages.
+    stats = {**real["stats"], "kv_blocks_total": 10**6, "kv_blocks_free": 10**6}
+    fakes = {"fake-unsigned": unsigned, "fake-other-key": RedisState(redis_client, registry_key=b"k" * 32)}
+    try:
+        for worker_id, writer in fakes.items():
+            writer.register_worker(worker_id, "both", stand_in.address, real["transports"], stats, ttl_s=600)
+        # Raw writes: the real decode worker's record, signatures and all, under another id and address.
+        record = {**redis_client.hgetall(unsigned.worker_key(real_id)), b"address": stand_in.address.encode(),
+                  b"role": b"both", b"stats": json.dumps(stats).encode()}
+        redis_client.hset(unsigned.worker_key("fake-copied"), mapping=record)
+        redis_client.set(unsigned.alive_key("fake-copied"), "1", px=600_000)
+        redis_client.sadd(unsigned.workers_key, "fake-copied")
+        fake_ids = {*fakes, "fake-copied"}
+
+        def gateway_saw_them() -> bool:
+            listed = {w.worker_id for w in admin.server_info().workers}
+            logged = stack["gateway_log"].read_text()
+            return bool(listed & fake_ids) or all(f"ignoring worker '{w}'" in logged for w in fake_ids)
+        wait_until(gateway_saw_them, 30, "the gateway to read the forged records")
+        results = []
+        for i in range(3):
+            try:
+                results.append(stack["clients"]["a"].complete([3, 4, 5 + i], max_tokens=2, ignore_eos=True,
+                                                              timeout=60)[1].finish_reason)
+            except grpc.RpcError as e:
+                results.append(e.code())
+        assert stand_in.calls == [], f"a forged worker was called (method, with the internal token): {stand_in.calls}"
+        assert results == ["length"] * 3
+        assert not {w.worker_id for w in admin.server_info().workers} & fake_ids
+        gateway_metrics = next(w.metrics_address for w in admin.server_info().workers if w.role == "gateway")
+        assert scrape(gateway_metrics)["splitserve:untrusted_workers"] == len(fake_ids)
+    finally:
+        for worker_id in (*fakes, "fake-copied"):
+            unsigned.deregister(worker_id)
+        redis_client.close()
+        stand_in.server.stop(None)
 
 
 def _refused(argv: list[str], env: dict[str, str]) -> subprocess.CompletedProcess:
