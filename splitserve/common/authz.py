@@ -15,6 +15,11 @@ module decides, inside a handler, *who* made it:
 
 What Redis stores as a request's owner is ``token:<first 16 hex digits of sha256(token)>``
 (and/or ``x509:<subject>``), never a token: a leaked Redis dump names owners, it grants nothing.
+
+Request ids are scoped by owner (``scoped_id``): inside the service (Redis, the gateway's jobs,
+the workers, logs and traces) a request is ``<16 hex digits of sha256(owner)>:<the client's id>``,
+so two identities may use the same id at once without meeting, and nobody can take an id
+before its owner does. The anonymous owner of an open gateway keeps the client's id as it is.
 """
 from __future__ import annotations
 
@@ -42,6 +47,22 @@ class Caller:
     def may_touch(self, owner: str | None) -> bool:
         """May this caller read or abort a request owned by ``owner`` (None: a record without one)?"""
         return self.admin or (owner or "") == self.owner
+
+    def addressed(self, request_id: str) -> list[str]:
+        """The internal ids a ``request_id`` this caller names may stand for, to try in order: its
+        own request of that id; for the admin also the id as it is, the full internal id of
+        another identity's request (as logs and traces show it)."""
+        own = scoped_id(self.owner, request_id)
+        return [own, request_id] if self.admin and own != request_id else [own]
+
+
+def scoped_id(owner: str, request_id: str) -> str:
+    """The id a request of ``owner`` is known by inside the service: the client's id after a
+    digest of its owner (fixed length, so no two owners' ids can meet), or the id itself for
+    the anonymous owner ("": no credentials configured, one namespace as before)."""
+    if not owner:
+        return request_id
+    return hashlib.sha256(owner.encode()).hexdigest()[:OWNER_DIGEST_CHARS] + ":" + request_id
 
 
 def token_owner(token: str) -> str:

@@ -1,8 +1,8 @@
 """The ``n`` samples of one request (``sampling.n``), run as sibling jobs that share the prompt's KV.
 
 Sample 0 is the request as admitted. Samples 1..n-1 are jobs of their own (ids ``<id>/1`` ...,
-each with its own Redis record, retries and stop strings; with a seed, sample i samples with
-seed + i, as vLLM does), admitted once sample 0's decode worker has streamed to it (or sample 0
+built on the request's scoped id, so no other identity can hold them first; each with its own
+Redis record, retries and stop strings; with a seed, sample i samples with seed + i, as vLLM does), admitted once sample 0's decode worker has streamed to it (or sample 0
 has ended): by then the prompt's KV sits in the prefix cache of the prefill worker that computed
 it and of the decode worker that holds it. A sibling goes to that decode worker first (``Job.prefer_decode``), which
 serves the prompt's full pages from its cache -- referenced, not copied
@@ -37,10 +37,12 @@ def sample_params(params: SamplingParams, index: int) -> SamplingParams:
 
 
 class SampleGroup:
-    def __init__(self, leader: Job, n: int, admit_sample: Callable[[int, str | None], Awaitable[Job]]):
+    def __init__(self, leader: Job, n: int, admit_sample: Callable[[int, str | None], Awaitable[Job]],
+                 request_id: str | None = None):
         """``admit_sample(i, prefer_decode)`` admits sample i (1..n-1), to be placed on the decode
-        worker ``prefer_decode`` first, and returns its job."""
-        self.request_id = leader.request_id
+        worker ``prefer_decode`` first, and returns its job; ``request_id``: the id the client
+        knows the request by (default the leader's: ``splitserve.common.authz.scoped_id``)."""
+        self.request_id = request_id or leader.request_id
         self.n = n
         self.jobs: list[Job | None] = [leader] + [None] * (n - 1)
         self._admit_sample = admit_sample

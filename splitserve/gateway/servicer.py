@@ -8,9 +8,12 @@ come: ``splitserve/gateway/outbox.py``), then one ``final`` message with the fin
 timeline. A client that goes away, or whose deadline passes, ends its job (``Job.finish``), which
 aborts the request on every worker; one that stops reading is cut (``splitserve/gateway/backpressure.py``).
 
-Who may touch what (``splitserve.common.authz``): a request belongs to the identity that created it;
-``Abort`` and ``GetRequest`` of another identity's request answer as for an unknown id (found
-false, NOT_FOUND), so ids of others cannot be probed; the admin may do both for every request.
+Who may touch what (``splitserve.common.authz``): a request belongs to the identity that created it,
+and its id is scoped by that identity (``scoped_id``: two identities may use one id at once; a
+second request with an id is ``ALREADY_EXISTS`` only for its own identity). Responses carry the
+id as the client gave it; Redis, the workers, logs and traces see the scoped one. ``Abort`` and
+``GetRequest`` name the caller's own requests, so another identity's are as unknown ids (found
+false, NOT_FOUND); the admin may also name any request by its scoped id.
 ``GetServerInfo`` lists worker and metrics addresses to the admin only; ``GetModelInfo`` names
 the model, never a local path.
 """
@@ -37,7 +40,7 @@ from splitserve.gateway.memory import Collector
 from splitserve.state.store import PRIORITY_MAX, PRIORITY_MIN, TERMINAL_STATES
 from splitserve.gateway.samples import MAX_N, SampleGroup, sample_params
 from splitserve.wire import check_sizes, prompt_from_request, resolve_sampling
-from splitserve.common.authz import Authorizer
+from splitserve.common.authz import Authorizer, scoped_id
 from splitserve.common.errors import (AlreadyExists, InvalidArgument, NotFound, PermissionDenied, ResourceExhausted,
                                       Unavailable)
 from splitserve.common.limits import RequestLimits
@@ -157,7 +160,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         if request.priority < 0 and not admin:
             raise PermissionDenied(f"priority {request.priority}: a priority below 0 goes ahead of every default "
                                    "request and needs the admin token (--admin-token); clients may use 0 and above")
-        request_id = request.request_id or uuid.uuid4().hex
+        client_id = request.request_id or uuid.uuid4().hex
+        request_id = scoped_id(owner, client_id)  # what Redis, the jobs and the workers know it by
         request_id_var.set(request_id)
         log.info("admitting %d prompt tokens, priority %d%s", len(token_ids), request.priority,
                  f", {n} samples" if n > 1 else "")
@@ -165,7 +169,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         has_deadline = remaining_s is not None and remaining_s < NO_DEADLINE_S
         deadline = time.monotonic() + remaining_s if has_deadline else None
         admission = _Admission(token_ids, request.priority, time.time(), deadline, owner)
-        leader = await self._admit_job(admission, request_id, params, trace, room=n)
+        leader = await self._admit_job(admission, request_id, params, trace, room=n, shown_id=client_id)
 
         async def admit_sample(index: int, prefer_decode: str | None) -> Job:
             sample_trace = RequestTrace(trace_parent)  # each sample's own request span
@@ -173,26 +177,28 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 if self.draining:
                     raise Unavailable("the gateway is shutting down; send the request to another one")
                 job = await self._admit_job(admission, f"{request_id}/{index}", sample_params(params, index),
-                                            sample_trace, room=0, prefer_decode=prefer_decode)
+                                            sample_trace, room=0, prefer_decode=prefer_decode,
+                                            shown_id=f"{client_id}/{index}")
             except BaseException as exc:
                 sample_trace.refused(exc)
                 raise
             sample_trace.admitted()
             return job
-        group = SampleGroup(leader, n, admit_sample)
+        group = SampleGroup(leader, n, admit_sample, request_id=client_id)
         if n > 1:
             self._groups[request_id] = group  # Abort of the request's id ends every sample
         return group
 
     async def _admit_job(self, admission: "_Admission", request_id: str, params, trace: RequestTrace, room: int,
-                         prefer_decode: str | None = None) -> Job:
-        """One job into the Redis queue; ``room``: the queue places it needs (``state.admit``)."""
+                         prefer_decode: str | None = None, shown_id: str = "") -> Job:
+        """One job into the Redis queue; ``room``: the queue places it needs (``state.admit``);
+        ``request_id``: the scoped id, ``shown_id``: the id as the client named it (its errors say that)."""
         job = self.dispatcher.new_job(request_id, admission.token_ids, params, admission.priority,
                                       admission.arrival_s, deadline=admission.deadline,
                                       text=TextStream(self.tokenizer, admission.token_ids, params.stop),
                                       owner=admission.owner)
         if job is None:  # this gateway runs it (its record may not even be in Redis yet)
-            raise AlreadyExists(_duplicate_message(request_id, "running", self.state.id_reuse_after_s))
+            raise AlreadyExists(_duplicate_message(shown_id, "running", self.state.id_reuse_after_s))
         job.prefer_decode = prefer_decode
         job.trace = trace
         trace.identify(request_id, len(admission.token_ids), admission.priority)
@@ -206,7 +212,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         if not result.admitted:
             self.dispatcher.forget(job)
             if result.status == "duplicate":
-                raise AlreadyExists(_duplicate_message(request_id, result.state, self.state.id_reuse_after_s))
+                raise AlreadyExists(_duplicate_message(shown_id, result.state, self.state.id_reuse_after_s))
             raise ResourceExhausted(f"queue full ({result.detail} requests unfinished); retry later",
                                     retry_after_s=RETRY_AFTER_S)
         self.dispatcher.admitted(job)
@@ -347,18 +353,27 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     async def Abort(self, request, context):
         caller = self.authorizer.caller(context)
-        job = self.dispatcher.jobs.get(request.request_id)
-        found = job is not None and caller.may_touch(job.owner) and self.dispatcher.cancel(request.request_id)
-        group = self._groups.get(request.request_id)
+        for request_id in caller.addressed(request.request_id):
+            if await self._abort(caller, request_id):
+                return generation_pb2.AbortResponse(found=True)
+        return generation_pb2.AbortResponse(found=False)
+
+    async def _abort(self, caller, request_id: str) -> bool:
+        job = self.dispatcher.jobs.get(request_id)
+        found = job is not None and caller.may_touch(job.owner) and self.dispatcher.cancel(request_id)
+        group = self._groups.get(request_id)
         if group is not None and caller.may_touch(group.leader.owner):
             found = group.finish(cancelled("aborted")) or found  # its samples, the first one ended or not
         owner = None if caller.admin else caller.owner  # checked in the same atomic step as the cancel
-        found = await self.ledger.now(self.state.cancel_pending(request.request_id, owner=owner)) or found
-        return generation_pb2.AbortResponse(found=found)
+        return await self.ledger.now(self.state.cancel_pending(request_id, owner=owner)) or found
 
     async def GetRequest(self, request, context):
         caller = self.authorizer.caller(context)
-        info = await self.ledger.now(self.state.get(request.request_id))
+        info = None
+        for request_id in caller.addressed(request.request_id):
+            info = await self.ledger.now(self.state.get(request_id))
+            if info is not None and caller.may_touch(info.get("owner")):
+                break
         if info is None or not caller.may_touch(info.get("owner")):
             raise NotFound(f"no request {request.request_id!r} (finished requests are kept for a while, then expire)")
         timeline = info.get("timeline")

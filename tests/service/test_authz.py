@@ -3,7 +3,9 @@
 One stack: Redis, a decode and a prefill worker that require the internal token, and a gateway
 with two client identities (``--auth-token`` A, B from ``--token-file``), an admin token and the
 internal token. Checked: a request belongs to the token that created it (B can neither read nor
-abort A's, the admin can do both); worker and metrics addresses only for the admin; no local
+abort A's, the admin can do both, by A's scoped id); request ids are scoped by token (A and B run
+requests of one id at once, each aborts only its own, neither can take the other's sample ids,
+over gRPC and HTTP); worker and metrics addresses only for the admin; no local
 path in ModelInfo; a worker port refuses every credential but the internal token (a direct
 Reserve takes no page) while the gateway keeps serving; a worker record in Redis that is not
 signed with the internal token gets no request; configurations that would leave the workers open
@@ -24,6 +26,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from splitserve.client import Client
+from splitserve.common.authz import scoped_id, token_owner
 from splitserve.common.processes import free_port
 from splitserve.common.security import Security
 from splitserve.state.store import RedisState
@@ -94,20 +97,25 @@ def get_request(client: Client, request_id: str) -> generation_pb2.RequestInfo:
     return client.stub.GetRequest(generation_pb2.GetRequestRequest(request_id=request_id), timeout=RPC_TIMEOUT_S)
 
 
+LONG_PROMPT = [5, 6, 7, 8, 9, 10, 11, 12]
+
+
 class Stream:
     """A long generation of one client, consumed on a thread; ``error`` is how it ended, if it failed."""
 
-    def __init__(self, client: Client, request_id: str):
+    def __init__(self, client: Client, request_id: str, prompt: list[int] = LONG_PROMPT):
         self.tokens: list[int] = []
+        self.request_ids: set[str] = set()  # as the responses name the request
         self.error: grpc.RpcError | None = None
-        self.thread = threading.Thread(target=self._run, args=(client, request_id), daemon=True)
+        self.thread = threading.Thread(target=self._run, args=(client, request_id, prompt), daemon=True)
         self.thread.start()
 
-    def _run(self, client, request_id):
+    def _run(self, client, request_id, prompt):
         try:
-            for event in client.generate([5, 6, 7, 8, 9, 10, 11, 12], request_id=request_id, max_tokens=LONG_TOKENS,
+            for event in client.generate(prompt, request_id=request_id, max_tokens=LONG_TOKENS,
                                          ignore_eos=True, temperature=0.0, timeout=120):
                 self.tokens += event.token_ids
+                self.request_ids.add(event.request_id)
         except grpc.RpcError as e:
             self.error = e
 
@@ -129,9 +137,13 @@ def test_a_request_belongs_to_the_token_that_created_it(stack):
     assert b.abort(rid) is False
     assert get_request(a, rid).state not in ("aborted", "finished")
     assert stream.thread.is_alive() and stream.error is None
-    # The admin reads it and aborts it; A's stream ends as aborted.
-    assert get_request(admin, rid).request_id == rid
-    assert admin.abort(rid) is True
+    # The admin reads it and aborts it, by the id scoped to A (as logs and traces name it); the
+    # bare id names the admin's own requests, of which there is none.
+    scoped = scoped_id(token_owner(stack["tokens"]["a"]), rid)
+    assert rpc_error(lambda: get_request(admin, rid)).code() == grpc.StatusCode.NOT_FOUND
+    assert admin.abort(rid) is False and stream.thread.is_alive()
+    assert get_request(admin, scoped).request_id == scoped
+    assert admin.abort(scoped) is True
     stream.join()
     assert stream.error is not None and stream.error.code() == grpc.StatusCode.CANCELLED
     assert len(stream.tokens) < LONG_TOKENS
@@ -150,6 +162,94 @@ def test_the_owner_may_abort_its_own_request_and_the_other_one_its_own(stack):
     assert b.abort(rid_b) is True
     stream.join()
     assert stream.error is not None and stream.error.code() == grpc.StatusCode.CANCELLED
+
+
+def wait_decode_idle(stack) -> None:
+    """Until the decode worker runs nothing: an aborted stream's worker-side end comes a moment
+    after its client's, and later tests read the worker's free pages."""
+    decode = worker_pb2_grpc.DecodeWorkerStub(Security(token=stack["tokens"]["internal"]).channel(stack["decode"]))
+
+    def idle() -> bool:
+        info = decode.GetWorkerInfo(worker_pb2.WorkerInfoRequest(), timeout=RPC_TIMEOUT_S)
+        return info.num_running == 0 and info.num_waiting == 0
+    wait_until(idle, 30, "the decode worker to finish with the aborted requests")
+
+
+def test_two_identities_may_use_one_request_id_at_once(stack, llama_reference):
+    """Request ids are scoped by identity: B's request with the id A's running request has
+    is admitted and runs beside it, each with its own tokens and its own id in its responses;
+    the same identity reusing its live id is ALREADY_EXISTS; reads and aborts by the id reach the
+    caller's own request only."""
+    a, b = stack["clients"]["a"], stack["clients"]["b"]
+    rid = f"shared-{secrets.token_hex(4)}"
+    prompt_b = [7, 6, 5, 4, 3, 2, 1, 9]
+    stream_a = Stream(a, rid)
+    wait_until(lambda: stream_a.tokens, 60, "A's request to stream")
+    stream_b = Stream(b, rid, prompt=prompt_b)
+    wait_until(lambda: stream_b.tokens or stream_b.error, 60, "B's request with A's id to stream")
+    assert stream_b.error is None
+    for client in (a, b):  # each identity's own id is taken while its request runs
+        err = rpc_error(lambda: list(client.generate([3, 4], request_id=rid, max_tokens=1, timeout=30)))
+        assert err.code() == grpc.StatusCode.ALREADY_EXISTS and "still running" in err.details()
+    assert get_request(a, rid).request_id == rid and get_request(b, rid).request_id == rid
+    # B aborts its request of that id: A's runs on.
+    assert b.abort(rid) is True
+    stream_b.join()
+    assert stream_b.error is not None and stream_b.error.code() == grpc.StatusCode.CANCELLED
+    wait_until(lambda: get_request(b, rid).state == "aborted", 10, "B's abort to be recorded")
+    assert get_request(a, rid).state not in ("aborted", "finished")
+    assert stream_a.thread.is_alive() and stream_a.error is None
+    assert a.abort(rid) is True
+    stream_a.join()
+    assert stream_a.request_ids == stream_b.request_ids == {rid}
+    # Each got the tokens of its own prompt (greedy: transformers' output, cut where it was aborted).
+    assert stream_a.tokens == llama_reference.greedy(LONG_PROMPT, LONG_TOKENS)[:len(stream_a.tokens)]
+    assert stream_b.tokens == llama_reference.greedy(prompt_b, LONG_TOKENS)[:len(stream_b.tokens)]
+    assert stream_a.tokens and stream_b.tokens
+    wait_decode_idle(stack)
+
+
+def test_no_identity_can_take_the_sample_ids_of_anothers_request(stack, llama_reference):
+    """The samples of an n = 2 request are ``<id>/1``...: B running a request named ``<id>/1``
+    first does not keep A's n = 2 request ``<id>`` from running both its samples."""
+    a, b = stack["clients"]["a"], stack["clients"]["b"]
+    rid = f"squat-{secrets.token_hex(4)}"
+    squatter = Stream(b, f"{rid}/1")
+    wait_until(lambda: squatter.tokens or squatter.error, 60, "B's request to stream")
+    prompt = [3, 4, 5, 6]
+    samples: dict[int, list[int]] = {}
+    finals = {}
+    for event in a.generate(prompt, request_id=rid, n=2, max_tokens=4, ignore_eos=True, temperature=0.0,
+                            timeout=60):
+        assert event.request_id == rid
+        samples.setdefault(event.index, []).extend(event.token_ids)
+        if event.finished:
+            finals[event.index] = event.finish_reason
+    assert finals == {0: "length", 1: "length"}
+    assert samples == {0: llama_reference.greedy(prompt, 4), 1: llama_reference.greedy(prompt, 4)}
+    assert get_request(a, f"{rid}/1").state == "finished"
+    assert squatter.thread.is_alive() and squatter.error is None and b.abort(f"{rid}/1") is True
+    squatter.join()
+    wait_decode_idle(stack)
+
+
+def test_http_request_ids_are_scoped_by_identity_too(stack):
+    """Over the OpenAI API a client chooses ``request_id`` as well: B may use the id A's request
+    just ended with (an id is held a while after its end: ``ALREADY_EXISTS``, HTTP 409, for A)."""
+    tokens = stack["tokens"]
+
+    def post(token: str, request_id: str) -> httpx.Response:
+        return httpx.post(stack["http"] + "/v1/completions", timeout=60, headers={"Authorization": f"Bearer {token}"},
+                          json={"prompt": [3, 4, 5], "max_tokens": 2, "ignore_eos": True, "temperature": 0,
+                                "request_id": request_id})
+    rid = f"http-shared-{secrets.token_hex(4)}"
+    first = post(tokens["a"], rid)
+    assert first.status_code == 200 and first.json()["id"] == f"cmpl-{rid}"
+    again = post(tokens["a"], rid)
+    assert again.status_code == 409 and "ended moments ago" in again.json()["error"]["message"]
+    other = post(tokens["b"], rid)
+    assert other.status_code == 200, other.text
+    assert other.json()["id"] == f"cmpl-{rid}" and other.json()["choices"] == first.json()["choices"]
 
 
 def test_server_info_lists_addresses_to_the_admin_only(stack):
@@ -189,7 +289,7 @@ def test_http_requests_belong_to_their_token_too(stack):
     assert post(tokens["b"], rid).status_code == 200
     assert get_request(stack["clients"]["b"], rid).state == "finished"
     assert rpc_error(lambda: get_request(stack["clients"]["a"], rid)).code() == grpc.StatusCode.NOT_FOUND
-    assert get_request(stack["clients"]["admin"], rid).request_id == rid
+    assert get_request(stack["clients"]["admin"], scoped_id(token_owner(tokens["b"]), rid)).state == "finished"
     assert post(tokens["internal"], "http-internal").status_code == 401
     assert post("", "http-none").status_code == 401
     models = httpx.get(http + "/v1/models", timeout=10, headers={"Authorization": f"Bearer {tokens['admin']}"})
