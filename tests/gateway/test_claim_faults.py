@@ -18,9 +18,6 @@ import shutil
 import time
 
 import redis
-from grpc_health.v1 import health, health_pb2_grpc
-
-import grpc
 
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.gateway.dispatch import Dispatcher
@@ -29,6 +26,7 @@ from splitserve.gateway.workers import WorkerDirectory
 from splitserve.state.store import RedisState, make_async_client
 from splitserve.v1 import worker_pb2, worker_pb2_grpc
 from tests.harness.redis_server import RedisServer
+from tests.harness.stand_ins import serve_decode_worker
 
 TOKENS = 40
 TOKEN_GAP_S = 0.1
@@ -53,15 +51,6 @@ class StreamingWorker(worker_pb2_grpc.DecodeWorkerServicer):
         return worker_pb2.WorkerAbortResponse()
 
 
-async def serve(servicer) -> tuple[grpc.aio.Server, str]:
-    server = grpc.aio.server()
-    worker_pb2_grpc.add_DecodeWorkerServicer_to_server(servicer, server)
-    health_pb2_grpc.add_HealthServicer_to_server(health.aio.HealthServicer(), server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    return server, f"127.0.0.1:{port}"
-
-
 async def outcome_of(job, timeout_s: float) -> tuple[list[int], Finished]:
     tokens = []
     async with asyncio.timeout(timeout_s):
@@ -77,7 +66,7 @@ def test_a_claim_whose_reply_is_lost_is_adopted():
     async def main(url):
         state = RedisState(make_async_client(url))
         worker = StreamingWorker()
-        server, address = await serve(worker)
+        server, address = await serve_decode_worker(worker)
         await state.register_worker("w", "both", address, [], {}, ttl_s=60)
         real_claim, lost = state.claim_many, []
 
@@ -118,7 +107,7 @@ def test_a_redis_rolled_back_under_a_running_request_does_not_start_it_twice(tmp
     async def main():
         state = RedisState(make_async_client(redis_server.url))
         worker = StreamingWorker()
-        server, address = await serve(worker)
+        server, address = await serve_decode_worker(worker)
         await state.register_worker("w", "both", address, [], {}, ttl_s=600)
         await state.gateway_beat("g1", 600)
         dispatcher = Dispatcher(state, WorkerDirectory(state), "g1")

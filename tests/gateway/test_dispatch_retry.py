@@ -11,7 +11,6 @@ import asyncio
 import time
 
 import grpc
-from grpc_health.v1 import health, health_pb2_grpc
 
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.gateway import dispatch
@@ -20,6 +19,7 @@ from splitserve.gateway.job import Finished, JobState
 from splitserve.state.store import RedisState, make_async_client
 from splitserve.gateway.workers import WorkerDirectory
 from tests.harness.redis_server import RedisServer
+from tests.harness.stand_ins import serve_decode_worker
 from splitserve.v1 import worker_pb2, worker_pb2_grpc
 
 
@@ -38,23 +38,14 @@ class StandInDecodeWorker(worker_pb2_grpc.DecodeWorkerServicer):
         return worker_pb2.WorkerAbortResponse()
 
 
-async def serve(servicer) -> tuple[grpc.aio.Server, str]:
-    server = grpc.aio.server()
-    worker_pb2_grpc.add_DecodeWorkerServicer_to_server(servicer, server)
-    health_pb2_grpc.add_HealthServicer_to_server(health.aio.HealthServicer(), server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    return server, f"127.0.0.1:{port}"
-
-
 def test_a_retry_in_its_backoff_is_not_cancelled_by_the_watchdogs_verdict_on_the_dead_worker(monkeypatch):
     monkeypatch.setattr(dispatch, "RETRY_BACKOFF_S", 1.0)  # room for the watchdog's round in the backoff
 
     async def main(url):
         state = RedisState(make_async_client(url))
         failing, good = StandInDecodeWorker(fail=True), StandInDecodeWorker(fail=False)
-        failing_server, failing_address = await serve(failing)
-        good_server, good_address = await serve(good)
+        failing_server, failing_address = await serve_decode_worker(failing)
+        good_server, good_address = await serve_decode_worker(good)
         await state.register_worker("failing", "both", failing_address, [], {}, ttl_s=30)
         retried = asyncio.Event()
 
