@@ -186,3 +186,17 @@ def test_compiled_engines_of_different_models_share_a_process(tiny_model_dirs, m
     for seed, (arch, llm) in enumerate([*llms.items(), *llms.items()]):
         prompts = mixed_prompts(3, seed=60 + seed)
         assert_matches(llm.generate(prompts, GREEDY), prompts, hf_reference(tiny_model_dirs[arch]))
+
+
+def test_compiled_engines_of_more_models_than_dynamos_recompile_limit(tiny_model_dirs, make_llm, hf_reference):
+    """dynamo counts recompiles per code object: with one forward code object for every engine, the
+    engine of a ninth model in a process (a notebook, a test run, ``tune``) failed with
+    FailOnRecompileLimitHit. Here the limit is 1 and engines of three models are built, each exact;
+    a second engine of a model reuses the first one's graph."""
+    import torch
+    with torch._dynamo.config.patch(recompile_limit=1):
+        for seed, arch in enumerate(("llama", "qwen2", "mistral", "llama")):
+            llm = make_llm(tiny_model_dirs[arch], num_gpu_blocks=64, enforce_eager=False)
+            prompts = mixed_prompts(2, seed=80 + seed)
+            assert_matches(llm.generate(prompts, GREEDY), prompts, hf_reference(tiny_model_dirs[arch]))
+    assert llm.engine.runner.forward.warmup_s < 0.5  # the llama graph again, not a compile

@@ -23,6 +23,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import types
 
 import torch
 
@@ -60,7 +61,7 @@ class CompiledForward:
     def __init__(self, model: torch.nn.Module, device: torch.device):
         self.eager = EagerForward(model)
         self.device = device
-        self._compiled = torch.compile(self.eager.__call__, fullgraph=True, dynamic=False)
+        self._compiled = torch.compile(_forward_for(self.eager), fullgraph=True, dynamic=False)
         self.warmup_s = 0.0
         self.skip_guards = False  # set by warm_up
 
@@ -87,6 +88,25 @@ class CompiledForward:
 
     def describe(self) -> str:
         return f"compiled ({self.warmup_s:.1f} s)"
+
+
+# One copy of the forward's code object per model (its class, config, dtype and device). dynamo
+# keeps its compiled graphs, and counts recompiles, per code object: with one shared by every
+# engine, each engine of another model in a process (a notebook, a test run, ``tune``) was a
+# recompile of the same code, and the ninth failed on dynamo's recompile limit. Engines of one
+# model still share a code object, and so the graph compiled for the first of them.
+_FORWARD_CODES: dict[tuple, types.CodeType] = {}
+
+
+def _forward_for(eager: EagerForward) -> types.MethodType:
+    """``eager.__call__``, with the code object of ``eager``'s model (see _FORWARD_CODES)."""
+    model = eager.model
+    param = next(model.parameters(), None)
+    key = (type(model).__qualname__, model.config.to_json_string(use_diff=False),
+           None if param is None else (param.dtype, param.device))
+    fn = EagerForward.__call__
+    code = _FORWARD_CODES.setdefault(key, fn.__code__.replace())
+    return types.MethodType(types.FunctionType(code, fn.__globals__, fn.__name__), eager)
 
 
 def build_forward(model: torch.nn.Module, config: EngineConfig, device: torch.device):
