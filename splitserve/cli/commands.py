@@ -71,12 +71,22 @@ def _command(name: str, help: str, params: list[click.Option], run: Callable[[ar
 # gateway never load torch, and each process loads only its own role.
 def _serve_decode(args) -> int:
     from splitserve.worker.decode.server import serve
-    return serve(args)
+    return _refusing_unsupported_models(serve, args)
 
 
 def _serve_prefill(args) -> int:
     from splitserve.worker.prefill.server import serve
-    return serve(args)
+    return _refusing_unsupported_models(serve, args)
+
+
+def _refusing_unsupported_models(serve, args) -> int:
+    """A model the engine cannot serve exactly is the user's to change: one line that says why,
+    exit 1, no traceback."""
+    from splitserve.engine.model_registry import UnsupportedModel
+    try:
+        return serve(args)
+    except UnsupportedModel as e:
+        raise click.ClickException(str(e)) from None
 
 
 def _serve_gateway(args) -> int:

@@ -62,10 +62,10 @@ def profile_step_bytes(runner) -> int:
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
     with step_context(StepContext(runner.backend, layout, runner.backend.prepare(layout), caches)):
-        hidden = runner.model.model(input_ids=torch.zeros(1, tokens, dtype=torch.int64, device=device),
-                                    position_ids=torch.arange(tokens, device=device)[None],
-                                    use_cache=False).last_hidden_state[0]
-    runner.model.lm_head(hidden[:config.max_num_seqs]).float().softmax(-1)
+        hidden = runner.decoder(input_ids=torch.zeros(1, tokens, dtype=torch.int64, device=device),
+                                position_ids=torch.arange(tokens, device=device)[None],
+                                use_cache=False).last_hidden_state[0]
+    runner.head(hidden[:config.max_num_seqs]).float().softmax(-1)
     torch.cuda.synchronize(device)
     peak = torch.cuda.max_memory_reserved(device)
     del scratch, caches, hidden

@@ -152,7 +152,8 @@ def load_model(
 ) -> torch.nn.Module:
     """Load a causal LM for inference: eval mode, no gradients, in ``dtype`` on ``device``.
 
-    Any architecture ``AutoModelForCausalLM`` knows (Llama, Qwen2, Mistral, ...) works.
+    Loads whatever ``AutoModelForCausalLM`` knows; what the engine serves exactly is
+    ``model_registry``'s to say (the runner checks it first).
     """
     from transformers import AutoModelForCausalLM
 

@@ -27,7 +27,8 @@ from splitserve.engine.kv_connector import KVConnector
 from splitserve.engine.kv_sizes import kv_bytes_per_token, pages_for_budget, pages_for_tokens
 from splitserve.engine.cuda_graphs import DecodeGraphs, capture_sizes
 from splitserve.engine.cpu_linear import pack_linear_layers, resolve_linear_backend
-from splitserve.engine.model_loader import load_model
+from splitserve.engine.model_loader import load_config, load_model
+from splitserve.engine.model_registry import check_supported, final_logits
 from splitserve.engine.sampler import Sampler, SamplingRow
 from splitserve.engine.scheduler import SampledToken, ScheduledChunk, SchedulerOutput
 from splitserve.engine.rejection_sampler import verify
@@ -99,15 +100,21 @@ class ModelRunner:
         self.tp_comm = tp_comm
         # The KV handoff's worker side on rank 0, while one is attached (``attach_kv_connector``).
         self.kv_connector: KVConnector | None = None
+        hf = load_config(model_dir)
+        self.max_model_len = max_model_len or config.max_model_len or getattr(hf, "max_position_embeddings", 2048)
+        check_supported(hf, self.max_model_len)  # before any weight loads
         if self.tp_size > 1:
             self.model = self._load_shard(model_dir)
         else:
             self.model = load_model(model_dir, self.dtype, self.device, attn_implementation=ATTN_IMPLEMENTATION)
+        # The decoder stack and the output projection, whatever the architecture calls them
+        # (``model``/``lm_head`` in most, ``gpt_neox``/``embed_out`` in GPT-NeoX), and what its
+        # head does to the logits after the projection.
+        self.decoder, self.lm_head = self.model.base_model, self.model.get_output_embeddings()
+        self.final_logits = final_logits(hf)
         self.linear_backend = resolve_linear_backend(config.linear_backend, self.device, self.dtype)
         if self.linear_backend == "onednn":
             pack_linear_layers(self.model)
-        hf = self.model.config
-        self.max_model_len = max_model_len or config.max_model_len or getattr(hf, "max_position_embeddings", 2048)
         self.num_layers = hf.num_hidden_layers
         self.num_kv_heads = (getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads) // self.tp_size
         self.head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
@@ -148,7 +155,7 @@ class ModelRunner:
             else config.max_num_seqs
         self.inputs = InputBuffers(max_tokens, min(max_rows, max_tokens), pages_for_tokens(self.max_model_len, self.block_size),
                                    self.block_size, self.device)
-        self.forward = build_forward(self.model.model, config, self.device)
+        self.forward = build_forward(self.decoder, config, self.device)
         if hasattr(self.forward, "warm_up"):
             self.forward.warm_up(self._dummy_forward)
         self.graphs: DecodeGraphs | None = None
@@ -272,7 +279,12 @@ class ModelRunner:
             kv.followers_failed(failures)
         if not step.sample_chunks:
             return hidden[:0], []
-        return self.model.lm_head(hidden[step.sample_index]), step.sample_chunks
+        return self.head(hidden[step.sample_index]), step.sample_chunks
+
+    def head(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits of ``hidden`` rows, as the model's own head computes them."""
+        logits = self.lm_head(hidden)
+        return logits if self.final_logits is None else self.final_logits(logits)
 
     def _forward(self, layout: StepLayout, input_ids: torch.Tensor, positions: torch.Tensor,
                  on_layer: Callable[[int], None] | None) -> torch.Tensor:
