@@ -74,3 +74,11 @@ def test_api_page_names_every_rpc_and_message_of_the_public_service(site):
     messages = [m.full_name for m in generation_pb2.DESCRIPTOR.message_types_by_name.values()]
     missing = [m for m in messages if m.lower().replace(".", "-") not in ids]
     assert not missing, f"messages missing from the API page: {missing}"
+
+
+def test_models_page_lists_every_served_and_refused_architecture(site):
+    from splitserve.engine.model_registry import REFUSED, SUPPORTED
+
+    text = page(site, "models")
+    missing = [name for name in [*SUPPORTED, *REFUSED] if f"<code>{name}</code>" not in text]
+    assert not missing, f"architectures missing from the models page: {missing}"

@@ -1,0 +1,56 @@
+"""The tables of docs/models.md, generated from the engine's registry when the site is built
+(mkdocs-gen-files): every architecture the engine serves (``SUPPORTED``), each tested against
+``transformers`` by ``tests/test_model_families.py``, and the ones it refuses with why
+(``REFUSED``). The result replaces the marker line, so the page cannot drift from the registry:
+change ``splitserve/engine/model_registry.py``.
+
+    python docs/gen/models_table.py      # prints the generated Markdown
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+sys.path[:0] = [str(HERE), str(ROOT)]
+
+from markdown_text import one_line  # noqa: E402
+
+PAGE = "models.md"
+MARKER = "<!-- generated: models -->"
+
+
+def render() -> str:
+    from splitserve.engine.model_registry import REFUSED, SUPPORTED
+
+    out = ["<!-- Generated from splitserve/engine/model_registry.py by docs/gen/models_table.py when the site "
+           "is built. -->", "",
+           "### Served", "",
+           "| architecture | family | an example checkpoint | beyond a Llama-style decoder | tested on |",
+           "|---|---|---|---|---|"]
+    for name, arch in sorted(SUPPORTED.items(), key=lambda item: item[1].family.lower()):
+        out.append(f"| `{name}` | {one_line(arch.family)} | `{arch.example}` | {one_line(arch.features) or '—'} | "
+                   "CPU (fp32, tiny random model) |")
+    out += ["", "### Refused, with the reason given", "",
+            "| architecture | what it needs that the engine does not implement |", "|---|---|"]
+    for name, reason in sorted(REFUSED.items()):
+        out.append(f"| `{name}` | {one_line(reason)} |")
+    return "\n".join(out)
+
+
+def main() -> None:
+    import mkdocs_gen_files
+    with mkdocs_gen_files.open(PAGE, "r+") as page:
+        text = page.read()
+        if MARKER not in text:
+            raise SystemExit(f"docs/{PAGE} has no line {MARKER!r} to put the models tables at")
+        page.seek(0)
+        page.write(text.replace(MARKER, render()))
+        page.truncate()
+
+
+if __name__ == "__main__":
+    print(render())
+else:  # run by mkdocs-gen-files
+    main()
