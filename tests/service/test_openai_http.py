@@ -21,6 +21,7 @@ from splitserve.engine.model_loader import DEFAULT_MODEL, load_tokenizer, resolv
 from splitserve.common.processes import free_port
 from tests.harness.redis_server import RedisServer
 from tests.harness.stack import start_process, wait_pages_at_baseline
+from tests.harness.streams import wait_until
 from splitserve.v1 import generation_pb2
 
 pytestmark = pytest.mark.slow
@@ -228,14 +229,18 @@ def test_a_gateway_whose_http_port_is_taken_exits_at_once_saying_so(stack, tmp_p
 def test_token_and_queue_limit_on_a_second_gateway(stack, tmp_path):
     """401 without the bearer token (health stays open); 429 with Retry-After once the queue is full."""
     port = free_port()
+    # A gateway with a client token needs an internal one too, and routes only to workers whose
+    # registry records that token signed: the stack's workers, started without, are not among
+    # them. One colocated worker with the token serves it.
+    internal = {"SPLITSERVE_INTERNAL_TOKEN": TOKEN + "-internal"}
+    decode = next(name for name, role in stack.roles.items() if role == "decode")
+    worker, _ = start_process([*stack.argv[decode], "--role", "both", "--worker-id", f"both-token-{port}",
+                               "--enforce-eager"], tmp_path / "worker-token.log", env=internal)
     gateway, _ = start_process([*stack.argv["gateway"], "--http-port", str(port), "--queue-limit", "1"],
-                               tmp_path / "gateway-token.log",
-                               # A gateway with a client token needs an internal one too (the stack's
-                               # workers, started without, accept it like any other call).
-                               env={"SPLITSERVE_AUTH_TOKEN": TOKEN, "SPLITSERVE_INTERNAL_TOKEN": TOKEN + "-internal"})
+                               tmp_path / "gateway-token.log", env={"SPLITSERVE_AUTH_TOKEN": TOKEN, **internal})
     base = f"http://127.0.0.1:{port}"
     try:
-        assert httpx.get(base + "/health").status_code == 200
+        wait_until(lambda: httpx.get(base + "/health").status_code == 200, 30, "the token gateway to be ready")
         with openai.OpenAI(base_url=base + "/v1", api_key="wrong", max_retries=0) as wrong:
             with pytest.raises(openai.AuthenticationError):
                 wrong.models.list()
@@ -252,6 +257,8 @@ def test_token_and_queue_limit_on_a_second_gateway(stack, tmp_path):
     finally:
         gateway.terminate()
         gateway.wait(30)
+        worker.terminate()
+        worker.wait(60)
 
 
 # ---- disconnects -----------------------------------------------------------------------

@@ -304,7 +304,9 @@ def test_a_request_belongs_to_the_token_and_the_certificate_together(secure_stac
         assert err.code() == grpc.StatusCode.NOT_FOUND
         assert other.abort(rid) is False
     # Redis names the owner by a digest of the token and the certificate's subject; never the token.
-    owner = secure_stack["redis"].client().hget(f"{{ss}}:req:{rid}", "owner")
+    # (Its record is under the id scoped by that owner: <digest of the owner>:<the client's id>.)
+    [key] = secure_stack["redis"].client().keys(f"{{ss}}:req:*:{rid}")
+    owner = secure_stack["redis"].client().hget(key, "owner")
     assert owner.startswith("token:") and "CN=client" in owner and secure_stack["token"] not in owner, owner
 
 
