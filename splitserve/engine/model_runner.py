@@ -107,14 +107,15 @@ class ModelRunner:
             self.model = self._load_shard(model_dir)
         else:
             self.model = load_model(model_dir, self.dtype, self.device, attn_implementation=ATTN_IMPLEMENTATION)
-        # The decoder stack and the output projection, whatever the architecture calls them
-        # (``model``/``lm_head`` in most, ``gpt_neox``/``embed_out`` in GPT-NeoX), and what its
-        # head does to the logits after the projection.
-        self.decoder, self.lm_head = self.model.base_model, self.model.get_output_embeddings()
-        self.final_logits = final_logits(hf)
         self.linear_backend = resolve_linear_backend(config.linear_backend, self.device, self.dtype)
         if self.linear_backend == "onednn":
             pack_linear_layers(self.model)
+        # The decoder stack and the output projection, whatever the architecture calls them
+        # (``model``/``lm_head`` in most, ``gpt_neox``/``embed_out`` in GPT-NeoX), and what its
+        # head does to the logits after the projection. Taken after the packing above, which
+        # replaces the projection with its packed form.
+        self.decoder, self.lm_head = self.model.base_model, self.model.get_output_embeddings()
+        self.final_logits = final_logits(hf)
         self.num_layers = hf.num_hidden_layers
         self.num_kv_heads = (getattr(hf, "num_key_value_heads", None) or hf.num_attention_heads) // self.tp_size
         self.head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
