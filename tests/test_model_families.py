@@ -137,3 +137,22 @@ def test_a_worker_refuses_an_unsupported_model_in_one_line(tmp_path):
                             env=env, cwd=root)
     assert result.returncode == 1, result.stderr
     assert "Error: Gemma2ForCausalLM is not supported" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_dummy_weights_from_a_config_alone(family_dirs, tmp_path, make_llm):
+    """``load_format="dummy"`` (``--load-format dummy``): a checkpoint directory with no weights is
+    served with random ones built from its config, for measuring a model's shapes without it."""
+    import shutil
+
+    from splitserve.engine.config import EngineConfig
+    path = tmp_path / "no-weights"
+    shutil.copytree(family_dirs("LlamaForCausalLM"), path)
+    for weights in path.glob("*.safetensors"):
+        weights.unlink()
+    with pytest.raises(OSError):
+        make_llm(path, num_gpu_blocks=16)  # the checkpoint's weights: there are none
+    llm = make_llm(path, num_gpu_blocks=16, load_format="dummy")
+    [out] = llm.generate([[1, 2, 3]], GREEDY)
+    assert len(out.token_ids) == MAX_TOKENS
+    with pytest.raises(ValueError, match="load_format"):
+        EngineConfig(model="m", load_format="pt")

@@ -14,6 +14,7 @@ KV_SCALE_BYTES = 4
 ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")
 # Linear layers: "onednn" (prepacked weights, fp32 on CPU; splitserve/engine/cpu_linear.py) or "torch".
 LINEAR_BACKENDS = ("auto", "onednn", "torch")
+LOAD_FORMATS = ("auto", "dummy")
 # Speculative decoding (splitserve/engine/spec_decode): prompt lookup, or a small draft model.
 SPECULATIVE_METHODS = ("ngram", "draft")
 
@@ -77,6 +78,9 @@ class EngineConfig:
     linear_backend: str = "auto"
     # Run the model op by op instead of as one compiled graph (vLLM's escape hatch of the same name).
     enforce_eager: bool = False
+    # Weights: auto, the checkpoint's; dummy, random ones built from config.json alone (vLLM's
+    # name), to measure or check a model's shapes without its checkpoint (tokens are meaningless).
+    load_format: str = "auto"
     # Colocated workers: size each step's share of prompt tokens (the chunked-prefill size) so that
     # steps with decodes take about this many ms while prompts arrive (splitserve/engine/step_budget.py);
     # None: every step may fill max_num_batched_tokens.
@@ -140,6 +144,7 @@ class EngineConfig:
         one_of("kv_cache_dtype", KV_CACHE_DTYPES)
         one_of("attention_backend", ATTENTION_BACKENDS)
         one_of("linear_backend", LINEAR_BACKENDS)
+        one_of("load_format", LOAD_FORMATS)
         self._check_speculative(positive)
         if self.preemption_mode == "swap" and self.num_cpu_blocks == 0:
             raise ValueError("preemption_mode='swap' needs num_cpu_blocks > 0")

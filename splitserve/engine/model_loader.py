@@ -149,21 +149,28 @@ def load_model(
     dtype: torch.dtype,
     device: str | torch.device = "cpu",
     attn_implementation: str = "sdpa",
+    load_format: str = "auto",
 ) -> torch.nn.Module:
     """Load a causal LM for inference: eval mode, no gradients, in ``dtype`` on ``device``.
 
     Loads whatever ``AutoModelForCausalLM`` knows; what the engine serves exactly is
-    ``model_registry``'s to say (the runner checks it first).
+    ``model_registry``'s to say (the runner checks it first). ``load_format="dummy"``: no
+    weights are read, the model is built from ``config.json`` with random ones, on ``device``.
     """
     from transformers import AutoModelForCausalLM
 
     device = torch.device(device)
-    kwargs: dict = {"dtype": dtype, "attn_implementation": attn_implementation, "local_files_only": True}
-    if device.type != "cpu":
-        kwargs["device_map"] = {"": device}  # place weights there directly, no CPU detour
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), **kwargs)
-    if device.type == "cpu":
-        model = model.to(device)
+    if load_format == "dummy":
+        with torch.device(device):
+            model = AutoModelForCausalLM.from_config(load_config(model_dir), dtype=dtype,
+                                                     attn_implementation=attn_implementation)
+    else:
+        kwargs: dict = {"dtype": dtype, "attn_implementation": attn_implementation, "local_files_only": True}
+        if device.type != "cpu":
+            kwargs["device_map"] = {"": device}  # place weights there directly, no CPU detour
+        model = AutoModelForCausalLM.from_pretrained(str(model_dir), **kwargs)
+        if device.type == "cpu":
+            model = model.to(device)
     model.eval()
     model.requires_grad_(False)
     return model

@@ -106,7 +106,8 @@ class ModelRunner:
         if self.tp_size > 1:
             self.model = self._load_shard(model_dir)
         else:
-            self.model = load_model(model_dir, self.dtype, self.device, attn_implementation=ATTN_IMPLEMENTATION)
+            self.model = load_model(model_dir, self.dtype, self.device, attn_implementation=ATTN_IMPLEMENTATION,
+                                    load_format=config.load_format)
         self.linear_backend = resolve_linear_backend(config.linear_backend, self.device, self.dtype)
         if self.linear_backend == "onednn":
             pack_linear_layers(self.model)
@@ -187,7 +188,8 @@ class ModelRunner:
             self.followers = FollowerRanks(self.config, model_dir, self.device, self._all_reduce_bytes(hf),
                                            self.tp_follower)
             self.tp_comm = self.followers.all_reduce
-        model = load_model(model_dir, self.dtype, "cpu", attn_implementation=ATTN_IMPLEMENTATION)
+        model = load_model(model_dir, self.dtype, "cpu", attn_implementation=ATTN_IMPLEMENTATION,
+                           load_format=self.config.load_format)
         self.tp_group_id = register_group(self.tp_comm)
         shard_model(model, self.tp_rank, self.tp_size, self.tp_group_id)
         return model.to(self.device)
