@@ -122,13 +122,13 @@ class Proc:
 class StackOf:
     """Redis, a prefill and a decode worker, and a gateway with its HTTP API, all of ``tree``."""
 
-    def __init__(self, tree: Path, model: str, log_dir: Path):
+    def __init__(self, tree: Path, model: str, log_dir: Path, worker_args: list[str]):
         from tests.harness.redis_server import RedisServer
         self.procs: list[Proc] = []
         self.redis = RedisServer().start()
         try:
             for role in ("prefill", "decode"):
-                self.procs.append(Proc(tree, [role, "--model", model, *WORKER_ARGS, "--redis-url", self.redis.url],
+                self.procs.append(Proc(tree, [role, "--model", model, *worker_args, "--redis-url", self.redis.url],
                                        log_dir / f"{role}.log"))
             for p in self.procs:
                 p.wait_ready()
@@ -325,7 +325,7 @@ def post_large(port: int, pid: int, body_mib: int, chunked: bool, model: str) ->
 
 def run_arm(tree: Path, args, tag: str, log_dir: Path) -> dict:
     log_dir.mkdir(parents=True, exist_ok=True)
-    stack = StackOf(tree, args.model, log_dir)
+    stack = StackOf(tree, args.model, log_dir, args.worker_args)
     try:
         stall = measure_stall(stack.address, args.requests, args.depth, tag)
         bodies = [post_large(stack.http_port, stack.gateway.proc.pid, args.body_mb, chunked, args.model_name)
@@ -372,29 +372,38 @@ def resolve(rev: str) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--a", default="6cfd8dd", help="revision A (before)")
-    parser.add_argument("--b", default="HEAD", help="revision B (after)")
+    parser.add_argument("--b", default="HEAD", help="revision B (after); '.' is this working tree as it is")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--requests", type=int, default=5, help="deep-schema Generate requests per arm and round")
     parser.add_argument("--depth", type=int, default=300)
     parser.add_argument("--body-mb", type=int, default=256, help="MiB of the large HTTP body")
     parser.add_argument("--model", default=None, help="model of the stacks (default: a tiny test model, built here)")
-    parser.add_argument("--quick", action="store_true", help="1 round, 2 requests, a 32 MiB body")
+    parser.add_argument("--quick", action="store_true", help="1 round, 2 requests, a 32 MiB body, eager workers")
     parser.add_argument("--only", choices=("A", "B"), help="run one arm (a check of the script, not a figure)")
     parser.add_argument("--out", required=True)
     args = parser.parse_args(argv)
     if args.quick:
         args.rounds, args.requests, args.body_mb = 1, 2, 32
+    # Quick: the workers run op by op (they serve the warm-up and nothing the figures measure), so a
+    # check of the script does not wait for two compiles.
+    args.worker_args = WORKER_ARGS + (["--enforce-eager"] if args.quick else [])
     work = Path(tempfile.mkdtemp(prefix="hostile-figures-"))
     if args.model is None:
         from tests.harness.tiny_models import make_tiny_model
         args.model = str(make_tiny_model(work / "tiny-llama"))
     args.model_name = Path(args.model).name
-    revisions = {arm: resolve(rev) for arm, rev in (("A", args.a), ("B", args.b)) if args.only in (None, arm)}
-    trees = {}
+    wanted = {arm: rev for arm, rev in (("A", args.a), ("B", args.b)) if args.only in (None, arm)}
+    revisions = {arm: resolve("HEAD") + " (working tree)" if rev == "." else resolve(rev) for arm, rev in wanted.items()}
+    trees, made = {}, []
     try:
-        for arm, rev in revisions.items():
+        for arm, rev in wanted.items():
+            if rev == ".":  # as it is: no worktree, and the kernels this tree already built
+                trees[arm] = ROOT
+                continue
             trees[arm] = work / f"rev-{arm.lower()}"
-            subprocess.run(["git", "worktree", "add", "--detach", "-q", str(trees[arm]), rev], cwd=ROOT, check=True)
+            subprocess.run(["git", "worktree", "add", "--detach", "-q", str(trees[arm]), revisions[arm]], cwd=ROOT,
+                           check=True)
+            made.append(trees[arm])
         runs: dict[str, list[dict]] = {arm: [] for arm in revisions}
         for i in range(args.rounds):
             for arm in revisions:
@@ -406,7 +415,7 @@ def main(argv=None) -> int:
                       [(b["status"], round(b["seconds_to_answer"], 2), round(b["peak_rss_growth_mib"], 1))
                        for b in result["http_body"]], flush=True)
     finally:
-        for tree in trees.values():
+        for tree in made:
             subprocess.run(["git", "worktree", "remove", "--force", str(tree)], cwd=ROOT)
         shutil.rmtree(work, ignore_errors=True)
     summary = {arm: summarize(rs) for arm, rs in runs.items()}
@@ -415,7 +424,7 @@ def main(argv=None) -> int:
         "rounds": args.rounds, "requests": args.requests, "depth": args.depth, "body_mib": args.body_mb,
         "order": "A, B alternated each round, a fresh stack per arm and round",
         "command": "python -m bench.hostile_figures " + shlex.join(argv if argv is not None else sys.argv[1:]),
-        "worker_args": WORKER_ARGS, "health": {"service": HEALTH_SERVICE, "interval_s": HEALTH_INTERVAL_S,
+        "worker_args": args.worker_args, "health": {"service": HEALTH_SERVICE, "interval_s": HEALTH_INTERVAL_S,
                                                "timeout_s": HEALTH_TIMEOUT_S},
         "method": re.sub(r"\s+", " ", __doc__.split("\n\n", 2)[2]), "runs": runs, "summary": summary})
     print(json.dumps(summary, indent=1))

@@ -1,5 +1,5 @@
-"""`python -m bench.hostile_figures --quick --only B` end to end on the tiny model: one stack of this
-tree's HEAD, the deep schemas refused with INVALID_ARGUMENT naming --max-schema-depth, both large
+"""`python -m bench.hostile_figures --quick --only B --b .` end to end on the tiny model: one stack of
+this working tree (no git worktree: its kernels are built already), the deep schemas refused with INVALID_ARGUMENT naming --max-schema-depth, both large
 bodies refused with 413, health polled throughout. (The A/B figures are the benchmark's: no timing
 is asserted here.)"""
 import json
@@ -9,7 +9,7 @@ from bench import hostile_figures
 
 def test_deep_schemas_and_a_large_body_against_this_revision(tiny_model_dirs, tmp_path, children_left):
     out = tmp_path / "hostile.json"
-    assert hostile_figures.main(["--quick", "--only", "B", "--body-mb", "20", "--model",
+    assert hostile_figures.main(["--quick", "--only", "B", "--b", ".", "--body-mb", "20", "--model",
                                  str(tiny_model_dirs["llama"]), "--out", str(out)]) == 0
     report = json.loads(out.read_text())
     assert set(report["runs"]) == {"B"} and report["revisions"]["B"]

@@ -44,8 +44,10 @@ RPC_TIMEOUT_S = 60
 
 @pytest.fixture(scope="module")
 def stack(tiny_model_dirs, tmp_path_factory):
+    # Workers op by op: what is measured here is the gateway, and a compile of each would only
+    # lengthen the set-up.
     running = start_stack(tiny_model_dirs["llama"], tmp_path_factory, prefill=1, decode=1, http=True,
-                          worker_args=["--num-threads", "1"],
+                          worker_args=["--num-threads", "1", "--enforce-eager"],
                           gateway_args=["--max-message-mb", str(MAX_MESSAGE_MB),
                                         "--http-body-timeout-s", str(BODY_TIMEOUT_S),
                                         "--http-header-timeout-s", str(HEADER_TIMEOUT_S)],
