@@ -37,6 +37,33 @@ class StepLayout:
             self.query_start_list = starts
 
 
+@dataclass(frozen=True)
+class AttentionVariant:
+    """What one layer's attention does beyond causal softmax attention over every earlier token.
+
+    ``transformers`` hands these to the attention function of each layer (``sliding_window``,
+    ``softcap``, ``s_aux``), so layers of one model may differ (Gemma 3 and gpt-oss alternate
+    windowed and full layers). Every backend implements all three, with the semantics of
+    ``reference.paged_attention``.
+    """
+
+    # A token at position p attends to positions p - window + 1 .. p (itself and the window - 1
+    # before it), as transformers' sliding-window mask; 0: every earlier position.
+    window: int = 0
+    # Scores (after the scale) become softcap * tanh(score / softcap) before the softmax (Gemma 2); 0: none.
+    softcap: float = 0.0
+    # One learned logit per query head that joins each softmax's denominator and weighs no value
+    # ("attention sinks", gpt-oss); [num_q_heads] float32, or None.
+    sinks: torch.Tensor | None = None
+
+    @property
+    def plain(self) -> bool:
+        return not self.window and not self.softcap and self.sinks is None
+
+
+PLAIN = AttentionVariant()
+
+
 class AttentionBackend(abc.ABC):
     """Writes a layer's new K/V into the paged cache and attends over each sequence's context."""
 
@@ -49,5 +76,5 @@ class AttentionBackend(abc.ABC):
     @abc.abstractmethod
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                 k_cache: torch.Tensor, v_cache: torch.Tensor, layout: StepLayout, prepared: object,
-                scale: float) -> torch.Tensor:
+                scale: float, variant: AttentionVariant = PLAIN) -> torch.Tensor:
         """query [T, Hq, D], key/value [T, Hkv, D]; caches [blocks, block_size, Hkv, D]. -> [T, Hq, D]"""

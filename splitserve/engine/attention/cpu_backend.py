@@ -8,17 +8,18 @@ each chunk over its whole context, cached prefix included, in tiles of query row
 one chunk (2 AVX-512 Zen 5 cores, SmolLM2's 9 x 64 heads over 3 KV heads): bf16 1.1x at 32
 tokens, 2.4-2.6x at 144-256, 1.5x at 1,024, 1.4x at 2,048; fp32 1.3x, 2.2-3.1x, 1.8x, 1.5x.
 Quantized pages (kv_quant) keep the SDPA path: each chunk attends over its dequantized context.
+Both kernels implement every AttentionVariant (sliding window, soft-capping, sinks).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn.functional as F
 
 from splitserve.engine.attention import cpu_kernels
-from splitserve.engine.attention.backend import AttentionBackend, StepLayout
+from splitserve.engine.attention.backend import PLAIN, AttentionBackend, AttentionVariant, StepLayout
 from splitserve.engine.attention.kv_quant import load
+from splitserve.engine.attention.torch_backend import chunk_attention, visible_mask
 
 # Page dtypes the prefill kernel reads; quantized pages go through SDPA.
 _FLOAT_PAGES = (torch.float32, torch.bfloat16, torch.float16)
@@ -31,7 +32,6 @@ class _Chunk:
     # The pages of the whole context when the chunk follows cached tokens; None when it is the context.
     ctx_blocks: torch.Tensor | None
     ctx_len: int
-    mask: torch.Tensor | None  # [q, ctx] bool, only with ctx_blocks
 
 
 @dataclass
@@ -50,12 +50,10 @@ class CpuStepPlan:
             starts = layout.query_start_list
             for b in range(layout.num_decodes, len(layout.seq_lens_list)):
                 q_len, ctx = layout.query_lens_list[b], layout.seq_lens_list[b]
-                blocks = mask = None
+                blocks = None
                 if q_len != ctx:
                     blocks = layout.block_tables[b, :-(-ctx // layout.block_size)].to(torch.int64)
-                    q_pos = torch.arange(ctx - q_len, ctx)
-                    mask = torch.arange(ctx)[None, :] <= q_pos[:, None]
-                chunks.append(_Chunk(starts[b], starts[b + 1], blocks, ctx, mask))
+                chunks.append(_Chunk(starts[b], starts[b + 1], blocks, ctx))
             self._sdpa_chunks = chunks
         return self._sdpa_chunks
 
@@ -73,27 +71,33 @@ class CpuAttentionBackend(AttentionBackend):
     def prepare(self, layout: StepLayout) -> CpuStepPlan:
         return CpuStepPlan(layout)
 
-    def forward(self, query, key, value, k_cache, v_cache, layout, prepared: CpuStepPlan, scale):
+    def forward(self, query, key, value, k_cache, v_cache, layout, prepared: CpuStepPlan, scale,
+                variant: AttentionVariant = PLAIN):
         # One call writes the step's K/V and attends for every decode, one more attends for every
         # prefill chunk: a layer's fixed cost is a few microseconds of dispatch.
         out = torch.empty(query.shape, dtype=query.dtype)
+        extra = () if variant.plain else (variant.window, variant.softcap, _sinks(variant))
         self._write_and_decode(out, query, key, value, k_cache, v_cache, layout.slot_mapping, layout.block_tables,
-                               layout.seq_lens, layout.num_decodes, scale)
+                               layout.seq_lens, layout.num_decodes, scale, *extra)
         if not prepared.has_prefills:
             return out
         if k_cache.dtype in _FLOAT_PAGES:
             self._paged_prefill(out, query, k_cache, v_cache, layout.block_tables, layout.query_start_loc,
-                                layout.seq_lens, layout.num_decodes, scale)
+                                layout.seq_lens, layout.num_decodes, scale, *extra)
             return out
         for c in prepared.sdpa_chunks():
-            q = query[c.q_start:c.q_end].transpose(0, 1).unsqueeze(0)  # [1, Hq, q, D]
             if c.ctx_blocks is None:
                 k, v = key[c.q_start:c.q_end], value[c.q_start:c.q_end]
             else:  # quantized pages (kv_quant) are dequantized here: later chunks see what decode sees
                 k, v = (cache[c.ctx_blocks].reshape(-1, *cache.shape[-2:])[:c.ctx_len] for cache in (k_cache, v_cache))
-            k = load(k, q.dtype).transpose(0, 1).unsqueeze(0)  # [1, Hkv, ctx, D]
-            v = load(v, q.dtype).transpose(0, 1).unsqueeze(0)
-            o = F.scaled_dot_product_attention(q, k, v, attn_mask=c.mask, is_causal=c.mask is None, scale=scale,
-                                               enable_gqa=True)
-            out[c.q_start:c.q_end] = o[0].transpose(0, 1)
+            mask = visible_mask(c.q_end - c.q_start, c.ctx_len, variant.window)
+            out[c.q_start:c.q_end] = chunk_attention(query[c.q_start:c.q_end], load(k, query.dtype),
+                                                     load(v, query.dtype), mask, scale, variant)
         return out
+
+
+def _sinks(variant: AttentionVariant) -> torch.Tensor | None:
+    """The kernels take sinks as float32 (a model's own are in its dtype, a parameter per layer)."""
+    if variant.sinks is None:
+        return None
+    return variant.sinks.detach().to(torch.float32).contiguous()

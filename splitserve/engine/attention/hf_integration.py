@@ -6,7 +6,10 @@ calls one custom op, ``splitserve::paged_attention``, with only the layer's tens
 index: a compiled forward keeps each layer's attention as one opaque node (no graph break),
 and everything that describes the step (block tables, slots, lengths, the backend's plan,
 the pool, the layer hook) comes from the ``StepContext`` the runner enters around the
-forward, as vLLM's forward context does. The op writes the layer's new K/V into the pool
+forward, as vLLM's forward context does. What a layer does beyond causal attention
+(``sliding_window``, ``softcap``, ``s_aux``: the keyword arguments transformers passes the
+attention function of Mistral, Gemma 2/3, gpt-oss and the like) travels as the op's own
+arguments, so layers of one model may differ. The op writes the layer's new K/V into the pool
 itself; no other op reads the pool, so that hidden write cannot be reordered past a reader.
 """
 from __future__ import annotations
@@ -19,7 +22,7 @@ from typing import Callable, Iterator
 import torch
 from transformers import AttentionInterface
 
-from splitserve.engine.attention.backend import AttentionBackend, StepLayout
+from splitserve.engine.attention.backend import PLAIN, AttentionBackend, AttentionVariant, StepLayout
 
 ATTN_IMPLEMENTATION = "splitserve_paged"
 
@@ -50,12 +53,14 @@ def step_context(ctx: StepContext) -> Iterator[None]:
 
 
 def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, layer: int,
-                    scale: float) -> torch.Tensor:
+                    scale: float, window: int = 0, softcap: float = 0.0,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
     """query [T, Hq, D], key/value [T, Hkv, D] of one layer -> [T, Hq, D]; writes K/V into the pool."""
     ctx: StepContext | None = getattr(_local, "ctx", None)
     if ctx is None:
         raise RuntimeError(f"the {ATTN_IMPLEMENTATION} attention runs only inside the runner's step_context()")
-    out = ctx.backend.forward(query, key, value, *ctx.kv_caches[layer], ctx.layout, ctx.prepared, scale)
+    variant = PLAIN if not (window or softcap or sinks is not None) else AttentionVariant(window, softcap, sinks)
+    out = ctx.backend.forward(query, key, value, *ctx.kv_caches[layer], ctx.layout, ctx.prepared, scale, variant)
     if ctx.on_layer_written is not None:
         ctx.on_layer_written(layer)
     return out
@@ -64,12 +69,13 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
 # Registered through torch.library.Library rather than the @custom_op decorator: the same op
 # for the compiler, at half the dispatch cost per call (9 vs 20 us), paid 30 times a step.
 _lib = torch.library.Library("splitserve", "DEF")
-_lib.define("paged_attention(Tensor query, Tensor key, Tensor value, int layer, float scale) -> Tensor")
+_lib.define("paged_attention(Tensor query, Tensor key, Tensor value, int layer, float scale, int window=0, "
+            "float softcap=0.0, Tensor? sinks=None) -> Tensor")
 _lib.impl("paged_attention", paged_attention, "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake("splitserve::paged_attention")
-def _(query, key, value, layer, scale):
+def _(query, key, value, layer, scale, window=0, softcap=0.0, sinks=None):
     return torch.empty_like(query, memory_format=torch.contiguous_format)
 
 
@@ -79,7 +85,12 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     # [1, H, T, D] -> [T, H, D]
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
-    out = torch.ops.splitserve.paged_attention(q, k, v, module.layer_idx, float(scale))
+    window, softcap, sinks = kwargs.get("sliding_window"), kwargs.get("softcap"), kwargs.get("s_aux")
+    if window or softcap or sinks is not None:
+        out = torch.ops.splitserve.paged_attention(q, k, v, module.layer_idx, float(scale), int(window or 0),
+                                                   float(softcap or 0.0), sinks)
+    else:
+        out = torch.ops.splitserve.paged_attention(q, k, v, module.layer_idx, float(scale))
     return out.unsqueeze(0), None
 
 

@@ -15,9 +15,12 @@ Layout (per layer):
                                                   query_start_loc[b]:query_start_loc[b+1]
     seq_lens        [B] int32                     context length INCLUDING the new tokens
     scale           float                         softmax scale (usually head_dim ** -0.5)
+    window, softcap, sinks                        a layer's variant (backend.AttentionVariant):
+                                                  sliding window, score soft-capping, sinks
 
 Sequence b's new tokens sit at positions ``seq_lens[b] - q_len_b .. seq_lens[b] - 1``
-and attend causally to context positions ``0 .. p`` (inclusive).  Query head h
+and attend causally to context positions ``0 .. p`` (inclusive), or with a window to
+``p - window + 1 .. p``.  Query head h
 reads kv head ``h // (num_q_heads // num_kv_heads)``.
 """
 
@@ -76,6 +79,9 @@ def paged_attention(
     query_start_loc: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    window: int = 0,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of the new tokens over their paged context.  Returns [T, num_q_heads, head_dim]."""
     num_q_heads = query.shape[1]
@@ -102,10 +108,18 @@ def paged_attention(
         v = v.repeat_interleave(group, dim=1)
 
         scores = torch.einsum("qhd,khd->hqk", q, k) * scale              # [Hq, q_len, ctx]
+        if softcap:
+            scores = torch.tanh(scores / softcap) * softcap
         q_pos = torch.arange(ctx_len - q_len, ctx_len, device=query.device)
         k_pos = torch.arange(ctx_len, device=query.device)
         visible = k_pos[None, :] <= q_pos[:, None]                       # [q_len, ctx]
+        if window:
+            visible &= k_pos[None, :] > q_pos[:, None] - window
         scores = scores.masked_fill(~visible, float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
+        if sinks is not None:  # a column per head that every row's softmax sees and no value follows
+            sink = sinks.float().view(-1, 1, 1).expand(-1, q_len, 1)
+            probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+        else:
+            probs = torch.softmax(scores, dim=-1)
         out[q_start:q_end] = torch.einsum("hqk,khd->qhd", probs, v).to(query.dtype)
     return out

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from splitserve.engine.attention import triton_kernels, triton_decode
-from splitserve.engine.attention.backend import AttentionBackend, StepLayout
+from splitserve.engine.attention.backend import PLAIN, AttentionBackend, AttentionVariant, StepLayout
 
 
 @dataclass(frozen=True)
@@ -42,7 +42,8 @@ class TritonAttentionBackend(AttentionBackend):
             self._target_programs[device] = 2 * sms
         return self._target_programs[device]
 
-    def forward(self, query, key, value, k_cache, v_cache, layout, prepared: TritonStepPlan, scale):
+    def forward(self, query, key, value, k_cache, v_cache, layout, prepared: TritonStepPlan, scale,
+                variant: AttentionVariant = PLAIN):
         triton_kernels.write_kv(key.contiguous(), value.contiguous(), k_cache, v_cache, layout.slot_mapping)
         query = query.contiguous()
         if prepared.pure_decode:
@@ -50,6 +51,8 @@ class TritonAttentionBackend(AttentionBackend):
                                                     self._programs_to_fill(query.device))
             if splits > 1:
                 return triton_decode.paged_decode(query, k_cache, v_cache, layout.block_tables,
-                                                             layout.query_start_loc, layout.seq_lens, scale, splits)
+                                                  layout.query_start_loc, layout.seq_lens, scale, splits,
+                                                  window=variant.window, softcap=variant.softcap, sinks=variant.sinks)
         return triton_kernels.paged_attention(query, k_cache, v_cache, layout.block_tables, layout.query_start_loc,
-                                              layout.seq_lens, scale, max_q_len=prepared.max_q_len)
+                                              layout.seq_lens, scale, max_q_len=prepared.max_q_len,
+                                              window=variant.window, softcap=variant.softcap, sinks=variant.sinks)

@@ -39,6 +39,11 @@ def _dot_precision(query: torch.Tensor, k_cache: torch.Tensor) -> str:
     return "ieee" if operand == torch.float32 else "tf32"
 
 
+def _sinks_or(sinks: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    """Sinks as the kernels read them (float32, contiguous); any tensor stands in, unread, without."""
+    return like if sinks is None else sinks.detach().to(torch.float32).contiguous()
+
+
 def _require_triton() -> None:
     if not TRITON_AVAILABLE:
         raise RuntimeError("triton is not installed; use splitserve.engine.attention.reference instead")
@@ -65,6 +70,17 @@ if TRITON_AVAILABLE:
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None] + _dot(p.to(v.dtype), v, PRECISION, UPCAST)
         return m_new, l_i, acc
+
+    @triton.jit
+    def _variant_scores(s, scale_log2, SOFTCAP: tl.constexpr, softcap):
+        """Raw dot products ``s`` -> base-2 scores; with SOFTCAP, capped first as
+        softcap * tanh(s * scale / softcap) (tanh through exp: the interpreter has no tanh)."""
+        if SOFTCAP:
+            y = s * (scale_log2 / 1.4426950408889634) / softcap
+            t = 2.0 / (1.0 + tl.exp(-2.0 * y)) - 1.0
+            return t * (softcap * 1.4426950408889634)
+        else:
+            return s * scale_log2
 
     @triton.jit
     def _load_kv(cache_ptr, scale_ptr, row, d, p_mask, HEAD_DIM: tl.constexpr, QUANT: tl.constexpr, OUT_DTYPE):
@@ -96,6 +112,7 @@ if TRITON_AVAILABLE:
 
 else:
     _dot = None
+    _variant_scores = None
     _online_softmax_step = None
     _load_kv = None
     _store_quantized = None

@@ -8,7 +8,8 @@ context is cut into ``split_len``-token partitions, one program per (sequence, K
 partition), each leaving its unnormalised partial result (running max, sum of exponentials,
 weighted V) in a float32 scratch buffer; a second kernel merges the partitions of every
 (sequence, query head) with the usual log-sum-exp rescaling (flash-decoding). Same semantics
-as ``triton_kernels.paged_attention`` for a pure-decode batch.
+as ``triton_kernels.paged_attention`` for a pure-decode batch, variants included (a window
+starts each context later; sinks join the first partition's sums).
 """
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import torch
 from splitserve.engine.attention.kv_quant import of_storage
 from splitserve.engine.attention.triton_common import (_BLOCK_N, _INTERPRETED, _LOG2E, TRITON_AVAILABLE, _dot, _dot_precision,
                                            _load_kv, _next_pow2, _online_softmax_step, _require_triton, _scale_views,
-                                           tl, triton)
+                                           _sinks_or, _variant_scores, tl, triton)
 
 # Context positions per partition of a split context.
 SPLIT_LEN = 512
@@ -33,11 +34,13 @@ if TRITON_AVAILABLE:
         k_scale_ptr, v_scale_ptr,  # quantized caches as float32 (their scales); else unused
         block_tables_ptr, query_start_loc_ptr, seq_lens_ptr,
         scale_log2,
+        window, softcap, sinks_ptr,  # the layer's variant: window 0 = none; SOFTCAP / SINKS say the rest
         stride_qt, stride_qh, stride_ot, stride_oh,
         stride_kc_blk, stride_kc_off, stride_kc_h,
         stride_vc_blk, stride_vc_off, stride_vc_h,
         stride_bt,
         num_splits,
+        SOFTCAP: tl.constexpr, SINKS: tl.constexpr,
         GROUP: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_G: tl.constexpr,
         BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_LEN: tl.constexpr,
         DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr, DIRECT: tl.constexpr, QUANT: tl.constexpr,
@@ -47,12 +50,15 @@ if TRITON_AVAILABLE:
         split = tl.program_id(2)
         row = tl.load(query_start_loc_ptr + b).to(tl.int64)
         ctx_len = tl.load(seq_lens_ptr + b)
+        first = 0  # the first position the new token sees
+        if window > 0:
+            first = tl.maximum(ctx_len - window, 0)
         if DIRECT:
-            start = 0
+            start = first
             end = ctx_len
         else:
-            start = split * SPLIT_LEN
-            end = tl.minimum(start + SPLIT_LEN, ctx_len)
+            start = tl.maximum(split * SPLIT_LEN, first)
+            end = tl.minimum(split * SPLIT_LEN + SPLIT_LEN, ctx_len)
 
         g = tl.arange(0, BLOCK_G)
         d = tl.arange(0, BLOCK_D)
@@ -67,6 +73,10 @@ if TRITON_AVAILABLE:
 
         m_i = tl.full([BLOCK_G], -1.0e30, dtype=tl.float32)
         l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+        if SINKS:  # a sink is a score with no value; it joins one partition's sums (the first)
+            if DIRECT or split == 0:
+                m_i = tl.load(sinks_ptr + heads, mask=g_mask, other=-1.0e30) * 1.4426950408889634
+                l_i = tl.where(g_mask, 1.0, 0.0)
         acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
         bt_row = block_tables_ptr + b * stride_bt
         for base in range(start, end, BLOCK_N):
@@ -78,7 +88,7 @@ if TRITON_AVAILABLE:
                          p_mask, HEAD_DIM, QUANT, q_ptr.dtype.element_ty)
             v = _load_kv(v_cache_ptr, v_scale_ptr, phys * stride_vc_blk + off * stride_vc_off + kvh * stride_vc_h, d,
                          p_mask, HEAD_DIM, QUANT, q_ptr.dtype.element_ty)
-            s = _dot(q, tl.trans(k), DOT_PRECISION, UPCAST_DOT) * scale_log2
+            s = _variant_scores(_dot(q, tl.trans(k), DOT_PRECISION, UPCAST_DOT), scale_log2, SOFTCAP, softcap)
             s = tl.where(p_mask[None, :], s, float("-inf"))
             m_i, l_i, acc = _online_softmax_step(m_i, l_i, acc, s, v, DOT_PRECISION, UPCAST_DOT)
 
@@ -129,7 +139,8 @@ def num_splits_for(num_seqs: int, num_kv_heads: int, max_seq_len: int, target_pr
 
 def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                  query_start_loc: torch.Tensor, seq_lens: torch.Tensor, scale: float, num_splits: int = 1,
-                 split_len: int = SPLIT_LEN) -> torch.Tensor:
+                 split_len: int = SPLIT_LEN, window: int = 0, softcap: float = 0.0,
+                 sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Decode attention (one new token per sequence); with ``num_splits`` > 1 each context is cut
     into partitions of ``split_len`` positions, and ``num_splits * split_len`` must cover the
     longest context."""
@@ -154,11 +165,13 @@ def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         out, part_acc, part_ml, query, k_cache, v_cache, *_scale_views(k_cache, v_cache), block_tables,
         query_start_loc, seq_lens,
         float(scale) * _LOG2E,
+        int(window), float(softcap), _sinks_or(sinks, query),
         query.stride(0), query.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_tables.stride(0),
         num_splits,
+        SOFTCAP=bool(softcap), SINKS=sinks is not None,
         GROUP=group, BLOCK_SIZE=k_cache.shape[1], HEAD_DIM=head_dim, BLOCK_G=max(16, _next_pow2(group)),
         BLOCK_D=block_d, BLOCK_N=_BLOCK_N, SPLIT_LEN=split_len,
         DOT_PRECISION=_dot_precision(query, k_cache),

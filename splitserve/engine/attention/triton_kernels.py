@@ -44,7 +44,9 @@ import torch
 from splitserve.engine.attention.kv_quant import head_dim_of, of_storage
 from splitserve.engine.attention.triton_common import (_BLOCK_N, _INTERPRETED, _LOG2E, TRITON_AVAILABLE, _dot, _dot_precision,  # noqa: F401
                                            _load_kv, _next_pow2, _online_softmax_step, _require_triton, _scale_views,
-                                           _store_quantized, tl, triton)
+                                           _sinks_or, _store_quantized, _variant_scores, tl,
+                                           triton)
+from splitserve.engine.attention.triton_decode import paged_decode
 
 __all__ = ["TRITON_AVAILABLE", "write_kv", "paged_attention"]
 
@@ -119,6 +121,9 @@ if TRITON_AVAILABLE:
         query_start_loc_ptr,
         seq_lens_ptr,
         scale_log2,
+        window,  # the layer's variant (see triton_decode): window 0 = none
+        softcap,
+        sinks_ptr,
         stride_qt,
         stride_qh,
         stride_ot,
@@ -130,6 +135,8 @@ if TRITON_AVAILABLE:
         stride_vc_off,
         stride_vc_h,
         stride_bt,
+        SOFTCAP: tl.constexpr,
+        SINKS: tl.constexpr,
         GROUP: tl.constexpr,
         BLOCK_SIZE: tl.constexpr,
         HEAD_DIM: tl.constexpr,
@@ -172,12 +179,19 @@ if TRITON_AVAILABLE:
 
         m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        if SINKS:  # a sink is a score with no value: the softmax starts from it
+            m_i = tl.load(sinks_ptr + heads, mask=g < GROUP, other=-1.0e30) * 1.4426950408889634
+            l_i = tl.where(g < GROUP, 1.0, 0.0)
         acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
 
         # Causal: the tile's last token sits at position prefix + min(tile_start + BLOCK_T, q_len) - 1.
         kv_end = prefix + tl.minimum(tile_start + BLOCK_T, q_len)
+        # With a window, the tile's first token sees nothing before its position - window + 1.
+        kv_start = 0
+        if window > 0:
+            kv_start = tl.maximum(prefix + tile_start - window + 1, 0)
         bt_row = block_tables_ptr + b * stride_bt
-        for start in range(0, kv_end, BLOCK_N):
+        for start in range(kv_start, kv_end, BLOCK_N):
             pos = start + n
             p_mask = pos < kv_end
             phys = tl.load(bt_row + pos // BLOCK_SIZE, mask=p_mask, other=0).to(tl.int64)
@@ -186,8 +200,10 @@ if TRITON_AVAILABLE:
                          p_mask, HEAD_DIM, QUANT, q_ptr.dtype.element_ty)
             v = _load_kv(v_cache_ptr, v_scale_ptr, phys * stride_vc_blk + off * stride_vc_off + kvh * stride_vc_h, d,
                          p_mask, HEAD_DIM, QUANT, q_ptr.dtype.element_ty)
-            s = _dot(q, tl.trans(k), DOT_PRECISION, UPCAST_DOT) * scale_log2  # [BLOCK_M, BLOCK_N]
-            visible = p_mask[None, :] & (pos[None, :] <= q_pos[:, None])
+            s = _variant_scores(_dot(q, tl.trans(k), DOT_PRECISION, UPCAST_DOT), scale_log2, SOFTCAP, softcap)
+            visible = p_mask[None, :] & (pos[None, :] <= q_pos[:, None])  # [BLOCK_M, BLOCK_N]
+            if window > 0:
+                visible = visible & (pos[None, :] > q_pos[:, None] - window)
             s = tl.where(visible, s, float("-inf"))
             m_i, l_i, acc = _online_softmax_step(m_i, l_i, acc, s, v, DOT_PRECISION, UPCAST_DOT)
 
@@ -269,8 +285,13 @@ def paged_attention(
     seq_lens: torch.Tensor,
     scale: float,
     max_q_len: int | None = None,
+    window: int = 0,
+    softcap: float = 0.0,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of the new tokens over their paged context.  Returns [T, num_q_heads, head_dim].
+
+    ``window``, ``softcap``, ``sinks``: the layer's variant (``backend.AttentionVariant``).
 
     ``max_q_len``: the most new tokens of any sequence, when the caller knows it on the host
     (the engine does); otherwise it is read from the device with one ``.item()``.
@@ -311,6 +332,9 @@ def paged_attention(
         query_start_loc,
         seq_lens,
         scale_log2,
+        int(window),
+        float(softcap),
+        _sinks_or(sinks, query),
         query.stride(0),
         query.stride(1),
         out.stride(0),
@@ -328,8 +352,8 @@ def paged_attention(
         max_q_len = int((query_start_loc[1:] - query_start_loc[:-1]).max().item())
     if num_tokens == num_seqs and max_q_len == 1:
         # Pure decode: every sequence contributes exactly one new token.
-        from splitserve.engine.attention.triton_decode import paged_decode
-        return paged_decode(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale)
+        return paged_decode(query, k_cache, v_cache, block_tables, query_start_loc, seq_lens, scale, window=window,
+                            softcap=softcap, sinks=sinks)
 
     if max_q_len <= 0:
         return out
@@ -340,6 +364,8 @@ def paged_attention(
     grid = (triton.cdiv(max_q_len, block_t), num_seqs, num_kv_heads)
     _paged_prefill_kernel[grid](
         *common,
+        SOFTCAP=bool(softcap),
+        SINKS=sinks is not None,
         GROUP=group,
         BLOCK_SIZE=block_size,
         HEAD_DIM=head_dim,

@@ -30,6 +30,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <type_traits>
 
 namespace {
@@ -150,6 +151,18 @@ inline float hsum(v8f v) {
   return (v + __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6))[0];
 }
 
+// What a layer does beyond causal attention over every earlier token (the engine's
+// AttentionVariant): the scale, a sliding window (a decode at position ctx-1 sees positions
+// ctx-window .. ctx-1; 0: all), soft-capping of the scores (cap * tanh(score / cap); 0: none) and
+// attention sinks (a float32 logit per query head in every softmax's denominator; null: none).
+struct Variant {
+  float scale;
+  int window;
+  float softcap;
+  const float* sinks;
+  int first_visible(int ctx) const { return window > 0 ? std::max(0, ctx - window) : 0; }
+};
+
 // exp(x) for x <= 0 as 2^(x log2 e): the integer part goes into the exponent bits, the
 // fraction through a degree-6 polynomial (relative error ~2e-7, below the float32 rounding
 // of the sums it feeds). Inputs below -87 give ~0 instead of a denormal. With AVX-512 (VL) the
@@ -180,6 +193,31 @@ inline v8f exp_nonpositive(v8f x) {
   std::memcpy(&scale, &exponent, sizeof(scale));
   return p * scale;
 #endif
+}
+
+// cap * tanh(x / cap): an odd polynomial below |x / cap| = 1/4 (its first omitted term is ~1e-9
+// relative there), (1 - e) / (1 + e) with e = exp(-2|x / cap|) above (no cancellation left).
+inline v8f softcap8(v8f x, float cap) {
+  const v8f y = x * splat(1.0f / cap);
+  const v8f a = y < splat(0.0f) ? -y : y;
+  const v8f y2 = y * y;
+  const v8f poly = y * (splat(1.0f) + y2 * (splat(-1.0f / 3) + y2 * (splat(2.0f / 15) + y2 * (splat(-17.0f / 315) +
+                                                                                     y2 * splat(62.0f / 2835)))));
+  const v8f e = exp_nonpositive(splat(-2.0f) * a);
+  const v8f t = (splat(1.0f) - e) / (splat(1.0f) + e);
+  const v8f big = y < splat(0.0f) ? -t : t;
+  return (a < splat(0.25f) ? poly : big) * splat(cap);
+}
+
+// The variant's part of one span of scores s[0..n) at context positions pos0..: soft-capped,
+// and positions before `first` (outside the window) masked. Slots n.. up to the next multiple of
+// 8 hold masked scores (-1e30), capped along in the last vector: they are masked again.
+inline void apply_variant(float* s, int n, int pos0, int first, const Variant& var) {
+  if (var.softcap > 0.0f) {
+    for (int t = 0; t < n; t += 8) store8(s + t, softcap8(load8(s + t), var.softcap));
+    for (int t = n; t < ((n + 7) & ~7); ++t) s[t] = -1e30f;
+  }
+  for (int t = 0; t < std::min(n, first - pos0); ++t) s[t] = -1e30f;
 }
 
 // Eight dot-product accumulators -> one vector of their eight sums.
@@ -256,7 +294,7 @@ constexpr int kWalkGroup = 4;
 template <typename cache_t, int D, int G>
 void attend_group(const float* __restrict q, const cache_t* __restrict k_base, const cache_t* __restrict v_base,
                   CacheView kv, CacheView vv, const int32_t* __restrict table, int ctx, int block_size,
-                  float* __restrict out) {
+                  float* __restrict out, const Variant& var, int head0) {
   constexpr int C = D / 8;                  // register columns of a row
   constexpr int T = G * 2 <= 8 ? 8 / G : 1;  // tokens scored per pass: G x T <= 8 dot products
   constexpr int CC = v_columns(G, C);
@@ -267,13 +305,14 @@ void attend_group(const float* __restrict q, const cache_t* __restrict k_base, c
   alignas(64) float kf[kInPlace ? 1 : kMaxBlockSize + 8][D];
   alignas(64) float vscale[kMaxBlockSize + 8];  // quantized V: each token's scale
   alignas(64) static const float zero_row[D] = {};
-  for (int g = 0; g < G; ++g) {
-    m[g] = -1e30f;
-    l[g] = 0.0f;
+  for (int g = 0; g < G; ++g) {  // a sink starts the softmax as a score whose value is zero
+    m[g] = var.sinks ? var.sinks[head0 + g] : -1e30f;
+    l[g] = var.sinks ? 1.0f : 0.0f;
     for (int c = 0; c < C; ++c) store8(acc[g] + c * 8, v8f{});
   }
   const int num_pages = (ctx + block_size - 1) / block_size;
-  for (int p = 0; p < num_pages; ++p) {
+  const int first = var.first_visible(ctx);
+  for (int p = first / block_size; p < num_pages; ++p) {
     const int64_t blk = table[p];
     const int n = std::min(block_size, ctx - p * block_size);
     const int n8 = (n + 7) & ~7;
@@ -311,6 +350,7 @@ void attend_group(const float* __restrict q, const cache_t* __restrict k_base, c
         for (int j = 0; j < T; ++j) s[g][t0 + j] = t0 + j < n ? r[g * T + j] : -1e30f;
     }
     for (int g = 0; g < G; ++g) {
+      if (var.softcap > 0.0f || first > p * block_size) apply_variant(s[g], n, p * block_size, first, var);
       online_softmax<D>(s[g], n8, m[g], l[g], acc[g]);
       if constexpr (KvQuant<cache_t>::value) {  // weight x V scale: the V loop below reads raw codes
         for (int t = 0; t < n; ++t) s[g][t] *= vscale[t];
@@ -343,15 +383,16 @@ void attend_group(const float* __restrict q, const cache_t* __restrict k_base, c
 // All `group` query heads of one KV head, in walks of up to kWalkGroup heads.
 template <typename cache_t, int D>
 void attend_one(const float* q, int group, const cache_t* k_base, const cache_t* v_base, CacheView kv,
-                CacheView vv, const int32_t* table, int ctx, int block_size, float* out) {
+                CacheView vv, const int32_t* table, int ctx, int block_size, float* out, const Variant& var,
+                int head0) {
   for (int g0 = 0; g0 < group; g0 += kWalkGroup) {
     const float* qg = q + g0 * D;
     float* og = out + g0 * D;
     switch (std::min(kWalkGroup, group - g0)) {
-      case 1: attend_group<cache_t, D, 1>(qg, k_base, v_base, kv, vv, table, ctx, block_size, og); break;
-      case 2: attend_group<cache_t, D, 2>(qg, k_base, v_base, kv, vv, table, ctx, block_size, og); break;
-      case 3: attend_group<cache_t, D, 3>(qg, k_base, v_base, kv, vv, table, ctx, block_size, og); break;
-      default: attend_group<cache_t, D, 4>(qg, k_base, v_base, kv, vv, table, ctx, block_size, og); break;
+      case 1: attend_group<cache_t, D, 1>(qg, k_base, v_base, kv, vv, table, ctx, block_size, og, var, head0 + g0); break;
+      case 2: attend_group<cache_t, D, 2>(qg, k_base, v_base, kv, vv, table, ctx, block_size, og, var, head0 + g0); break;
+      case 3: attend_group<cache_t, D, 3>(qg, k_base, v_base, kv, vv, table, ctx, block_size, og, var, head0 + g0); break;
+      default: attend_group<cache_t, D, 4>(qg, k_base, v_base, kv, vv, table, ctx, block_size, og, var, head0 + g0); break;
     }
   }
 }
@@ -389,9 +430,10 @@ constexpr int kSpanTokens = 64;
 // with zeros, which leaves each 32-value block's floats in the order [0-3 8-11 16-19 24-27 |
 // 4-7 12-15 20-23 28-31]: `acc` keeps that order and the end puts it back.
 template <int D, int G>
-void attend_group_bf16(const c10::BFloat16* __restrict q, float scale, const c10::BFloat16* __restrict k_base,
+void attend_group_bf16(const c10::BFloat16* __restrict q, const c10::BFloat16* __restrict k_base,
                        const c10::BFloat16* __restrict v_base, CacheView kv, CacheView vv,
-                       const int32_t* __restrict table, int ctx, int block_size, float* __restrict out) {
+                       const int32_t* __restrict table, int ctx, int block_size, float* __restrict out,
+                       const Variant& var, int head0) {
   constexpr int VP = D / 32;  // bf16 registers of a row
   constexpr int PP = [] {     // bf16 V registers per pass: G x 2PP float accumulators in at most 24 registers
     int pp = 12 / G > 0 ? 12 / G : 1;
@@ -407,15 +449,16 @@ void attend_group_bf16(const c10::BFloat16* __restrict q, float scale, const c10
   const c10::BFloat16* vrow[kMaxSpan];
   __m512bh qv[G][VP];
   for (int g = 0; g < G; ++g) {
-    m[g] = -1e30f;
-    l[g] = 0.0f;
+    m[g] = var.sinks ? var.sinks[head0 + g] : -1e30f;
+    l[g] = var.sinks ? 1.0f : 0.0f;
     for (int c = 0; c < D / 16; ++c) _mm512_store_ps(acc[g] + c * 16, _mm512_setzero_ps());
     for (int c = 0; c < VP; ++c) qv[g][c] = reinterpret_cast<__m512bh>(_mm512_loadu_si512(q + g * D + c * 32));
   }
-  const __m512 vscale = _mm512_set1_ps(scale);
+  const __m512 vscale = _mm512_set1_ps(var.scale);
   const __m512 masked = _mm512_set1_ps(-1e30f);
   const __m512i zero = _mm512_setzero_si512();
-  for (int pos = 0; pos < ctx;) {  // `pos` is always at a page boundary
+  const int first = var.first_visible(ctx);
+  for (int pos = first - first % block_size; pos < ctx;) {  // `pos` is always at a page boundary
     int n = 0;
     do {
       const int64_t blk = table[(pos + n) / block_size];
@@ -443,7 +486,10 @@ void attend_group_bf16(const c10::BFloat16* __restrict q, float scale, const c10
       }
     }
     const int n8 = (n + 7) & ~7;
-    for (int g = 0; g < G; ++g) online_softmax<D>(s[g], n8, m[g], l[g], acc[g]);
+    for (int g = 0; g < G; ++g) {
+      if (var.softcap > 0.0f || first > pos) apply_variant(s[g], n, pos, first, var);
+      online_softmax<D>(s[g], n8, m[g], l[g], acc[g]);
+    }
     for (int c0 = 0; c0 < VP; c0 += PP) {
       __m512 a[G][2 * PP];
       for (int g = 0; g < G; ++g)
@@ -480,17 +526,17 @@ void attend_group_bf16(const c10::BFloat16* __restrict q, float scale, const c10
 }
 
 template <int D>
-void attend_one_bf16(const c10::BFloat16* q, int group, float scale, const c10::BFloat16* k_base,
+void attend_one_bf16(const c10::BFloat16* q, int group, const c10::BFloat16* k_base,
                      const c10::BFloat16* v_base, CacheView kv, CacheView vv, const int32_t* table, int ctx,
-                     int block_size, float* out) {
+                     int block_size, float* out, const Variant& var, int head0) {
   for (int g0 = 0; g0 < group; g0 += kWalkGroup) {
     const c10::BFloat16* qg = q + g0 * D;
     float* og = out + g0 * D;
     switch (std::min(kWalkGroup, group - g0)) {
-      case 1: attend_group_bf16<D, 1>(qg, scale, k_base, v_base, kv, vv, table, ctx, block_size, og); break;
-      case 2: attend_group_bf16<D, 2>(qg, scale, k_base, v_base, kv, vv, table, ctx, block_size, og); break;
-      case 3: attend_group_bf16<D, 3>(qg, scale, k_base, v_base, kv, vv, table, ctx, block_size, og); break;
-      default: attend_group_bf16<D, 4>(qg, scale, k_base, v_base, kv, vv, table, ctx, block_size, og); break;
+      case 1: attend_group_bf16<D, 1>(qg, k_base, v_base, kv, vv, table, ctx, block_size, og, var, head0 + g0); break;
+      case 2: attend_group_bf16<D, 2>(qg, k_base, v_base, kv, vv, table, ctx, block_size, og, var, head0 + g0); break;
+      case 3: attend_group_bf16<D, 3>(qg, k_base, v_base, kv, vv, table, ctx, block_size, og, var, head0 + g0); break;
+      default: attend_group_bf16<D, 4>(qg, k_base, v_base, kv, vv, table, ctx, block_size, og, var, head0 + g0); break;
     }
   }
 }
@@ -500,7 +546,7 @@ constexpr bool kBf16DotKernel = false;
 
 template <typename cache_t, typename q_t, int D>
 void decode_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                 const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale, int64_t num_seqs) {
+                 const at::Tensor& block_tables, const at::Tensor& seq_lens, const Variant& var, int64_t num_seqs) {
   const int num_q_heads = query.size(1);
   const int num_kv_heads = k_cache.size(2);
   const int block_size = k_cache.size(1);
@@ -516,7 +562,7 @@ void decode_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_c
   const int64_t q_row = query.stride(0), q_head = query.stride(1);
   const int64_t o_row = out.stride(0), o_head = out.stride(1);
   const int64_t bt_row = block_tables.stride(0);
-  const float fscale = static_cast<float>(scale);
+  const float fscale = var.scale;
 
   at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     alignas(64) float q[kMaxGroup * D];
@@ -532,8 +578,8 @@ void decode_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_c
         for (int g = 0; g < group; ++g)
           std::memcpy(q_raw + g * D, q_ptr + b * q_row + (h * group + g) * q_head, D * sizeof(q_t));
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
-        attend_one_bf16<D>(q_raw, group, fscale, k_ptr + h * kv.head, v_ptr + h * vv.head, kv, vv, bt + b * bt_row,
-                           ctx, block_size, o);
+        attend_one_bf16<D>(q_raw, group, k_ptr + h * kv.head, v_ptr + h * vv.head, kv, vv, bt + b * bt_row, ctx,
+                           block_size, o, var, h * group);
 #endif
       } else {
         for (int g = 0; g < group; ++g) {
@@ -541,7 +587,7 @@ void decode_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_c
           for (int d = 0; d < D; ++d) q[g * D + d] = widen(src[d]) * fscale;
         }
         attend_one<cache_t, D>(q, group, k_ptr + h * kv.head, v_ptr + h * vv.head, kv, vv, bt + b * bt_row, ctx,
-                               block_size, o);
+                               block_size, o, var, h * group);
       }
       for (int g = 0; g < group; ++g) store_row(o_ptr + b * o_row + (h * group + g) * o_head, o + g * D, D);
     }
@@ -550,31 +596,31 @@ void decode_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_c
 
 template <typename cache_t, typename q_t>
 void dispatch_head_dim(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                       const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale, int64_t num_seqs) {
+                       const at::Tensor& block_tables, const at::Tensor& seq_lens, const Variant& var, int64_t num_seqs) {
   switch (query.size(2)) {
-    case 16: return decode_impl<cache_t, q_t, 16>(out, query, k_cache, v_cache, block_tables, seq_lens, scale, num_seqs);
-    case 32: return decode_impl<cache_t, q_t, 32>(out, query, k_cache, v_cache, block_tables, seq_lens, scale, num_seqs);
-    case 48: return decode_impl<cache_t, q_t, 48>(out, query, k_cache, v_cache, block_tables, seq_lens, scale, num_seqs);
-    case 64: return decode_impl<cache_t, q_t, 64>(out, query, k_cache, v_cache, block_tables, seq_lens, scale, num_seqs);
-    case 80: return decode_impl<cache_t, q_t, 80>(out, query, k_cache, v_cache, block_tables, seq_lens, scale, num_seqs);
-    case 96: return decode_impl<cache_t, q_t, 96>(out, query, k_cache, v_cache, block_tables, seq_lens, scale, num_seqs);
-    case 128: return decode_impl<cache_t, q_t, 128>(out, query, k_cache, v_cache, block_tables, seq_lens, scale, num_seqs);
-    case 256: return decode_impl<cache_t, q_t, 256>(out, query, k_cache, v_cache, block_tables, seq_lens, scale, num_seqs);
+    case 16: return decode_impl<cache_t, q_t, 16>(out, query, k_cache, v_cache, block_tables, seq_lens, var, num_seqs);
+    case 32: return decode_impl<cache_t, q_t, 32>(out, query, k_cache, v_cache, block_tables, seq_lens, var, num_seqs);
+    case 48: return decode_impl<cache_t, q_t, 48>(out, query, k_cache, v_cache, block_tables, seq_lens, var, num_seqs);
+    case 64: return decode_impl<cache_t, q_t, 64>(out, query, k_cache, v_cache, block_tables, seq_lens, var, num_seqs);
+    case 80: return decode_impl<cache_t, q_t, 80>(out, query, k_cache, v_cache, block_tables, seq_lens, var, num_seqs);
+    case 96: return decode_impl<cache_t, q_t, 96>(out, query, k_cache, v_cache, block_tables, seq_lens, var, num_seqs);
+    case 128: return decode_impl<cache_t, q_t, 128>(out, query, k_cache, v_cache, block_tables, seq_lens, var, num_seqs);
+    case 256: return decode_impl<cache_t, q_t, 256>(out, query, k_cache, v_cache, block_tables, seq_lens, var, num_seqs);
     default: TORCH_CHECK(false, "paged_decode: head_dim ", query.size(2), " is not one of 16, 32, 48, 64, 80, 96, 128, 256");
   }
 }
 
 template <typename cache_t>
 void dispatch_query(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                    const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale, int64_t num_seqs) {
+                    const at::Tensor& block_tables, const at::Tensor& seq_lens, const Variant& var, int64_t num_seqs) {
   switch (query.scalar_type()) {
     case at::kFloat:
-      return dispatch_head_dim<cache_t, float>(out, query, k_cache, v_cache, block_tables, seq_lens, scale, num_seqs);
+      return dispatch_head_dim<cache_t, float>(out, query, k_cache, v_cache, block_tables, seq_lens, var, num_seqs);
     case at::kBFloat16:
-      return dispatch_head_dim<cache_t, c10::BFloat16>(out, query, k_cache, v_cache, block_tables, seq_lens, scale,
+      return dispatch_head_dim<cache_t, c10::BFloat16>(out, query, k_cache, v_cache, block_tables, seq_lens, var,
                                                        num_seqs);
     case at::kHalf:
-      return dispatch_head_dim<cache_t, c10::Half>(out, query, k_cache, v_cache, block_tables, seq_lens, scale, num_seqs);
+      return dispatch_head_dim<cache_t, c10::Half>(out, query, k_cache, v_cache, block_tables, seq_lens, var, num_seqs);
     default: TORCH_CHECK(false, "paged_decode: unsupported query dtype ", query.scalar_type());
   }
 }
@@ -589,7 +635,7 @@ void check_caches(const at::Tensor& k_cache, const at::Tensor& v_cache) {
 
 // Decode attention of the first `num_seqs` rows (one new token each).
 void decode_rows(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                 const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale, int64_t num_seqs) {
+                 const at::Tensor& block_tables, const at::Tensor& seq_lens, const Variant& var, int64_t num_seqs) {
   TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes(), "query/out must be [T, H, D] alike");
   TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1, "head_dim of query/out must be contiguous");
   TORCH_CHECK(out.scalar_type() == query.scalar_type(), "out and query differ in dtype");
@@ -604,15 +650,15 @@ void decode_rows(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_c
   TORCH_CHECK(seq_lens.is_contiguous() && seq_lens.numel() >= num_seqs, "seq_lens must hold a length per decode");
   if (num_seqs == 0) return;
   switch (k_cache.scalar_type()) {
-    case at::kFloat: return dispatch_query<float>(out, query, k_cache, v_cache, block_tables, seq_lens, scale, num_seqs);
+    case at::kFloat: return dispatch_query<float>(out, query, k_cache, v_cache, block_tables, seq_lens, var, num_seqs);
     case at::kBFloat16:
-      return dispatch_query<c10::BFloat16>(out, query, k_cache, v_cache, block_tables, seq_lens, scale, num_seqs);
-    case at::kHalf: return dispatch_query<c10::Half>(out, query, k_cache, v_cache, block_tables, seq_lens, scale, num_seqs);
-    case at::kChar: return dispatch_query<int8_t>(out, query, k_cache, v_cache, block_tables, seq_lens, scale, num_seqs);
+      return dispatch_query<c10::BFloat16>(out, query, k_cache, v_cache, block_tables, seq_lens, var, num_seqs);
+    case at::kHalf: return dispatch_query<c10::Half>(out, query, k_cache, v_cache, block_tables, seq_lens, var, num_seqs);
+    case at::kChar: return dispatch_query<int8_t>(out, query, k_cache, v_cache, block_tables, seq_lens, var, num_seqs);
     case at::kFloat8_e4m3fn:
-      return dispatch_query<c10::Float8_e4m3fn>(out, query, k_cache, v_cache, block_tables, seq_lens, scale, num_seqs);
+      return dispatch_query<c10::Float8_e4m3fn>(out, query, k_cache, v_cache, block_tables, seq_lens, var, num_seqs);
     case at::kFloat8_e5m2:
-      return dispatch_query<c10::Float8_e5m2>(out, query, k_cache, v_cache, block_tables, seq_lens, scale, num_seqs);
+      return dispatch_query<c10::Float8_e5m2>(out, query, k_cache, v_cache, block_tables, seq_lens, var, num_seqs);
     default: TORCH_CHECK(false, "unsupported cache dtype ", k_cache.scalar_type());
   }
 }
@@ -703,15 +749,30 @@ void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor& k_cach
   }
 }
 
-// out[b] = softmax(query[b] . K[b]^T * scale) V[b] over positions 0..seq_lens[b]-1 of sequence b.
+// The Variant of the ops' arguments (window 0, softcap 0, no sinks: plain causal attention).
+Variant variant_of(const at::Tensor& query, double scale, int64_t window, double softcap,
+                   const std::optional<at::Tensor>& sinks) {
+  TORCH_CHECK(window >= 0 && softcap >= 0.0, "window and softcap must be >= 0 (0: none)");
+  if (sinks.has_value()) {
+    TORCH_CHECK(sinks->scalar_type() == at::kFloat && sinks->is_contiguous() && sinks->numel() == query.size(1),
+                "sinks must be float32, contiguous, one per query head");
+  }
+  return Variant{static_cast<float>(scale), static_cast<int>(window), static_cast<float>(softcap),
+                 sinks.has_value() ? sinks->data_ptr<float>() : nullptr};
+}
+
+// out[b] = softmax(query[b] . K[b]^T * scale) V[b] over positions 0..seq_lens[b]-1 of sequence b
+// (with a window, the last `window` of them; see Variant).
 //   out, query: [B, num_q_heads, head_dim]; caches: [num_blocks, block_size, num_kv_heads, head_dim]
 //   (any strides, head_dim contiguous); block_tables [B, max_blocks] int32; seq_lens [B] int32.
 void paged_decode(at::Tensor out, const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                  const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale) {
+                  const at::Tensor& block_tables, const at::Tensor& seq_lens, double scale, int64_t window,
+                  double softcap, const std::optional<at::Tensor>& sinks) {
   check_caches(k_cache, v_cache);
   TORCH_CHECK(block_tables.size(0) == query.size(0) && seq_lens.numel() == query.size(0),
               "paged_decode: a block table row and a length per query row");
-  decode_rows(out, query, k_cache, v_cache, block_tables, seq_lens, scale, query.size(0));
+  decode_rows(out, query, k_cache, v_cache, block_tables, seq_lens, variant_of(query, scale, window, softcap, sinks),
+              query.size(0));
 }
 
 // One layer's step on the CPU in one call: every new token's K/V into its slot, then decode
@@ -719,10 +780,12 @@ void paged_decode(at::Tensor out, const at::Tensor& query, const at::Tensor& k_c
 // of `out` are left for the caller.
 void write_and_decode(at::Tensor out, const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                       at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slot_mapping,
-                      const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t num_decodes, double scale) {
+                      const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t num_decodes, double scale,
+                      int64_t window, double softcap, const std::optional<at::Tensor>& sinks) {
   check_caches(k_cache, v_cache);
+  const Variant var = variant_of(query, scale, window, softcap, sinks);
   write_kv(key, value, k_cache, v_cache, slot_mapping);
-  decode_rows(out, query, k_cache, v_cache, block_tables, seq_lens, scale, num_decodes);
+  decode_rows(out, query, k_cache, v_cache, block_tables, seq_lens, var, num_decodes);
 }
 
 // Whether bf16 decode runs on the AVX512-BF16 kernel in this build (it needs -march on such a CPU).
@@ -733,10 +796,10 @@ bool decode_uses_bf16_dot() { return kBf16DotKernel; }
 TORCH_LIBRARY(splitserve_cpu, m) {
   m.def("decode_uses_bf16_dot() -> bool", &decode_uses_bf16_dot);  // no tensors: no dispatch key
   m.def("paged_decode(Tensor(a!) out, Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-        "Tensor seq_lens, float scale) -> ()");
+        "Tensor seq_lens, float scale, int window=0, float softcap=0.0, Tensor? sinks=None) -> ()");
   m.def("write_and_decode(Tensor(a!) out, Tensor query, Tensor key, Tensor value, Tensor(b!) k_cache, "
         "Tensor(c!) v_cache, Tensor slot_mapping, Tensor block_tables, Tensor seq_lens, int num_decodes, "
-        "float scale) -> ()");
+        "float scale, int window=0, float softcap=0.0, Tensor? sinks=None) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(splitserve_cpu, CPU, m) {

@@ -27,6 +27,7 @@
 #include <cstdint>
 #include <cstring>
 #include <numeric>
+#include <optional>
 #include <type_traits>
 #include <vector>
 
@@ -104,6 +105,27 @@ inline v16f exp_nonpositive16(v16f x) {
 #endif
 }
 
+// cap * tanh(x / cap), as the decode kernel's softcap8: an odd polynomial below |x / cap| = 1/4,
+// (1 - e) / (1 + e) with e = exp(-2|x / cap|) above.
+inline v16f softcap16(v16f x, float cap) {
+  const v16f y = x * (1.0f / cap);
+  const v16f a = y < 0.0f ? -y : y;
+  const v16f y2 = y * y;
+  const v16f poly = y * (1.0f + y2 * (-1.0f / 3 + y2 * (2.0f / 15 + y2 * (-17.0f / 315 + y2 * (62.0f / 2835)))));
+  const v16f e = exp_nonpositive16(-2.0f * a);
+  const v16f t = (1.0f - e) / (1.0f + e);
+  return (a < 0.25f ? poly : (y < 0.0f ? -t : t)) * cap;
+}
+
+// What a layer does beyond causal attention (the engine's AttentionVariant): a row at position p
+// sees keys p - window + 1 .. p (window 0: 0 .. p); scores are soft-capped (softcap 0: not); each
+// query head's softmax starts from its sink (sinks: float32 per query head, or null).
+struct Variant {
+  int window;
+  float softcap;
+  const float* sinks;
+};
+
 // bf16 pages and queries on a CPU with AVX512-BF16: scores by vdpbf16ps on bf16 K slices staged
 // as pairs of dimensions ([D/2][16] pairs), the query pair broadcast, so each instruction does 16
 // keys x 2 dimensions from unwidened values (bf16 products are exact in float32; sums are float32);
@@ -180,22 +202,28 @@ constexpr int kBlockSlices = 4;
 // kD: the head size when known at compile time (0: `head_size` at run time). A constant one lets
 // the compiler address every row of the tile from one base register; at run time it needs a
 // register a row, more than x86 has, and spills them inside the score loop.
+// `sink` holds each row's sink logit (with var.sinks). With a window, slices before the earliest
+// row's window are skipped and the others masked per row; a block all of whose keys a row cannot
+// see weighs at most exp(-87) ~ 1e-38 in that row's sums once it sees a key, as masked keys do.
 template <int R, bool kDot, int kD>
 void attend_tile(const float* __restrict q, float scale, const int* pos, int head_size, const float* __restrict kt,
-                 const float* __restrict vf, int num_slices, float* __restrict acc, float* __restrict out) {
+                 const float* __restrict vf, int num_slices, float* __restrict acc, float* __restrict out,
+                 const Variant& var, const float* sink) {
   const int D = kD ? kD : head_size;
   constexpr int kBlockKeys = kBlockSlices * kLanes;
   float m[R], l[R];
   alignas(64) float p[R][kBlockKeys];
-  int pos_min = 1 << 30;
+  int pos_min = 1 << 30, pos_max = -1;
   for (int r = 0; r < R; ++r) {
-    m[r] = -1e30f;
-    l[r] = 0.0f;
-    if (pos[r] >= 0) pos_min = std::min(pos_min, pos[r]);
+    m[r] = var.sinks ? sink[r] : -1e30f;
+    l[r] = var.sinks ? 1.0f : 0.0f;
+    if (pos[r] >= 0) pos_min = std::min(pos_min, pos[r]), pos_max = std::max(pos_max, pos[r]);
   }
   std::memset(acc, 0, sizeof(float) * R * D);
   const v16i lane = v16i{0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-  for (int j0 = 0; j0 < num_slices; j0 += kBlockSlices) {
+  // Keys a row at position p cannot see for its window: those at or below p - window.
+  const int first_slice = var.window > 0 ? std::max(0, pos_min - var.window + 1) / kLanes : 0;
+  for (int j0 = first_slice; j0 < num_slices; j0 += kBlockSlices) {
     const int block_slices = std::min(kBlockSlices, num_slices - j0);
     // Scores of the block's slices: an R x 16 tile each, accumulators in registers.
     for (int jj = 0; jj < block_slices; ++jj) {
@@ -221,8 +249,14 @@ void attend_tile(const float* __restrict q, float scale, const int* pos, int hea
           for (int r = 0; r < R; ++r) s[r] += q[r * D + d] * k;
         }
       }
+      if (var.softcap > 0.0f) {
+        for (int r = 0; r < R; ++r) s[r] = softcap16(s[r], var.softcap);
+      }
       if (j * kLanes + kLanes - 1 > pos_min) {  // keys past some row's position: mask them
         for (int r = 0; r < R; ++r) s[r] = (lane + j * kLanes) <= pos[r] ? s[r] : splat16(-1e30f);
+      }
+      if (var.window > 0 && j * kLanes <= pos_max - var.window) {  // keys before some row's window
+        for (int r = 0; r < R; ++r) s[r] = (lane + j * kLanes) > pos[r] - var.window ? s[r] : splat16(-1e30f);
       }
       for (int r = 0; r < R; ++r) store16(p[r] + jj * kLanes, s[r]);
     }
@@ -297,7 +331,7 @@ void attend_tile(const float* __restrict q, float scale, const int* pos, int hea
 template <typename cache_t, typename q_t>
 void prefill_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                   const at::Tensor& block_tables, const std::vector<Chunk>& chunks, int64_t total_slices,
-                  double scale) {
+                  double scale, const Variant& var) {
   const int num_q_heads = query.size(1), D = query.size(2);
   const int num_kv_heads = k_cache.size(2), block_size = k_cache.size(1);
   const int group = num_q_heads / num_kv_heads;
@@ -346,6 +380,7 @@ void prefill_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_
   at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), num_tiles), 1, [&](int64_t, int64_t) {
     std::vector<float> q(kRows * D), acc(kRows * D), o(kRows * D);
     int pos[kRows];
+    float sink[kRows];
     for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < num_tiles;) {
       const Tile& tile = tiles[i];
       const Chunk& ch = chunks[tile.chunk];
@@ -353,6 +388,7 @@ void prefill_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_
         const int t = tile.token0 + r / group, g = r % group;
         const bool valid = r < tile_tokens * group && t < ch.q_len;
         pos[r] = valid ? ch.ctx - ch.q_len + t : -1;
+        sink[r] = var.sinks ? var.sinks[tile.head * group + g] : 0.0f;
         const q_t* src = q_ptr + (ch.q_start + t) * query.stride(0) + (tile.head * group + g) * query.stride(1);
         if constexpr (kBf16Dot<cache_t, q_t>) {  // raw bf16 rows, D/2 32-bit pairs each
           uint32_t* pairs = reinterpret_cast<uint32_t*>(q.data()) + r * D / 2;
@@ -366,9 +402,9 @@ void prefill_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_
       constexpr bool kDot = kBf16Dot<cache_t, q_t>;
       const float* kt = kt_all + at_slice;
       const float* vf = vf_all + at_slice;
-      if (D == 64) attend_tile<kRows, kDot, 64>(q.data(), fscale, pos, D, kt, vf, tile.slices, acc.data(), o.data());
-      else if (D == 128) attend_tile<kRows, kDot, 128>(q.data(), fscale, pos, D, kt, vf, tile.slices, acc.data(), o.data());
-      else attend_tile<kRows, kDot, 0>(q.data(), fscale, pos, D, kt, vf, tile.slices, acc.data(), o.data());
+      if (D == 64) attend_tile<kRows, kDot, 64>(q.data(), fscale, pos, D, kt, vf, tile.slices, acc.data(), o.data(), var, sink);
+      else if (D == 128) attend_tile<kRows, kDot, 128>(q.data(), fscale, pos, D, kt, vf, tile.slices, acc.data(), o.data(), var, sink);
+      else attend_tile<kRows, kDot, 0>(q.data(), fscale, pos, D, kt, vf, tile.slices, acc.data(), o.data(), var, sink);
       for (int r = 0; r < kRows; ++r) {
         if (pos[r] < 0) continue;
         const int t = tile.token0 + r / group, g = r % group;
@@ -385,7 +421,8 @@ void prefill_impl(at::Tensor& out, const at::Tensor& query, const at::Tensor& k_
 // [B + 1], seq_lens [B], all int32.
 void paged_prefill(at::Tensor out, const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                    const at::Tensor& block_tables, const at::Tensor& query_start_loc, const at::Tensor& seq_lens,
-                   int64_t first_chunk, double scale) {
+                   int64_t first_chunk, double scale, int64_t window, double softcap,
+                   const std::optional<at::Tensor>& sinks) {
   TORCH_CHECK(query.dim() == 3 && out.sizes() == query.sizes() && out.scalar_type() == query.scalar_type(),
               "query/out must be [T, H, D] alike");
   TORCH_CHECK(query.stride(2) == 1 && out.stride(2) == 1, "head_dim of query/out must be contiguous");
@@ -402,6 +439,12 @@ void paged_prefill(at::Tensor out, const at::Tensor& query, const at::Tensor& k_
   TORCH_CHECK(query_start_loc.is_contiguous() && seq_lens.is_contiguous() &&
               query_start_loc.numel() == seq_lens.numel() + 1 && block_tables.size(0) >= seq_lens.numel(),
               "a query_start_loc pair, a seq_len and a block table row per sequence");
+  TORCH_CHECK(window >= 0 && softcap >= 0.0, "window and softcap must be >= 0 (0: none)");
+  TORCH_CHECK(!sinks.has_value() || (sinks->scalar_type() == at::kFloat && sinks->is_contiguous() &&
+                                     sinks->numel() == query.size(1)),
+              "sinks must be float32, contiguous, one per query head");
+  const Variant var{static_cast<int>(window), static_cast<float>(softcap),
+                    sinks.has_value() ? sinks->data_ptr<float>() : nullptr};
   const int32_t* qs = query_start_loc.data_ptr<int32_t>();
   const int32_t* lens = seq_lens.data_ptr<int32_t>();
   std::vector<Chunk> chunks;
@@ -419,11 +462,11 @@ void paged_prefill(at::Tensor out, const at::Tensor& query, const at::Tensor& k_
 #define PREFILL_Q(cache_t)                                                                                 \
   switch (query.scalar_type()) {                                                                          \
     case at::kFloat: return prefill_impl<cache_t, float>(out, query, k_cache, v_cache, block_tables, chunks, \
-                                                         total_slices, scale);                            \
+                                                         total_slices, scale, var);                            \
     case at::kBFloat16: return prefill_impl<cache_t, c10::BFloat16>(out, query, k_cache, v_cache, block_tables, \
-                                                                    chunks, total_slices, scale);         \
+                                                                    chunks, total_slices, scale, var);         \
     case at::kHalf: return prefill_impl<cache_t, c10::Half>(out, query, k_cache, v_cache, block_tables, chunks, \
-                                                            total_slices, scale);                         \
+                                                            total_slices, scale, var);                         \
     default: TORCH_CHECK(false, "paged_prefill: unsupported query dtype ", query.scalar_type());           \
   }
   switch (k_cache.scalar_type()) {
@@ -439,7 +482,8 @@ void paged_prefill(at::Tensor out, const at::Tensor& query, const at::Tensor& k_
 
 TORCH_LIBRARY_FRAGMENT(splitserve_cpu, m) {
   m.def("paged_prefill(Tensor(a!) out, Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-        "Tensor query_start_loc, Tensor seq_lens, int first_chunk, float scale) -> ()");
+        "Tensor query_start_loc, Tensor seq_lens, int first_chunk, float scale, int window=0, float softcap=0.0, "
+        "Tensor? sinks=None) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(splitserve_cpu, CPU, m) { m.impl("paged_prefill", &paged_prefill); }
