@@ -2,8 +2,9 @@
 
 The engine runs a checkpoint through its ``transformers`` modules with the paged attention op in
 place of theirs (``attention/hf_integration.py``). That is exact only for what the op and the
-runner implement: causal attention over every earlier token, with the layer's own scale, any
-head size, grouped KV heads and the model's own rotary embedding, q/k norms and MLPs (dense or
+runner implement: causal attention with the layer's own scale, sliding window, soft-capping of
+scores and attention sinks (each layer its own, as transformers passes them), any head size the
+kernels take, grouped KV heads and the model's own rotary embedding, q/k norms and MLPs (dense or
 experts, run as ``transformers`` writes them). A feature outside that would run without error and
 give other tokens, so a model is checked against this registry from its config alone, before a
 weight is loaded, and refused with the architecture and the missing feature named.
@@ -33,20 +34,37 @@ class Architecture:
 
 SUPPORTED: dict[str, Architecture] = {
     "LlamaForCausalLM": Architecture("Llama 2 / 3, SmolLM2", "meta-llama/Llama-3.1-8B-Instruct"),
-    "MistralForCausalLM": Architecture("Mistral", "mistralai/Mistral-7B-Instruct-v0.3",
-                                       "sliding window only up to --max-model-len"),
-    "Qwen2ForCausalLM": Architecture("Qwen2, Qwen2.5", "Qwen/Qwen2.5-7B-Instruct", "q/k/v biases"),
+    "MistralForCausalLM": Architecture("Mistral", "mistralai/Mistral-7B-Instruct-v0.1", "sliding window"),
+    "Qwen2ForCausalLM": Architecture("Qwen2, Qwen2.5", "Qwen/Qwen2.5-7B-Instruct",
+                                     "q/k/v biases; sliding window in the upper layers when use_sliding_window"),
     "Qwen3ForCausalLM": Architecture("Qwen3", "Qwen/Qwen3-8B", "q/k norms"),
     "Qwen3MoeForCausalLM": Architecture("Qwen3-MoE", "Qwen/Qwen3-30B-A3B", "mixture of experts"),
     "MixtralForCausalLM": Architecture("Mixtral", "mistralai/Mixtral-8x7B-Instruct-v0.1",
-                                       "mixture of experts; sliding window only up to --max-model-len"),
+                                       "mixture of experts; sliding window"),
     "GemmaForCausalLM": Architecture("Gemma", "google/gemma-7b-it", "GeGLU, scaled embeddings"),
-    "Phi3ForCausalLM": Architecture("Phi-3", "microsoft/Phi-3-mini-4k-instruct",
-                                    "fused qkv and gate/up; sliding window only up to --max-model-len"),
+    "Gemma2ForCausalLM": Architecture("Gemma 2", "google/gemma-2-9b-it",
+                                      "sliding-window and full layers alternating, soft-capped attention scores "
+                                      "and logits, query_pre_attn_scalar, post-norms"),
+    "Gemma3ForCausalLM": Architecture("Gemma 3 (text)", "google/gemma-3-1b-it",
+                                      "five sliding-window layers to one full, q/k norms, a rotary base per "
+                                      "layer type"),
+    "GptOssForCausalLM": Architecture("gpt-oss", "openai/gpt-oss-20b",
+                                      "attention sinks, sliding-window and full layers alternating, mixture of "
+                                      "experts (bf16 weights; MXFP4 checkpoints are refused by the loader)"),
+    "Phi3ForCausalLM": Architecture("Phi-3", "microsoft/Phi-3-mini-4k-instruct", "fused qkv and gate/up; sliding window"),
     "Olmo2ForCausalLM": Architecture("OLMo 2", "allenai/OLMo-2-1124-7B-Instruct", "q/k norms, post-norms"),
     "GraniteForCausalLM": Architecture("Granite", "ibm-granite/granite-3.1-8b-instruct",
                                        "attention, embedding, residual and logits multipliers"),
     "StableLmForCausalLM": Architecture("StableLM", "stabilityai/stablelm-2-1_6b-chat", "partial rotary"),
+    "Qwen2MoeForCausalLM": Architecture("Qwen2-MoE, Qwen1.5-MoE", "Qwen/Qwen1.5-MoE-A2.7B-Chat",
+                                        "mixture of experts with a gated shared expert; q/k/v biases"),
+    "OlmoeForCausalLM": Architecture("OLMoE", "allenai/OLMoE-1B-7B-0125-Instruct", "mixture of experts, q/k norms"),
+    "PhiForCausalLM": Architecture("Phi-1.5, Phi-2", "microsoft/phi-2",
+                                   "partial rotary, parallel attention and MLP, biases"),
+    "CohereForCausalLM": Architecture("Command R", "CohereForAI/c4ai-command-r-v01",
+                                      "parallel attention and MLP, layer norms, logit_scale"),
+    "Cohere2ForCausalLM": Architecture("Command R7B, Command A", "CohereForAI/c4ai-command-r7b-12-2024",
+                                       "three sliding-window layers to one full (no rotary in the full ones)"),
     "GPTNeoXForCausalLM": Architecture("GPT-NeoX, Pythia", "EleutherAI/pythia-1.4b",
                                        "partial rotary, parallel residual, fused qkv"),
 }
@@ -54,11 +72,7 @@ SUPPORTED: dict[str, Architecture] = {
 # Architectures people ask for that the engine refuses, and why (anything unlisted gets the
 # generic reason).
 REFUSED: dict[str, str] = {
-    "Gemma2ForCausalLM": "soft-capping of attention scores, and sliding-window layers",
-    "Gemma3ForCausalLM": "sliding-window layers",
-    "Gemma3ForConditionalGeneration": "a vision tower (multimodal), and sliding-window layers",
-    "GptOssForCausalLM": "attention sinks, and sliding-window layers",
-    "Cohere2ForCausalLM": "sliding-window layers",
+    "Gemma3ForConditionalGeneration": "a vision tower (multimodal)",
     "DeepseekV2ForCausalLM": "multi-head latent attention (MLA)",
     "DeepseekV3ForCausalLM": "multi-head latent attention (MLA)",
     "MambaForCausalLM": "state-space layers (no attention KV cache)",
@@ -81,31 +95,19 @@ def architecture_of(hf_config) -> str:
     return names[0] if names else type(hf_config).__name__.removesuffix("Config") + " (no architectures in config.json)"
 
 
-def sliding_window(hf_config) -> int | None:
-    """The attention window of the model's windowed layers, if any of them has one."""
-    window = getattr(hf_config, "sliding_window", None)
-    if not window or getattr(hf_config, "use_sliding_window", True) is False:
-        return None
-    return int(window)
-
-
-def check_supported(hf_config, max_model_len: int) -> None:
-    """Raise ``UnsupportedModel`` unless the engine serves this model exactly up to
-    ``max_model_len`` tokens."""
+def check_supported(hf_config) -> None:
+    """Raise ``UnsupportedModel`` unless the engine serves this model exactly."""
     arch = architecture_of(hf_config)
     if arch not in SUPPORTED:
         reason = REFUSED.get(arch, "an architecture nobody has checked against transformers here")
         raise UnsupportedModel(f"{arch} is not supported: it needs {reason}, which this engine does not implement "
                                f"(supported: {', '.join(sorted(SUPPORTED))}; docs/models.md)")
-    if getattr(hf_config, "attn_logit_softcapping", None):
-        raise UnsupportedModel(f"{arch} with attn_logit_softcapping is not supported: soft-capping of attention "
-                               "scores is not implemented")
-    window = sliding_window(hf_config)
-    if window is not None and window < max_model_len:
-        raise UnsupportedModel(
-            f"{arch} with sliding_window={window} is not supported beyond {window} tokens: sliding-window "
-            f"attention is not implemented, and max_model_len is {max_model_len}. With --max-model-len {window} "
-            "or less the window never applies and the model is served exactly")
+    quantization = getattr(hf_config, "quantization_config", None)
+    if quantization:  # e.g. gpt-oss's MXFP4 experts; transformers would de-quantize, or fail, silently
+        method = quantization.get("quant_method") if isinstance(quantization, dict) else \
+            getattr(quantization, "quant_method", None)
+        raise UnsupportedModel(f"{arch} with quantized weights (quant_method={method}) is not supported: this "
+                               "engine loads unquantized checkpoints only (the bf16 or fp32 release of the model)")
 
 
 def final_logits(hf_config) -> Callable[["torch.Tensor"], "torch.Tensor"] | None:
@@ -113,8 +115,11 @@ def final_logits(hf_config) -> Callable[["torch.Tensor"], "torch.Tensor"] | None
     does it (greedy choices do not change, sampling and logprobs do); None when nothing."""
     scaling = getattr(hf_config, "logits_scaling", None)  # Granite
     softcap = getattr(hf_config, "final_logit_softcapping", None)  # Gemma 2/3
+    multiplier = getattr(hf_config, "logit_scale", None)  # Cohere
     if scaling and scaling != 1.0:
         return lambda logits: logits / scaling
+    if multiplier and multiplier != 1.0:
+        return lambda logits: logits * multiplier
     if softcap:
         return lambda logits: (logits / softcap).tanh() * softcap
     return None

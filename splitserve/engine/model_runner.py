@@ -102,7 +102,7 @@ class ModelRunner:
         self.kv_connector: KVConnector | None = None
         hf = load_config(model_dir)
         self.max_model_len = max_model_len or config.max_model_len or getattr(hf, "max_position_embeddings", 2048)
-        check_supported(hf, self.max_model_len)  # before any weight loads
+        check_supported(hf)  # before any weight loads
         if self.tp_size > 1:
             self.model = self._load_shard(model_dir)
         else:
