@@ -95,7 +95,7 @@ needs_cpu_kernels = pytest.mark.skipif(not cpu_kernels.available(), reason="no C
 @needs_cpu_kernels
 @pytest.mark.parametrize("name", sorted(VARIANTS))
 @pytest.mark.parametrize("dtype,head_dim", [(torch.float32, 64), (torch.bfloat16, 64), (torch.bfloat16, 128),
-                                            (torch.float32, 80)])
+                                            (torch.float32, 80), (torch.bfloat16, 256)])  # 256: Gemma 2
 @pytest.mark.parametrize("block_size", [8, 16, 32])
 def test_cpu_decode_kernel(name, dtype, head_dim, block_size):
     # bf16 pages with a head size that is a multiple of 32 take the AVX512-BF16 kernel where the
@@ -117,10 +117,11 @@ def test_cpu_decode_kernel(name, dtype, head_dim, block_size):
 @pytest.mark.parametrize("name", sorted(VARIANTS))
 @pytest.mark.parametrize("scenario", ["prefill", "chunked", "mixed"])
 @pytest.mark.parametrize("block_size", [8, 32])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_cpu_prefill_kernel(name, scenario, block_size, dtype):
+@pytest.mark.parametrize("dtype,head_dim", [(torch.float32, 64), (torch.bfloat16, 64), (torch.float32, 256)])
+def test_cpu_prefill_kernel(name, scenario, block_size, dtype, head_dim):
     # A long chunk after cached context as well: its tiles start past some rows' windows.
-    batch = Batch(SCENARIOS[scenario] + [(37, 50)], block_size, 9, 3, 64, dtype, "cpu", fragmented=True, seed=5)
+    batch = Batch(SCENARIOS[scenario] + [(37, 50)], block_size, 9, 3, head_dim, dtype, "cpu", fragmented=True,
+                  seed=5)
     args = variant_args(name, 9)
     num_decodes = next((i for i, n in enumerate(batch.q_lens) if n != 1), len(batch.q_lens))
     out = torch.full_like(batch.query, 7.0)

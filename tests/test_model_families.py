@@ -81,6 +81,18 @@ def test_supported_architecture_matches_transformers(arch, family_dirs, hf_refer
     assert small.engine.stats()["num_preemptions"] > 0
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("arch", sorted(SUPPORTED))
+def test_supported_architecture_on_cuda(arch, family_dirs, hf_reference, make_llm):
+    """The same comparison on a GPU (the device check runs the gpu-marked tests): the Triton
+    kernels compiled, fp32, chunked prefill; eager steps, so twenty architectures fit its budget."""
+    model = family_dirs(arch)
+    llm = make_llm(model, device="cuda", block_size=16, num_gpu_blocks=256, max_num_batched_tokens=32)
+    assert llm.engine.runner.backend.name == "triton"
+    prompts = mixed_prompts(8, seed=34, lo=5, hi=60)
+    assert served(llm, prompts) == [hf_reference(model).greedy(p, MAX_TOKENS) for p in prompts]
+
+
 # Families whose layers use the attention variants (windows, soft-caps, sinks).
 VARIANT_FAMILIES = ["Cohere2ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalLM", "GptOssForCausalLM",
                     "MistralForCausalLM", "Qwen2ForCausalLM"]
