@@ -17,6 +17,21 @@ LINEAR_BACKENDS = ("auto", "onednn", "torch")
 LOAD_FORMATS = ("auto", "dummy")
 # Speculative decoding (splitserve/engine/spec_decode): prompt lookup, or a small draft model.
 SPECULATIVE_METHODS = ("ngram", "draft")
+# Weight quantization (splitserve/engine/quantization.py), and vLLM's names for what this engine
+# does not do yet: those are refused as such, not as a typo.
+QUANTIZATION_METHODS = ("int8",)
+QUANTIZATION_NOT_YET = ("fp8", "awq", "awq_marlin", "gptq", "gptq_marlin", "gguf", "bitsandbytes",
+                        "compressed-tensors", "experts_int8", "fbgemm_fp8", "marlin", "modelopt", "mxfp4", "torchao")
+
+
+def check_quantization(method: str | None) -> None:
+    """A clear error for a quantization method this engine does not serve."""
+    if not method or method in QUANTIZATION_METHODS:
+        return
+    if method in QUANTIZATION_NOT_YET:
+        raise ValueError(f"quantization={method!r} is not implemented by this engine yet (it serves: "
+                         f"{', '.join(QUANTIZATION_METHODS)}; or leave it unset for the checkpoint's own weights)")
+    raise ValueError(f"quantization must be one of {QUANTIZATION_METHODS} (or unset), got {method!r}")
 
 
 @dataclass(frozen=True)
@@ -81,6 +96,9 @@ class EngineConfig:
     # Weights: auto, the checkpoint's; dummy, random ones built from config.json alone (vLLM's
     # name), to measure or check a model's shapes without its checkpoint (tokens are meaningless).
     load_format: str = "auto"
+    # Weights quantized at load (vLLM's flag): "int8", weight-only, one scale per output channel
+    # (a quarter of fp32's weight bytes; decode reads fewer); unset: the checkpoint's own weights.
+    quantization: str | None = None
     # Colocated workers: size each step's share of prompt tokens (the chunked-prefill size) so that
     # steps with decodes take about this many ms while prompts arrive (splitserve/engine/step_budget.py);
     # None: every step may fill max_num_batched_tokens.
@@ -145,6 +163,7 @@ class EngineConfig:
         one_of("attention_backend", ATTENTION_BACKENDS)
         one_of("linear_backend", LINEAR_BACKENDS)
         one_of("load_format", LOAD_FORMATS)
+        check_quantization(self.quantization)
         self._check_speculative(positive)
         if self.preemption_mode == "swap" and self.num_cpu_blocks == 0:
             raise ValueError("preemption_mode='swap' needs num_cpu_blocks > 0")

@@ -108,6 +108,12 @@ class ModelRunner:
         else:
             self.model = load_model(model_dir, self.dtype, self.device, attn_implementation=ATTN_IMPLEMENTATION,
                                     load_format=config.load_format)
+        # --quantization: the linears replaced by quantized ones (each rank's own shard under TP),
+        # before the float ones left are packed.
+        self.quantized_weights = None
+        if config.quantization:
+            from splitserve.engine.quantization import quantize_model
+            self.quantized_weights = quantize_model(self.model, config.quantization)
         self.linear_backend = resolve_linear_backend(config.linear_backend, self.device, self.dtype)
         if self.linear_backend == "onednn":
             pack_linear_layers(self.model)

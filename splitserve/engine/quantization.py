@@ -1,0 +1,107 @@
+"""Quantized weights (``--quantization``, vLLM's flag): the linear layers of a loaded model replaced
+by quantized ones, inside the compiled step like any other module.
+
+``int8``: weight-only, quantized at load from the checkpoint's weights. Each output channel of a
+linear layer keeps int8 codes and one float32 scale (symmetric: scale = max |w| / 127, code =
+round(w / scale)): a quarter of fp32's weight bytes, half of bf16's. On the CPU the matmul is
+``csrc/int8_linear_cpu.cpp``: the codes are widened to float32 in registers right before their
+multiply-adds (never a float copy of the weight), the scale applied to each finished dot product,
+activations kept in their own dtype (float32 stays float32: the same arithmetic as a float GEMM
+over the de-quantized weight, up to the order of the additions). torch's own int8 kernel
+(``aten::_weight_int8pack_mm``) was measured first: 3-6x a bf16 GEMM at one row, but its float32
+path ran 6x slower than an fp32 GEMM and its many-row path 2.5x slower than bf16's. Elsewhere
+(CUDA) the weight is de-quantized for each call: correct, not fast (a Triton kernel is to come).
+
+Every linear of the decoder layers and the output projection is quantized (a tied output
+projection gets an int8 copy of its own; the embedding lookup keeps the float table). Experts
+that ``transformers`` stores as 3-D tensors (not ``nn.Linear``) keep their float weights. Shards
+of a tensor-parallel model are quantized after sharding, so each rank's scales are its own rows'.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from splitserve.engine.config import check_quantization
+
+log = logging.getLogger(__name__)
+
+
+def int8_matmul(rows: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """rows [M, in] x (codes [out, in] int8 * scales [out] float32) transposed -> [M, out], in the
+    rows' dtype: the de-quantized weight for this call (the portable path)."""
+    return torch.nn.functional.linear(rows, (codes.float() * scales[:, None]).to(rows.dtype))
+
+
+def _matmul_op(device: torch.device):
+    """The C++ kernel on a CPU where the kernels built (its shape rule registered for the
+    compiled step once), the portable path elsewhere."""
+    from splitserve.engine.attention import cpu_kernels
+    if device.type != "cpu" or not cpu_kernels.available():
+        return int8_matmul
+    global _fake_registered
+    if not _fake_registered:
+        torch.library.register_fake("splitserve_cpu::int8_linear")(
+            lambda rows, codes, scales: rows.new_empty((rows.shape[0], codes.shape[0])))
+        _fake_registered = True
+    return torch.ops.splitserve_cpu.int8_linear
+
+
+_fake_registered = False
+
+
+class Int8Linear(torch.nn.Module):
+    """A linear layer with int8 weights, one float32 scale per output channel; activations and
+    output in the model's dtype."""
+
+    def __init__(self, linear: torch.nn.Linear):
+        super().__init__()
+        weight = linear.weight.detach().float()
+        scale = weight.abs().amax(dim=1).clamp_min(torch.finfo(torch.float32).tiny) / 127.0
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.register_buffer("codes", torch.round(weight / scale[:, None]).clamp(-127, 127).to(torch.int8))
+        self.register_buffer("scales", scale)
+        bias = None if linear.bias is None else linear.bias.detach().clone()
+        self.register_buffer("bias", bias)
+        self.op = _matmul_op(weight.device)
+
+    def dequantized(self) -> torch.Tensor:
+        """The weight these codes stand for, [out, in] float32 (what a reference model is given)."""
+        return self.codes.float() * self.scales[:, None]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.op(x.reshape(-1, self.in_features), self.codes, self.scales)
+        out = out.reshape(*x.shape[:-1], self.out_features)
+        return out if self.bias is None else out + self.bias
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8 per-channel"
+
+
+@dataclass(frozen=True)
+class QuantizedWeights:
+    """What quantizing a model did."""
+
+    # Linear layers replaced.
+    layers: int
+    # Bytes of their weights before and after (codes + scales).
+    bytes_before: int
+    bytes_after: int
+
+
+def quantize_model(model: torch.nn.Module, method: str) -> QuantizedWeights:
+    """Replace the linear layers of ``model`` (decoder layers and output projection) in place."""
+    check_quantization(method)
+    targets = [(name, module) for name, module in model.named_modules() if type(module) is torch.nn.Linear]
+    before = after = 0
+    for name, module in targets:
+        parent_name, _, child = name.rpartition(".")
+        quantized = Int8Linear(module)
+        before += module.weight.numel() * module.weight.element_size()
+        after += quantized.codes.numel() + quantized.scales.numel() * 4
+        setattr(model.get_submodule(parent_name), child, quantized)
+    log.info("quantized %d linear layers to %s: %.1f -> %.1f MiB of weights", len(targets), method,
+             before / 2**20, after / 2**20)
+    return QuantizedWeights(len(targets), before, after)
