@@ -27,11 +27,13 @@ def render() -> str:
     out = ["<!-- Generated from splitserve/engine/model_registry.py by docs/gen/models_table.py when the site "
            "is built. -->", "",
            "### Served", "",
-           "| architecture | family | an example checkpoint | beyond a Llama-style decoder | tested on |",
-           "|---|---|---|---|---|"]
+           "| architecture | family | an example checkpoint | beyond a Llama-style decoder | `--quantization int8` "
+           "| tested on |",
+           "|---|---|---|---|---|---|"]
     for name, arch in sorted(SUPPORTED.items(), key=lambda item: item[1].family.lower()):
+        quantized = "linears; experts stay float" if arch.experts else "every linear"
         out.append(f"| `{name}` | {one_line(arch.family)} | `{arch.example}` | {one_line(arch.features) or '—'} | "
-                   "CPU (fp32, tiny random model) |")
+                   f"{quantized} | CPU (fp32, tiny random model) |")
     out += ["", "### Refused, with the reason given", "",
             "| architecture | what it needs that the engine does not implement |", "|---|---|"]
     for name, reason in sorted(REFUSED.items()):

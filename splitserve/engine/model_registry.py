@@ -30,6 +30,8 @@ class Architecture:
     example: str
     # What it brings beyond a Llama-style decoder, for the table.
     features: str = ""
+    # Whether its MLPs are experts stored as 3-D tensors (they keep float weights under --quantization).
+    experts: bool = False
 
 
 SUPPORTED: dict[str, Architecture] = {
@@ -38,9 +40,9 @@ SUPPORTED: dict[str, Architecture] = {
     "Qwen2ForCausalLM": Architecture("Qwen2, Qwen2.5", "Qwen/Qwen2.5-7B-Instruct",
                                      "q/k/v biases; sliding window in the upper layers when use_sliding_window"),
     "Qwen3ForCausalLM": Architecture("Qwen3", "Qwen/Qwen3-8B", "q/k norms"),
-    "Qwen3MoeForCausalLM": Architecture("Qwen3-MoE", "Qwen/Qwen3-30B-A3B", "mixture of experts"),
+    "Qwen3MoeForCausalLM": Architecture("Qwen3-MoE", "Qwen/Qwen3-30B-A3B", "mixture of experts", experts=True),
     "MixtralForCausalLM": Architecture("Mixtral", "mistralai/Mixtral-8x7B-Instruct-v0.1",
-                                       "mixture of experts; sliding window"),
+                                       "mixture of experts; sliding window", experts=True),
     "GemmaForCausalLM": Architecture("Gemma", "google/gemma-7b-it", "GeGLU, scaled embeddings"),
     "Gemma2ForCausalLM": Architecture("Gemma 2", "google/gemma-2-9b-it",
                                       "sliding-window and full layers alternating, soft-capped attention scores "
@@ -50,15 +52,15 @@ SUPPORTED: dict[str, Architecture] = {
                                       "layer type"),
     "GptOssForCausalLM": Architecture("gpt-oss", "openai/gpt-oss-20b",
                                       "attention sinks, sliding-window and full layers alternating, mixture of "
-                                      "experts (bf16 weights; MXFP4 checkpoints are refused by the loader)"),
+                                      "experts (bf16 weights; MXFP4 checkpoints are refused by the loader)", experts=True),
     "Phi3ForCausalLM": Architecture("Phi-3", "microsoft/Phi-3-mini-4k-instruct", "fused qkv and gate/up; sliding window"),
     "Olmo2ForCausalLM": Architecture("OLMo 2", "allenai/OLMo-2-1124-7B-Instruct", "q/k norms, post-norms"),
     "GraniteForCausalLM": Architecture("Granite", "ibm-granite/granite-3.1-8b-instruct",
                                        "attention, embedding, residual and logits multipliers"),
     "StableLmForCausalLM": Architecture("StableLM", "stabilityai/stablelm-2-1_6b-chat", "partial rotary"),
     "Qwen2MoeForCausalLM": Architecture("Qwen2-MoE, Qwen1.5-MoE", "Qwen/Qwen1.5-MoE-A2.7B-Chat",
-                                        "mixture of experts with a gated shared expert; q/k/v biases"),
-    "OlmoeForCausalLM": Architecture("OLMoE", "allenai/OLMoE-1B-7B-0125-Instruct", "mixture of experts, q/k norms"),
+                                        "mixture of experts with a gated shared expert; q/k/v biases", experts=True),
+    "OlmoeForCausalLM": Architecture("OLMoE", "allenai/OLMoE-1B-7B-0125-Instruct", "mixture of experts, q/k norms", experts=True),
     "PhiForCausalLM": Architecture("Phi-1.5, Phi-2", "microsoft/phi-2",
                                    "partial rotary, parallel attention and MLP, biases"),
     "CohereForCausalLM": Architecture("Command R", "CohereForAI/c4ai-command-r-v01",
