@@ -109,3 +109,28 @@ def wait_until_quiet(busy_below: float = 0.15, window_s: float = 0.5, timeout_s:
         if total1 > total0 and (busy1 - busy0) / (total1 - total0) < busy_below:
             break
     return time.monotonic() - start
+
+
+def decode_rate(llm, batch: int, tokens: int, seed: int, ids: tuple[int, int] = (3, 250)) -> float:
+    """Output tokens per second of ``batch`` requests (32-token prompts of random ids in the range
+    ``ids``) decoding ``tokens`` each, EOS ignored, through an offline ``LLM``."""
+    import torch
+
+    from splitserve.engine import SamplingParams
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(*ids, (32,), generator=g).tolist() for _ in range(batch)]
+    start = time.perf_counter()
+    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True))
+    return sum(len(o.token_ids) for o in outs) / (time.perf_counter() - start)
+
+
+def prefill_rate(llm, tokens: int, seed: int, ids: tuple[int, int] = (3, 250)) -> float:
+    """Prompt tokens per second of one ``tokens``-token prompt (one output token)."""
+    import torch
+
+    from splitserve.engine import SamplingParams
+    g = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(*ids, (tokens,), generator=g).tolist()
+    start = time.perf_counter()
+    llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+    return tokens / (time.perf_counter() - start)

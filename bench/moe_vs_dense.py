@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from bench.common import median, write_json
+from bench.common import decode_rate, median, prefill_rate, write_json
 
 
 def make_checkpoint(path: Path, moe: bool, args) -> Path:
@@ -58,27 +58,6 @@ def params(checkpoint: Path, args, moe: bool) -> dict:
         return {"total": total, "active_per_token": total}
     expert_params = sum(p.numel() for name, p in model.named_parameters() if ".experts." in name)
     return {"total": total, "active_per_token": total - expert_params + expert_params * args.top_k // args.experts}
-
-
-def decode_rate(llm, batch: int, tokens: int, seed: int) -> float:
-    """Output tokens per second of `batch` requests of 32-token prompts decoding `tokens` each."""
-    from splitserve.engine import SamplingParams
-    g = torch.Generator().manual_seed(seed)
-    prompts = [torch.randint(3, 250, (32,), generator=g).tolist() for _ in range(batch)]
-    params = SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True)
-    start = time.perf_counter()
-    outs = llm.generate(prompts, params)
-    return sum(len(o.token_ids) for o in outs) / (time.perf_counter() - start)
-
-
-def prefill_rate(llm, tokens: int, seed: int) -> float:
-    """Prompt tokens per second of one prompt of `tokens` tokens (one output token)."""
-    from splitserve.engine import SamplingParams
-    g = torch.Generator().manual_seed(seed)
-    prompt = torch.randint(3, 250, (tokens,), generator=g).tolist()
-    start = time.perf_counter()
-    llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
-    return tokens / (time.perf_counter() - start)
 
 
 def main() -> None:

@@ -23,8 +23,12 @@ import time
 
 import torch
 
-from bench.common import LoadSampler, median, write_json
+from bench.common import LoadSampler, decode_rate, median, prefill_rate, write_json
 from bench.kv_quant import agreement, fixed_text, greedy, perplexity
+
+
+# Prompt ids for the rates: ordinary tokens of the model's vocabulary.
+VOCAB_IDS = (100, 20000)
 
 
 def make_llm(model: str, dtype: str, quantization: str | None, **kw):
@@ -44,24 +48,6 @@ def rss_mib(model: str, dtype: str, quantization: str | None) -> dict:
             "'serving': psutil.Process().memory_info().rss / 2**20}))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     return json.loads(out.stdout.strip().splitlines()[-1])
-
-
-def decode_rate(llm, batch: int, tokens: int, seed: int) -> float:
-    from splitserve.engine import SamplingParams
-    g = torch.Generator().manual_seed(seed)
-    prompts = [torch.randint(100, 20000, (32,), generator=g).tolist() for _ in range(batch)]
-    start = time.perf_counter()
-    outs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=tokens, ignore_eos=True))
-    return sum(len(o.token_ids) for o in outs) / (time.perf_counter() - start)
-
-
-def prefill_rate(llm, tokens: int, seed: int) -> float:
-    from splitserve.engine import SamplingParams
-    g = torch.Generator().manual_seed(seed)
-    prompt = torch.randint(100, 20000, (tokens,), generator=g).tolist()
-    start = time.perf_counter()
-    llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
-    return tokens / (time.perf_counter() - start)
 
 
 def main(argv=None) -> int:
@@ -104,12 +90,13 @@ def main(argv=None) -> int:
             del llm
         llms = {name: make_llm(args.model, dtype, q) for name, q in systems.items()}  # speed: compiled steps
         for llm in llms.values():
-            decode_rate(llm, 2, 4, 0)  # warm-up
-            prefill_rate(llm, args.prefill_tokens, 0)
-        workloads = {"decode_batch1_tok_s": lambda llm, r: decode_rate(llm, 1, args.decode_tokens, r),
+            decode_rate(llm, 2, 4, 0, VOCAB_IDS)  # warm-up
+            prefill_rate(llm, args.prefill_tokens, 0, VOCAB_IDS)
+        workloads = {"decode_batch1_tok_s": lambda llm, r: decode_rate(llm, 1, args.decode_tokens, r, VOCAB_IDS),
                      f"decode_batch{args.batch}_tok_s": lambda llm, r: decode_rate(llm, args.batch,
-                                                                                   args.decode_tokens, r),
-                     f"prefill_{args.prefill_tokens}_tok_s": lambda llm, r: prefill_rate(llm, args.prefill_tokens, r)}
+                                                                                   args.decode_tokens, r, VOCAB_IDS),
+                     f"prefill_{args.prefill_tokens}_tok_s": lambda llm, r: prefill_rate(llm, args.prefill_tokens, r,
+                                                                                     VOCAB_IDS)}
         samples = {name: {w: [] for w in workloads} for name in llms}
         for r in range(args.rounds):
             order = list(llms) if r % 2 == 0 else list(reversed(llms))

@@ -46,10 +46,12 @@ FAMILIES: dict[str, tuple[str, dict]] = {
                                              "layer_types": ["sliding_attention", "full_attention"]}),
     # Windowed and full layers alternating; soft-capped scores (a cap that bites at these scales)
     # and logits; a query_pre_attn_scalar that is not the head size.
-    "Gemma2ForCausalLM": ("Gemma2Config", {"head_dim": HEAD_DIM, "sliding_window": WINDOW, "tie_word_embeddings": False,
+    "Gemma2ForCausalLM": ("Gemma2Config", {"head_dim": HEAD_DIM, "sliding_window": WINDOW,
+                                           "tie_word_embeddings": False,
                                            "attn_logit_softcapping": 5.0, "final_logit_softcapping": 10.0,
                                            "query_pre_attn_scalar": 24}),
-    "Gemma3ForCausalLM": ("Gemma3TextConfig", {"head_dim": HEAD_DIM, "sliding_window": WINDOW, "tie_word_embeddings": False,
+    "Gemma3ForCausalLM": ("Gemma3TextConfig", {"head_dim": HEAD_DIM, "sliding_window": WINDOW,
+                                               "tie_word_embeddings": False,
                                                "layer_types": ["sliding_attention", "full_attention"]}),
     "GptOssForCausalLM": ("GptOssConfig", {"head_dim": HEAD_DIM, "num_local_experts": 4, "num_experts_per_tok": 2,
                                            "sliding_window": WINDOW,

@@ -1,5 +1,6 @@
 """The CPU kernels in ``csrc/`` (paged decode and prefill attention; the page copy of the shm KV transport;
-the call of splitserve/engine/cpu_linear.py's packed linears; the int8-weight linears of splitserve/engine/quantization.py), compiled for this machine on first use and cached.
+the call of splitserve/engine/cpu_linear.py's packed linears; the int8-weight linears of
+splitserve/engine/quantization.py), compiled for this machine on first use and cached.
 
 ``torch.utils.cpp_extension`` builds the sources with ``-O3 -march=native`` into
 ``cache_dir()/torch_extensions/<key>``, where the key covers the sources, torch's version and the
