@@ -1,8 +1,8 @@
-"""Quantized weights (``--quantization int8``; issue 35): the CPU kernel against the matmul it
-stands for, and the engine against transformers running the same de-quantized weights.
+"""Quantized weights (``--quantization int8 | fp8``; issue 35): the CPU kernel against the matmul
+it stands for, and the engine against transformers running the same de-quantized weights.
 
-int8 weight-only quantization changes the model: the oracle is transformers with each quantized
-linear's weight replaced by what its codes and scale stand for (``Int8Linear.dequantized``),
+Weight-only quantization changes the model: the oracle is transformers with each quantized
+linear's weight replaced by what its codes and scale stand for (``QuantizedLinear.dequantized``),
 saved as a checkpoint of its own. In fp32 the kernel's arithmetic is a float GEMM's over those
 weights (up to the order of the additions), so greedy output must be equal token for token.
 """
@@ -15,7 +15,7 @@ import transformers
 from splitserve.engine import EngineConfig, SamplingParams
 from splitserve.engine.attention import cpu_kernels
 from splitserve.engine.model_registry import SUPPORTED
-from splitserve.engine.quantization import Int8Linear, int8_matmul, quantize_model
+from splitserve.engine.quantization import CODE_FORMATS, QuantizedLinear, quantize_model, w8_matmul
 from tests.harness.model_families import make_family_model
 from tests.test_engine_correctness import mixed_prompts
 
@@ -23,20 +23,31 @@ needs_cpu_kernels = pytest.mark.skipif(not cpu_kernels.available(), reason="no C
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
 
 
-def codes_and_scales(n: int, k: int, seed: int = 0):
+METHODS = sorted(CODE_FORMATS)
+
+
+def codes_and_scales(method: str, n: int, k: int, seed: int = 0):
+    """Codes covering the format's range (every fp8 bit pattern but NaN), and scales."""
     g = torch.Generator().manual_seed(seed)
-    return torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8), torch.rand(n, generator=g) / 50
+    if method == "int8":
+        codes = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    else:
+        bits = torch.randint(0, 256, (n, k), generator=g, dtype=torch.int32)
+        bits[(bits & 0x7F) == 0x7F] = 0  # e4m3fn's NaNs
+        codes = bits.to(torch.uint8).view(torch.float8_e4m3fn)
+    return codes, torch.rand(n, generator=g) / 50
 
 
 @needs_cpu_kernels
+@pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 16, 17, 64, 130])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_the_cpu_kernel_is_the_matmul_over_the_dequantized_weight(rows, dtype):
+def test_the_cpu_kernel_is_the_matmul_over_the_dequantized_weight(method, rows, dtype):
     # 70 channels (tiles of 4 and a tail of 2, blocks of 64 and a tail of 6) over 72 inputs (16-wide
     # vectors and a tail of 8).
-    codes, scales = codes_and_scales(70, 72)
+    codes, scales = codes_and_scales(method, 70, 72)
     x = torch.randn(rows, 72, generator=torch.Generator().manual_seed(1)).to(dtype)
-    out = torch.ops.splitserve_cpu.int8_linear(x, codes, scales)
+    out = torch.ops.splitserve_cpu.linear_w8(x, codes, scales)
     expected = torch.nn.functional.linear(x.float(), codes.float() * scales[:, None])
     assert out.dtype == dtype and out.shape == (rows, 70)
     # float32: one rounding per product and sum; bf16: the output's rounding (and, past 16 rows, the
@@ -44,20 +55,39 @@ def test_the_cpu_kernel_is_the_matmul_over_the_dequantized_weight(rows, dtype):
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(out.float(), expected, rtol=tol, atol=tol * expected.abs().max().item())
     # The portable path (CUDA, or no kernels) computes the same.
-    torch.testing.assert_close(int8_matmul(x.float(), codes, scales), expected, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(w8_matmul(x.float(), codes, scales), expected, rtol=1e-5, atol=1e-5)
 
 
-def test_a_linear_keeps_a_quarter_of_its_fp32_bytes():
+@needs_cpu_kernels
+def test_every_fp8_code_is_widened_exactly():
+    """The kernel widens e4m3 codes by moving their bits (subnormals fixed apart): each of the 254
+    finite codes (and -0) must come out as torch's own conversion of it."""
+    bits = torch.arange(256, dtype=torch.int32)
+    bits[(bits & 0x7F) == 0x7F] = 0  # the two NaNs
+    codes = bits.to(torch.uint8).view(torch.float8_e4m3fn).reshape(16, 16)
+    out = torch.ops.splitserve_cpu.linear_w8(torch.eye(16), codes, torch.ones(16))
+    assert torch.equal(out, codes.float().T)
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_a_linear_keeps_a_quarter_of_its_fp32_bytes(method):
     linear = torch.nn.Linear(256, 128, bias=True)
     model = torch.nn.Sequential(linear)
     weight = linear.weight.detach().clone()
-    done = quantize_model(model, "int8")
+    done = quantize_model(model, method)
     quantized = model[0]
-    assert isinstance(quantized, Int8Linear) and quantized.codes.dtype == torch.int8
+    code_dtype, qmax = CODE_FORMATS[method]
+    assert isinstance(quantized, QuantizedLinear) and quantized.codes.dtype == code_dtype
     assert done.layers == 1 and done.bytes_before == 128 * 256 * 4 and done.bytes_after == 128 * 256 + 128 * 4
-    # Each channel's codes span the int8 range at its largest |w|, and stand for w within half a step.
-    assert (quantized.codes.abs().amax(dim=1) == 127).all()
-    assert ((quantized.dequantized() - weight).abs() <= quantized.scales[:, None] / 2 + 1e-7).all()
+    # Each channel's codes reach the format's largest value at its largest |w|, and stand for w
+    # within half a step (int8: half a scale; e4m3: 2^-4 of the value, or half its smallest
+    # subnormal step).
+    assert (quantized.codes.float().abs().amax(dim=1) == qmax).all()
+    error = (quantized.dequantized() - weight).abs()
+    if method == "int8":
+        assert (error <= quantized.scales[:, None] / 2 + 1e-7).all()
+    else:
+        assert (error <= weight.abs() * 2.0 ** -4 + quantized.scales[:, None] * 2.0 ** -10 + 1e-7).all()
 
 
 def dequantized_checkpoint(model_dir, quantized_model, out_dir):
@@ -70,7 +100,7 @@ def dequantized_checkpoint(model_dir, quantized_model, out_dir):
         reference.config.tie_word_embeddings = False
     with torch.no_grad():
         for name, module in quantized_model.named_modules():
-            if isinstance(module, Int8Linear):
+            if isinstance(module, QuantizedLinear):
                 reference.get_submodule(name).weight.copy_(module.dequantized())
     reference.save_pretrained(out_dir)
     transformers.AutoTokenizer.from_pretrained(model_dir).save_pretrained(out_dir)
@@ -79,10 +109,11 @@ def dequantized_checkpoint(model_dir, quantized_model, out_dir):
 
 # Every architecture served (MoE experts stay float: only nn.Linear layers are quantized).
 @needs_cpu_kernels
+@pytest.mark.parametrize("method", METHODS)
 @pytest.mark.parametrize("arch", sorted(SUPPORTED))
-def test_the_engine_matches_transformers_on_the_dequantized_weights(arch, tmp_path, hf_reference, make_llm):
+def test_the_engine_matches_transformers_on_the_dequantized_weights(arch, method, tmp_path, hf_reference, make_llm):
     model = make_family_model(tmp_path / "model", arch)
-    llm = make_llm(model, quantization="int8", block_size=8, num_gpu_blocks=256, max_num_batched_tokens=32)
+    llm = make_llm(model, quantization=method, block_size=8, num_gpu_blocks=256, max_num_batched_tokens=32)
     quantized = llm.engine.runner.quantized_weights
     assert quantized is not None and quantized.bytes_after * 3.5 < quantized.bytes_before
     reference = hf_reference(dequantized_checkpoint(model, llm.engine.runner.model, tmp_path / "dequantized"))
@@ -93,7 +124,8 @@ def test_the_engine_matches_transformers_on_the_dequantized_weights(arch, tmp_pa
 
 
 @needs_cpu_kernels
-def test_int8_weights_through_the_disaggregated_handoff(tmp_path, hf_reference):
+@pytest.mark.parametrize("method", METHODS)
+def test_quantized_weights_through_the_disaggregated_handoff(method, tmp_path, hf_reference):
     from splitserve.worker.wiring import build_decode, build_prefill
     from tests.test_kvtransfer_handoff import handoff
 
@@ -101,7 +133,7 @@ def test_int8_weights_through_the_disaggregated_handoff(tmp_path, hf_reference):
 
     def config(**kw):
         return EngineConfig(model=str(model), dtype="float32", enforce_eager=True, block_size=8, num_gpu_blocks=128,
-                            quantization="int8", **kw)
+                            quantization=method, **kw)
     decode = build_decode(config(), "shm")
     prefill = build_prefill(config(max_num_batched_tokens=24), verify_checksum=True)
     try:
@@ -116,7 +148,7 @@ def test_int8_weights_through_the_disaggregated_handoff(tmp_path, hf_reference):
 
 @pytest.mark.parametrize("method, message", [
     ("awq", "quantization='awq' is not implemented by this engine yet"),
-    ("fp8", "quantization='fp8' is not implemented by this engine yet"),
+    ("gptq", "quantization='gptq' is not implemented by this engine yet"),
     ("int3", "quantization must be one of"),
 ])
 def test_methods_it_does_not_serve_are_refused_by_name(method, message):
@@ -154,7 +186,7 @@ def as_two_ranks_quantize(model_dir, out_dir):
             for part in parts:
                 piece = torch.nn.Linear(part.shape[1], part.shape[0], bias=False)
                 piece.weight.copy_(part)
-                pieces.append(Int8Linear(piece).dequantized())
+                pieces.append(QuantizedLinear(piece).dequantized())
             module.weight.copy_(torch.cat(pieces, dim=1))
     reference.save_pretrained(out_dir)
     transformers.AutoTokenizer.from_pretrained(model_dir).save_pretrained(out_dir)

@@ -27,7 +27,7 @@ def render() -> str:
     out = ["<!-- Generated from splitserve/engine/model_registry.py by docs/gen/models_table.py when the site "
            "is built. -->", "",
            "### Served", "",
-           "| architecture | family | an example checkpoint | beyond a Llama-style decoder | `--quantization int8` "
+           "| architecture | family | an example checkpoint | beyond a Llama-style decoder | `--quantization int8`, `fp8` "
            "| tested on |",
            "|---|---|---|---|---|---|"]
     for name, arch in sorted(SUPPORTED.items(), key=lambda item: item[1].family.lower()):

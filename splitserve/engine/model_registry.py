@@ -112,7 +112,8 @@ def check_supported(hf_config) -> None:
         method = quantization.get("quant_method") if isinstance(quantization, dict) else \
             getattr(quantization, "quant_method", None)
         raise UnsupportedModel(f"{arch} with quantized weights (quant_method={method}) is not supported: this "
-                               "engine loads unquantized checkpoints only (the bf16 or fp32 release of the model)")
+                               "engine loads unquantized checkpoints only (the bf16 or fp32 release of the model; "
+                               "--quantization int8 or fp8 quantizes it at load)")
 
 
 def final_logits(hf_config) -> Callable[["torch.Tensor"], "torch.Tensor"] | None:

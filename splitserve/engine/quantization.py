@@ -1,10 +1,12 @@
 """Quantized weights (``--quantization``, vLLM's flag): the linear layers of a loaded model replaced
 by quantized ones, inside the compiled step like any other module.
 
-``int8``: weight-only, quantized at load from the checkpoint's weights. Each output channel of a
-linear layer keeps int8 codes and one float32 scale (symmetric: scale = max |w| / 127, code =
-round(w / scale)): a quarter of fp32's weight bytes, half of bf16's. On the CPU the matmul is
-``csrc/int8_linear_cpu.cpp``: the codes are widened to float32 in registers right before their
+``int8`` and ``fp8``: weight-only, quantized at load from the checkpoint's weights. Each output
+channel of a linear layer keeps 8-bit codes and one float32 scale (symmetric: scale = max |w| /
+qmax, code = w / scale rounded to the format: int8 with qmax 127, or fp8 e4m3 with qmax 448, whose
+3 mantissa bits keep the relative error of small weights where int8's steps are uniform): a quarter
+of fp32's weight bytes, half of bf16's. On the CPU the matmul is
+``csrc/linear_w8_cpu.cpp``: the codes are widened to float32 in registers right before their
 multiply-adds (never a float copy of the weight), the scale applied to each finished dot product,
 activations kept in their own dtype (float32 stays float32: the same arithmetic as a float GEMM
 over the de-quantized weight, up to the order of the additions). torch's own int8 kernel
@@ -29,8 +31,12 @@ from splitserve.engine.config import check_quantization
 log = logging.getLogger(__name__)
 
 
-def int8_matmul(rows: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """rows [M, in] x (codes [out, in] int8 * scales [out] float32) transposed -> [M, out], in the
+# Each method's code dtype and the largest code a channel's max |w| maps onto.
+CODE_FORMATS = {"int8": (torch.int8, 127.0), "fp8": (torch.float8_e4m3fn, 448.0)}
+
+
+def w8_matmul(rows: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """rows [M, in] x (codes [out, in] 8-bit * scales [out] float32) transposed -> [M, out], in the
     rows' dtype: the de-quantized weight for this call (the portable path)."""
     return torch.nn.functional.linear(rows, (codes.float() * scales[:, None]).to(rows.dtype))
 
@@ -40,28 +46,30 @@ def _matmul_op(device: torch.device):
     compiled step once), the portable path elsewhere."""
     from splitserve.engine.attention import cpu_kernels
     if device.type != "cpu" or not cpu_kernels.available():
-        return int8_matmul
+        return w8_matmul
     global _fake_registered
     if not _fake_registered:
-        torch.library.register_fake("splitserve_cpu::int8_linear")(
+        torch.library.register_fake("splitserve_cpu::linear_w8")(
             lambda rows, codes, scales: rows.new_empty((rows.shape[0], codes.shape[0])))
         _fake_registered = True
-    return torch.ops.splitserve_cpu.int8_linear
+    return torch.ops.splitserve_cpu.linear_w8
 
 
 _fake_registered = False
 
 
-class Int8Linear(torch.nn.Module):
-    """A linear layer with int8 weights, one float32 scale per output channel; activations and
-    output in the model's dtype."""
+class QuantizedLinear(torch.nn.Module):
+    """A linear layer with 8-bit weights (``method``: int8 or fp8), one float32 scale per output
+    channel; activations and output in the model's dtype."""
 
-    def __init__(self, linear: torch.nn.Linear):
+    def __init__(self, linear: torch.nn.Linear, method: str = "int8"):
         super().__init__()
+        code_dtype, qmax = CODE_FORMATS[method]
         weight = linear.weight.detach().float()
-        scale = weight.abs().amax(dim=1).clamp_min(torch.finfo(torch.float32).tiny) / 127.0
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.register_buffer("codes", torch.round(weight / scale[:, None]).clamp(-127, 127).to(torch.int8))
+        scale = weight.abs().amax(dim=1).clamp_min(torch.finfo(torch.float32).tiny) / qmax
+        self.in_features, self.out_features, self.method = linear.in_features, linear.out_features, method
+        scaled = (weight / scale[:, None]).clamp(-qmax, qmax)
+        self.register_buffer("codes", (torch.round(scaled) if method == "int8" else scaled).to(code_dtype))
         self.register_buffer("scales", scale)
         bias = None if linear.bias is None else linear.bias.detach().clone()
         self.register_buffer("bias", bias)
@@ -77,7 +85,7 @@ class Int8Linear(torch.nn.Module):
         return out if self.bias is None else out + self.bias
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, int8 per-channel"
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.method} per-channel"
 
 
 @dataclass(frozen=True)
@@ -98,7 +106,7 @@ def quantize_model(model: torch.nn.Module, method: str) -> QuantizedWeights:
     before = after = 0
     for name, module in targets:
         parent_name, _, child = name.rpartition(".")
-        quantized = Int8Linear(module)
+        quantized = QuantizedLinear(module, method)
         before += module.weight.numel() * module.weight.element_size()
         after += quantized.codes.numel() + quantized.scales.numel() * 4
         setattr(model.get_submodule(parent_name), child, quantized)

@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 
 _SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_attention_cpu.cpp", "prefill_attention_cpu.cpp",
                                                                    "copy_pages_cpu.cpp", "onednn_linear_cpu.cpp",
-                                                                   "int8_linear_cpu.cpp")]
+                                                                   "linear_w8_cpu.cpp")]
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast"]
 _lock = threading.Lock()
 _state: dict[str, object] = {}
