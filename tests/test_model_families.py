@@ -98,6 +98,16 @@ VARIANT_FAMILIES = ["Cohere2ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalL
                     "MistralForCausalLM", "Qwen2ForCausalLM"]
 
 
+@pytest.mark.parametrize("arch", ["Gemma2ForCausalLM", "GptOssForCausalLM"])
+def test_the_compiled_step_serves_the_variants_exactly(arch, family_dirs, hf_reference, make_llm):
+    """The tests above run eager steps; compiled, the variants travel as the paged attention op's
+    own arguments (a window, a soft-cap, the sinks tensor of each layer) through the graph."""
+    model = family_dirs(arch)
+    llm = make_llm(model, block_size=8, num_gpu_blocks=256, max_num_batched_tokens=32, enforce_eager=False)
+    prompts = mixed_prompts(8, seed=34, lo=5, hi=60)
+    assert served(llm, prompts) == [hf_reference(model).greedy(p, MAX_TOKENS) for p in prompts]
+
+
 @pytest.mark.parametrize("arch", VARIANT_FAMILIES)
 def test_the_torch_attention_backend_serves_the_variants_exactly(arch, family_dirs, hf_reference, make_llm):
     """The portable backend (the CPU one's C++ kernels are the default above): chunked prefill
