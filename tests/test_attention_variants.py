@@ -207,3 +207,25 @@ def test_triton_split_decode(name):
     out = triton_decode.paged_decode(*batch.attention_args(), num_splits=3, split_len=64, **args)
     torch.testing.assert_close(out, reference.paged_attention(*batch.attention_args(), **args),
                                atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend", _backends())
+def test_the_op_carries_the_variants_through_a_compiled_graph(backend):
+    """The paged attention op as a compiled step calls it: the window, soft-cap and sinks tensor
+    are graph inputs of one opaque node (fullgraph: no break), and the result is the reference's."""
+    from splitserve.engine.attention.hf_integration import StepContext, step_context
+    q_lens, ctx_lens = [1, 1, 30], [40, 9, 30]
+    query, key, value, k_cache, v_cache, layout = make_batch(q_lens, ctx_lens, 8, 16, 9, 3, 16, seed=4)
+    args = variant_args("window23-softcap-sinks", 9)
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    reference.write_kv(key, value, ref_k, ref_v, layout.slot_mapping)
+    expected = reference.paged_attention(query, ref_k, ref_v, layout.block_tables, layout.query_start_loc,
+                                         layout.seq_lens, 0.25, **args)
+    b = _backend(backend)
+
+    def layer(q, k, v, sinks):
+        return torch.ops.splitserve.paged_attention(q, k, v, 0, 0.25, args["window"], args["softcap"], sinks) * 1.0
+
+    with step_context(StepContext(b, layout, b.prepare(layout), [(k_cache, v_cache)])):
+        got = torch.compile(layer, fullgraph=True, backend="eager")(query, key, value, args["sinks"])
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)

@@ -98,14 +98,18 @@ VARIANT_FAMILIES = ["Cohere2ForCausalLM", "Gemma2ForCausalLM", "Gemma3ForCausalL
                     "MistralForCausalLM", "Qwen2ForCausalLM"]
 
 
-@pytest.mark.parametrize("arch", ["Gemma2ForCausalLM", "GptOssForCausalLM"])
-def test_the_compiled_step_serves_the_variants_exactly(arch, family_dirs, hf_reference, make_llm):
-    """The tests above run eager steps; compiled, the variants travel as the paged attention op's
-    own arguments (a window, a soft-cap, the sinks tensor of each layer) through the graph."""
-    model = family_dirs(arch)
-    llm = make_llm(model, block_size=8, num_gpu_blocks=256, max_num_batched_tokens=32, enforce_eager=False)
+def test_the_compiled_step_serves_variants_and_quantized_linears(family_dirs, hf_reference, make_llm, tmp_path):
+    """The tests above run eager steps. Compiled (one compile, the slow part, for both): Gemma 2's
+    windows and soft-caps travel as the paged attention op's own arguments through the graph, and
+    its int8 linears as the quantized kernel's opaque op. (gpt-oss's sinks, a tensor argument, are
+    compiled in tests/test_attention_variants.py: a compiled MoE costs a minute of compile.)"""
+    from tests.test_quantization import dequantized_checkpoint
+    model = family_dirs("Gemma2ForCausalLM")
+    llm = make_llm(model, block_size=8, num_gpu_blocks=256, max_num_batched_tokens=32, enforce_eager=False,
+                   quantization="int8")
+    reference = hf_reference(dequantized_checkpoint(model, llm.engine.runner.model, tmp_path / "dequantized"))
     prompts = mixed_prompts(8, seed=34, lo=5, hi=60)
-    assert served(llm, prompts) == [hf_reference(model).greedy(p, MAX_TOKENS) for p in prompts]
+    assert served(llm, prompts) == [reference.greedy(p, MAX_TOKENS) for p in prompts]
 
 
 @pytest.mark.parametrize("arch", VARIANT_FAMILIES)

@@ -124,16 +124,6 @@ def test_the_engine_matches_transformers_on_the_dequantized_weights(arch, method
 
 
 @needs_cpu_kernels
-def test_the_compiled_step_runs_the_quantized_linears(tmp_path, hf_reference, make_llm):
-    """The kernel is one opaque op in the compiled graph (its shape rule registered for it)."""
-    model = make_family_model(tmp_path / "model", "LlamaForCausalLM")
-    llm = make_llm(model, quantization="int8", num_gpu_blocks=256, max_num_batched_tokens=32, enforce_eager=False)
-    reference = hf_reference(dequantized_checkpoint(model, llm.engine.runner.model, tmp_path / "dequantized"))
-    prompts = mixed_prompts(8, seed=34, lo=5, hi=60)
-    assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == [reference.greedy(p, 10) for p in prompts]
-
-
-@needs_cpu_kernels
 @pytest.mark.parametrize("method", METHODS)
 def test_quantized_weights_through_the_disaggregated_handoff(method, tmp_path, hf_reference):
     from splitserve.worker.wiring import build_decode, build_prefill
