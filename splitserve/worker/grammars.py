@@ -25,6 +25,8 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import os
+import threading
 
 from splitserve.common.errors import InvalidArgument
 from splitserve.engine.structured_output import StructuredOutput
@@ -33,6 +35,17 @@ log = logging.getLogger(__name__)
 
 # Compiles that run at once (each may use several of xgrammar's own threads).
 THREADS = 2
+# How much lower than the engine's the compile threads' CPU priority is (their nice value, which
+# threads they start inherit): on a box with fewer cores than busy threads, the engine's steps go
+# first and the compile takes what is left.
+NICENESS = 5
+
+
+def _lower_priority() -> None:
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), NICENESS)  # this thread only (Linux)
+    except (AttributeError, OSError) as e:  # not Linux, or not allowed: compiles at the same priority
+        log.debug("grammar compile threads keep their priority: %s", e)
 
 
 class GrammarPreparer:
@@ -41,7 +54,8 @@ class GrammarPreparer:
         self.compiler = compiler
         compiler.counted_on_engine_thread = False  # counted here, once per request
         self.timeout_s = timeout_s
-        self._pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="grammar-compile")
+        self._pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="grammar-compile",
+                                                           initializer=_lower_priority)
         self._compiling: dict[tuple, asyncio.Future] = {}  # spec key -> its compile under way
 
     def start(self, spec: StructuredOutput | None) -> asyncio.Future | None:

@@ -143,11 +143,11 @@ def test_the_gateway_never_loads_torch_and_checks_grammars_in_a_child(stack):
 
 def test_a_slow_grammar_compiles_beside_the_decode_batch(stack):
     """Issue 36, point 1: a regex that the gateway's check parses at once but that takes seconds
-    to compile against the vocabulary ([^x]{1,5000}: ~3 s here) is compiled by the workers beside
+    to compile against the vocabulary ([^x]{1,3000}: ~2 s here) is compiled by the workers beside
     their engine threads (the decode worker from its Reserve on, while the prompt is prefilled), so
     a bystander decoding on the same worker keeps getting tokens: before, the decode worker
     compiled it between two steps of the bystander, which then got nothing for the whole compile."""
-    spec = generation_pb2.StructuredOutput(regex=f"[^x]{{1,{5000 + int(time.time()) % 1000}}}")  # a new one
+    spec = generation_pb2.StructuredOutput(regex=f"[^x]{{1,{3000 + int(time.time()) % 1000}}}")  # a new one
     arrivals: list[float] = []
     started, slow_window = threading.Event(), []
 
@@ -176,5 +176,9 @@ def test_a_slow_grammar_compiles_beside_the_decode_batch(stack):
     during = [t for t in arrivals if begin <= t <= end]
     gaps = [b - a for a, b in zip(during, during[1:])]
     assert end - begin > 1.0, "the grammar compiled too fast to show anything"
-    assert len(during) > 3 and max(gaps) < 1.0, (
+    # Compiled between two of the bystander's steps, the grammar stopped it for the whole compile
+    # (the gap was the request's time); beside them, at a lower CPU priority, it keeps streaming. The
+    # bound is relative: on a loaded 2-core box a step itself may take a few hundred ms.
+    print(f"longest gap {max(gaps, default=0):.2f} s while the {end - begin:.1f} s request ran")
+    assert len(during) > 3 and max(gaps) < 0.5 * (end - begin), (
         f"the bystander got no token for {max(gaps, default=0):.2f} s while the {end - begin:.1f} s request ran")
