@@ -53,7 +53,7 @@ class AttentionVariant:
     # Scores (after the scale) become softcap * tanh(score / softcap) before the softmax (Gemma 2); 0: none.
     softcap: float = 0.0
     # One learned logit per query head that joins each softmax's denominator and weighs no value
-    # ("attention sinks", gpt-oss); [num_q_heads] float32, or None.
+    # ("attention sinks", gpt-oss); [num_q_heads] float32, contiguous (the op converts a model's), or None.
     sinks: torch.Tensor | None = None
 
     @property

@@ -76,7 +76,7 @@ class CpuAttentionBackend(AttentionBackend):
         # One call writes the step's K/V and attends for every decode, one more attends for every
         # prefill chunk: a layer's fixed cost is a few microseconds of dispatch.
         out = torch.empty(query.shape, dtype=query.dtype)
-        extra = () if variant.plain else (variant.window, variant.softcap, _sinks(variant))
+        extra = () if variant.plain else (variant.window, variant.softcap, variant.sinks)
         self._write_and_decode(out, query, key, value, k_cache, v_cache, layout.slot_mapping, layout.block_tables,
                                layout.seq_lens, layout.num_decodes, scale, *extra)
         if not prepared.has_prefills:
@@ -94,10 +94,3 @@ class CpuAttentionBackend(AttentionBackend):
             out[c.q_start:c.q_end] = chunk_attention(query[c.q_start:c.q_end], load(k, query.dtype),
                                                      load(v, query.dtype), mask, scale, variant)
         return out
-
-
-def _sinks(variant: AttentionVariant) -> torch.Tensor | None:
-    """The kernels take sinks as float32 (a model's own are in its dtype, a parameter per layer)."""
-    if variant.sinks is None:
-        return None
-    return variant.sinks.detach().to(torch.float32).contiguous()

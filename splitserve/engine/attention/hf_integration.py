@@ -59,7 +59,10 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     ctx: StepContext | None = getattr(_local, "ctx", None)
     if ctx is None:
         raise RuntimeError(f"the {ATTN_IMPLEMENTATION} attention runs only inside the runner's step_context()")
-    variant = PLAIN if not (window or softcap or sinks is not None) else AttentionVariant(window, softcap, sinks)
+    if window or softcap or sinks is not None:  # the kernels take sinks as float32 (a model's are in its dtype)
+        variant = AttentionVariant(window, softcap, None if sinks is None else sinks.float().contiguous())
+    else:
+        variant = PLAIN
     out = ctx.backend.forward(query, key, value, *ctx.kv_caches[layer], ctx.layout, ctx.prepared, scale, variant)
     if ctx.on_layer_written is not None:
         ctx.on_layer_written(layer)
@@ -86,11 +89,8 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
     window, softcap, sinks = kwargs.get("sliding_window"), kwargs.get("softcap"), kwargs.get("s_aux")
-    if window or softcap or sinks is not None:
-        out = torch.ops.splitserve.paged_attention(q, k, v, module.layer_idx, float(scale), int(window or 0),
-                                                   float(softcap or 0.0), sinks)
-    else:
-        out = torch.ops.splitserve.paged_attention(q, k, v, module.layer_idx, float(scale))
+    out = torch.ops.splitserve.paged_attention(q, k, v, module.layer_idx, float(scale), int(window or 0),
+                                               float(softcap or 0.0), sinks)
     return out.unsqueeze(0), None
 
 

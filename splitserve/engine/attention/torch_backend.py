@@ -82,7 +82,7 @@ def softmax_weights(scores: torch.Tensor, bias: torch.Tensor | None, variant: At
         scores = scores + bias
     if variant.sinks is None:
         return torch.softmax(scores, dim=-1)
-    sink = variant.sinks.float().view(sink_shape).expand(*scores.shape[:-1], 1)
+    sink = variant.sinks.view(sink_shape).expand(*scores.shape[:-1], 1)
     return torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
 
 

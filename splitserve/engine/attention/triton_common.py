@@ -40,8 +40,8 @@ def _dot_precision(query: torch.Tensor, k_cache: torch.Tensor) -> str:
 
 
 def _sinks_or(sinks: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
-    """Sinks as the kernels read them (float32, contiguous); any tensor stands in, unread, without."""
-    return like if sinks is None else sinks.detach().to(torch.float32).contiguous()
+    """The sinks (float32, contiguous: ``AttentionVariant``), or any tensor standing in, unread, without."""
+    return like if sinks is None else sinks
 
 
 def _require_triton() -> None:
