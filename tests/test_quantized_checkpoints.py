@@ -1,0 +1,264 @@
+"""Quantized checkpoints served as shipped (issue 35): GGUF Q4_0 / Q4_1 / Q8_0, through the group-wise
+kernel (``linear_wq``), against transformers running the same de-quantized weights.
+
+The GGUF files are written here the way llama.cpp's converter lays them out: tensor names from
+``gguf``'s own name map, Llama's q/k rows permuted for llama.cpp's rotary layout, blocks from
+``gguf``'s own quantizers. The oracle is the float model with every quantized weight replaced by
+``gguf``'s own de-quantization of its blocks: the kernel rebuilds those weights bit for bit, so in
+fp32 greedy output must be equal token for token.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from splitserve.engine import EngineConfig, SamplingParams
+from splitserve.engine.attention import cpu_kernels
+from splitserve.engine.quantization.grouped import (
+    GroupQuantizedEmbedding,
+    GroupQuantizedLinear,
+    dequantize,
+    pack_nibbles,
+    unpack_nibbles,
+)
+from tests.harness.model_families import make_family_model
+from tests.test_engine_correctness import mixed_prompts
+
+gguf = pytest.importorskip("gguf")
+needs_cpu_kernels = pytest.mark.skipif(not cpu_kernels.available(), reason="no C++ toolchain")
+GREEDY = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+
+
+# ------------------------------------------------------------------------------------ the kernel
+
+def grouped_weights(bits: int, n: int, k: int, group: int, offsets: bool, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    if bits == 4:
+        codes = pack_nibbles(torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8))
+    else:
+        codes = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+    scales = (torch.rand(n, k // group, generator=g) / 50).half().float()  # 16-bit scales, as the formats ship
+    return codes, scales, (torch.randn(n, k // group, generator=g) / 10 if offsets else None)
+
+
+def test_nibbles_pack_in_ggufs_order():
+    codes = torch.arange(64, dtype=torch.uint8).reshape(1, 64) % 16
+    packed = pack_nibbles(codes)
+    # Byte i of each 32 codes: code i low, code i + 16 high.
+    assert packed[0, 0].item() == (0 | (16 % 16) << 4) and packed[0, 3].item() == (3 | (19 % 16) << 4)
+    assert torch.equal(unpack_nibbles(packed), codes)
+
+
+@needs_cpu_kernels
+@pytest.mark.parametrize("bits, group, offsets", [(4, 32, True), (4, 128, True), (4, 64, False), (8, 32, False),
+                                                  (8, 128, True)])
+@pytest.mark.parametrize("rows", [1, 3, 4, 5, 16, 17, 40])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_grouped_kernel_is_the_matmul_over_the_dequantized_weight(bits, group, offsets, rows, dtype):
+    # 70 channels (tiles of 4 and a tail of 2, blocks of 64 and a tail of 6) over 256 inputs.
+    codes, scales, offs = grouped_weights(bits, 70, 256, group, offsets)
+    x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(1)).to(dtype)
+    out = torch.ops.splitserve_cpu.linear_wq(x, codes, scales, offs, bits, group)
+    expected = torch.nn.functional.linear(x.float(), dequantize(codes, scales, offs, bits, group))
+    assert out.dtype == dtype and out.shape == (rows, 70)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(out.float(), expected, rtol=tol, atol=tol * expected.abs().max().item())
+
+
+@needs_cpu_kernels
+@pytest.mark.parametrize("gguf_type", ["Q4_0", "Q4_1", "Q8_0"])
+def test_each_gguf_block_type_is_rebuilt_bit_for_bit(gguf_type):
+    """The kernel's weight (one multiply-add of code, scale and offset) is gguf's own de-quantization."""
+    from splitserve.engine.quantization.gguf import blocks_to_groups
+    qtype = gguf.GGMLQuantizationType[gguf_type]
+    weight = np.random.default_rng(3).normal(0, 0.3, (48, 96)).astype(np.float32)
+    blocks = gguf.quantize(weight, qtype)
+    expected = torch.from_numpy(gguf.dequantize(blocks, qtype))
+    codes, scales, offsets = blocks_to_groups(blocks, gguf_type)
+    bits = 8 if gguf_type == "Q8_0" else 4
+    assert torch.equal(dequantize(codes, scales, offsets, bits, 32), expected)
+    # Through the kernel: an identity input reads the weight back, column by column.
+    read = torch.ops.splitserve_cpu.linear_wq(torch.eye(96), codes, scales, offsets, bits, 32)
+    assert torch.equal(read.T, expected)
+
+
+def test_group_shapes_the_kernel_cannot_take_are_refused():
+    codes, scales, _ = grouped_weights(4, 8, 96, 32, False)
+    with pytest.raises(ValueError, match="group size 48 is not supported"):
+        GroupQuantizedLinear(codes, scales[:, :2], None, bits=4, group_size=48, in_features=96)
+    with pytest.raises(ValueError, match="3-bit weights are not supported"):
+        GroupQuantizedLinear(codes, scales, None, bits=3, group_size=32, in_features=96)
+    with pytest.raises(ValueError, match="scales must be"):
+        GroupQuantizedLinear(codes, scales[:, :2], None, bits=4, group_size=32, in_features=96)
+
+
+def test_a_linear_split_over_ranks_keeps_its_own_groups():
+    codes, scales, offsets = grouped_weights(4, 8, 128, 32, True)
+    whole = GroupQuantizedLinear(codes, scales, offsets, bits=4, group_size=32, in_features=128,
+                                 bias=torch.randn(8))
+    weight = whole.dequantized()
+    rows = [whole.narrowed(0, r, 2, keep_bias=True) for r in range(2)]
+    assert torch.equal(torch.cat([r.dequantized() for r in rows]), weight)
+    assert torch.equal(torch.cat([r.bias for r in rows]), whole.bias)
+    columns = [whole.narrowed(1, r, 2, keep_bias=False) for r in range(2)]
+    assert torch.equal(torch.cat([c.dequantized() for c in columns], dim=1), weight)
+    assert all(c.bias is None for c in columns)
+    with pytest.raises(ValueError, match="not a whole number of its groups"):
+        whole.narrowed(1, 0, 8, keep_bias=False)
+
+
+# ------------------------------------------------------------------------------- GGUF files
+
+def llama_cpp_permute(weight: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's converter (convert_hf_to_gguf.py, LlamaModel.permute): q/k rows reordered from
+    Hugging Face's rotary halves to interleaved pairs."""
+    return weight.reshape(heads, 2, weight.shape[0] // heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+def write_gguf(model_dir, out_dir, types: dict[str, str], arch: str = "llama"):
+    """model_dir's checkpoint as a GGUF file in out_dir (beside its config and tokenizer), each 2-D
+    weight in ``types[role]`` (role: "embedding", "linear"; F32 otherwise). Returns out_dir and the
+    reference checkpoint: the float model with each quantized weight as gguf de-quantizes it."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    config = model.config
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], config.num_hidden_layers)
+    out_dir.mkdir(parents=True)
+    writer = gguf.GGUFWriter(str(out_dir / "model.gguf"), arch)
+    tied = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    reference = {}
+    for name, param in model.state_dict().items():
+        if tied and name == "lm_head.weight":
+            continue
+        base, suffix = name.rsplit(".", 1)
+        gguf_name = f"{names.get_name(base)}.{suffix}"
+        value = param.numpy().astype(np.float32)
+        if gguf_name.endswith(("attn_q.weight", "attn_k.weight")) and arch == "llama":
+            heads = config.num_attention_heads if "attn_q" in gguf_name else config.num_key_value_heads
+            value = llama_cpp_permute(value, heads)
+        role = "embedding" if gguf_name.startswith("token_embd") else "linear"
+        qtype = gguf.GGMLQuantizationType[types[role]] if value.ndim == 2 else gguf.GGMLQuantizationType.F32
+        if qtype == gguf.GGMLQuantizationType.F32:
+            writer.add_tensor(gguf_name, value)
+            continue
+        blocks = gguf.quantize(value, qtype)
+        writer.add_tensor(gguf_name, blocks, raw_dtype=qtype)
+        restored = torch.from_numpy(gguf.dequantize(blocks, qtype))
+        if gguf_name.endswith(("attn_q.weight", "attn_k.weight")) and arch == "llama":
+            heads = config.num_attention_heads if "attn_q" in gguf_name else config.num_key_value_heads
+            inverse = np.argsort(llama_cpp_permute(np.arange(value.shape[0]).reshape(-1, 1), heads)[:, 0])
+            restored = restored[torch.from_numpy(inverse)]
+        reference[name] = restored
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    config.save_pretrained(out_dir)
+    transformers.AutoTokenizer.from_pretrained(model_dir).save_pretrained(out_dir)
+    # The oracle: untied (the engine's output projection reads the embedding's codes, as transformers'
+    # reads the de-quantized table), every quantized weight as gguf restores it.
+    ref_dir = out_dir.parent / f"{out_dir.name}-reference"
+    with torch.no_grad():
+        if tied:
+            model.lm_head.weight = torch.nn.Parameter(model.get_input_embeddings().weight.detach().clone())
+            model.config.tie_word_embeddings = False
+            if "model.embed_tokens.weight" in reference:
+                reference["lm_head.weight"] = reference["model.embed_tokens.weight"]
+        for name, value in reference.items():
+            model.get_parameter(name).copy_(value)
+    model.save_pretrained(ref_dir)
+    transformers.AutoTokenizer.from_pretrained(model_dir).save_pretrained(ref_dir)
+    return out_dir, ref_dir
+
+
+CASES = [
+    # Llama: q/k rows permuted in the file, an untied output projection; each block type.
+    ("LlamaForCausalLM", "llama", {"embedding": "Q8_0", "linear": "Q4_1"}),
+    ("LlamaForCausalLM", "llama", {"embedding": "Q4_0", "linear": "Q8_0"}),
+    # Qwen2: biases on q/k/v, a tied output projection read from the Q8_0 embedding's codes.
+    ("Qwen2ForCausalLM", "qwen2", {"embedding": "Q8_0", "linear": "Q4_0"}),
+]
+
+
+@needs_cpu_kernels
+@pytest.mark.parametrize("family, arch, types", CASES, ids=["llama-q4_1", "llama-q8_0", "qwen2-q4_0-tied"])
+def test_a_gguf_is_served_in_its_codes_exactly(family, arch, types, tmp_path, hf_reference, make_llm):
+    model = make_family_model(tmp_path / "model", family)
+    served, reference_dir = write_gguf(model, tmp_path / "gguf", types, arch)
+    llm = make_llm(served, quantization="gguf", block_size=8, num_gpu_blocks=256, max_num_batched_tokens=32)
+    runner_model = llm.engine.runner.model
+    linears = [m for m in runner_model.modules() if isinstance(m, GroupQuantizedLinear)]
+    assert len(linears) == 2 * 7 + 1 and all(m.bits == (4 if types["linear"] != "Q8_0" else 8) for m in linears[:-1])
+    assert isinstance(runner_model.get_input_embeddings(), GroupQuantizedEmbedding)
+    assert not any(isinstance(m, torch.nn.Linear) for m in runner_model.modules())
+    reference = hf_reference(reference_dir)
+    first = mixed_prompts(8, seed=34, lo=5, hi=60)
+    again = [p[:24] + q for p, q in zip(first, mixed_prompts(8, seed=35, lo=1, hi=20)) if len(p) >= 24]
+    assert [o.token_ids for o in llm.generate(first, GREEDY)] == [reference.greedy(p, 10) for p in first]
+    assert [o.token_ids for o in llm.generate(again, GREEDY)] == [reference.greedy(p, 10) for p in again]
+
+
+@needs_cpu_kernels
+def test_a_gguf_through_the_compiled_step(tmp_path, hf_reference, make_llm):
+    model = make_family_model(tmp_path / "model", "LlamaForCausalLM")
+    served, reference_dir = write_gguf(model, tmp_path / "gguf", CASES[0][2])
+    llm = make_llm(served, quantization="gguf", enforce_eager=False, block_size=8, num_gpu_blocks=128)
+    prompts = mixed_prompts(4, seed=36, lo=5, hi=40)
+    reference = hf_reference(reference_dir)
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == [reference.greedy(p, 10) for p in prompts]
+
+
+@needs_cpu_kernels
+def test_a_gguf_through_the_disaggregated_handoff(tmp_path, hf_reference):
+    from splitserve.worker.wiring import build_decode, build_prefill
+    from tests.test_kvtransfer_handoff import handoff
+
+    model = make_family_model(tmp_path / "model", "LlamaForCausalLM")
+    served, reference_dir = write_gguf(model, tmp_path / "gguf", CASES[0][2])
+
+    def config(**kw):
+        return EngineConfig(model=str(served), dtype="float32", enforce_eager=True, block_size=8, num_gpu_blocks=128,
+                            quantization="gguf", **kw)
+    decode = build_decode(config(), "shm")
+    prefill = build_prefill(config(max_num_batched_tokens=24), verify_checksum=True)
+    try:
+        prompts = mixed_prompts(5, seed=38, lo=5, hi=60)
+        outputs, _ = handoff(prefill, decode, prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+        reference = hf_reference(reference_dir)
+        assert [o.token_ids for o in outputs] == [reference.greedy(p, 8) for p in prompts]
+    finally:
+        prefill.close()
+        decode.close()
+
+
+@needs_cpu_kernels
+def test_two_tensor_parallel_ranks_split_a_ggufs_codes(tmp_path, hf_reference):
+    """Each rank keeps its rows (q/k/v, gate/up) or its whole groups of inputs (o, down) of the codes
+    as shipped: the sum over ranks is the same weights' product, so greedy output is unchanged."""
+    from splitserve.engine import LLM
+    model = make_family_model(tmp_path / "model", "LlamaForCausalLM")
+    served, reference_dir = write_gguf(model, tmp_path / "gguf", CASES[0][2])
+    two = LLM(model=str(served), dtype="float32", enforce_eager=True, num_gpu_blocks=64, tensor_parallel_size=2,
+              quantization="gguf")
+    try:
+        prompts = mixed_prompts(6, seed=5)
+        reference = hf_reference(reference_dir)
+        assert [o.token_ids for o in two.generate(prompts, GREEDY)] == [reference.greedy(p, 10) for p in prompts]
+    finally:
+        two.engine.close()
+
+
+def test_gguf_types_it_does_not_serve_are_refused_by_name(tmp_path):
+    from splitserve.engine.model_loader import load_model
+    model = make_family_model(tmp_path / "model", "LlamaForCausalLM")
+    served, _ = write_gguf(model, tmp_path / "gguf", {"embedding": "Q8_0", "linear": "Q5_1"})
+    with pytest.raises(ValueError, match="is Q5_1; this engine serves GGUF Q4_0, Q4_1, Q8_0"):
+        load_model(served, torch.float32, quantization="gguf")
+
+
+def test_a_model_directory_needs_exactly_one_gguf(tmp_path):
+    from splitserve.engine.model_loader import load_model
+    model = make_family_model(tmp_path / "model", "LlamaForCausalLM")
+    with pytest.raises(ValueError, match=r"needs exactly one \.gguf file .* \(found: none\)"):
+        load_model(model, torch.float32, quantization="gguf")
