@@ -147,8 +147,8 @@ def test_quantized_weights_through_the_disaggregated_handoff(method, tmp_path, h
 
 
 @pytest.mark.parametrize("method, message", [
-    ("awq", "quantization='awq' is not implemented by this engine yet"),
-    ("gptq", "quantization='gptq' is not implemented by this engine yet"),
+    ("bitsandbytes", "quantization='bitsandbytes' is not implemented by this engine yet"),
+    ("gptq_marlin", "quantization='gptq_marlin' is not implemented by this engine yet"),
     ("int3", "quantization must be one of"),
 ])
 def test_methods_it_does_not_serve_are_refused_by_name(method, message):

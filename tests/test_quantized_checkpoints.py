@@ -9,6 +9,8 @@ fp32 greedy output must be equal token for token.
 """
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -262,3 +264,189 @@ def test_a_model_directory_needs_exactly_one_gguf(tmp_path):
     model = make_family_model(tmp_path / "model", "LlamaForCausalLM")
     with pytest.raises(ValueError, match=r"needs exactly one \.gguf file .* \(found: none\)"):
         load_model(model, torch.float32, quantization="gguf")
+
+
+# ------------------------------------------------------------------------------- GPTQ and AWQ
+
+def rtn_quantize(weight: torch.Tensor, bits: int, group: int, g_idx: torch.Tensor):
+    """Round-to-nearest with a zero point, per (group, output channel) as GPTQ/AWQ checkpoints hold
+    them: integer codes [in, out], zeros and 16-bit scales [groups, out], and the weight they stand
+    for, scale * (code - zero), computed here from the integers (not from any packed form)."""
+    qmax = 2 ** bits - 1
+    w = weight.t()  # [in, out]
+    groups = int(g_idx.max()) + 1
+    lo = torch.stack([w[g_idx == g].amin(dim=0) for g in range(groups)]).clamp(max=0)
+    hi = torch.stack([w[g_idx == g].amax(dim=0) for g in range(groups)]).clamp(min=0)
+    scales = ((hi - lo) / qmax).clamp(min=1e-5).half()
+    zeros = torch.round(-lo / scales.float()).clamp(0, qmax).int()
+    codes = torch.round(w / scales.float()[g_idx] + zeros[g_idx]).clamp(0, qmax).int()
+    restored = (scales.float()[g_idx] * (codes - zeros[g_idx]).float()).t()
+    return codes, zeros, scales, restored
+
+
+def pack_gptq(codes: torch.Tensor, zeros: torch.Tensor, bits: int, v1: bool):
+    """AutoGPTQ's packing: qweight [in / p, out] with p codes of consecutive input channels per
+    int32 (low bits first); qzeros [groups, out / p] the same along output channels, minus one (v1)."""
+    per = 32 // bits
+    qweight = torch.zeros(codes.shape[0] // per, codes.shape[1], dtype=torch.int64)
+    for j in range(per):
+        qweight |= codes[j::per].long() << (bits * j)
+    stored = zeros.long() - (1 if v1 else 0)
+    qzeros = torch.zeros(zeros.shape[0], zeros.shape[1] // per, dtype=torch.int64)
+    for j in range(per):
+        qzeros |= (stored[:, j::per] & (2 ** bits - 1)) << (bits * j)
+    return as_int32(qweight), as_int32(qzeros)
+
+
+def as_int32(words: torch.Tensor) -> torch.Tensor:
+    """Unsigned 32-bit words (held in int64) as the int32 tensors checkpoints store."""
+    return torch.where(words >= 2 ** 31, words - 2 ** 32, words).to(torch.int32)
+
+
+def pack_awq(values: torch.Tensor):
+    """AutoAWQ's GEMM packing: 8 output channels per int32, nibble i holding channel (0, 2, 4, 6,
+    1, 3, 5, 7)[i] of the eight."""
+    order = (0, 2, 4, 6, 1, 3, 5, 7)
+    packed = torch.zeros(values.shape[0], values.shape[1] // 8, dtype=torch.int64)
+    for i, channel in enumerate(order):
+        packed |= values[:, channel::8].long() << (4 * i)
+    return as_int32(packed)
+
+
+def test_the_packers_lay_words_out_as_the_formats_do():
+    """Anchors for the two layouts: a symmetric 4-bit GPTQ (v1) stores zero 8 as 7 in every nibble
+    (0x77777777), and AWQ packs channels 0..7 holding 0..7 as 0x75316420."""
+    _, qzeros = pack_gptq(torch.zeros(8, 8, dtype=torch.int32), torch.full((1, 8), 8), 4, v1=True)
+    assert qzeros.item() == 0x77777777
+    assert pack_awq(torch.arange(8).reshape(1, 8)).item() == 0x75316420
+
+
+def write_packed(model_dir, out_dir, method: str, bits: int = 4, group: int = 32, act_order: bool = False,
+                 v1: bool = True):
+    """model_dir's checkpoint as a GPTQ or AWQ export (config.json's quantization_config, packed
+    tensors in fp16 where the tools write fp16), and the reference checkpoint holding the weights
+    those codes stand for."""
+    from safetensors.torch import save_file
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    tensors = {}
+    quantized = 0
+    gen = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for name, module in model.model.layers.named_modules():
+            if not isinstance(module, torch.nn.Linear):
+                continue
+            prefix = f"model.layers.{name}"
+            in_features = module.in_features
+            g_idx = torch.arange(in_features) // group
+            if act_order:
+                g_idx = g_idx[torch.randperm(in_features, generator=gen)]
+            codes, zeros, scales, restored = rtn_quantize(module.weight, bits, group, g_idx)
+            module.weight.copy_(restored)
+            if method == "gptq":
+                tensors[f"{prefix}.qweight"], tensors[f"{prefix}.qzeros"] = pack_gptq(codes, zeros, bits, v1)
+                tensors[f"{prefix}.g_idx"] = g_idx.int()
+            else:
+                tensors[f"{prefix}.qweight"], tensors[f"{prefix}.qzeros"] = pack_awq(codes), pack_awq(zeros)
+            tensors[f"{prefix}.scales"] = scales
+            if module.bias is not None:
+                tensors[f"{prefix}.bias"] = module.bias.detach().half()
+                module.bias.copy_(module.bias.half().float())
+            quantized += 1
+        for name, param in model.state_dict().items():
+            if name.startswith("model.layers.") and name.rsplit(".", 1)[0].removeprefix("model.layers.") in \
+                    {n for n, m in model.model.layers.named_modules() if isinstance(m, torch.nn.Linear)}:
+                continue
+            if name == "lm_head.weight" and model.config.tie_word_embeddings:
+                continue
+            tensors[name] = param.detach().clone()
+    out_dir.mkdir(parents=True)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out_dir / "model.safetensors"),
+              metadata={"format": "pt"})
+    config = model.config.to_dict()
+    if method == "gptq":
+        config["quantization_config"] = {"quant_method": "gptq", "bits": bits, "group_size": group,
+                                         "desc_act": act_order, "sym": False,
+                                         "checkpoint_format": "gptq" if v1 else "gptq_v2"}
+    else:
+        config["quantization_config"] = {"quant_method": "awq", "bits": bits, "group_size": group,
+                                         "version": "gemm", "zero_point": True}
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    transformers.AutoTokenizer.from_pretrained(model_dir).save_pretrained(out_dir)
+    ref_dir = out_dir.parent / f"{out_dir.name}-reference"
+    model.save_pretrained(ref_dir)
+    transformers.AutoTokenizer.from_pretrained(model_dir).save_pretrained(ref_dir)
+    return out_dir, ref_dir, quantized
+
+
+PACKED = [
+    ("gptq", dict(bits=4, group=32)),
+    ("gptq", dict(bits=4, group=32, act_order=True)),
+    ("gptq", dict(bits=4, group=64)),
+    ("gptq", dict(bits=8, group=32, v1=False)),
+    ("awq", dict(bits=4, group=32)),
+]
+
+
+@needs_cpu_kernels
+@pytest.mark.parametrize("method, kw", PACKED, ids=["gptq-4bit", "gptq-4bit-act-order", "gptq-4bit-g64", "gptq-8bit-v2", "awq"])
+@pytest.mark.parametrize("family", ["LlamaForCausalLM", "Qwen2ForCausalLM"])
+def test_a_gptq_or_awq_checkpoint_is_served_exactly(method, kw, family, tmp_path, hf_reference, make_llm):
+    model = make_family_model(tmp_path / "model", family)
+    served, reference_dir, quantized = write_packed(model, tmp_path / method, method, **kw)
+    # No --quantization: the checkpoint's quantization_config says what it is.
+    llm = make_llm(served, block_size=8, num_gpu_blocks=256, max_num_batched_tokens=32)
+    assert llm.engine.runner.quantization == method
+    linears = [m for m in llm.engine.runner.model.modules() if isinstance(m, GroupQuantizedLinear)]
+    assert len(linears) == quantized == 14 and all(m.bits == kw["bits"] for m in linears)
+    assert all((m.input_order is not None) == kw.get("act_order", False) for m in linears)
+    reference = hf_reference(reference_dir)
+    prompts = mixed_prompts(8, seed=34, lo=5, hi=60)
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == [reference.greedy(p, 10) for p in prompts]
+
+
+@needs_cpu_kernels
+def test_a_gptq_checkpoint_through_the_handoff_and_two_ranks(tmp_path, hf_reference):
+    from splitserve.engine import LLM
+    from splitserve.worker.wiring import build_decode, build_prefill
+    from tests.test_kvtransfer_handoff import handoff
+
+    model = make_family_model(tmp_path / "model", "LlamaForCausalLM")
+    served, reference_dir, _ = write_packed(model, tmp_path / "gptq", "gptq", bits=4, group=32)
+    reference = hf_reference(reference_dir)
+    prompts = mixed_prompts(5, seed=38, lo=5, hi=60)
+
+    def config(**kw):
+        return EngineConfig(model=str(served), dtype="float32", enforce_eager=True, block_size=8, num_gpu_blocks=128,
+                            **kw)
+    decode = build_decode(config(), "shm")
+    prefill = build_prefill(config(max_num_batched_tokens=24), verify_checksum=True)
+    try:
+        outputs, _ = handoff(prefill, decode, prompts, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+        assert [o.token_ids for o in outputs] == [reference.greedy(p, 8) for p in prompts]
+    finally:
+        prefill.close()
+        decode.close()
+    two = LLM(model=str(served), dtype="float32", enforce_eager=True, num_gpu_blocks=64, tensor_parallel_size=2)
+    try:
+        assert [o.token_ids for o in two.generate(prompts, GREEDY)] == [reference.greedy(p, 10) for p in prompts]
+    finally:
+        two.engine.close()
+
+
+def test_quantized_checkpoints_it_cannot_read_are_refused_by_name(tmp_path):
+    from splitserve.engine import LLM
+    from splitserve.engine.model_registry import UnsupportedModel
+    model = make_family_model(tmp_path / "model", "LlamaForCausalLM")
+    served, _, _ = write_packed(model, tmp_path / "gptq", "gptq", bits=4, group=32)
+    with pytest.raises(UnsupportedModel, match="quantized with gptq; --quantization int8 cannot apply"):
+        LLM(model=str(served), dtype="float32", enforce_eager=True, quantization="int8")
+    config = json.loads((served / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True}
+    (served / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedModel, match=r"quant_method=bitsandbytes\) is not supported: this engine reads "
+                                               "gguf, gptq, awq checkpoints"):
+        LLM(model=str(served), dtype="float32", enforce_eager=True)
+    config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 32, "version": "gemv"}
+    (served / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="AWQ with bits=4, version='gemv'"):
+        LLM(model=str(served), dtype="float32", enforce_eager=True)

@@ -107,13 +107,31 @@ def check_supported(hf_config) -> None:
         reason = REFUSED.get(arch, "an architecture nobody has checked against transformers here")
         raise UnsupportedModel(f"{arch} is not supported: it needs {reason}, which this engine does not implement "
                                f"(supported: {', '.join(sorted(SUPPORTED))}; docs/models.md)")
+    quantization_to_load(hf_config, None)
+
+
+def quantization_to_load(hf_config, requested: str | None) -> str | None:
+    """The quantization to load this checkpoint with: ``requested`` (``--quantization``), or the
+    checkpoint's own ``quant_method`` where it is a format this engine reads as shipped (GPTQ,
+    AWQ); ``UnsupportedModel`` for any other quantized checkpoint, or a request that contradicts it."""
+    from splitserve.engine.config import CHECKPOINT_QUANTIZATIONS
+
     quantization = getattr(hf_config, "quantization_config", None)
-    if quantization:  # e.g. gpt-oss's MXFP4 experts; transformers would de-quantize, or fail, silently
-        method = quantization.get("quant_method") if isinstance(quantization, dict) else \
-            getattr(quantization, "quant_method", None)
+    if not quantization:
+        return requested
+    method = quantization.get("quant_method") if isinstance(quantization, dict) else \
+        getattr(quantization, "quant_method", None)
+    method = getattr(method, "value", method)  # transformers' QuantizationMethod enum
+    arch = architecture_of(hf_config)
+    if method not in CHECKPOINT_QUANTIZATIONS:  # e.g. gpt-oss's MXFP4 experts: transformers would de-quantize
         raise UnsupportedModel(f"{arch} with quantized weights (quant_method={method}) is not supported: this "
-                               "engine loads unquantized checkpoints only (the bf16 or fp32 release of the model; "
-                               "--quantization int8 or fp8 quantizes it at load)")
+                               f"engine reads {', '.join(CHECKPOINT_QUANTIZATIONS)} checkpoints as shipped and "
+                               "unquantized ones (the bf16 or fp32 release of the model; --quantization int8 or "
+                               "fp8 quantizes it at load)")
+    if requested not in (None, method):
+        raise UnsupportedModel(f"this checkpoint is quantized with {method}; --quantization {requested} cannot apply "
+                               f"to it (leave the flag unset, or set it to {method})")
+    return method
 
 
 def final_logits(hf_config) -> Callable[["torch.Tensor"], "torch.Tensor"] | None:

@@ -28,7 +28,7 @@ from splitserve.engine.kv_sizes import kv_bytes_per_token, pages_for_budget, pag
 from splitserve.engine.cuda_graphs import DecodeGraphs, capture_sizes
 from splitserve.engine.cpu_linear import pack_linear_layers, resolve_linear_backend
 from splitserve.engine.model_loader import load_config, load_model
-from splitserve.engine.model_registry import check_supported, final_logits
+from splitserve.engine.model_registry import check_supported, final_logits, quantization_to_load
 from splitserve.engine.sampler import Sampler, SamplingRow
 from splitserve.engine.scheduler import SampledToken, ScheduledChunk, SchedulerOutput
 from splitserve.engine.rejection_sampler import verify
@@ -103,17 +103,19 @@ class ModelRunner:
         hf = load_config(model_dir)
         self.max_model_len = max_model_len or config.max_model_len or getattr(hf, "max_position_embeddings", 2048)
         check_supported(hf)  # before any weight loads
+        # --quantization, or the checkpoint's own format (GPTQ, AWQ) when the flag is unset.
+        self.quantization = quantization_to_load(hf, config.quantization)
         if self.tp_size > 1:
             self.model = self._load_shard(model_dir)
         else:
             self.model = load_model(model_dir, self.dtype, self.device, attn_implementation=ATTN_IMPLEMENTATION,
-                                    load_format=config.load_format, quantization=config.quantization)
+                                    load_format=config.load_format, quantization=self.quantization)
         # --quantization int8/fp8: the linears replaced by quantized ones (each rank's own shard
         # under TP), before the float ones left are packed (a quantized checkpoint loaded so above).
         self.quantized_weights = None
-        if config.quantization and config.quantization not in CHECKPOINT_QUANTIZATIONS:
+        if self.quantization and self.quantization not in CHECKPOINT_QUANTIZATIONS:
             from splitserve.engine.quantization import quantize_model
-            self.quantized_weights = quantize_model(self.model, config.quantization)
+            self.quantized_weights = quantize_model(self.model, self.quantization)
         self.linear_backend = resolve_linear_backend(config.linear_backend, self.device, self.dtype)
         if self.linear_backend == "onednn":
             pack_linear_layers(self.model)
@@ -195,7 +197,7 @@ class ModelRunner:
                                            self.tp_follower)
             self.tp_comm = self.followers.all_reduce
         model = load_model(model_dir, self.dtype, "cpu", attn_implementation=ATTN_IMPLEMENTATION,
-                           load_format=self.config.load_format, quantization=self.config.quantization)
+                           load_format=self.config.load_format, quantization=self.quantization)
         self.tp_group_id = register_group(self.tp_comm)
         shard_model(model, self.tp_rank, self.tp_size, self.tp_group_id)
         return model.to(self.device)

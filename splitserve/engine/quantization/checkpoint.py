@@ -13,8 +13,7 @@ from splitserve.engine.quantization.grouped import GroupQuantizedEmbedding, Grou
 
 log = logging.getLogger(__name__)
 
-# Formats read from a checkpoint as shipped (the rest of --quantization quantizes at load).
-CHECKPOINT_FORMATS = ("gguf",)
+from splitserve.engine.config import CHECKPOINT_QUANTIZATIONS
 
 
 def empty_model(model_dir: Path, dtype: torch.dtype, attn_implementation: str) -> torch.nn.Module:
@@ -95,6 +94,40 @@ def _tie_output(model: torch.nn.Module) -> None:
         head.weight = embedding.weight
 
 
+def quantization_config(hf_config) -> dict:
+    """The checkpoint's ``quantization_config`` as a dict (empty when it has none)."""
+    found = getattr(hf_config, "quantization_config", None) or {}
+    return found if isinstance(found, dict) else found.to_dict()
+
+
+def safetensors_files(model_dir: Path) -> list[Path]:
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{model_dir} has no .safetensors files to read quantized weights from")
+    return files
+
+
+def read_packed_checkpoint(model_dir: Path, method: str, config: dict):
+    """A GPTQ or AWQ checkpoint's linears (each a module prefix with a ``qweight``) in grouped form,
+    and its other tensors as floats by name."""
+    from safetensors import safe_open
+
+    from splitserve.engine.quantization.gptq_awq import READERS
+
+    read, parts = READERS[method]
+    tensors: dict[str, torch.Tensor] = {}
+    for path in safetensors_files(model_dir):
+        with safe_open(str(path), framework="pt") as f:
+            for key in f.keys():
+                tensors[key] = f.get_tensor(key)
+    modules = sorted(key.removesuffix(".qweight") for key in tensors if key.endswith(".qweight"))
+    quantized = []
+    for module in modules:
+        mine = {part: tensors.pop(f"{module}.{part}") for part in parts if f"{module}.{part}" in tensors}
+        quantized.append(read(module, mine, config))
+    return quantized, tensors
+
+
 def load_quantized_model(model_dir: Path, method: str, dtype: torch.dtype, device: torch.device,
                          attn_implementation: str) -> torch.nn.Module:
     """The model of ``model_dir`` with its ``method``-format weights kept quantized."""
@@ -102,9 +135,11 @@ def load_quantized_model(model_dir: Path, method: str, dtype: torch.dtype, devic
     if method == "gguf":
         from splitserve.engine.quantization.gguf import find_gguf_file, read_gguf
         quantized, floats = read_gguf(find_gguf_file(model_dir), model)
+    elif method in ("gptq", "awq"):
+        quantized, floats = read_packed_checkpoint(model_dir, method, quantization_config(model.config))
     else:
         raise ValueError(f"quantization={method!r} is not a checkpoint format this engine reads "
-                         f"({', '.join(CHECKPOINT_FORMATS)})")
+                         f"({', '.join(CHECKPOINT_QUANTIZATIONS)})")
     weight_bytes = install(model, quantized, floats, dtype)
     log.info("%s: %d quantized weights (%.1f MiB) and %d float tensors", method, len(quantized),
              weight_bytes / 2**20, len(floats))
