@@ -256,14 +256,14 @@ def test_gguf_types_it_does_not_serve_are_refused_by_name(tmp_path):
     model = make_family_model(tmp_path / "model", "LlamaForCausalLM")
     served, _ = write_gguf(model, tmp_path / "gguf", {"embedding": "Q8_0", "linear": "Q5_1"})
     with pytest.raises(ValueError, match="is Q5_1; this engine serves GGUF Q4_0, Q4_1, Q8_0"):
-        load_model(served, torch.float32, quantization="gguf")
+        load_model(served, torch.float32, checkpoint_quantization="gguf")
 
 
 def test_a_model_directory_needs_exactly_one_gguf(tmp_path):
     from splitserve.engine.model_loader import load_model
     model = make_family_model(tmp_path / "model", "LlamaForCausalLM")
     with pytest.raises(ValueError, match=r"needs exactly one \.gguf file .* \(found: none\)"):
-        load_model(model, torch.float32, quantization="gguf")
+        load_model(model, torch.float32, checkpoint_quantization="gguf")
 
 
 # ------------------------------------------------------------------------------- GPTQ and AWQ
@@ -444,9 +444,158 @@ def test_quantized_checkpoints_it_cannot_read_are_refused_by_name(tmp_path):
     config["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True}
     (served / "config.json").write_text(json.dumps(config))
     with pytest.raises(UnsupportedModel, match=r"quant_method=bitsandbytes\) is not supported: this engine reads "
-                                               "gguf, gptq, awq checkpoints"):
+                                               "gguf, gptq, awq, fp8, compressed-tensors checkpoints"):
         LLM(model=str(served), dtype="float32", enforce_eager=True)
     config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 32, "version": "gemv"}
     (served / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="AWQ with bits=4, version='gemv'"):
         LLM(model=str(served), dtype="float32", enforce_eager=True)
+
+
+# ------------------------------------------------------------------- FP8 and compressed-tensors
+
+def _reduce(weight: torch.Tensor, strategy: str, group: int | None, block: list[int] | None, how):
+    """Per-tensor, channel, group or block min/max of a weight [out, in], shaped as the scales are."""
+    out_features, in_features = weight.shape
+    if strategy == "tensor":
+        return how(weight.reshape(1, -1), dim=1).values
+    if strategy == "channel":
+        return how(weight, dim=1, keepdim=True).values
+    if strategy == "group":
+        return how(weight.reshape(out_features, in_features // group, group), dim=2).values
+    rows, cols = block
+    blocks = weight.reshape(out_features // rows, rows, in_features // cols, cols)
+    return how(how(blocks, dim=3).values, dim=1).values
+
+
+def write_compressed(model_dir, out_dir, preset: str, fmt: str, **weights_args):
+    """model_dir's checkpoint as llm-compressor would write it with ``preset`` (one of
+    compressed-tensors' preset schemes, its weight args overridden by ``weights_args``): scales from
+    compressed-tensors' own ``calculate_qparams``, tensors from its own compressor for ``fmt``, and
+    the reference checkpoint holding what its own decompressor gives back."""
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationConfig, preset_name_to_scheme
+    from compressed_tensors.quantization.utils import calculate_qparams
+    from safetensors.torch import save_file
+
+    scheme = preset_name_to_scheme(preset, ["Linear"])
+    scheme.weights = scheme.weights.model_copy(update=weights_args)
+    args = scheme.weights
+    compressor = BaseCompressor.get_value_from_registry(fmt)
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    tensors, quantized = {}, set()
+    with torch.no_grad():
+        for name, module in model.model.layers.named_modules():
+            if not isinstance(module, torch.nn.Linear):
+                continue
+            prefix = f"model.layers.{name}"
+            weight = module.weight.detach()
+            lo = _reduce(weight, args.strategy, args.group_size, args.block_structure, torch.min)
+            hi = _reduce(weight, args.strategy, args.group_size, args.block_structure, torch.max)
+            scale, zero_point = calculate_qparams(lo, hi, args)
+            state = {"weight": weight, "weight_scale": scale.float(), "weight_zero_point": zero_point}
+            compressed = compressor.compress(state, scheme)
+            restored = compressor.decompress(dict(compressed), scheme)["weight"]
+            module.weight.copy_(restored.float())
+            tensors.update({f"{prefix}.{k}": v for k, v in compressed.items()})
+            quantized.add(f"{prefix}.weight")
+        for name, param in model.state_dict().items():
+            if name not in quantized and not (name == "lm_head.weight" and model.config.tie_word_embeddings):
+                tensors[name] = param.detach().clone()
+    out_dir.mkdir(parents=True)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out_dir / "model.safetensors"),
+              metadata={"format": "pt"})
+    config = model.config.to_dict()
+    config["quantization_config"] = QuantizationConfig(config_groups={"group_0": scheme}, format=fmt,
+                                                       quantization_status="compressed",
+                                                       ignore=["lm_head"]).model_dump(mode="json")
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    transformers.AutoTokenizer.from_pretrained(model_dir).save_pretrained(out_dir)
+    ref_dir = out_dir.parent / f"{out_dir.name}-reference"
+    model.save_pretrained(ref_dir)
+    transformers.AutoTokenizer.from_pretrained(model_dir).save_pretrained(ref_dir)
+    return out_dir, ref_dir, len(quantized)
+
+
+COMPRESSED = [
+    ("W4A16", "pack-quantized", dict(group_size=32)),
+    ("W4A16_ASYM", "pack-quantized", dict(group_size=32)),
+    ("W8A16", "pack-quantized", dict(strategy="channel", group_size=None)),
+    ("W8A8", "int-quantized", dict()),
+    ("FP8", "float-quantized", dict()),
+    ("FP8_DYNAMIC", "float-quantized", dict()),
+    ("FP8_BLOCK", "float-quantized", dict(block_structure=[16, 32])),
+]
+
+
+@needs_cpu_kernels
+@pytest.mark.parametrize("preset, fmt, weights_args", COMPRESSED, ids=[c[0].lower() for c in COMPRESSED])
+def test_a_compressed_tensors_checkpoint_is_served_exactly(preset, fmt, weights_args, tmp_path, hf_reference,
+                                                           make_llm):
+    pytest.importorskip("compressed_tensors")
+    model = make_family_model(tmp_path / "model", "Qwen2ForCausalLM")
+    served, reference_dir, quantized = write_compressed(model, tmp_path / preset, preset, fmt, **weights_args)
+    llm = make_llm(served, block_size=8, num_gpu_blocks=256, max_num_batched_tokens=32)
+    assert llm.engine.runner.quantization == "compressed-tensors"
+    linears = [m for m in llm.engine.runner.model.modules() if isinstance(m, GroupQuantizedLinear)]
+    assert len(linears) == quantized == 14
+    reference = hf_reference(reference_dir)
+    prompts = mixed_prompts(8, seed=34, lo=5, hi=60)
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == [reference.greedy(p, 10) for p in prompts]
+
+
+def write_fp8(model_dir, out_dir, block: list[int] | None):
+    """model_dir's checkpoint in the FP8 layout of ``quant_method: fp8`` (e4m3 weights; a
+    ``weight_scale`` per tensor, or ``weight_scale_inv`` per block with ``weight_block_size``), and
+    its reference: code * scale."""
+    from safetensors.torch import save_file
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    tensors, done = {}, set()
+    with torch.no_grad():
+        for name, module in model.model.layers.named_modules():
+            if not isinstance(module, torch.nn.Linear):
+                continue
+            prefix, weight = f"model.layers.{name}", module.weight.detach()
+            if block is None:
+                scale = weight.abs().amax() / 448.0
+                codes = (weight / scale).to(torch.float8_e4m3fn)
+                tensors[f"{prefix}.weight_scale"] = scale.reshape(())
+                module.weight.copy_(codes.float() * scale)
+            else:
+                amax = _reduce(weight.abs(), "block", None, block, torch.max)
+                scale = amax / 448.0
+                full = scale.repeat_interleave(block[0], 0).repeat_interleave(block[1], 1)
+                codes = (weight / full).to(torch.float8_e4m3fn)
+                tensors[f"{prefix}.weight_scale_inv"] = scale
+                module.weight.copy_(codes.float() * full)
+            tensors[f"{prefix}.weight"] = codes
+            tensors[f"{prefix}.input_scale"] = torch.tensor(0.05)  # static activations: not used here
+            done.add(f"{prefix}.weight")
+        for name, param in model.state_dict().items():
+            if name not in done:
+                tensors[name] = param.detach().clone()
+    out_dir.mkdir(parents=True)
+    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    config = model.config.to_dict()
+    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "static" if block is None else
+                                     "dynamic", **({"weight_block_size": block} if block else {})}
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    transformers.AutoTokenizer.from_pretrained(model_dir).save_pretrained(out_dir)
+    ref_dir = out_dir.parent / f"{out_dir.name}-reference"
+    model.save_pretrained(ref_dir)
+    transformers.AutoTokenizer.from_pretrained(model_dir).save_pretrained(ref_dir)
+    return out_dir, ref_dir
+
+
+@needs_cpu_kernels
+@pytest.mark.parametrize("block", [None, [16, 32]], ids=["per-tensor", "blocks"])
+def test_an_fp8_checkpoint_is_served_exactly(block, tmp_path, hf_reference, make_llm):
+    model = make_family_model(tmp_path / "model", "LlamaForCausalLM")
+    served, reference_dir = write_fp8(model, tmp_path / "fp8", block)
+    llm = make_llm(served, block_size=8, num_gpu_blocks=256, max_num_batched_tokens=32)
+    assert llm.engine.runner.quantization == "fp8" and llm.engine.runner.checkpoint_quantization == "fp8"
+    linears = [m for m in llm.engine.runner.model.modules() if isinstance(m, GroupQuantizedLinear)]
+    assert len(linears) == 14 and all(m.codes.dtype == torch.float8_e4m3fn for m in linears)
+    reference = hf_reference(reference_dir)
+    prompts = mixed_prompts(8, seed=34, lo=5, hi=60)
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == [reference.greedy(p, 10) for p in prompts]

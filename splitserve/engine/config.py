@@ -19,11 +19,11 @@ LOAD_FORMATS = ("auto", "dummy")
 SPECULATIVE_METHODS = ("ngram", "draft")
 # Weight quantization (splitserve/engine/quantization/), and vLLM's names for what this engine
 # does not do yet: those are refused as such, not as a typo. The checkpoint formats are read as
-# shipped; the others quantize a float checkpoint at load.
-CHECKPOINT_QUANTIZATIONS = ("gguf", "gptq", "awq")
-QUANTIZATION_METHODS = ("int8", "fp8", *CHECKPOINT_QUANTIZATIONS)
+# shipped; int8, and fp8 given a float checkpoint, quantize it at load.
+CHECKPOINT_QUANTIZATIONS = ("gguf", "gptq", "awq", "fp8", "compressed-tensors")
+QUANTIZATION_METHODS = ("int8", *CHECKPOINT_QUANTIZATIONS)
 QUANTIZATION_NOT_YET = ("awq_marlin", "gptq_marlin", "bitsandbytes",
-                        "compressed-tensors", "experts_int8", "fbgemm_fp8", "marlin", "modelopt", "mxfp4", "torchao")
+                        "experts_int8", "fbgemm_fp8", "marlin", "modelopt", "mxfp4", "torchao")
 
 
 def check_quantization(method: str | None) -> None:
@@ -101,8 +101,8 @@ class EngineConfig:
     # Quantized weights (vLLM's flag). Quantized at load: "int8" or "fp8" (e4m3), weight-only, one
     # scale per output channel (a quarter of fp32's weight bytes; decode reads fewer). Read as
     # shipped: "gguf" (the model directory's .gguf file, its Q4_0/Q4_1/Q8_0 tensors kept in their
-    # codes), "gptq" and "awq" (found in config.json's quantization_config when unset). Unset:
-    # the checkpoint's own weights.
+    # codes), "gptq", "awq", "fp8" and "compressed-tensors" (found in config.json's
+    # quantization_config when unset). Unset: the checkpoint's own weights.
     quantization: str | None = None
     # Colocated workers: size each step's share of prompt tokens (the chunked-prefill size) so that
     # steps with decodes take about this many ms while prompts arrive (splitserve/engine/step_budget.py);

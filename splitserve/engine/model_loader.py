@@ -150,26 +150,24 @@ def load_model(
     device: str | torch.device = "cpu",
     attn_implementation: str = "sdpa",
     load_format: str = "auto",
-    quantization: str | None = None,
+    checkpoint_quantization: str | None = None,
 ) -> torch.nn.Module:
     """Load a causal LM for inference: eval mode, no gradients, in ``dtype`` on ``device``.
 
     Loads whatever ``AutoModelForCausalLM`` knows; what the engine serves exactly is
     ``model_registry``'s to say (the runner checks it first). ``load_format="dummy"``: no
     weights are read, the model is built from ``config.json`` with random ones, on ``device``.
-    ``quantization`` naming a checkpoint format (``gguf``): its quantized tensors are kept as
-    shipped (``splitserve.engine.quantization.checkpoint``); other methods quantize after this.
+    ``checkpoint_quantization``: the format of a quantized checkpoint (``gguf``, ``gptq``, ...), whose
+    quantized tensors are kept as shipped (``splitserve.engine.quantization.checkpoint``).
     """
     from transformers import AutoModelForCausalLM
 
-    from splitserve.engine.config import CHECKPOINT_QUANTIZATIONS
-
     device = torch.device(device)
-    if quantization in CHECKPOINT_QUANTIZATIONS:
+    if checkpoint_quantization:
         if load_format == "dummy":
-            raise ValueError(f"load_format='dummy' has no checkpoint to read quantization={quantization!r} from")
+            raise ValueError(f"load_format='dummy' has no checkpoint to read {checkpoint_quantization} weights from")
         from splitserve.engine.quantization.checkpoint import load_quantized_model
-        return load_quantized_model(model_dir, quantization, dtype, device, attn_implementation)
+        return load_quantized_model(model_dir, checkpoint_quantization, dtype, device, attn_implementation)
     if load_format == "dummy":
         with torch.device(device):
             model = AutoModelForCausalLM.from_config(load_config(model_dir), dtype=dtype,

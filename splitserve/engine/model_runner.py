@@ -22,7 +22,7 @@ from splitserve.engine.attention.kv_quant import kv_quant, row_width
 from splitserve.engine.attention.page_order import page_order_for, page_shape, token_view
 from splitserve.engine.attention.hf_integration import ATTN_IMPLEMENTATION, StepContext, step_context
 from splitserve.engine.compiled_forward import build_forward
-from splitserve.engine.config import CHECKPOINT_QUANTIZATIONS, EngineConfig
+from splitserve.engine.config import EngineConfig
 from splitserve.engine.kv_connector import KVConnector
 from splitserve.engine.kv_sizes import kv_bytes_per_token, pages_for_budget, pages_for_tokens
 from splitserve.engine.cuda_graphs import DecodeGraphs, capture_sizes
@@ -103,17 +103,22 @@ class ModelRunner:
         hf = load_config(model_dir)
         self.max_model_len = max_model_len or config.max_model_len or getattr(hf, "max_position_embeddings", 2048)
         check_supported(hf)  # before any weight loads
-        # --quantization, or the checkpoint's own format (GPTQ, AWQ) when the flag is unset.
+        # --quantization, or the checkpoint's own format (GPTQ, AWQ, FP8, ...) when the flag is
+        # unset; read from the checkpoint as shipped (a GGUF, or a quantization_config), or
+        # quantized here after a float checkpoint loads (int8, fp8).
         self.quantization = quantization_to_load(hf, config.quantization)
+        shipped = self.quantization == "gguf" or getattr(hf, "quantization_config", None)
+        self.checkpoint_quantization = self.quantization if shipped else None
         if self.tp_size > 1:
             self.model = self._load_shard(model_dir)
         else:
             self.model = load_model(model_dir, self.dtype, self.device, attn_implementation=ATTN_IMPLEMENTATION,
-                                    load_format=config.load_format, quantization=self.quantization)
+                                    load_format=config.load_format,
+                                    checkpoint_quantization=self.checkpoint_quantization)
         # --quantization int8/fp8: the linears replaced by quantized ones (each rank's own shard
         # under TP), before the float ones left are packed (a quantized checkpoint loaded so above).
         self.quantized_weights = None
-        if self.quantization and self.quantization not in CHECKPOINT_QUANTIZATIONS:
+        if self.quantization and not self.checkpoint_quantization:
             from splitserve.engine.quantization import quantize_model
             self.quantized_weights = quantize_model(self.model, self.quantization)
         self.linear_backend = resolve_linear_backend(config.linear_backend, self.device, self.dtype)
@@ -197,7 +202,8 @@ class ModelRunner:
                                            self.tp_follower)
             self.tp_comm = self.followers.all_reduce
         model = load_model(model_dir, self.dtype, "cpu", attn_implementation=ATTN_IMPLEMENTATION,
-                           load_format=self.config.load_format, quantization=self.quantization)
+                           load_format=self.config.load_format,
+                           checkpoint_quantization=self.checkpoint_quantization)
         self.tp_group_id = register_group(self.tp_comm)
         shard_model(model, self.tp_rank, self.tp_size, self.tp_group_id)
         return model.to(self.device)

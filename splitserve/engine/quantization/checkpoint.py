@@ -107,25 +107,42 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def read_packed_checkpoint(model_dir: Path, method: str, config: dict):
-    """A GPTQ or AWQ checkpoint's linears (each a module prefix with a ``qweight``) in grouped form,
-    and its other tensors as floats by name."""
+def _readers():
+    """quant_method -> (read one linear, the tensor names of a quantized linear, the names that
+    mark a linear as quantized)."""
+    from splitserve.engine.quantization import compressed, gptq_awq
+    return {
+        "gptq": (gptq_awq.read_gptq, ("qweight", "qzeros", "scales", "g_idx"), ("qweight",)),
+        "awq": (gptq_awq.read_awq, ("qweight", "qzeros", "scales"), ("qweight",)),
+        "fp8": (compressed.read_fp8, compressed.PARTS, ("weight_scale", "weight_scale_inv")),
+        "compressed-tensors": (compressed.read_compressed, compressed.PARTS, ("weight_scale",)),
+    }
+
+
+# Scales of what this engine keeps in its own dtype (static activation scales, fp8 KV-cache
+# scales): read and set aside.
+IGNORED_SUFFIXES = (".input_scale", ".k_scale", ".v_scale", ".q_scale")
+
+
+def read_safetensors_checkpoint(model_dir: Path, method: str, config: dict):
+    """A checkpoint's quantized linears in grouped form, and its other tensors as floats by name."""
     from safetensors import safe_open
 
-    from splitserve.engine.quantization.gptq_awq import READERS
-
-    read, parts = READERS[method]
+    read, parts, markers = _readers()[method]
     tensors: dict[str, torch.Tensor] = {}
     for path in safetensors_files(model_dir):
         with safe_open(str(path), framework="pt") as f:
             for key in f.keys():
                 tensors[key] = f.get_tensor(key)
-    modules = sorted(key.removesuffix(".qweight") for key in tensors if key.endswith(".qweight"))
+    modules = sorted({key.rsplit(".", 1)[0] for key in tensors if key.rsplit(".", 1)[-1] in markers})
     quantized = []
     for module in modules:
         mine = {part: tensors.pop(f"{module}.{part}") for part in parts if f"{module}.{part}" in tensors}
         quantized.append(read(module, mine, config))
-    return quantized, tensors
+    ignored = [key for key in tensors if key.endswith(IGNORED_SUFFIXES)]
+    if ignored:
+        log.info("%s: %d activation/KV scales not used (weights only are quantized here)", method, len(ignored))
+    return quantized, {key: t for key, t in tensors.items() if key not in ignored}
 
 
 def load_quantized_model(model_dir: Path, method: str, dtype: torch.dtype, device: torch.device,
@@ -135,8 +152,8 @@ def load_quantized_model(model_dir: Path, method: str, dtype: torch.dtype, devic
     if method == "gguf":
         from splitserve.engine.quantization.gguf import find_gguf_file, read_gguf
         quantized, floats = read_gguf(find_gguf_file(model_dir), model)
-    elif method in ("gptq", "awq"):
-        quantized, floats = read_packed_checkpoint(model_dir, method, quantization_config(model.config))
+    elif method in _readers():
+        quantized, floats = read_safetensors_checkpoint(model_dir, method, quantization_config(model.config))
     else:
         raise ValueError(f"quantization={method!r} is not a checkpoint format this engine reads "
                          f"({', '.join(CHECKPOINT_QUANTIZATIONS)})")

@@ -217,7 +217,7 @@ at::Tensor linear_w8(const at::Tensor& x, const at::Tensor& codes, const at::Ten
 // ---------------------------------------------------------------------------------------------
 // linear_wq: group-wise codes, w[n, k] = code[n, k] * scale[n, g] + offset[n, g] with g = k / group.
 // One form for every format: GGUF Q4_0 (offset -8 d), Q4_1 (offset m), Q8_0 (no offset), GPTQ and
-// AWQ (offset -zero * scale). Each 32 codes are widened to float32 and turned into the exact float
+// AWQ (offset -zero * scale), FP8 checkpoints (e4m3 codes, a scale per tensor, channel or block). Each 32 codes are widened to float32 and turned into the exact float
 // weight by one fused multiply-add (code * scale is exact in float32 for these formats' 4- and
 // 8-bit codes and 16-bit scales, so the weight is rounded once, where the formats' own
 // de-quantizers round it once too); the rows then multiply-add against it as against a float
@@ -225,10 +225,11 @@ at::Tensor linear_w8(const at::Tensor& x, const at::Tensor& codes, const at::Ten
 // holds code i in its low nibble and code i + 16 in its high nibble.
 
 // 32 codes starting at element k of a row (k a multiple of 32), as two float vectors.
+template <typename code_t>  // int8 or fp8 e4m3, one byte a code
 struct Codes8 {
   static constexpr int64_t kBytesPer32 = 32;
   static inline void load32(const uint8_t* row, int64_t k, v16f& lo, v16f& hi) {
-    const int8_t* p = reinterpret_cast<const int8_t*>(row) + k;
+    const code_t* p = reinterpret_cast<const code_t*>(row) + k;
     lo = codes16(p);
     hi = codes16(p + 16);
   }
@@ -357,7 +358,7 @@ at::Tensor linear_wq_impl(const at::Tensor& x, const uint8_t* codes, int64_t N, 
   return x.scalar_type() == at::kFloat ? out32 : out32.to(x.scalar_type());
 }
 
-// x [M, K] (any float dtype), codes [N, K] int8 (bits 8) or [N, K / 2] uint8 (bits 4, GGUF's nibble
+// x [M, K] (any float dtype), codes [N, K] int8 or fp8 e4m3 (bits 8) or [N, K / 2] uint8 (bits 4, GGUF's nibble
 // order), scales and offsets [N, K / group_size] float32 (offsets may be absent) -> [M, N].
 at::Tensor linear_wq(const at::Tensor& x, const at::Tensor& codes, const at::Tensor& scales,
                      const std::optional<at::Tensor>& offsets, int64_t bits, int64_t group_size) {
@@ -374,8 +375,10 @@ at::Tensor linear_wq(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   const Groups g{scales.data_ptr<float>(), offsets ? offsets->data_ptr<float>() : nullptr, group_size, K / group_size};
   const uint8_t* cp = reinterpret_cast<const uint8_t*>(codes.data_ptr());
   if (bits == 8) {
-    TORCH_CHECK(codes.scalar_type() == at::kChar && codes.size(1) == K, "linear_wq: 8-bit codes are int8 [N, K]");
-    return linear_wq_impl<Codes8>(x, cp, N, g);
+    TORCH_CHECK(codes.size(1) == K, "linear_wq: 8-bit codes are [N, K]");
+    if (codes.scalar_type() == at::kFloat8_e4m3fn) return linear_wq_impl<Codes8<c10::Float8_e4m3fn>>(x, cp, N, g);
+    TORCH_CHECK(codes.scalar_type() == at::kChar, "linear_wq: 8-bit codes are int8 or float8_e4m3fn");
+    return linear_wq_impl<Codes8<int8_t>>(x, cp, N, g);
   }
   TORCH_CHECK(bits == 4, "linear_wq: bits must be 4 or 8, got ", bits);
   TORCH_CHECK(codes.scalar_type() == at::kByte && codes.size(1) == K / 2, "linear_wq: 4-bit codes are uint8 [N, K / 2]");
