@@ -29,7 +29,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 # Installed here at the versions the suite runs with; the GPU machine gets the same ones.
 PACKAGES = ["grpcio", "grpcio-health-checking", "grpcio-reflection", "protobuf", "redis", "pytest", "pluggy",
-            "iniconfig", "pygments", "pytest-timeout"]
+            "iniconfig", "pygments", "pytest-timeout",
+            # Quantized checkpoints: read (gguf, accelerate's empty model) and written by the tests
+            # (compressed-tensors and what it needs).
+            "gguf", "accelerate", "psutil", "compressed-tensors", "loguru", "pydantic", "pydantic-core",
+            "annotated-types", "typing-inspection"]
 PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64"]
 MODEL_FILES = ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
                "chat_template.jinja", "special_tokens_map.json"]

@@ -10,6 +10,7 @@ fp32 greedy output must be equal token for token.
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -340,3 +341,70 @@ def test_an_fp8_checkpoint_is_served_exactly(block, tmp_path, hf_reference, make
     reference = hf_reference(reference_dir)
     prompts = mixed_prompts(8, seed=34, lo=5, hi=60)
     assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == [reference.greedy(p, 10) for p in prompts]
+
+
+# ------------------------------------------------------------------------------- the GPU path
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@pytest.mark.skipif(not INTERPRET, reason="CPU tensors need the Triton interpreter (TRITON_INTERPRET=1)")
+@pytest.mark.parametrize("bits, codes_dtype, offsets", [(4, torch.uint8, True), (8, torch.int8, False),
+                                                        (8, torch.float8_e4m3fn, False)])
+@pytest.mark.parametrize("rows", [3, 20])
+def test_the_triton_kernel_is_the_matmul_over_the_dequantized_weight(bits, codes_dtype, offsets, rows):
+    pytest.importorskip("triton")
+    from splitserve.engine.quantization.triton_grouped import grouped_matmul
+    codes, scales, offs = grouped_weights(bits, 70, 128, 64, offsets)
+    if codes_dtype == torch.float8_e4m3fn:
+        codes = (codes.float() / 8).to(torch.float8_e4m3fn)
+    x = torch.randn(rows, 128, generator=torch.Generator().manual_seed(1))
+    expected = torch.nn.functional.linear(x, dequantize(codes, scales, offs, bits, 64))
+    torch.testing.assert_close(grouped_matmul(x, codes, scales, offs, bits, 64), expected, rtol=1e-5,
+                               atol=1e-5 * expected.abs().max().item())
+
+
+GPU_FORMATS = ["gguf", "gptq-act-order", "w4a16", "fp8-blocks"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", GPU_FORMATS)
+def test_quantized_checkpoints_on_cuda(fmt, tmp_path, hf_reference, make_llm):
+    """Each kind of codes through the compiled Triton kernel on a GPU (the device check runs the
+    gpu-marked tests), fp32, against transformers on the weights the codes stand for."""
+    model = make_family_model(tmp_path / "model", "LlamaForCausalLM")
+    quantization = None
+    if fmt == "gguf":
+        served, reference_dir = write_gguf(model, tmp_path / fmt, CASES[0][2])
+        quantization = "gguf"
+    elif fmt == "gptq-act-order":
+        served, reference_dir, _ = write_packed(model, tmp_path / fmt, "gptq", bits=4, group=32, act_order=True)
+    elif fmt == "w4a16":
+        served, reference_dir, _ = write_compressed(model, tmp_path / fmt, "W4A16", "pack-quantized", group_size=32)
+    else:
+        served, reference_dir = write_fp8(model, tmp_path / fmt, [16, 32])
+    llm = make_llm(served, device="cuda", quantization=quantization, block_size=16, num_gpu_blocks=256,
+                   max_num_batched_tokens=32)
+    assert all(m.codes.is_cuda for m in llm.engine.runner.model.modules() if isinstance(m, GroupQuantizedLinear))
+    prompts = mixed_prompts(8, seed=34, lo=5, hi=60)
+    reference = hf_reference(reference_dir)
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == [reference.greedy(p, 10) for p in prompts]
+
+
+@pytest.mark.gpu
+def test_fp8_weights_on_fp8_tensor_cores():
+    """On a Hopper-class GPU, per-channel fp8 codes with bf16 activations run torch._scaled_mm (the
+    activations quantized per row): close to the de-quantized matmul, not equal to it."""
+    from splitserve.engine.quantization.triton_grouped import fp8_rowwise_supported
+    if not fp8_rowwise_supported(torch.device("cuda")):
+        pytest.skip("fp8 row-wise scaled matmuls need compute capability 9.0")
+    g = torch.Generator().manual_seed(2)
+    weight = torch.randn(256, 512, generator=g) / 10
+    scales = weight.abs().amax(dim=1, keepdim=True) / 448
+    codes = (weight / scales).to(torch.float8_e4m3fn)
+    layer = GroupQuantizedLinear(codes, scales, None, bits=8, group_size=512, in_features=512).cuda()
+    x = torch.randn(33, 512, generator=g).cuda().bfloat16()
+    expected = torch.nn.functional.linear(x.float(), layer.dequantized())
+    out = layer(x)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), expected, rtol=0.1, atol=0.05 * expected.abs().max().item())

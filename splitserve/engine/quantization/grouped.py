@@ -67,7 +67,11 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor 
 
 
 def _grouped_op(device: torch.device):
-    """The C++ kernel on a CPU where the kernels built, the portable path elsewhere."""
+    """The C++ kernel on a CPU where the kernels built, the Triton kernel on a GPU, the portable
+    path elsewhere (None)."""
+    if device.type == "cuda":
+        from splitserve.engine.quantization.triton_grouped import grouped_matmul
+        return grouped_matmul
     if device.type != "cpu" or not cpu_kernels.available():
         return None
     global _fake_registered
@@ -117,7 +121,8 @@ class GroupQuantizedLinear(torch.nn.Module):
         self.register_buffer("offsets", None if offsets is None else offsets.float().contiguous())
         self.register_buffer("bias", bias)
         self.register_buffer("input_order", input_order)
-        self.op = _grouped_op(codes.device)
+        # fp8 codes with one scale per channel can run on a Hopper-class GPU's fp8 tensor cores.
+        self.per_channel_fp8 = codes.dtype == torch.float8_e4m3fn and scales.shape[1] == 1 and offsets is None
 
     def dequantized(self) -> torch.Tensor:
         """The float32 weight [out, in] in the checkpoint's input order (what a reference model is given)."""
@@ -132,8 +137,14 @@ class GroupQuantizedLinear(torch.nn.Module):
         rows = x.reshape(-1, self.in_features)
         if self.input_order is not None:
             rows = rows.index_select(1, self.input_order)
-        if self.op is not None:
-            out = self.op(rows, self.codes, self.scales, self.offsets, self.bits, self.group_size)
+        # The kernel for where the codes are now (a model is built on the host, then moved).
+        op = _grouped_op(self.codes.device)
+        if self.per_channel_fp8 and rows.dtype == torch.bfloat16 and self.codes.is_cuda:
+            from splitserve.engine.quantization.triton_grouped import fp8_rowwise_supported, fp8_scaled_mm
+            if fp8_rowwise_supported(self.codes.device):  # activations quantized per row (vLLM's fp8 path)
+                op = (lambda rows, codes, scales, offsets, bits, group: fp8_scaled_mm(rows, codes, scales))
+        if op is not None:
+            out = op(rows, self.codes, self.scales, self.offsets, self.bits, self.group_size)
         else:
             weight = dequantize(self.codes, self.scales, self.offsets, self.bits, self.group_size)
             out = torch.nn.functional.linear(rows, weight.to(rows.dtype))
