@@ -205,3 +205,23 @@ def test_two_tensor_parallel_ranks_each_quantize_their_own_shard(tiny_model_dirs
         assert [o.token_ids for o in two.generate(prompts, GREEDY)] == [reference.greedy(p, 10) for p in prompts]
     finally:
         two.engine.close()
+
+
+@needs_cpu_kernels
+def test_a_float_checkpoint_is_quantized_as_it_is_read(tmp_path, monkeypatch):
+    """One rank quantizes each linear as its weight is read: the whole-model float load is never
+    called (it would hold every float weight at once). MoE checkpoints whose per-expert tensors
+    transformers converts on load take that whole load instead, then quantize."""
+    from splitserve.engine import LLM, model_runner
+    calls = []
+    real = model_runner.load_model
+    monkeypatch.setattr(model_runner, "load_model", lambda *a, **kw: calls.append(a) or real(*a, **kw))
+    dense = make_family_model(tmp_path / "llama", "LlamaForCausalLM")
+    llm = LLM(model=str(dense), dtype="float32", enforce_eager=True, num_gpu_blocks=64, quantization="int8")
+    assert calls == [] and llm.engine.runner.quantized_weights.layers == 2 * 7 + 1
+    assert not any(type(m) is torch.nn.Linear for m in llm.engine.runner.model.modules())
+    llm.engine.close()
+    moe = make_family_model(tmp_path / "mixtral", "MixtralForCausalLM")
+    llm = LLM(model=str(moe), dtype="float32", enforce_eager=True, num_gpu_blocks=64, quantization="int8")
+    assert len(calls) == 1 and llm.engine.runner.quantized_weights.layers > 0
+    llm.engine.close()

@@ -109,16 +109,26 @@ class ModelRunner:
         self.quantization = quantization_to_load(hf, config.quantization)
         shipped = self.quantization == "gguf" or getattr(hf, "quantization_config", None)
         self.checkpoint_quantization = self.quantization if shipped else None
+        # --quantization int8/fp8 of a float checkpoint: one rank quantizes each linear as its weight
+        # is read (the float model never exists whole); under TP each rank quantizes its own shard
+        # after sharding (a quantized checkpoint loads in its codes either way).
+        self.quantized_weights = None
+        quantize_here = bool(self.quantization) and not self.checkpoint_quantization
         if self.tp_size > 1:
             self.model = self._load_shard(model_dir)
+        elif quantize_here and config.load_format != "dummy" and any(model_dir.glob("*.safetensors")):
+            from splitserve.engine.quantization.checkpoint import NeedsConversion, load_quantizing
+            try:
+                self.model, self.quantized_weights = load_quantizing(model_dir, self.quantization, self.dtype,
+                                                                     self.device, ATTN_IMPLEMENTATION)
+            except NeedsConversion as exc:  # e.g. per-expert MoE tensors: transformers loads, then we quantize
+                log.info("quantizing after a whole load: %s", exc)
+                self.model = load_model(model_dir, self.dtype, self.device, attn_implementation=ATTN_IMPLEMENTATION)
         else:
             self.model = load_model(model_dir, self.dtype, self.device, attn_implementation=ATTN_IMPLEMENTATION,
                                     load_format=config.load_format,
                                     checkpoint_quantization=self.checkpoint_quantization)
-        # --quantization int8/fp8: the linears replaced by quantized ones (each rank's own shard
-        # under TP), before the float ones left are packed (a quantized checkpoint loaded so above).
-        self.quantized_weights = None
-        if self.quantization and not self.checkpoint_quantization:
+        if quantize_here and self.quantized_weights is None:
             from splitserve.engine.quantization import quantize_model
             self.quantized_weights = quantize_model(self.model, self.quantization)
         self.linear_backend = resolve_linear_backend(config.linear_backend, self.device, self.dtype)

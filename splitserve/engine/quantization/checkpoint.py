@@ -1,6 +1,9 @@
 """Loading a quantized checkpoint: the model is built with its parameters on the meta device (no
 memory), the checkpoint's quantized tensors become quantized modules as they are read, its float
 tensors fill the parameters left, and nothing is ever held as a float copy of a quantized weight.
+
+A float checkpoint quantized at load (``--quantization int8`` / ``fp8``) goes the same way: each
+linear's weight is quantized as it is read, so the float model never exists whole.
 """
 from __future__ import annotations
 
@@ -9,11 +12,11 @@ from pathlib import Path
 
 import torch
 
+from splitserve.engine.config import CHECKPOINT_QUANTIZATIONS
 from splitserve.engine.quantization.grouped import GroupQuantizedEmbedding, GroupQuantizedLinear, QuantizedTensor
+from splitserve.engine.quantization.per_channel import QuantizedLinear, QuantizedWeights
 
 log = logging.getLogger(__name__)
-
-from splitserve.engine.config import CHECKPOINT_QUANTIZATIONS
 
 
 def empty_model(model_dir: Path, dtype: torch.dtype, attn_implementation: str) -> torch.nn.Module:
@@ -124,16 +127,11 @@ def _readers():
 IGNORED_SUFFIXES = (".input_scale", ".k_scale", ".v_scale", ".q_scale")
 
 
-def read_safetensors_checkpoint(model_dir: Path, method: str, config: dict):
-    """A checkpoint's quantized linears in grouped form, and its other tensors as floats by name."""
-    from safetensors import safe_open
-
+def read_safetensors_checkpoint(model_dir: Path, method: str, config: dict, model: torch.nn.Module):
+    """A checkpoint's quantized linears in grouped form, and its other tensors as floats, by the
+    names of ``model`` (empty: only its names are read)."""
     read, parts, markers = _readers()[method]
-    tensors: dict[str, torch.Tensor] = {}
-    for path in safetensors_files(model_dir):
-        with safe_open(str(path), framework="pt") as f:
-            for key in f.keys():
-                tensors[key] = f.get_tensor(key)
+    tensors = dict(_iter_safetensors(model_dir, key_namer(model)))
     modules = sorted({key.rsplit(".", 1)[0] for key in tensors if key.rsplit(".", 1)[-1] in markers})
     quantized = []
     for module in modules:
@@ -145,6 +143,87 @@ def read_safetensors_checkpoint(model_dir: Path, method: str, config: dict):
     return quantized, {key: t for key, t in tensors.items() if key not in ignored}
 
 
+class NeedsConversion(ValueError):
+    """A checkpoint key that transformers converts on load (not only renames): per-expert MoE weights
+    stacked into one tensor, fused projections split, ... This reader does not do those."""
+
+
+def key_namer(model: torch.nn.Module):
+    """checkpoint key -> the model's parameter name, by transformers' own renamings for this
+    architecture (legacy names such as GPT-NeoX's ``embed_out``); ``NeedsConversion`` for a key one
+    of its converters would transform."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightRenaming, rename_source_key
+
+    transforms = get_model_conversion_mapping(model)
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if not isinstance(t, WeightRenaming)]
+    meta = model.state_dict()
+    prefix = getattr(model, "base_model_prefix", None)
+
+    def name(key: str) -> str:
+        renamed, converted = rename_source_key(key, renamings, converters, prefix, meta)
+        if converted is not None:
+            raise NeedsConversion(f"checkpoint tensor {key!r} is converted by transformers on load "
+                                  f"({converted}), which this reader does not do")
+        return renamed
+    return name
+
+
+def _iter_safetensors(model_dir: Path, name=lambda key: key):
+    """(the model's name, tensor) of every tensor of the checkpoint, one at a time."""
+    from safetensors import safe_open
+    for path in safetensors_files(model_dir):
+        with safe_open(str(path), framework="pt") as f:
+            for key in f.keys():
+                yield name(key), f.get_tensor(key)
+
+
+def load_quantizing(model_dir: Path, method: str, dtype: torch.dtype, device: torch.device,
+                    attn_implementation: str) -> tuple[torch.nn.Module, QuantizedWeights]:
+    """A float checkpoint with every linear layer quantized (``int8``/``fp8``, per channel) as its
+    weight is read, in ``dtype`` first (what quantizing the loaded model would see)."""
+    model = empty_model(model_dir, dtype, attn_implementation)
+    linears = {name for name, module in model.named_modules() if type(module) is torch.nn.Linear}
+    floats: dict[str, torch.Tensor] = {}
+    quantized: dict[str, QuantizedLinear] = {}
+    before = 0
+    for key, tensor in _iter_safetensors(model_dir, key_namer(model)):
+        module_name = key.removesuffix(".weight")
+        if module_name not in linears or not key.endswith(".weight"):
+            floats[key] = tensor
+            continue
+        module = model.get_submodule(module_name)
+        weight = tensor.to(dtype)
+        quantized[module_name] = _quantized(module, weight, method)
+        before += weight.numel() * weight.element_size()
+    for name, layer in quantized.items():
+        bias = floats.pop(f"{name}.bias", None)
+        layer.bias = None if bias is None else bias.to(dtype)
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name), child, layer)
+    install(model, [], floats, dtype)
+    # A tied output projection, absent from the checkpoint, is quantized from the embedding's table.
+    head = model.get_output_embeddings()
+    if type(head) is torch.nn.Linear:
+        before += head.weight.numel() * head.weight.element_size()
+        quantized["lm_head"] = _quantized(head, head.weight, method)
+        model.set_output_embeddings(quantized["lm_head"])
+    after = sum(q.codes.numel() + q.scales.numel() * 4 for q in quantized.values())
+    log.info("quantized %d linear layers to %s while loading: %.1f -> %.1f MiB of weights", len(quantized), method,
+             before / 2**20, after / 2**20)
+    model.eval()
+    model.requires_grad_(False)
+    return model.to(device), QuantizedWeights(len(quantized), before, after)
+
+
+def _quantized(module: torch.nn.Linear, weight: torch.Tensor, method: str) -> QuantizedLinear:
+    """``module`` (its shape; maybe on the meta device) with ``weight``, quantized per channel."""
+    dense = torch.nn.Linear(module.in_features, module.out_features, bias=False, device="meta")
+    dense.weight = torch.nn.Parameter(weight, requires_grad=False)
+    return QuantizedLinear(dense, method)
+
+
 def load_quantized_model(model_dir: Path, method: str, dtype: torch.dtype, device: torch.device,
                          attn_implementation: str) -> torch.nn.Module:
     """The model of ``model_dir`` with its ``method``-format weights kept quantized."""
@@ -153,7 +232,7 @@ def load_quantized_model(model_dir: Path, method: str, dtype: torch.dtype, devic
         from splitserve.engine.quantization.gguf import find_gguf_file, read_gguf
         quantized, floats = read_gguf(find_gguf_file(model_dir), model)
     elif method in _readers():
-        quantized, floats = read_safetensors_checkpoint(model_dir, method, quantization_config(model.config))
+        quantized, floats = read_safetensors_checkpoint(model_dir, method, quantization_config(model.config), model)
     else:
         raise ValueError(f"quantization={method!r} is not a checkpoint format this engine reads "
                          f"({', '.join(CHECKPOINT_QUANTIZATIONS)})")
