@@ -293,6 +293,14 @@ def test_quantized_checkpoints_it_cannot_read_are_refused_by_name(tmp_path):
     with pytest.raises(UnsupportedModel, match=r"quant_method=bitsandbytes\) is not supported: this engine reads "
                                                "gguf, gptq, awq, fp8, compressed-tensors checkpoints"):
         LLM(model=str(served), dtype="float32", enforce_eager=True)
+    config["quantization_config"] = {"quant_method": "gptq", "bits": 3, "group_size": 32}
+    (served / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="GPTQ with 3-bit weights is not supported"):
+        LLM(model=str(served), dtype="float32", enforce_eager=True)
+    config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 16}
+    (served / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="group size 16 is not supported"):
+        LLM(model=str(served), dtype="float32", enforce_eager=True)
     config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 32, "version": "gemv"}
     (served / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="AWQ with bits=4, version='gemv'"):

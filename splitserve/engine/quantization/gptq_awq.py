@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from splitserve.engine.quantization.grouped import QuantizedTensor, pack_nibbles
+from splitserve.engine.quantization.grouped import QuantizedTensor, check_group_size, pack_nibbles
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 
@@ -59,6 +59,7 @@ def read_gptq(name: str, tensors: dict[str, torch.Tensor], config: dict) -> Quan
     in_features = codes.shape[0]
     group = int(config.get("group_size", 128))
     group = in_features if group == -1 else group
+    check_group_size(group, in_features)
     zeros = unpack_words(qzeros, bits, dim=1)[:, :codes.shape[1]]
     if config.get("checkpoint_format", "gptq") == "gptq":
         zeros = zeros + 1  # v1 stores zero - 1

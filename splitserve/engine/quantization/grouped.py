@@ -85,14 +85,18 @@ def _grouped_op(device: torch.device):
 _fake_registered = False
 
 
+def check_group_size(group_size: int, in_features: int) -> None:
+    if group_size <= 0 or group_size % 32 or in_features % group_size:
+        raise ValueError(f"group size {group_size} is not supported for {in_features} input channels "
+                         "(it must be a multiple of 32 that divides them)")
+
+
 def check_groups(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None, bits: int,
                  group_size: int, in_features: int) -> None:
     """A clear error for codes this form cannot hold (a format's tensors that do not fit)."""
     if bits not in BITS:
         raise ValueError(f"{bits}-bit weights are not supported (this engine reads {BITS} bits)")
-    if group_size <= 0 or group_size % 32 or in_features % group_size:
-        raise ValueError(f"group size {group_size} is not supported for {in_features} input channels "
-                         "(it must be a multiple of 32 that divides them)")
+    check_group_size(group_size, in_features)
     width = in_features // 2 if bits == 4 else in_features
     if codes.dim() != 2 or codes.shape[1] != width:
         raise ValueError(f"{bits}-bit codes of {in_features} input channels must be [out, {width}], "
