@@ -21,6 +21,14 @@ PAGE = "models.md"
 MARKER = "<!-- generated: models -->"
 
 
+# The architectures tests/test_quantized_checkpoints.py serves from quantized checkpoints, and in
+# which formats.
+CHECKPOINTS_TESTED = {
+    "LlamaForCausalLM": "GGUF (Q4_0, Q4_1, Q8_0), GPTQ (4/8-bit, act-order), AWQ, FP8 (tensor, block)",
+    "Qwen2ForCausalLM": "GGUF (tied output), GPTQ, AWQ, compressed-tensors (W4A16, W8A16, W8A8, FP8)",
+}
+
+
 def render() -> str:
     from splitserve.engine.model_registry import REFUSED, SUPPORTED
 
@@ -28,12 +36,13 @@ def render() -> str:
            "is built. -->", "",
            "### Served", "",
            "| architecture | family | an example checkpoint | beyond a Llama-style decoder | `--quantization int8`, `fp8` "
-           "| tested on |",
-           "|---|---|---|---|---|---|"]
+           "at load | quantized checkpoints tested | tested on |",
+           "|---|---|---|---|---|---|---|"]
     for name, arch in sorted(SUPPORTED.items(), key=lambda item: item[1].family.lower()):
         quantized = "linears; experts stay float" if arch.experts else "every linear"
+        checkpoints = CHECKPOINTS_TESTED.get(name, "— (the readers are generic; not tested)")
         out.append(f"| `{name}` | {one_line(arch.family)} | `{arch.example}` | {one_line(arch.features) or '—'} | "
-                   f"{quantized} | CPU (fp32, tiny random model) |")
+                   f"{quantized} | {checkpoints} | CPU (fp32, tiny random model) |")
     out += ["", "### Refused, with the reason given", "",
             "| architecture | what it needs that the engine does not implement |", "|---|---|"]
     for name, reason in sorted(REFUSED.items()):

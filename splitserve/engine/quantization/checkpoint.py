@@ -191,7 +191,8 @@ def load_quantizing(model_dir: Path, method: str, dtype: torch.dtype, device: to
     for key, tensor in _iter_safetensors(model_dir, key_namer(model)):
         module_name = key.removesuffix(".weight")
         if module_name not in linears or not key.endswith(".weight"):
-            floats[key] = tensor
+            # A copy: a view would keep the whole checkpoint file mapped (and its pages resident).
+            floats[key] = tensor.to(dtype, copy=True)
             continue
         module = model.get_submodule(module_name)
         weight = tensor.to(dtype)
@@ -210,11 +211,23 @@ def load_quantizing(model_dir: Path, method: str, dtype: torch.dtype, device: to
         quantized["lm_head"] = _quantized(head, head.weight, method)
         model.set_output_embeddings(quantized["lm_head"])
     after = sum(q.codes.numel() + q.scales.numel() * 4 for q in quantized.values())
+    release_freed_memory()
     log.info("quantized %d linear layers to %s while loading: %.1f -> %.1f MiB of weights", len(quantized), method,
              before / 2**20, after / 2**20)
     model.eval()
     model.requires_grad_(False)
     return model.to(device), QuantizedWeights(len(quantized), before, after)
+
+
+def release_freed_memory() -> None:
+    """Hand the float weights freed while quantizing back to the system (glibc keeps freed heap
+    memory for reuse otherwise: the serving process measured 390 MiB larger)."""
+    import ctypes
+    import ctypes.util
+    name = ctypes.util.find_library("c")
+    libc = ctypes.CDLL(name) if name else None
+    if libc is not None and hasattr(libc, "malloc_trim"):
+        libc.malloc_trim(0)
 
 
 def _quantized(module: torch.nn.Linear, weight: torch.Tensor, method: str) -> QuantizedLinear:
