@@ -58,8 +58,8 @@ kernels: install
 
 # Brings the whole stack up (Redis, gateway, one prefill and one decode worker), asks one
 # question through it and shuts down. `$(VENV)/bin/splitserve up` keeps it serving. The model
-# is served in the 4-bit codes it ships in (--quantization gguf: its weights take 112 MiB, not
-# 514 MiB as float32; docs/models.md).
+# is served in the 4-bit codes it ships in (--quantization gguf: its weights take 106 MiB, not
+# 621 MiB as float32; docs/models.md#quantized-weights).
 run: model kernels redis tcmalloc
 	$(VENV)/bin/splitserve up --quantization gguf --demo "What is the capital of France? Answer in one sentence."
 

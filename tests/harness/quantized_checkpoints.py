@@ -75,6 +75,24 @@ def write_gguf(model_dir, out_dir, types: dict[str, str], arch: str = "llama"):
     return out_dir, ref_dir
 
 
+def save_checkpoint(model_dir, out_dir, model, tensors: dict, quantization_config: dict):
+    """Write ``tensors`` as out_dir's checkpoint (``model``'s config with ``quantization_config``,
+    model_dir's tokenizer) and ``model`` (holding the weights the codes stand for) as the reference
+    checkpoint beside it; returns both directories."""
+    from safetensors.torch import save_file
+    out_dir.mkdir(parents=True)
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out_dir / "model.safetensors"),
+              metadata={"format": "pt"})
+    config = model.config.to_dict()
+    config["quantization_config"] = quantization_config
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    ref_dir = out_dir.parent / f"{out_dir.name}-reference"
+    model.save_pretrained(ref_dir)
+    for directory in (out_dir, ref_dir):
+        transformers.AutoTokenizer.from_pretrained(model_dir).save_pretrained(directory)
+    return out_dir, ref_dir
+
+
 def rtn_quantize(weight: torch.Tensor, bits: int, group: int, g_idx: torch.Tensor):
     """Round-to-nearest with a zero point, per (group, output channel) as GPTQ/AWQ checkpoints hold
     them: integer codes [in, out], zeros and 16-bit scales [groups, out], and the weight they stand
@@ -125,7 +143,6 @@ def write_packed(model_dir, out_dir, method: str, bits: int = 4, group: int = 32
     """model_dir's checkpoint as a GPTQ or AWQ export (config.json's quantization_config, packed
     tensors in fp16 where the tools write fp16), and the reference checkpoint holding the weights
     those codes stand for."""
-    from safetensors.torch import save_file
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     tensors = {}
     quantized = 0
@@ -158,23 +175,12 @@ def write_packed(model_dir, out_dir, method: str, bits: int = 4, group: int = 32
             if name == "lm_head.weight" and model.config.tie_word_embeddings:
                 continue
             tensors[name] = param.detach().clone()
-    out_dir.mkdir(parents=True)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out_dir / "model.safetensors"),
-              metadata={"format": "pt"})
-    config = model.config.to_dict()
     if method == "gptq":
-        config["quantization_config"] = {"quant_method": "gptq", "bits": bits, "group_size": group,
-                                         "desc_act": act_order, "sym": False,
-                                         "checkpoint_format": "gptq" if v1 else "gptq_v2"}
+        config = {"quant_method": "gptq", "bits": bits, "group_size": group, "desc_act": act_order, "sym": False,
+                  "checkpoint_format": "gptq" if v1 else "gptq_v2"}
     else:
-        config["quantization_config"] = {"quant_method": "awq", "bits": bits, "group_size": group,
-                                         "version": "gemm", "zero_point": True}
-    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
-    transformers.AutoTokenizer.from_pretrained(model_dir).save_pretrained(out_dir)
-    ref_dir = out_dir.parent / f"{out_dir.name}-reference"
-    model.save_pretrained(ref_dir)
-    transformers.AutoTokenizer.from_pretrained(model_dir).save_pretrained(ref_dir)
-    return out_dir, ref_dir, quantized
+        config = {"quant_method": "awq", "bits": bits, "group_size": group, "version": "gemm", "zero_point": True}
+    return (*save_checkpoint(model_dir, out_dir, model, tensors, config), quantized)
 
 
 def reduce_scales(weight: torch.Tensor, strategy: str, group: int | None, block: list[int] | None, how):
@@ -199,7 +205,6 @@ def write_compressed(model_dir, out_dir, preset: str, fmt: str, **weights_args):
     from compressed_tensors.compressors import BaseCompressor
     from compressed_tensors.quantization import QuantizationConfig, preset_name_to_scheme
     from compressed_tensors.quantization.utils import calculate_qparams
-    from safetensors.torch import save_file
 
     scheme = preset_name_to_scheme(preset, ["Linear"])
     scheme.weights = scheme.weights.model_copy(update=weights_args)
@@ -225,26 +230,15 @@ def write_compressed(model_dir, out_dir, preset: str, fmt: str, **weights_args):
         for name, param in model.state_dict().items():
             if name not in quantized and not (name == "lm_head.weight" and model.config.tie_word_embeddings):
                 tensors[name] = param.detach().clone()
-    out_dir.mkdir(parents=True)
-    save_file({k: v.contiguous() for k, v in tensors.items()}, str(out_dir / "model.safetensors"),
-              metadata={"format": "pt"})
-    config = model.config.to_dict()
-    config["quantization_config"] = QuantizationConfig(config_groups={"group_0": scheme}, format=fmt,
-                                                       quantization_status="compressed",
-                                                       ignore=["lm_head"]).model_dump(mode="json")
-    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
-    transformers.AutoTokenizer.from_pretrained(model_dir).save_pretrained(out_dir)
-    ref_dir = out_dir.parent / f"{out_dir.name}-reference"
-    model.save_pretrained(ref_dir)
-    transformers.AutoTokenizer.from_pretrained(model_dir).save_pretrained(ref_dir)
-    return out_dir, ref_dir, len(quantized)
+    config = QuantizationConfig(config_groups={"group_0": scheme}, format=fmt, quantization_status="compressed",
+                                ignore=["lm_head"]).model_dump(mode="json")
+    return (*save_checkpoint(model_dir, out_dir, model, tensors, config), len(quantized))
 
 
 def write_fp8(model_dir, out_dir, block: list[int] | None):
     """model_dir's checkpoint in the FP8 layout of ``quant_method: fp8`` (e4m3 weights; a
     ``weight_scale`` per tensor, or ``weight_scale_inv`` per block with ``weight_block_size``), and
     its reference: code * scale."""
-    from safetensors.torch import save_file
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     tensors, done = {}, set()
     with torch.no_grad():
@@ -270,14 +264,6 @@ def write_fp8(model_dir, out_dir, block: list[int] | None):
         for name, param in model.state_dict().items():
             if name not in done:
                 tensors[name] = param.detach().clone()
-    out_dir.mkdir(parents=True)
-    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
-    config = model.config.to_dict()
-    config["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "static" if block is None else
-                                     "dynamic", **({"weight_block_size": block} if block else {})}
-    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
-    transformers.AutoTokenizer.from_pretrained(model_dir).save_pretrained(out_dir)
-    ref_dir = out_dir.parent / f"{out_dir.name}-reference"
-    model.save_pretrained(ref_dir)
-    transformers.AutoTokenizer.from_pretrained(model_dir).save_pretrained(ref_dir)
-    return out_dir, ref_dir
+    config = {"quant_method": "fp8", "activation_scheme": "static" if block is None else "dynamic",
+              **({"weight_block_size": block} if block else {})}
+    return save_checkpoint(model_dir, out_dir, model, tensors, config)
