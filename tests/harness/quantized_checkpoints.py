@@ -75,6 +75,20 @@ def write_gguf(model_dir, out_dir, types: dict[str, str], arch: str = "llama"):
     return out_dir, ref_dir
 
 
+def decoder_linears(model):
+    """(checkpoint name prefix, module) of each linear layer of the decoder layers: what the
+    quantization tools quantize (embeddings and the output projection stay float)."""
+    for name, module in model.model.layers.named_modules():
+        if isinstance(module, torch.nn.Linear):
+            yield f"model.layers.{name}", module
+
+
+def float_rest(model, quantized: set[str]) -> dict:
+    """The model's tensors that were not quantized (a tied output projection is not saved)."""
+    return {name: param.detach().clone() for name, param in model.state_dict().items()
+            if name not in quantized and not (name == "lm_head.weight" and model.config.tie_word_embeddings)}
+
+
 def save_checkpoint(model_dir, out_dir, model, tensors: dict, quantization_config: dict):
     """Write ``tensors`` as out_dir's checkpoint (``model``'s config with ``quantization_config``,
     model_dir's tokenizer) and ``model`` (holding the weights the codes stand for) as the reference
@@ -144,14 +158,10 @@ def write_packed(model_dir, out_dir, method: str, bits: int = 4, group: int = 32
     tensors in fp16 where the tools write fp16), and the reference checkpoint holding the weights
     those codes stand for."""
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    tensors = {}
-    quantized = 0
+    tensors, written = {}, set()
     gen = torch.Generator().manual_seed(7)
     with torch.no_grad():
-        for name, module in model.model.layers.named_modules():
-            if not isinstance(module, torch.nn.Linear):
-                continue
-            prefix = f"model.layers.{name}"
+        for prefix, module in decoder_linears(model):
             in_features = module.in_features
             g_idx = torch.arange(in_features) // group
             if act_order:
@@ -167,20 +177,14 @@ def write_packed(model_dir, out_dir, method: str, bits: int = 4, group: int = 32
             if module.bias is not None:
                 tensors[f"{prefix}.bias"] = module.bias.detach().half()
                 module.bias.copy_(module.bias.half().float())
-            quantized += 1
-        for name, param in model.state_dict().items():
-            if name.startswith("model.layers.") and name.rsplit(".", 1)[0].removeprefix("model.layers.") in \
-                    {n for n, m in model.model.layers.named_modules() if isinstance(m, torch.nn.Linear)}:
-                continue
-            if name == "lm_head.weight" and model.config.tie_word_embeddings:
-                continue
-            tensors[name] = param.detach().clone()
+            written |= {f"{prefix}.weight", f"{prefix}.bias"}
+        tensors.update(float_rest(model, written))
     if method == "gptq":
         config = {"quant_method": "gptq", "bits": bits, "group_size": group, "desc_act": act_order, "sym": False,
                   "checkpoint_format": "gptq" if v1 else "gptq_v2"}
     else:
         config = {"quant_method": "awq", "bits": bits, "group_size": group, "version": "gemm", "zero_point": True}
-    return (*save_checkpoint(model_dir, out_dir, model, tensors, config), quantized)
+    return (*save_checkpoint(model_dir, out_dir, model, tensors, config), len(written) // 2)
 
 
 def reduce_scales(weight: torch.Tensor, strategy: str, group: int | None, block: list[int] | None, how):
@@ -213,10 +217,7 @@ def write_compressed(model_dir, out_dir, preset: str, fmt: str, **weights_args):
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     tensors, quantized = {}, set()
     with torch.no_grad():
-        for name, module in model.model.layers.named_modules():
-            if not isinstance(module, torch.nn.Linear):
-                continue
-            prefix = f"model.layers.{name}"
+        for prefix, module in decoder_linears(model):
             weight = module.weight.detach()
             lo = reduce_scales(weight, args.strategy, args.group_size, args.block_structure, torch.min)
             hi = reduce_scales(weight, args.strategy, args.group_size, args.block_structure, torch.max)
@@ -227,9 +228,7 @@ def write_compressed(model_dir, out_dir, preset: str, fmt: str, **weights_args):
             module.weight.copy_(restored.float())
             tensors.update({f"{prefix}.{k}": v for k, v in compressed.items()})
             quantized.add(f"{prefix}.weight")
-        for name, param in model.state_dict().items():
-            if name not in quantized and not (name == "lm_head.weight" and model.config.tie_word_embeddings):
-                tensors[name] = param.detach().clone()
+        tensors.update(float_rest(model, quantized))
     config = QuantizationConfig(config_groups={"group_0": scheme}, format=fmt, quantization_status="compressed",
                                 ignore=["lm_head"]).model_dump(mode="json")
     return (*save_checkpoint(model_dir, out_dir, model, tensors, config), len(quantized))
@@ -242,10 +241,8 @@ def write_fp8(model_dir, out_dir, block: list[int] | None):
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     tensors, done = {}, set()
     with torch.no_grad():
-        for name, module in model.model.layers.named_modules():
-            if not isinstance(module, torch.nn.Linear):
-                continue
-            prefix, weight = f"model.layers.{name}", module.weight.detach()
+        for prefix, module in decoder_linears(model):
+            weight = module.weight.detach()
             if block is None:
                 scale = weight.abs().amax() / 448.0
                 codes = (weight / scale).to(torch.float8_e4m3fn)
@@ -261,9 +258,7 @@ def write_fp8(model_dir, out_dir, block: list[int] | None):
             tensors[f"{prefix}.weight"] = codes
             tensors[f"{prefix}.input_scale"] = torch.tensor(0.05)  # static activations: not used here
             done.add(f"{prefix}.weight")
-        for name, param in model.state_dict().items():
-            if name not in done:
-                tensors[name] = param.detach().clone()
+        tensors.update(float_rest(model, done))
     config = {"quant_method": "fp8", "activation_scheme": "static" if block is None else "dynamic",
               **({"weight_block_size": block} if block else {})}
     return save_checkpoint(model_dir, out_dir, model, tensors, config)
