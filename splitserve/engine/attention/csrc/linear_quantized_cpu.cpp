@@ -155,6 +155,23 @@ void any_tile(int R, int C, const float* x, int64_t K, const code_t* codes, cons
   }
 }
 
+// Calls tile(R, C, m, n) for every tile of an M x N output, R <= kRows rows by C <= kCols channels
+// starting at row m and channel n. Work items are blocks of 64 channels: each thread reads its own
+// codes, once per kRows rows.
+template <typename Tile>
+void for_each_tile(int64_t M, int64_t N, const Tile& tile) {
+  constexpr int64_t kBlock = 64;
+  at::parallel_for(0, (N + kBlock - 1) / kBlock, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t b = begin; b < end; ++b) {
+      const int64_t n0 = b * kBlock, n1 = std::min(N, n0 + kBlock);
+      for (int64_t m = 0; m < M; m += kRows) {
+        const int R = static_cast<int>(std::min<int64_t>(kRows, M - m));
+        for (int64_t n = n0; n < n1; n += kCols) tile(R, static_cast<int>(std::min<int64_t>(kCols, n1 - n)), m, n);
+      }
+    }
+  });
+}
+
 // codes * scales as a [N, K] tensor of T, in one pass over the codes (each value rounded once).
 template <typename T, typename code_t>
 at::Tensor dequantized(const at::Tensor& codes, const at::Tensor& scales) {
@@ -183,19 +200,8 @@ at::Tensor linear_impl(const at::Tensor& x, const at::Tensor& codes, const at::T
   const code_t* cp = codes.data_ptr<code_t>();
   const float* sp = scales.data_ptr<float>();
   float* op = out32.data_ptr<float>();
-  // Work items: blocks of 64 channels (each thread reads its own codes once per kRows rows).
-  constexpr int64_t kBlock = 64;
-  at::parallel_for(0, (N + kBlock - 1) / kBlock, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) {
-      const int64_t n0 = b * kBlock, n1 = std::min(N, n0 + kBlock);
-      for (int64_t m = 0; m < M; m += kRows) {
-        const int R = static_cast<int>(std::min<int64_t>(kRows, M - m));
-        for (int64_t n = n0; n < n1; n += kCols) {
-          const int C = static_cast<int>(std::min<int64_t>(kCols, n1 - n));
-          any_tile<code_t>(R, C, xp + m * K, K, cp + n * K, sp + n, op + m * N + n, N);
-        }
-      }
-    }
+  for_each_tile(M, N, [&](int R, int C, int64_t m, int64_t n) {
+    any_tile<code_t>(R, C, xp + m * K, K, cp + n * K, sp + n, op + m * N + n, N);
   });
   return x.scalar_type() == at::kFloat ? out32 : out32.to(x.scalar_type());
 }
@@ -352,18 +358,8 @@ at::Tensor linear_wq_impl(const at::Tensor& x, const uint8_t* codes, int64_t N, 
   at::Tensor out32 = at::empty({M, N}, x.options().dtype(at::kFloat));
   const float* xp = xf.data_ptr<float>();
   float* op = out32.data_ptr<float>();
-  constexpr int64_t kBlock = 64;
-  at::parallel_for(0, (N + kBlock - 1) / kBlock, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t b = begin; b < end; ++b) {
-      const int64_t n0 = b * kBlock, n1 = std::min(N, n0 + kBlock);
-      for (int64_t m = 0; m < M; m += kRows) {
-        const int R = static_cast<int>(std::min<int64_t>(kRows, M - m));
-        for (int64_t n = n0; n < n1; n += kCols) {
-          const int C = static_cast<int>(std::min<int64_t>(kCols, n1 - n));
-          any_group_tile<codes_t>(R, C, xp + m * K, K, codes, row_bytes, g, n, op + m * N, N);
-        }
-      }
-    }
+  for_each_tile(M, N, [&](int R, int C, int64_t m, int64_t n) {
+    any_group_tile<codes_t>(R, C, xp + m * K, K, codes, row_bytes, g, n, op + m * N, N);
   });
   return x.scalar_type() == at::kFloat ? out32 : out32.to(x.scalar_type());
 }
