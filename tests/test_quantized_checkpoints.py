@@ -15,6 +15,7 @@ import os
 import numpy as np
 import pytest
 import torch
+import transformers
 
 from splitserve.engine import EngineConfig, SamplingParams
 from splitserve.engine.attention import cpu_kernels
@@ -28,6 +29,7 @@ from splitserve.engine.quantization.grouped import (
 from tests.harness.model_families import make_family_model
 from tests.harness.quantized_checkpoints import (
     pack_awq,
+    random_k_blocks,
     pack_gptq,
     write_compressed,
     write_fp8,
@@ -63,7 +65,7 @@ def test_nibbles_pack_in_ggufs_order():
 
 @needs_cpu_kernels
 @pytest.mark.parametrize("bits, group, offsets", [(4, 32, True), (4, 128, True), (4, 64, False), (8, 32, False),
-                                                  (8, 128, True)])
+                                                  (8, 128, True), (8, 16, False), (4, 16, True)])
 @pytest.mark.parametrize("rows", [1, 3, 4, 5, 16, 17, 40])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_the_grouped_kernel_is_the_matmul_over_the_dequantized_weight(bits, group, offsets, rows, dtype):
@@ -78,26 +80,28 @@ def test_the_grouped_kernel_is_the_matmul_over_the_dequantized_weight(bits, grou
 
 
 @needs_cpu_kernels
-@pytest.mark.parametrize("gguf_type", ["Q4_0", "Q4_1", "Q8_0"])
+@pytest.mark.parametrize("gguf_type", ["Q4_0", "Q4_1", "Q8_0", "Q4_K", "Q6_K"])
 def test_each_gguf_block_type_is_rebuilt_bit_for_bit(gguf_type):
     """The kernel's weight (one multiply-add of code, scale and offset) is gguf's own de-quantization."""
-    from splitserve.engine.quantization.gguf import blocks_to_groups
+    from splitserve.engine.quantization.gguf import BLOCK_TYPES, blocks_to_groups
     qtype = gguf.GGMLQuantizationType[gguf_type]
-    weight = np.random.default_rng(3).normal(0, 0.3, (48, 96)).astype(np.float32)
-    blocks = gguf.quantize(weight, qtype)
+    if gguf_type.endswith("_K"):  # gguf has no quantizer for these: random super-blocks
+        blocks = random_k_blocks(48, 512, gguf_type, seed=3)
+    else:
+        blocks = gguf.quantize(np.random.default_rng(3).normal(0, 0.3, (48, 512)).astype(np.float32), qtype)
     expected = torch.from_numpy(gguf.dequantize(blocks, qtype))
     codes, scales, offsets = blocks_to_groups(blocks, gguf_type)
-    bits = 8 if gguf_type == "Q8_0" else 4
-    assert torch.equal(dequantize(codes, scales, offsets, bits, 32), expected)
+    bits, group = BLOCK_TYPES[gguf_type]
+    assert torch.equal(dequantize(codes, scales, offsets, bits, group), expected)
     # Through the kernel: an identity input reads the weight back, column by column.
-    read = torch.ops.splitserve_cpu.linear_wq(torch.eye(96), codes, scales, offsets, bits, 32)
+    read = torch.ops.splitserve_cpu.linear_wq(torch.eye(512), codes, scales, offsets, bits, group)
     assert torch.equal(read.T, expected)
 
 
 def test_group_shapes_the_kernel_cannot_take_are_refused():
     codes, scales, _ = grouped_weights(4, 8, 96, 32, False)
-    with pytest.raises(ValueError, match="group size 48 is not supported"):
-        GroupQuantizedLinear(codes, scales[:, :2], None, bits=4, group_size=48, in_features=96)
+    with pytest.raises(ValueError, match="group size 40 is not supported"):
+        GroupQuantizedLinear(codes, scales[:, :2], None, bits=4, group_size=40, in_features=96)
     with pytest.raises(ValueError, match="3-bit weights are not supported"):
         GroupQuantizedLinear(codes, scales, None, bits=3, group_size=32, in_features=96)
     with pytest.raises(ValueError, match="scales must be"):
@@ -147,6 +151,39 @@ def test_a_gguf_is_served_in_its_codes_exactly(family, arch, types, tmp_path, hf
     again = [p[:24] + q for p, q in zip(first, mixed_prompts(8, seed=35, lo=1, hi=20)) if len(p) >= 24]
     assert [o.token_ids for o in llm.generate(first, GREEDY)] == [reference.greedy(p, 10) for p in first]
     assert [o.token_ids for o in llm.generate(again, GREEDY)] == [reference.greedy(p, 10) for p in again]
+
+
+def wide_llama(path, hidden: int = 256, intermediate: int = 512):
+    """A two-layer Llama whose rows are whole K-quant super-blocks (256 weights), widely initialised."""
+    from tests.harness.tiny_models import VOCAB_SIZE, byte_tokenizer
+    tokenizer = byte_tokenizer()
+    config = transformers.LlamaConfig(vocab_size=VOCAB_SIZE, hidden_size=hidden, intermediate_size=intermediate,
+                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                      max_position_embeddings=1024, bos_token_id=tokenizer.bos_token_id,
+                                      eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() > 1:
+                p.normal_(0.0, 0.2)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@needs_cpu_kernels
+def test_a_q4_k_m_gguf_is_served_in_its_codes_exactly(tmp_path, hf_reference, make_llm):
+    """Q4_K_M's mix, as llama.cpp writes it: Q4_K linears, Q6_K for attn_v, ffn_down and the output."""
+    model = wide_llama(tmp_path / "model")
+    types = {"embedding": "Q8_0", "linear": "Q4_K", "attn_v": "Q6_K", "ffn_down": "Q6_K", "output.": "Q6_K"}
+    served, reference_dir = write_gguf(model, tmp_path / "gguf", types)
+    llm = make_llm(served, quantization="gguf", block_size=8, num_gpu_blocks=256, max_num_batched_tokens=32)
+    kinds = sorted({m.fmt for m in llm.engine.runner.model.modules() if isinstance(m, GroupQuantizedLinear)})
+    assert kinds == ["GGUF Q4_K", "GGUF Q6_K"]
+    prompts = mixed_prompts(8, seed=34, lo=5, hi=60)
+    reference = hf_reference(reference_dir)
+    assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == [reference.greedy(p, 10) for p in prompts]
 
 
 @needs_cpu_kernels
@@ -203,7 +240,7 @@ def test_gguf_types_it_does_not_serve_are_refused_by_name(tmp_path):
     from splitserve.engine.model_loader import load_model
     model = make_family_model(tmp_path / "model", "LlamaForCausalLM")
     served, _ = write_gguf(model, tmp_path / "gguf", {"embedding": "Q8_0", "linear": "Q5_1"})
-    with pytest.raises(ValueError, match="is Q5_1; this engine serves GGUF Q4_0, Q4_1, Q8_0"):
+    with pytest.raises(ValueError, match="is Q5_1; this engine serves GGUF Q4_0, Q4_1, Q8_0, Q4_K, Q6_K"):
         load_model(served, torch.float32, checkpoint_quantization="gguf")
 
 
@@ -297,9 +334,9 @@ def test_quantized_checkpoints_it_cannot_read_are_refused_by_name(tmp_path):
     (served / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="GPTQ with 3-bit weights is not supported"):
         LLM(model=str(served), dtype="float32", enforce_eager=True)
-    config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 16}
+    config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": 24}
     (served / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="group size 16 is not supported"):
+    with pytest.raises(ValueError, match="group size 24 is not supported"):
         LLM(model=str(served), dtype="float32", enforce_eager=True)
     config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 32, "version": "gemv"}
     (served / "config.json").write_text(json.dumps(config))
@@ -357,18 +394,18 @@ INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @pytest.mark.skipif(not INTERPRET, reason="CPU tensors need the Triton interpreter (TRITON_INTERPRET=1)")
-@pytest.mark.parametrize("bits, codes_dtype, offsets", [(4, torch.uint8, True), (8, torch.int8, False),
-                                                        (8, torch.float8_e4m3fn, False)])
+@pytest.mark.parametrize("bits, codes_dtype, offsets, group", [(4, torch.uint8, True, 64), (8, torch.int8, False, 16),
+                                                               (8, torch.float8_e4m3fn, False, 64)])
 @pytest.mark.parametrize("rows", [3, 20])
-def test_the_triton_kernel_is_the_matmul_over_the_dequantized_weight(bits, codes_dtype, offsets, rows):
+def test_the_triton_kernel_is_the_matmul_over_the_dequantized_weight(bits, codes_dtype, offsets, group, rows):
     pytest.importorskip("triton")
     from splitserve.engine.quantization.triton_grouped import grouped_matmul
-    codes, scales, offs = grouped_weights(bits, 70, 128, 64, offsets)
+    codes, scales, offs = grouped_weights(bits, 70, 128, group, offsets)
     if codes_dtype == torch.float8_e4m3fn:
         codes = (codes.float() / 8).to(torch.float8_e4m3fn)
     x = torch.randn(rows, 128, generator=torch.Generator().manual_seed(1))
-    expected = torch.nn.functional.linear(x, dequantize(codes, scales, offs, bits, 64))
-    torch.testing.assert_close(grouped_matmul(x, codes, scales, offs, bits, 64), expected, rtol=1e-5,
+    expected = torch.nn.functional.linear(x, dequantize(codes, scales, offs, bits, group))
+    torch.testing.assert_close(grouped_matmul(x, codes, scales, offs, bits, group), expected, rtol=1e-5,
                                atol=1e-5 * expected.abs().max().item())
 
 

@@ -24,7 +24,7 @@ MARKER = "<!-- generated: models -->"
 # The architectures tests/test_quantized_checkpoints.py serves from quantized checkpoints, and in
 # which formats.
 CHECKPOINTS_TESTED = {
-    "LlamaForCausalLM": "GGUF (Q4_0, Q4_1, Q8_0), GPTQ (4/8-bit, act-order), AWQ, FP8 (tensor, block)",
+    "LlamaForCausalLM": "GGUF (Q4_0, Q4_1, Q8_0, Q4_K_M), GPTQ (4/8-bit, act-order), AWQ, FP8 (tensor, block)",
     "Qwen2ForCausalLM": "GGUF (tied output), GPTQ, AWQ, compressed-tensors (W4A16, W8A16, W8A8, FP8)",
 }
 

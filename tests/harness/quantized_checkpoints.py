@@ -19,11 +19,28 @@ def llama_cpp_permute(weight: np.ndarray, heads: int) -> np.ndarray:
     return weight.reshape(heads, 2, weight.shape[0] // heads // 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
+def random_k_blocks(rows: int, cols: int, gguf_type: str, seed: int = 0) -> np.ndarray:
+    """Q4_K or Q6_K super-blocks for a [rows, cols] weight with random codes and sub-block scales
+    (``gguf`` has no quantizer for them; any bytes are valid blocks but for the fp16 factors, set
+    here so the weights have a spread like a trained model's, |w| up to ~0.5)."""
+    rng = np.random.default_rng(seed)
+    size = {"Q4_K": 144, "Q6_K": 210}[gguf_type]
+    blocks = rng.integers(0, 256, (rows, cols // 256, size), dtype=np.uint8)
+    if gguf_type == "Q4_K":  # w = d sc q - dmin m, sc and m 0..63, q 0..15
+        blocks[..., 0:2] = np.full((rows, cols // 256, 1), 0.0005, np.float16).view(np.uint8)
+        blocks[..., 2:4] = np.full((rows, cols // 256, 1), 0.004, np.float16).view(np.uint8)
+    else:  # w = d sc (q - 32), sc int8, q 0..63
+        blocks[..., 208:210] = np.full((rows, cols // 256, 1), 0.0001, np.float16).view(np.uint8)
+    return blocks.reshape(rows, -1)
+
+
 def write_gguf(model_dir, out_dir, types: dict[str, str], arch: str = "llama"):
-    import gguf
     """model_dir's checkpoint as a GGUF file in out_dir (beside its config and tokenizer), each 2-D
-    weight in ``types[role]`` (role: "embedding", "linear"; F32 otherwise). Returns out_dir and the
-    reference checkpoint: the float model with each quantized weight as gguf de-quantizes it."""
+    weight in ``types[role]``: role "embedding", "linear", or a part of the tensor's GGUF name
+    (``attn_v``, ``output.``), which wins (F32 for the rest). Q4_K/Q6_K tensors get random blocks.
+    Returns out_dir and the reference checkpoint: the float model with each quantized weight as
+    gguf de-quantizes it."""
+    import gguf
     model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     config = model.config
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH[arch.upper()], config.num_hidden_layers)
@@ -40,12 +57,16 @@ def write_gguf(model_dir, out_dir, types: dict[str, str], arch: str = "llama"):
         if gguf_name.endswith(("attn_q.weight", "attn_k.weight")) and arch == "llama":
             heads = config.num_attention_heads if "attn_q" in gguf_name else config.num_key_value_heads
             value = llama_cpp_permute(value, heads)
-        role = "embedding" if gguf_name.startswith("token_embd") else "linear"
+        role = next((part for part in types if part not in ("embedding", "linear") and part in gguf_name),
+                    "embedding" if gguf_name.startswith("token_embd") else "linear")
         qtype = gguf.GGMLQuantizationType[types[role]] if value.ndim == 2 else gguf.GGMLQuantizationType.F32
         if qtype == gguf.GGMLQuantizationType.F32:
             writer.add_tensor(gguf_name, value)
             continue
-        blocks = gguf.quantize(value, qtype)
+        if qtype.name in ("Q4_K", "Q6_K"):
+            blocks = random_k_blocks(*value.shape, qtype.name, seed=len(reference))
+        else:
+            blocks = gguf.quantize(value, qtype)
         writer.add_tensor(gguf_name, blocks, raw_dtype=qtype)
         restored = torch.from_numpy(gguf.dequantize(blocks, qtype))
         if gguf_name.endswith(("attn_q.weight", "attn_k.weight")) and arch == "llama":

@@ -1,12 +1,13 @@
-"""GGUF checkpoints served as shipped (``--quantization gguf``): Q4_0, Q4_1 and Q8_0 tensors stay in
-their codes (:mod:`.grouped`), float tensors are loaded as floats.
+"""GGUF checkpoints served as shipped (``--quantization gguf``): Q4_0, Q4_1, Q8_0, Q4_K and Q6_K
+tensors stay in their codes (:mod:`.grouped`; Q4_K_M files are Q4_K and Q6_K), float tensors are
+loaded as floats.
 
 Tensor names are mapped to the model's with ``transformers``' own GGUF tables, and each tensor
 goes through the same per-architecture processor ``transformers`` applies when it de-quantizes
 a GGUF (llama.cpp stores the q/k rows of Llama-style models permuted for its rotary layout; Gemma
 stores its norms minus one). For a quantized tensor the processor is given the row numbers, and
 the rows of codes are reordered as it reorders them: a processor that does anything but reorder
-rows is refused for quantized tensors. Other GGUF types (the K-quants, IQ*) are refused by name.
+rows is refused for quantized tensors. Other GGUF types (Q5_K, Q2_K, Q3_K, IQ*, ...) are refused by name.
 """
 from __future__ import annotations
 
@@ -15,12 +16,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from splitserve.engine.quantization.grouped import QuantizedTensor
+from splitserve.engine.quantization.grouped import QuantizedTensor, pack_nibbles
 
-# GGUF block types kept quantized: (bits, bytes before the codes in a 32-weight block).
-BLOCK_TYPES = {"Q4_0": (4, 2), "Q4_1": (4, 4), "Q8_0": (8, 2)}
+# GGUF block types kept quantized, and the width of their codes here and of their groups:
+# the legacy 32-weight blocks, and the K-quants' 256-weight super-blocks (Q4_K: 8 sub-blocks of
+# 32 with 6-bit scales and mins; Q6_K: 6-bit codes, held as 8-bit ones, in 16 sub-blocks of 16).
+BLOCK_TYPES = {"Q4_0": (4, 32), "Q4_1": (4, 32), "Q8_0": (8, 32), "Q4_K": (4, 32), "Q6_K": (8, 16)}
 FLOAT_TYPES = ("F32", "F16", "BF16")
-GROUP = 32  # weights per GGUF block of these types
+GROUP = 32  # weights per legacy block
+SUPER = 256  # weights per K-quant super-block
 
 
 def find_gguf_file(model_dir: Path) -> Path:
@@ -33,20 +37,55 @@ def find_gguf_file(model_dir: Path) -> Path:
     return files[0]
 
 
+def _fp16(raw: np.ndarray) -> torch.Tensor:
+    """[..., 2] bytes -> float32 [...] (their fp16 values, exactly)."""
+    return torch.from_numpy(np.ascontiguousarray(raw).view(np.float16)[..., 0].astype(np.float32))
+
+
 def blocks_to_groups(data: np.ndarray, gguf_type: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """A GGUF row-major block array [out, blocks * block_bytes] -> codes, scales, offsets."""
-    bits, header = BLOCK_TYPES[gguf_type]
+    """A GGUF row-major block array [out, blocks * block_bytes] -> codes, scales, offsets, such that
+    code * scale + offset is, bit for bit, the weight ``gguf.dequantize`` computes."""
     rows = data.shape[0]
-    code_bytes = GROUP // 2 if bits == 4 else GROUP
+    if gguf_type in ("Q4_K", "Q6_K"):
+        return _k_quant_groups(np.ascontiguousarray(data).reshape(rows, -1), gguf_type)
+    code_bytes = GROUP // 2 if gguf_type != "Q8_0" else GROUP
+    header = 4 if gguf_type == "Q4_1" else 2
     blocks = np.ascontiguousarray(data).reshape(rows, -1, header + code_bytes)
-    d = torch.from_numpy(blocks[:, :, 0:2].copy().view(np.float16)[..., 0].astype(np.float32))
+    d = _fp16(blocks[:, :, 0:2])
     codes = torch.from_numpy(blocks[:, :, header:].reshape(rows, -1).copy())
     if gguf_type == "Q8_0":
         return codes.view(torch.int8), d, None
     if gguf_type == "Q4_0":  # w = d (q - 8)
         return codes, d, -8.0 * d
-    m = torch.from_numpy(blocks[:, :, 2:4].copy().view(np.float16)[..., 0].astype(np.float32))
-    return codes, d, m  # Q4_1: w = d q + m
+    return codes, d, _fp16(blocks[:, :, 2:4])  # Q4_1: w = d q + m
+
+
+def _k_quant_groups(data: np.ndarray, gguf_type: str):
+    """Q4_K and Q6_K super-blocks, laid out as gguf's own de-quantizer reads them."""
+    import gguf
+
+    rows = data.shape[0]
+    if gguf_type == "Q4_K":  # d, dmin (fp16), 12 bytes of 6-bit scales and mins, 128 bytes of codes
+        blocks = data.reshape(rows, -1, 144)
+        d, dmin = _fp16(blocks[..., 0:2]), _fp16(blocks[..., 2:4])
+        sc, mins = gguf.quants.Q4_K.get_scale_min(blocks[..., 4:16].reshape(-1, 12))
+        sc = torch.from_numpy(sc.astype(np.float32)).reshape(rows, -1, 8)
+        mins = torch.from_numpy(mins.astype(np.float32)).reshape(rows, -1, 8)
+        # Each 64 weights: 32 bytes, low nibbles the first 32, high nibbles the next 32.
+        qs = torch.from_numpy(blocks[..., 16:].copy()).reshape(rows, -1, 4, 1, 32)
+        codes = torch.cat([qs & 0xF, qs >> 4], dim=3).reshape(rows, -1)
+        scales = (d[..., None] * sc).reshape(rows, -1)  # w = (d sc) q - (dmin m)
+        return pack_nibbles(codes), scales, -(dmin[..., None] * mins).reshape(rows, -1)
+    # Q6_K: 128 bytes of low 4 bits, 64 of high 2 bits, 16 int8 scales, d (fp16); w = (d sc) (q - 32).
+    blocks = data.reshape(rows, -1, 210)
+    ql = torch.from_numpy(blocks[..., :128].copy()).reshape(rows, -1, 2, 1, 64)
+    ql = torch.cat([ql & 0xF, ql >> 4], dim=3).reshape(rows, -1, 2, 4, 32)
+    qh = torch.from_numpy(blocks[..., 128:192].copy()).reshape(rows, -1, 2, 1, 32)
+    qh = torch.cat([(qh >> shift) & 0x3 for shift in (0, 2, 4, 6)], dim=3)
+    codes = ((ql | (qh << 4)).to(torch.int16) - 32).to(torch.int8).reshape(rows, -1)
+    sc = torch.from_numpy(blocks[..., 192:208].copy().view(np.int8).astype(np.float32))
+    d = _fp16(blocks[..., 208:210])
+    return codes, (d[..., None] * sc).reshape(rows, -1), None
 
 
 def read_gguf(path: Path, model: torch.nn.Module) -> tuple[list[QuantizedTensor], dict[str, torch.Tensor]]:
@@ -88,8 +127,9 @@ def read_gguf(path: Path, model: torch.nn.Module) -> tuple[list[QuantizedTensor]
         if order is not None:
             codes, scales = codes[order], scales[order]
             offsets = None if offsets is None else offsets[order]
-        quantized.append(QuantizedTensor(name, codes, scales, offsets, bits=BLOCK_TYPES[gguf_type][0],
-                                         group_size=GROUP, fmt=f"GGUF {gguf_type}"))
+        bits, group = BLOCK_TYPES[gguf_type]
+        quantized.append(QuantizedTensor(name, codes, scales, offsets, bits=bits, group_size=group,
+                                         fmt=f"GGUF {gguf_type}"))
     return quantized, floats
 
 

@@ -1,7 +1,7 @@
 """Group-wise quantized weights, the form every quantized checkpoint format is turned into.
 
-A weight [out, in] is kept as 4- or 8-bit codes in groups of ``group_size`` consecutive input
-channels; each (output channel, group) has a float32 scale and, where the format has one, an
+A weight [out, in] is kept as 4- or 8-bit codes in groups of ``group_size`` (a multiple of 16)
+consecutive input channels; each (output channel, group) has a float32 scale and, where the format has one, an
 offset: ``w = code * scale + offset``. GGUF's Q4_0 (offset -8 d), Q4_1 (offset m) and Q8_0 (no
 offset), GPTQ and AWQ (offset -zero * scale) all take this form without loss: the codes are
 kept as shipped and the weight the kernel rebuilds is the one the format's own de-quantizer
@@ -72,23 +72,33 @@ def _grouped_op(device: torch.device):
     if device.type == "cuda":
         from splitserve.engine.quantization.triton_grouped import grouped_matmul
         return grouped_matmul
-    if device.type != "cpu" or not cpu_kernels.available():
+    if device.type != "cpu" or not _register_cpu_kernel():
         return None
+    return torch.ops.splitserve_cpu.linear_wq
+
+
+def _register_cpu_kernel() -> bool:
+    """Whether the C++ kernel is there; its shape rule registered for compiled steps once. Called
+    when a layer is built, not only at its first call: that call may be inside a compile, where
+    registering is not allowed."""
     global _fake_registered
+    if not cpu_kernels.available():
+        return False
     if not _fake_registered:
         torch.library.register_fake("splitserve_cpu::linear_wq")(
             lambda rows, codes, scales, offsets, bits, group_size: rows.new_empty((rows.shape[0], codes.shape[0])))
         _fake_registered = True
-    return torch.ops.splitserve_cpu.linear_wq
+    return True
 
 
 _fake_registered = False
 
 
 def check_group_size(group_size: int, in_features: int) -> None:
-    if group_size <= 0 or group_size % 32 or in_features % group_size:
+    """The kernels walk the input channels 32 at a time, each 16 with a scale of their own."""
+    if group_size <= 0 or group_size % 16 or in_features % group_size or in_features % 32:
         raise ValueError(f"group size {group_size} is not supported for {in_features} input channels "
-                         "(it must be a multiple of 32 that divides them)")
+                         "(it must be a multiple of 16 that divides them, and they a multiple of 32)")
 
 
 def check_groups(codes: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None, bits: int,
@@ -125,6 +135,7 @@ class GroupQuantizedLinear(torch.nn.Module):
         self.register_buffer("offsets", None if offsets is None else offsets.float().contiguous())
         self.register_buffer("bias", bias)
         self.register_buffer("input_order", input_order)
+        _register_cpu_kernel()
         # fp8 codes with one scale per channel can run on a Hopper-class GPU's fp8 tensor cores.
         self.per_channel_fp8 = codes.dtype == torch.float8_e4m3fn and scales.shape[1] == 1 and offsets is None
 

@@ -1,7 +1,7 @@
 """The group-wise quantized matmul on GPUs: one Triton kernel that de-quantizes in registers.
 
 Each program computes a BLOCK_M x BLOCK_N tile of ``x @ W^T``; it walks K 32 codes at a time (a
-group is a multiple of 32, so each step has one scale and one offset per output channel), loads
+group is a multiple of 16, so each 16-code half has one scale and one offset per channel), loads
 the codes of its BLOCK_N channels (16 bytes for 32 4-bit codes in GGUF's order: the low nibbles are
 codes 0-15, the high ones 16-31; or 32 one-byte int8/fp8 codes), turns them into the float weight
 (``code * scale + offset``, the form every format was converted to) and accumulates two 16-deep
@@ -33,12 +33,17 @@ if TRITON_AVAILABLE:
         col_ok = cols < N
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
         for k in range(0, K, 32):
-            group = k // GROUP
-            scale = tl.load(scales_ptr + cols * groups_per_row + group, mask=col_ok, other=0.0)
+            # The groups of the two 16-code halves (the same one unless groups are 16 wide).
+            g_lo = cols * groups_per_row + k // GROUP
+            g_hi = cols * groups_per_row + (k + 16) // GROUP
+            scale_lo = tl.load(scales_ptr + g_lo, mask=col_ok, other=0.0)
+            scale_hi = tl.load(scales_ptr + g_hi, mask=col_ok, other=0.0)
             if HAS_OFFSETS:
-                offset = tl.load(offsets_ptr + cols * groups_per_row + group, mask=col_ok, other=0.0)
+                offset_lo = tl.load(offsets_ptr + g_lo, mask=col_ok, other=0.0)
+                offset_hi = tl.load(offsets_ptr + g_hi, mask=col_ok, other=0.0)
             else:
-                offset = tl.zeros((BLOCK_N,), dtype=tl.float32)
+                offset_lo = tl.zeros((BLOCK_N,), dtype=tl.float32)
+                offset_hi = offset_lo
             if BITS == 4:
                 packed = tl.load(codes_ptr + cols[:, None] * row_bytes + k // 2 + half[None, :],
                                  mask=col_ok[:, None], other=0)
@@ -49,8 +54,8 @@ if TRITON_AVAILABLE:
                              mask=col_ok[:, None], other=0).to(tl.float32)
                 hi = tl.load(codes_ptr + cols[:, None] * row_bytes + k + 16 + half[None, :],
                              mask=col_ok[:, None], other=0).to(tl.float32)
-            w_lo = lo * scale[:, None] + offset[:, None]
-            w_hi = hi * scale[:, None] + offset[:, None]
+            w_lo = lo * scale_lo[:, None] + offset_lo[:, None]
+            w_hi = hi * scale_hi[:, None] + offset_hi[:, None]
             x_lo = tl.load(x_ptr + rows[:, None] * stride_xm + k + half[None, :], mask=row_ok[:, None], other=0.0)
             x_hi = tl.load(x_ptr + rows[:, None] * stride_xm + k + 16 + half[None, :], mask=row_ok[:, None],
                            other=0.0)

@@ -260,7 +260,7 @@ struct Codes4 {
 struct Groups {
   const float* scales;   // [N, K / group]
   const float* offsets;  // [N, K / group] or nullptr
-  int64_t group;         // a multiple of 32
+  int64_t group;         // a multiple of 16
   int64_t per_row;       // K / group
 };
 
@@ -269,23 +269,20 @@ template <typename codes_t, int R, int C>
 void group_tile(const float* x, int64_t K, const uint8_t* codes, int64_t row_bytes, const Groups& g, int64_t n,
                 float* out, int64_t ldo) {
   v16f acc[R][C] = {};
-  for (int64_t j = 0; j < g.per_row; ++j) {
-    float scale[C], offset[C];
+  for (int64_t k = 0; k < K; k += 32) {
+    // The groups of the chunk's two halves (the same one unless groups are 16 wide).
+    const int64_t j0 = k / g.group, j1 = (k + 16) / g.group;
+    v16f lo[C], hi[C];
     for (int c = 0; c < C; ++c) {
-      scale[c] = g.scales[(n + c) * g.per_row + j];
-      offset[c] = g.offsets ? g.offsets[(n + c) * g.per_row + j] : 0.0f;
+      const float* scales = g.scales + (n + c) * g.per_row;
+      const float* offsets = g.offsets ? g.offsets + (n + c) * g.per_row : nullptr;
+      codes_t::load32(codes + (n + c) * row_bytes, k, lo[c], hi[c]);
+      lo[c] = lo[c] * scales[j0] + (offsets ? offsets[j0] : 0.0f);
+      hi[c] = hi[c] * scales[j1] + (offsets ? offsets[j1] : 0.0f);
     }
-    for (int64_t k = j * g.group; k < (j + 1) * g.group; k += 32) {
-      v16f lo[C], hi[C];
-      for (int c = 0; c < C; ++c) {
-        codes_t::load32(codes + (n + c) * row_bytes, k, lo[c], hi[c]);
-        lo[c] = lo[c] * scale[c] + offset[c];
-        hi[c] = hi[c] * scale[c] + offset[c];
-      }
-      for (int r = 0; r < R; ++r) {
-        const v16f x0 = load16(x + r * K + k), x1 = load16(x + r * K + k + 16);
-        for (int c = 0; c < C; ++c) acc[r][c] += x0 * lo[c] + x1 * hi[c];
-      }
+    for (int r = 0; r < R; ++r) {
+      const v16f x0 = load16(x + r * K + k), x1 = load16(x + r * K + k + 16);
+      for (int c = 0; c < C; ++c) acc[r][c] += x0 * lo[c] + x1 * hi[c];
     }
   }
   for (int r = 0; r < R; ++r)
@@ -323,12 +320,11 @@ at::Tensor group_dequantized(const uint8_t* codes, int64_t row_bytes, const Grou
   at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
     for (int64_t n = begin; n < end; ++n)
       for (int64_t k = 0; k < K; k += 32) {
-        const int64_t j = k / g.group;
-        const float scale = g.scales[n * g.per_row + j], offset = g.offsets ? g.offsets[n * g.per_row + j] : 0.0f;
+        const int64_t j0 = n * g.per_row + k / g.group, j1 = n * g.per_row + (k + 16) / g.group;
         v16f lo, hi;
         codes_t::load32(codes + n * row_bytes, k, lo, hi);
-        lo = lo * scale + offset;
-        hi = hi * scale + offset;
+        lo = lo * g.scales[j0] + (g.offsets ? g.offsets[j0] : 0.0f);
+        hi = hi * g.scales[j1] + (g.offsets ? g.offsets[j1] : 0.0f);
         for (int i = 0; i < 16; ++i) {
           wp[n * K + k + i] = static_cast<T>(lo[i]);
           wp[n * K + k + 16 + i] = static_cast<T>(hi[i]);
@@ -371,8 +367,9 @@ at::Tensor linear_wq(const at::Tensor& x, const at::Tensor& codes, const at::Ten
   TORCH_CHECK(x.device().is_cpu() && codes.device().is_cpu(), "linear_wq is the CPU kernel");
   TORCH_CHECK(x.dim() == 2 && codes.dim() == 2 && codes.is_contiguous(), "x [M, K] and contiguous codes [N, ...]");
   const int64_t K = x.size(1), N = codes.size(0);
-  TORCH_CHECK(group_size > 0 && group_size % 32 == 0 && K % group_size == 0,
-              "linear_wq: the group size must be a multiple of 32 that divides K, got ", group_size, " for K ", K);
+  TORCH_CHECK(group_size > 0 && group_size % 16 == 0 && K % group_size == 0 && K % 32 == 0,
+              "linear_wq: the group size must be a multiple of 16 that divides K (a multiple of 32), got ",
+              group_size, " for K ", K);
   TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.dim() == 2 &&
                   scales.size(0) == N && scales.size(1) == K / group_size,
               "linear_wq: scales must be float32 [N, K / group_size]");
