@@ -15,7 +15,6 @@ import os
 import numpy as np
 import pytest
 import torch
-import transformers
 
 from splitserve.engine import EngineConfig, SamplingParams
 from splitserve.engine.attention import cpu_kernels
@@ -27,6 +26,7 @@ from splitserve.engine.quantization.grouped import (
     unpack_nibbles,
 )
 from tests.harness.model_families import make_family_model
+from tests.harness.tiny_models import make_tiny_model
 from tests.harness.quantized_checkpoints import (
     pack_awq,
     random_k_blocks,
@@ -153,29 +153,11 @@ def test_a_gguf_is_served_in_its_codes_exactly(family, arch, types, tmp_path, hf
     assert [o.token_ids for o in llm.generate(again, GREEDY)] == [reference.greedy(p, 10) for p in again]
 
 
-def wide_llama(path, hidden: int = 256, intermediate: int = 512):
-    """A two-layer Llama whose rows are whole K-quant super-blocks (256 weights), widely initialised."""
-    from tests.harness.tiny_models import VOCAB_SIZE, byte_tokenizer
-    tokenizer = byte_tokenizer()
-    config = transformers.LlamaConfig(vocab_size=VOCAB_SIZE, hidden_size=hidden, intermediate_size=intermediate,
-                                      num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                      max_position_embeddings=1024, bos_token_id=tokenizer.bos_token_id,
-                                      eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(config)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() > 1:
-                p.normal_(0.0, 0.2)
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
-
-
 @needs_cpu_kernels
 def test_a_q4_k_m_gguf_is_served_in_its_codes_exactly(tmp_path, hf_reference, make_llm):
     """Q4_K_M's mix, as llama.cpp writes it: Q4_K linears, Q6_K for attn_v, ffn_down and the output."""
-    model = wide_llama(tmp_path / "model")
+    # Rows of whole K-quant super-blocks (256 weights): hidden 256, MLP 512.
+    model = make_tiny_model(tmp_path / "model", head_dim=64, intermediate_size=512)
     types = {"embedding": "Q8_0", "linear": "Q4_K", "attn_v": "Q6_K", "ffn_down": "Q6_K", "output.": "Q6_K"}
     served, reference_dir = write_gguf(model, tmp_path / "gguf", types)
     llm = make_llm(served, quantization="gguf", block_size=8, num_gpu_blocks=256, max_num_batched_tokens=32)

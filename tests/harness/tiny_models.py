@@ -25,12 +25,13 @@ def byte_tokenizer() -> PreTrainedTokenizerFast:
 
 
 def make_tiny_model(path: Path, arch: str = "llama", seed: int = 0, num_layers: int = 2,
-                    num_heads: int = 4, num_kv_heads: int = 2, head_dim: int = 16) -> Path:
+                    num_heads: int = 4, num_kv_heads: int = 2, head_dim: int = 16,
+                    intermediate_size: int = 128) -> Path:
     """Save a tiny random model + tokenizer into ``path`` (once) and return it."""
     if (path / "config.json").exists():
         return path
     tokenizer = byte_tokenizer()
-    common = dict(vocab_size=VOCAB_SIZE, hidden_size=num_heads * head_dim, intermediate_size=128,
+    common = dict(vocab_size=VOCAB_SIZE, hidden_size=num_heads * head_dim, intermediate_size=intermediate_size,
                   num_hidden_layers=num_layers, num_attention_heads=num_heads,
                   num_key_value_heads=num_kv_heads, max_position_embeddings=1024,
                   bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
