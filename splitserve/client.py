@@ -80,9 +80,12 @@ def _event(response: generation_pb2.GenerateResponse) -> Event:
                  request_id=response.request_id, index=response.index)
 
 
-def _tokenize_request(text: str | None, messages: Sequence[dict] | None,
-                      add_generation_prompt: bool) -> generation_pb2.TokenizeRequest:
+def _tokenize_request(text: str | None, messages: Sequence[dict] | None, add_generation_prompt: bool,
+                      add_special_tokens: bool | None) -> generation_pb2.TokenizeRequest:
+    """``add_special_tokens`` None: as a generation encodes (yes for text, no for messages)."""
     request = generation_pb2.TokenizeRequest(text=text or "", add_generation_prompt=add_generation_prompt)
+    if add_special_tokens is not None:
+        request.add_special_tokens = add_special_tokens
     request.messages.extend(generation_pb2.ChatMessage(**m) for m in messages or ())
     return request
 
@@ -144,8 +147,9 @@ class Client:
         return self.stub.GetRequest(generation_pb2.GetRequestRequest(request_id=request_id))
 
     def tokenize(self, text: str | None = None, *, messages: Sequence[dict] | None = None,
-                 add_generation_prompt: bool = True) -> list[int]:
-        return list(self.stub.Tokenize(_tokenize_request(text, messages, add_generation_prompt)).token_ids)
+                 add_generation_prompt: bool = True, add_special_tokens: bool | None = None) -> list[int]:
+        request = _tokenize_request(text, messages, add_generation_prompt, add_special_tokens)
+        return list(self.stub.Tokenize(request).token_ids)
 
     def detokenize(self, token_ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         return self.stub.Detokenize(generation_pb2.DetokenizeRequest(
@@ -201,8 +205,8 @@ class AsyncClient:
         return await self.stub.GetRequest(generation_pb2.GetRequestRequest(request_id=request_id))
 
     async def tokenize(self, text: str | None = None, *, messages: Sequence[dict] | None = None,
-                       add_generation_prompt: bool = True) -> list[int]:
-        reply = await self.stub.Tokenize(_tokenize_request(text, messages, add_generation_prompt))
+                       add_generation_prompt: bool = True, add_special_tokens: bool | None = None) -> list[int]:
+        reply = await self.stub.Tokenize(_tokenize_request(text, messages, add_generation_prompt, add_special_tokens))
         return list(reply.token_ids)
 
     async def detokenize(self, token_ids: Sequence[int], skip_special_tokens: bool = False) -> str:

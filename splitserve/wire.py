@@ -8,7 +8,10 @@ kvtransfer code never sees a ``*_pb2`` type.
 Sampling is validated and resolved once, at the gateway (``resolve_sampling``): an unset
 ``max_tokens`` is ``DEFAULT_MAX_TOKENS`` (256, the engine's own default of 16 is too short for a
 chat reply) or what the model's length leaves after the prompt, if less; an unset ``temperature``
-is ``DEFAULT_TEMPERATURE`` (1.0, same as the engine). Every other unset field keeps the engine
+is ``DEFAULT_TEMPERATURE`` (1.0, same as the engine). A model's ``generation_config.json`` may
+set its own defaults for some fields (temperature, top_p, top_k, min_p, repetition_penalty,
+max_tokens: ``splitserve.engine.model_files.sampling_defaults``); the gateway passes them in and
+they come before these, as in vLLM. Every other unset field keeps the engine
 default (see ``splitserve.engine.sampling_params.SamplingParams``). The resolved parameters travel to the
 workers as ``worker_pb2.ResolvedSampling`` (every field set); a worker converts them back with
 ``sampling_from_worker`` and applies no defaults of its own.
@@ -19,7 +22,7 @@ import dataclasses
 import math
 import re
 import time
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Mapping, Sequence
 
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.structured_output import StructuredOutput
@@ -31,6 +34,7 @@ if TYPE_CHECKING:  # splitserve.kvtransfer.base imports torch; the gateway conve
 
 __all__ = [
     "DEFAULT_MAX_TOKENS", "DEFAULT_TEMPERATURE", "PROMPT_FIELDS", "sampling_from_proto", "resolve_sampling",
+    "check_sampling_defaults",
     "sampling_to_worker", "sampling_from_worker", "arrival_to_monotonic", "check_sizes", "prompt_from_request",
     "structured_output_from_proto", "structured_output_to_proto", "descriptor_to_proto", "descriptor_from_proto", "logprobs_to_proto", "logprobs_from_proto",
 ]
@@ -51,13 +55,15 @@ PROMPT_FIELDS = ("text", "token_ids", "messages")
 
 # ---- sampling --------------------------------------------------------------------------
 
-def sampling_from_proto(msg: generation_pb2.SamplingParams | None) -> SamplingParams:
-    """Engine sampling parameters from the proto; unset fields take the defaults above.
+def sampling_from_proto(msg: generation_pb2.SamplingParams | None,
+                        defaults: Mapping[str, float | int] | None = None) -> SamplingParams:
+    """Engine sampling parameters from the proto; unset fields take ``defaults`` (the model's),
+    then the defaults above.
 
     Raises ``InvalidArgument`` whose message starts with the field path, e.g.
     ``"sampling.temperature must be >= 0, got -1.0"``.
     """
-    kwargs: dict = {"max_tokens": DEFAULT_MAX_TOKENS, "temperature": DEFAULT_TEMPERATURE}
+    kwargs: dict = {"max_tokens": DEFAULT_MAX_TOKENS, "temperature": DEFAULT_TEMPERATURE, **(defaults or {})}
     if msg is not None:
         for name in _OPTIONAL_SAMPLING_FIELDS:
             if msg.HasField(name):
@@ -80,15 +86,17 @@ def sampling_from_proto(msg: generation_pb2.SamplingParams | None) -> SamplingPa
 
 
 def resolve_sampling(msg: generation_pb2.SamplingParams | None, num_prompt_tokens: int,
-                     max_model_len: int) -> SamplingParams:
+                     max_model_len: int, defaults: Mapping[str, float | int] | None = None) -> SamplingParams:
     """The request's sampling, validated and resolved against the model's length (the gateway's
     one check): the prompt plus ``max_tokens`` must fit ``max_model_len``. An unset ``max_tokens``
-    takes ``DEFAULT_MAX_TOKENS`` or the room the prompt leaves, whichever is less."""
+    takes the default (the model's, else ``DEFAULT_MAX_TOKENS``) or the room the prompt leaves,
+    whichever is less. ``defaults``: the model's sampling defaults (checked once, at start, by
+    ``check_sampling_defaults``)."""
     room = max_model_len - num_prompt_tokens
     if room < 1:
         raise InvalidArgument(f"prompt has {num_prompt_tokens} tokens; max_model_len is {max_model_len}, "
                               "which leaves no room for a generated token")
-    params = sampling_from_proto(msg)
+    params = sampling_from_proto(msg, defaults)
     if msg is not None and msg.HasField("max_tokens"):
         if params.max_tokens > room:
             raise InvalidArgument(f"sampling.max_tokens: prompt ({num_prompt_tokens} tokens) + max_tokens "
@@ -100,6 +108,12 @@ def resolve_sampling(msg: generation_pb2.SamplingParams | None, num_prompt_token
     except ValueError as exc:  # min_tokens above the room left
         raise InvalidArgument(f"sampling.min_tokens: {params.min_tokens} tokens do not fit after a "
                               f"{num_prompt_tokens}-token prompt (max_model_len {max_model_len})") from exc
+
+
+def check_sampling_defaults(defaults: Mapping[str, float | int]) -> None:
+    """ValueError naming the field when a model's sampling defaults are not valid values (a
+    gateway refuses to start on them rather than fail every request that leaves them unset)."""
+    SamplingParams(**defaults)
 
 
 def structured_output_from_proto(msg: generation_pb2.StructuredOutput, resumed_tokens: int = 0) -> StructuredOutput:
@@ -192,6 +206,11 @@ def check_sizes(req, limits: "RequestLimits", max_model_len: int) -> None:
         if left < 0:
             raise InvalidArgument(f"messages: their roles and contents up to messages[{i}] are more than the "
                                   f"{limits.max_prompt_bytes} bytes this server takes (--max-prompt-bytes)")
+    if req.HasField("chat_template_kwargs"):
+        size = req.chat_template_kwargs.ByteSize()  # the parsed message's size: no copy is made
+        if size > left:
+            raise InvalidArgument(f"chat_template_kwargs: with the messages, more than the {limits.max_prompt_bytes} "
+                                  "bytes this server takes (--max-prompt-bytes)")
     if "sampling" in fields and req.HasField("sampling"):
         sampling = req.sampling
         if len(sampling.stop) > limits.max_stop_sequences:

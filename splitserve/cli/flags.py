@@ -192,7 +192,11 @@ def _flags() -> list[Flag]:
         f("gateway_id", s, "", "id in Redis (default: gw-<random>); every gateway needs its own", gw, up=False),
         f("max_attempts", i, 3, "tries per request when a worker dies under it; then UNAVAILABLE", gw),
         f("http_port", i, -1, "port of the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
-          "/v1/models, /health) on --host; -1: off, 0: any free port (up: 8000)", gw),
+          "/v1/models, /tokenize, /detokenize, /version, /health) on --host; -1: off, 0: any free port (up: 8000)", gw),
+        f("generation_config", s, "auto", "defaults for the sampling fields a request leaves unset: auto, the "
+          "model's generation_config.json (its temperature, top_p, top_k, min_p, repetition_penalty, "
+          "max_new_tokens); vllm, none (the server's own, vLLM's name for it); or a directory holding a "
+          "generation_config.json", gw),
         f("http_max_connections", i, 2048, "HTTP connections served at once; one more is answered 503 at once",
           gw),
         f("http_header_timeout_s", fl, 10.0, "seconds an HTTP request's line and headers may take to arrive, "

@@ -212,6 +212,24 @@ def eos_token_ids(model_dir: Path) -> list[int]:
     return [eos] if isinstance(eos, int) else list(eos or [])
 
 
+# generation_config.json's sampling fields -> the request field each one is a default for (the
+# ones vLLM takes from it).
+GENERATION_CONFIG_SAMPLING = {"temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "min_p": "min_p",
+                              "repetition_penalty": "repetition_penalty", "max_new_tokens": "max_tokens"}
+
+
+def sampling_defaults(directory: Path) -> dict[str, float | int]:
+    """The sampling defaults the model's authors wrote into ``generation_config.json`` (e.g.
+    Llama 3 Instruct's temperature 0.6 and top_p 0.9), by request field name; those absent or
+    null are left out, and a directory without the file has none."""
+    path = Path(directory) / "generation_config.json"
+    if not path.is_file():
+        return {}
+    config = json.loads(path.read_text())
+    return {ours: config[theirs] for theirs, ours in GENERATION_CONFIG_SAMPLING.items()
+            if config.get(theirs) is not None}
+
+
 def load_tokenizer(model_dir: Path):
     """The model's tokenizer (with its chat template, where it has one), as ``AutoTokenizer``
     picks it. It needs no torch: the gateway loads it with torch made unimportable

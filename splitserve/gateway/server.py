@@ -12,6 +12,7 @@ import os
 import sys
 import time
 import uuid
+from pathlib import Path
 
 log = logging.getLogger(__name__)
 
@@ -41,8 +42,8 @@ def _without_torch() -> None:
 
 
 def model_info(args):
-    """The public ModelInfo and the tokenizer of the served model: its files only, no weights and
-    no torch (``splitserve.engine.model_files``)."""
+    """The public ModelInfo, the tokenizer and the sampling defaults (``--generation-config``) of
+    the served model: its files only, no weights and no torch (``splitserve.engine.model_files``)."""
     from splitserve.common.metrics import public_model_name
     from splitserve.engine.model_files import eos_token_ids, load_tokenizer, read_config, resolve_model
     from splitserve.v1 import generation_pb2
@@ -53,7 +54,32 @@ def model_info(args):
         max_model_len=args.max_model_len or config.get("max_position_embeddings", 2048),
         vocab_size=config["vocab_size"], eos_token_ids=eos_token_ids(model_dir),
         block_size=args.block_size, dtype=args.dtype)
-    return info, load_tokenizer(model_dir)
+    return info, load_tokenizer(model_dir), generation_defaults(args.generation_config, model_dir)
+
+
+def generation_defaults(source: str, model_dir: Path) -> dict[str, float | int]:
+    """``--generation-config``: ``auto``, the model's ``generation_config.json``; ``vllm``, none
+    (the server's own defaults, vLLM's name for it); else a directory holding a
+    ``generation_config.json``. Refused at start when the file cannot be read or holds a value no
+    request could take."""
+    from splitserve.engine.model_files import sampling_defaults
+    from splitserve.wire import check_sampling_defaults
+    if source == "vllm":
+        return {}
+    directory = model_dir if source == "auto" else Path(source)
+    path = directory / "generation_config.json"
+    if source != "auto" and not path.is_file():
+        raise SystemExit(f"splitserve: --generation-config {source}: no generation_config.json there "
+                         "(give auto, vllm or a directory holding one)")
+    try:
+        defaults = sampling_defaults(directory)
+        check_sampling_defaults(defaults)
+    except ValueError as e:  # json's errors are ValueErrors too
+        raise SystemExit(f"splitserve: {path}: {e} (--generation-config vllm ignores the file)") from None
+    if defaults:
+        log.info("sampling defaults from %s: %s (a request's own values win; --generation-config vllm turns "
+                 "these off)", path, ", ".join(f"{k} {v}" for k, v in defaults.items()))
+    return defaults
 
 
 async def _serve(args) -> int:
@@ -84,7 +110,7 @@ async def _serve(args) -> int:
     if args.http_port >= 0:
         from splitserve.gateway.openai_api.server import bind
         http_socket = bind(args.host, args.http_port)
-    info, tokenizer = model_info(args)
+    info, tokenizer, sampling_defaults = model_info(args)
     state = RedisState(make_async_client(args.redis_url, password=args.redis_password or None),
                        queue_limit=args.queue_limit, priority_aging_per_s=args.priority_aging_per_s,
                        registry_key=internal.registry_key)
@@ -105,7 +131,7 @@ async def _serve(args) -> int:
     metrics.unread_output.set_function(lambda: backpressure.buffered_bytes)
     servicer = GenerationServicer(state, dispatcher, tokenizer, info, limits, metrics=metrics,
                                   metrics_address=metrics_address, backpressure=backpressure,
-                                  authorizer=authorizer)
+                                  authorizer=authorizer, sampling_defaults=sampling_defaults)
 
     def register(server):
         generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server)

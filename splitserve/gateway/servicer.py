@@ -27,11 +27,13 @@ import uuid
 import weakref
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Mapping
 
 import jinja2
 from google.protobuf import json_format
 
 from splitserve.gateway.backpressure import Backpressure
+from splitserve.gateway.chat_template import template_kwargs
 from splitserve.gateway.detokenizer import TextStream
 from splitserve.gateway.dispatch import Dispatcher
 from splitserve.gateway.grammar_check import GrammarChecker
@@ -67,11 +69,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     def __init__(self, state, dispatcher: Dispatcher, tokenizer, model_info: generation_pb2.ModelInfo,
                  limits: RequestLimits, metrics: GatewayMetrics | None = None, metrics_address: str = "",
                  backpressure: Backpressure | None = None, authorizer: Authorizer | None = None,
-                 grammars: GrammarChecker | None = None):
+                 grammars: GrammarChecker | None = None, sampling_defaults: Mapping[str, float | int] | None = None):
         """``limits``: resolved for this model (``RequestLimits.resolve``); ``backpressure``: the
         bounds on unread output (default ones, not watching for slow readers, if not given);
         ``authorizer``: who callers are (default: no credentials, every caller the anonymous admin);
-        ``grammars``: checks structured-output specs in a child process (one is made if not given)."""
+        ``grammars``: checks structured-output specs in a child process (one is made if not given);
+        ``sampling_defaults``: what a request's unset sampling fields take before the server's own
+        defaults (the model's ``generation_config.json``: ``splitserve.engine.model_files.sampling_defaults``)."""
         self.authorizer = authorizer or Authorizer()
         self.state = state
         self.dispatcher = dispatcher
@@ -79,6 +83,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self.tokenizer = tokenizer
         self.model_info = model_info
         self.limits = limits
+        self.sampling_defaults = dict(sampling_defaults or {})
         self.collector = Collector()
         self.metrics = metrics
         self.metrics_address = metrics_address
@@ -149,7 +154,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             raise Unavailable(f"this gateway cannot serve now: {self.health.reason}")
         self.backpressure.check_room()
         token_ids = await self._tokenize(request)
-        params = resolve_sampling(request.sampling, len(token_ids), self.model_info.max_model_len)
+        params = resolve_sampling(request.sampling, len(token_ids), self.model_info.max_model_len,
+                                  self.sampling_defaults)
         if params.structured_output is not None:
             await self.grammars.check(params.structured_output)
         n = request.sampling.n if request.sampling.HasField("n") else 1
@@ -327,6 +333,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         """The request's prompt as token ids; text and messages are encoded off the event loop, a
         few at a time (its size was checked before: ``check_sizes``)."""
         kind, prompt = prompt_from_request(request, vocab_size=self.model_info.vocab_size)
+        if kind != "messages" and request.chat_template_kwargs.fields:
+            raise InvalidArgument("chat_template_kwargs: only with messages (a chat template renders them)")
         if kind == "token_ids":
             return list(prompt)
         if self._waiting_to_encode >= MAX_TOKENIZE_WAITING:
@@ -341,15 +349,19 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             self._waiting_to_encode -= 1
 
     def _encode(self, request, kind: str, prompt) -> list[int]:
+        # A Tokenize call may ask for other choices than Generate makes; unset, it gets Generate's.
+        tokenize = isinstance(request, generation_pb2.TokenizeRequest)
+        special = request.add_special_tokens if tokenize and request.HasField("add_special_tokens") else None
         if kind == "messages":
-            add_prompt = getattr(request, "add_generation_prompt", True) if isinstance(
-                request, generation_pb2.TokenizeRequest) else True
+            add_prompt = request.add_generation_prompt if tokenize else True
+            variables = template_kwargs(self.tokenizer, request.chat_template_kwargs)
             try:
-                text = self.tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=add_prompt)
+                text = self.tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=add_prompt,
+                                                          **variables)
             except jinja2.TemplateError as e:  # the model's template refuses this conversation
                 raise InvalidArgument(f"messages: the model's chat template refused them: {e}") from e
-            return self.tokenizer.encode(text, add_special_tokens=False)
-        return self.tokenizer.encode(prompt)
+            return self.tokenizer.encode(text, add_special_tokens=bool(special))
+        return self.tokenizer.encode(prompt, add_special_tokens=special is not False)
 
     async def Abort(self, request, context):
         caller = self.authorizer.caller(context)

@@ -94,6 +94,28 @@ def test_resolve_sampling_checks_prompt_plus_max_tokens_against_the_model():
         wire.resolve_sampling(pb.SamplingParams(min_tokens=30), 1000, 1024)
 
 
+def test_the_models_sampling_defaults_fill_only_what_a_request_leaves_unset():
+    """A model's generation_config.json defaults (``--generation-config auto``) come before the
+    server's own; a request's own values win over both; a default max_tokens is capped by the
+    room the prompt leaves, as the server's is."""
+    model = {"temperature": 0.6, "top_p": 0.9, "top_k": 20, "repetition_penalty": 1.1, "max_tokens": 40}
+    unset = wire.resolve_sampling(pb.SamplingParams(), 10, 1024, model)
+    assert (unset.temperature, unset.top_p, unset.top_k, unset.repetition_penalty, unset.max_tokens) == (
+        0.6, 0.9, 20, 1.1, 40)
+    assert unset.min_p == 0.0  # not in the file: the engine's
+    own = wire.resolve_sampling(pb.SamplingParams(temperature=0, top_p=1.0, max_tokens=7), 10, 1024, model)
+    assert (own.temperature, own.top_p, own.top_k, own.max_tokens) == (0.0, 1.0, 20, 7)
+    assert wire.resolve_sampling(pb.SamplingParams(), 1000, 1024, model).max_tokens == 24
+    server = wire.resolve_sampling(pb.SamplingParams(), 10, 1024, {})
+    assert (server.temperature, server.top_p, server.max_tokens) == (wire.DEFAULT_TEMPERATURE, 1.0,
+                                                                     wire.DEFAULT_MAX_TOKENS)
+    wire.check_sampling_defaults(model)
+    with pytest.raises(ValueError, match="temperature"):
+        wire.check_sampling_defaults({"temperature": -1})
+    with pytest.raises(ValueError, match="top_p"):
+        wire.check_sampling_defaults({"top_p": 1.5})
+
+
 @pytest.mark.parametrize("params", [
     SamplingParams(),
     SamplingParams(max_tokens=7, min_tokens=2, temperature=0.7, top_p=0.9, top_k=5, min_p=0.05, seed=2**64 - 1,

@@ -244,6 +244,12 @@ def test_token_and_queue_limit_on_a_second_gateway(stack, tmp_path):
         with openai.OpenAI(base_url=base + "/v1", api_key="wrong", max_retries=0) as wrong:
             with pytest.raises(openai.AuthenticationError):
                 wrong.models.list()
+        # The tokenizer routes take the token as /v1 does; /version stays open, as /health.
+        for path, body in (("/tokenize", {"prompt": "x"}), ("/detokenize", {"tokens": [1]})):
+            assert httpx.post(base + path, json=body).status_code == 401
+            assert httpx.post(base + path, json=body, headers={"Authorization": "Bearer wrong"}).status_code == 401
+            assert httpx.post(base + path, json=body, headers={"Authorization": f"Bearer {TOKEN}"}).status_code == 200
+        assert httpx.get(base + "/version").status_code == 200
         with openai.OpenAI(base_url=base + "/v1", api_key=TOKEN, max_retries=0) as right:
             assert [m.id for m in right.models.list().data] == [DEFAULT_MODEL]
             long = right.completions.create(model=DEFAULT_MODEL, prompt=PROMPTS[3], max_tokens=400, stream=True,
@@ -259,6 +265,84 @@ def test_token_and_queue_limit_on_a_second_gateway(stack, tmp_path):
         gateway.wait(30)
         worker.terminate()
         worker.wait(60)
+
+
+# ---- vLLM's tokenizer routes, /version, the model's sampling defaults --------------------
+
+def test_tokenize_and_detokenize_answer_as_vllms_do(stack, tokenizer):
+    max_model_len = stack.stub.GetModelInfo(generation_pb2.GetModelInfoRequest(), timeout=10).max_model_len
+    ids = tokenizer.encode(PROMPTS[0])
+    got = httpx.post(stack.http + "/tokenize", json={"model": DEFAULT_MODEL, "prompt": PROMPTS[0],
+                                                     "return_token_strs": True})
+    assert got.status_code == 200, got.text
+    assert got.json() == {"count": len(ids), "max_model_len": max_model_len, "tokens": ids,
+                          "token_strs": tokenizer.convert_ids_to_tokens(ids)}
+    # A chat is rendered by the model's template with the generation prompt, as a chat completion is.
+    messages = [{"role": "user", "content": "Name three colors."}]
+    chat_ids = tokenizer.encode(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
+                                add_special_tokens=False)
+    chat = httpx.post(stack.http + "/tokenize", json={"messages": messages}).json()
+    assert (chat["tokens"], chat["count"], chat["token_strs"]) == (chat_ids, len(chat_ids), None)
+    # A template variable SmolLM2's template does not read is left out, as vLLM leaves it.
+    unread = httpx.post(stack.http + "/tokenize", json={"messages": messages,
+                                                        "chat_template_kwargs": {"enable_thinking": False}})
+    assert unread.json()["tokens"] == chat_ids
+    back = httpx.post(stack.http + "/detokenize", json={"model": DEFAULT_MODEL, "tokens": ids})
+    assert back.status_code == 200 and back.json() == {"prompt": PROMPTS[0]}
+    version = httpx.get(stack.http + "/version")
+    assert version.status_code == 200 and version.json()["version"]
+
+
+@pytest.mark.parametrize("path,body,status,param,words", [
+    ("/tokenize", {"prompt": "x", "messages": [{"role": "user", "content": "x"}]}, 400, "prompt", "either prompt"),
+    ("/tokenize", {}, 400, "prompt", "either prompt"),
+    ("/tokenize", {"prompt": "x", "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools",
+     "not supported"),
+    ("/tokenize", {"prompt": "x", "model": "other"}, 404, "model", "does not exist"),
+    ("/tokenize", {"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"tools": []}}, 400,
+     "chat_template_kwargs", "chat_template_kwargs.tools: set by the server"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"messages": 1}},
+     400, "chat_template_kwargs", "chat_template_kwargs.messages: set by the server"),
+    ("/tokenize", {"prompt": 7}, 400, "prompt", ""),
+    ("/detokenize", {"tokens": [49152]}, 400, "tokens", "tokens[0] is 49152, must be < vocab_size"),
+    ("/detokenize", {"tokens": [-1]}, 400, "tokens", "tokens[0] must be a token id >= 0"),
+    ("/detokenize", {"tokens": [1], "model": "other"}, 404, None, "does not exist"),
+])
+def test_tokenizer_routes_refuse_bad_bodies_naming_the_field(stack, path, body, status, param, words):
+    got = httpx.post(stack.http + path, json=body)
+    assert got.status_code == status, got.text
+    error = got.json()["error"]
+    assert words in error["message"]
+    if param is not None:
+        assert error["param"] == param
+
+
+def test_a_gateway_takes_the_models_sampling_defaults(stack, tmp_path, tokenizer, reference):
+    """--generation-config DIR: a generation_config.json whose temperature 0 and max_new_tokens 3
+    fill a chat that leaves both unset, so its answer is transformers' greedy 3 tokens; a request
+    that sets them is not changed."""
+    generation = tmp_path / "generation"
+    generation.mkdir()
+    (generation / "generation_config.json").write_text(json.dumps({"temperature": 0.0, "max_new_tokens": 3}))
+    port = free_port()
+    gateway, _ = start_process([*stack.argv["gateway"], "--http-port", str(port), "--generation-config",
+                                str(generation)], tmp_path / "gateway-generation.log")
+    base = f"http://127.0.0.1:{port}"
+    messages = [{"role": "user", "content": "Name three colors."}]
+    ids = tokenizer.encode(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
+                           add_special_tokens=False)
+    try:
+        wait_until(lambda: httpx.get(base + "/health").status_code == 200, 30, "the second gateway to be ready")
+        with openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0) as c:
+            unset = c.chat.completions.create(model=DEFAULT_MODEL, messages=messages, extra_body={"ignore_eos": True})
+            assert unset.usage.completion_tokens == 3
+            assert unset.choices[0].message.content == expected_text(reference, tokenizer, ids, 3)
+            own = c.chat.completions.create(model=DEFAULT_MODEL, messages=messages, max_tokens=5, **GREEDY)
+            assert own.usage.completion_tokens == 5
+    finally:
+        gateway.terminate()
+        gateway.wait(30)
+    assert "sampling defaults from" in (tmp_path / "gateway-generation.log").read_text()
 
 
 # ---- disconnects -----------------------------------------------------------------------

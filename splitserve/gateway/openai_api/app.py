@@ -3,7 +3,13 @@
 * ``POST /v1/completions`` and ``POST /v1/chat/completions``: whole answers, or server-sent
   events with ``stream: true`` (``stream_options.include_usage`` adds a last chunk with the
   usage), ended by ``data: [DONE]``;
-* ``GET /v1/models``; ``GET /health`` (200 while the gateway can serve, else 503).
+* ``GET /v1/models``; ``GET /health`` (200 while the gateway can serve, else 503);
+* ``POST /tokenize`` and ``POST /detokenize`` (vLLM's bodies and answers: the gRPC ``Tokenize``
+  and ``Detokenize`` behind them, with their limits); ``GET /version``.
+
+``/v1/...``, ``/tokenize`` and ``/detokenize`` need a client token when the gateway has any
+(vLLM leaves its tokenize routes open: here they spend the tokenizer threads every request
+shares); ``/health`` and ``/version`` stay open.
 
 Every request is admitted through ``GenerationServicer.admit`` -- the gRPC ``Generate``'s own
 validation, limits, Redis queue and priority -- and a client that disconnects ends its request
@@ -16,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import importlib.metadata
 import json
 import logging
 import time
@@ -29,7 +36,8 @@ from starlette.exceptions import HTTPException
 
 from splitserve.gateway.health_monitor import public_reason
 from splitserve.gateway.job import Finished, cancelled
-from splitserve.gateway.openai_api.protocol import UNSUPPORTED_FIELDS, ChatCompletionRequest, CompletionRequest
+from splitserve.gateway.openai_api.protocol import (UNSUPPORTED_FIELDS, ChatCompletionRequest, CompletionRequest,
+                                                    DetokenizeRequest, TokenizeRequest)
 from splitserve.gateway.openai_api.responses import Responses, new_request_id
 from splitserve.gateway.samples import SampleGroup
 from splitserve.common.authz import Authorizer
@@ -39,6 +47,12 @@ from splitserve.common.tracing import http_parent
 log = logging.getLogger(__name__)
 
 SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+# Routes outside /v1 that need a client token as /v1's do.
+TOKEN_ROUTES = frozenset({"/tokenize", "/detokenize"})
+try:
+    VERSION = importlib.metadata.version("splitserve")
+except importlib.metadata.PackageNotFoundError:  # run from a checkout that was never installed
+    VERSION = "0+unknown"
 
 
 def build_app(servicer, authorizer: Authorizer | None = None, model_aliases: Sequence[str] = ()) -> FastAPI:
@@ -54,7 +68,7 @@ def build_app(servicer, authorizer: Authorizer | None = None, model_aliases: Seq
 
     @app.middleware("http")
     async def authenticate(request: Request, call_next):
-        if request.url.path.startswith("/v1/"):
+        if request.url.path.startswith("/v1/") or request.url.path in TOKEN_ROUTES:
             caller = authorizer.identify(request.headers.get("authorization"))
             if caller is None:
                 return error_response(http_error_for(Unauthenticated(
@@ -96,6 +110,35 @@ def build_app(servicer, authorizer: Authorizer | None = None, model_aliases: Seq
                 "max_model_len": servicer.model_info.max_model_len}
         return {"object": "list", "data": [card]}
 
+    @app.get("/version")
+    async def version():
+        return {"version": VERSION}
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest):
+        try:
+            check_model(body.model)
+            answer = await servicer.Tokenize(body.to_proto(), None)
+        except Exception as exc:
+            return error_response(http_error_for(exc, param=_param_of(exc)))
+        return {"count": len(answer.token_ids), "max_model_len": servicer.model_info.max_model_len,
+                "tokens": list(answer.token_ids), "token_strs": list(answer.tokens) if body.return_token_strs else None}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest):
+        try:
+            check_model(body.model)
+            answer = await servicer.Detokenize(body.to_proto(), None)
+        except Exception as exc:  # the gRPC call's field is token_ids; this body's, tokens
+            error = http_error_for(exc)
+            return error_response(dataclasses.replace(error, message=error.message.replace("token_ids", "tokens"),
+                                                      param="tokens" if error.status == 400 else None))
+        return {"prompt": answer.text}
+
+    def check_model(name: str | None) -> None:
+        if name is not None and name not in names:
+            raise NotFound(f"model: the model {name!r} does not exist; this server serves {model!r}")
+
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         return await generate(body, request, chat=False)
@@ -107,8 +150,7 @@ def build_app(servicer, authorizer: Authorizer | None = None, model_aliases: Seq
     async def generate(body, request: Request, chat: bool):
         request_id = body.request_id or new_request_id()
         try:
-            if body.model is not None and body.model not in names:
-                raise NotFound(f"model: the model {body.model!r} does not exist; this server serves {model!r}")
+            check_model(body.model)
             group = await servicer.admit(body.to_generate(request_id), remaining_s=None,
                                          owner=request.state.caller.owner, admin=request.state.caller.admin,
                                          trace_parent=http_parent(request.headers))

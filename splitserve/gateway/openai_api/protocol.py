@@ -165,6 +165,8 @@ class ChatCompletionRequest(_Sampling):
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    # vLLM's: further variables for the model's chat template (splitserve.gateway.chat_template).
+    chat_template_kwargs: dict[str, Any] | None = None
 
     def to_generate(self, request_id: str) -> generation_pb2.GenerateRequest:
         self.unsupported()
@@ -179,4 +181,60 @@ class ChatCompletionRequest(_Sampling):
         req = self.request(self.sampling(max_tokens, logprobs), request_id)
         for i, m in enumerate(self.messages):
             req.messages.add(role=m.role, content=m.text(i))
+        req.chat_template_kwargs.update(self.chat_template_kwargs or {})
         return req
+
+
+# ---- /tokenize and /detokenize (vLLM's bodies) ------------------------------------------
+
+# Fields of vLLM's tokenize body that change the chat template's input: not implemented, so refused.
+UNSUPPORTED_TOKENIZE_FIELDS = ("tools", "documents", "chat_template", "mm_processor_kwargs")
+
+
+class TokenizeRequest(BaseModel):
+    """Either ``prompt`` (text) or ``messages`` (rendered by the chat template), as vLLM takes them."""
+
+    model_config = ConfigDict(extra="allow")
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    # Unset: vLLM's (and Generate's) choice, special tokens for a prompt, none for messages.
+    add_special_tokens: bool | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    return_token_strs: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def to_proto(self) -> generation_pb2.TokenizeRequest:
+        for name in UNSUPPORTED_TOKENIZE_FIELDS:
+            if (self.model_extra or {}).get(name) not in (None, [], {}, ""):
+                raise InvalidArgument(f"{name}: not supported by this server")
+        if self.continue_final_message:
+            raise InvalidArgument("continue_final_message: not supported by this server")
+        if (self.prompt is None) == (self.messages is None):
+            raise InvalidArgument("prompt: give either prompt (text) or messages")
+        req = generation_pb2.TokenizeRequest()
+        if self.add_special_tokens is not None:
+            req.add_special_tokens = self.add_special_tokens
+        if self.prompt is not None:
+            req.text = self.prompt
+            return req
+        if not self.messages:
+            raise InvalidArgument("messages must not be empty")
+        req.add_generation_prompt = self.add_generation_prompt
+        for i, m in enumerate(self.messages):
+            req.messages.add(role=m.role, content=m.text(i))
+        req.chat_template_kwargs.update(self.chat_template_kwargs or {})
+        return req
+
+
+class DetokenizeRequest(BaseModel):
+    model: str | None = None
+    tokens: list[int]
+
+    def to_proto(self) -> generation_pb2.DetokenizeRequest:
+        for i, tok in enumerate(self.tokens):
+            if tok < 0:
+                raise InvalidArgument(f"tokens[{i}] must be a token id >= 0, got {tok}")
+        return generation_pb2.DetokenizeRequest(token_ids=self.tokens)

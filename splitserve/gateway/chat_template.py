@@ -1,0 +1,62 @@
+"""Variables a request adds to the model's chat template (vLLM's ``chat_template_kwargs``).
+
+A template may read variables beyond the conversation: Qwen3's ``enable_thinking``, a system
+prompt switch, a date. A request names them in ``chat_template_kwargs``; the gateway passes on
+only those the model's template reads (found by parsing it once), as vLLM does, so a client that
+sends ``enable_thinking`` to every model does not fail on the ones without it. Names the gateway
+sets itself are refused: a request must not replace its own conversation, the template, or the
+tokenizer's special tokens through them.
+"""
+from __future__ import annotations
+
+import functools
+
+import jinja2
+import jinja2.meta
+from google.protobuf import json_format, struct_pb2
+
+from splitserve.common.errors import InvalidArgument
+
+# Arguments of ``apply_chat_template`` and variables transformers fills in from the tokenizer.
+RESERVED = frozenset({
+    "messages", "conversation", "tools", "documents", "add_generation_prompt", "continue_final_message",
+    "chat_template", "tokenize", "padding", "truncation", "max_length", "return_tensors", "return_dict",
+    "return_assistant_tokens_mask", "tokenizer_kwargs", "processor_kwargs",
+    "bos_token", "eos_token", "unk_token", "pad_token", "sep_token", "cls_token", "mask_token",
+    "raise_exception", "strftime_now"})
+
+
+def template_kwargs(tokenizer, kwargs: struct_pb2.Struct) -> dict:
+    """The request's template variables that the tokenizer's chat template reads, as Python
+    values (JSON numbers that are whole come back as ints: a template may ``range`` over one)."""
+    if not kwargs.fields:
+        return {}
+    for name in kwargs.fields:
+        if name in RESERVED:
+            raise InvalidArgument(f"chat_template_kwargs.{name}: set by the server, not by a request")
+    read = template_variables(_template_source(tokenizer))
+    return {name: _whole_numbers(value) for name, value in json_format.MessageToDict(kwargs).items() if name in read}
+
+
+def _template_source(tokenizer) -> str:
+    template = getattr(tokenizer, "chat_template", None) or ""
+    # A tokenizer may carry several named templates ("default", "tool_use"): any of them may be used.
+    return "\n".join(template.values()) if isinstance(template, dict) else template
+
+
+@functools.lru_cache(maxsize=8)
+def template_variables(source: str) -> frozenset[str]:
+    """Names a Jinja template reads without defining them."""
+    if not source:
+        return frozenset()
+    return frozenset(jinja2.meta.find_undeclared_variables(jinja2.Environment().parse(source)))
+
+
+def _whole_numbers(value):
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, dict):
+        return {k: _whole_numbers(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_whole_numbers(v) for v in value]
+    return value
