@@ -56,12 +56,12 @@ model: install
 kernels: install
 	$(PY) -m splitserve.engine.attention.cpu_kernels
 
-# Brings the whole stack up (Redis, gateway, one prefill and one decode worker), asks one
-# question through it and shuts down. `$(VENV)/bin/splitserve up` keeps it serving. The model
+# Brings the whole stack up (Redis, gateway, one prefill and one decode worker: given, since up
+# alone runs one colocated worker on fewer than 4 cores), asks one question through it and shuts down. `$(VENV)/bin/splitserve up` keeps it serving. The model
 # is served in the 4-bit codes it ships in (--quantization gguf: its weights take 106 MiB, not
 # 621 MiB as float32; docs/models.md#quantized-weights).
 run: model kernels redis tcmalloc
-	$(VENV)/bin/splitserve up --quantization gguf --demo "What is the capital of France? Answer in one sentence."
+	$(VENV)/bin/splitserve up --prefill 1 --decode 1 --quantization gguf --demo "What is the capital of France? Answer in one sentence."
 
 # Triton kernels are interpreted on CPU tensors only where no GPU can compile them (tests/conftest.py).
 test: install model kernels redis tcmalloc checkov

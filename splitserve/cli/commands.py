@@ -111,9 +111,11 @@ def _generate(args) -> int:
 
 def _up_params() -> list[click.Option]:
     return up_options() + [
-        click.Option(["--prefill"], type=int, default=1, show_default=True,
-                     help="prefill workers (0 with --decode 0: one colocated 'both' worker)"),
-        click.Option(["--decode"], type=int, default=1, show_default=True, help="decode workers"),
+        click.Option(["--prefill"], type=click.IntRange(min=0), default=None,
+                     help="prefill workers (0 with --decode 0: one colocated 'both' worker). Neither given: on a "
+                          "CPU of fewer than 4 cores one colocated worker, else 1 and 1 (up says which and why)"),
+        click.Option(["--decode"], type=click.IntRange(min=0), default=None,
+                     help="decode workers (1 when only --prefill is given)"),
         click.Option(["--prefill-threads"], type=click.IntRange(min=0), default=0, show_default=True,
                      help="torch threads of each prefill worker (0: --num-threads, else the cores split evenly)"),
         click.Option(["--decode-threads"], type=click.IntRange(min=0), default=0, show_default=True,

@@ -18,6 +18,7 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from splitserve.cli.launcher import BOOT_TIMEOUT_S, CLI, ChildSpec, Supervisor
@@ -36,6 +37,39 @@ def memory_shares(total: float, prefill: int, decode: int) -> dict[str, float]:
     if weights == 0:
         return {"both": total}
     return {"prefill": total / weights, "decode": 2 * total / weights}
+
+
+# Below this many cores a CPU box gets one colocated worker when --prefill/--decode are not given.
+# Split in two, each worker gets one core: the prefill worker's queue then holds first tokens for
+# seconds (2-core AMD EPYC, SmolLM2 fp32, 2 req/s: TTFT p50 6.8x vLLM serve's disaggregated against
+# 1.2x colocated, bench/results/compare_vllm_rate2.json), while colocated the engine's chunked
+# prefill shares each step with the running decodes as vLLM's does.
+MIN_CORES_TO_DISAGGREGATE = 4
+
+
+@dataclass(frozen=True)
+class Topology:
+    prefill: int  # prefill workers (0 with decode 0: one colocated worker)
+    decode: int  # decode workers
+    why: str  # said at start-up
+
+
+def topology(args, cores: int | None = None) -> Topology:
+    """How many prefill and decode workers ``up`` starts: as given, else chosen from the device
+    and the cores (``cores``: this machine's when None)."""
+    if args.prefill is not None or args.decode is not None:
+        prefill = 1 if args.prefill is None else args.prefill
+        decode = 1 if args.decode is None else args.decode
+        return Topology(prefill, decode, "as given (--prefill/--decode)")
+    cores = cores if cores is not None else (os.cpu_count() or 1)
+    # --device auto runs on CUDA where torch sees a GPU; without NVIDIA's device nodes it cannot
+    # (up itself does not load torch to ask).
+    on_cpu = args.device.startswith("cpu") or (args.device == "auto" and not Path("/dev/nvidiactl").exists())
+    if on_cpu and cores < MIN_CORES_TO_DISAGGREGATE:
+        return Topology(0, 0, f"one colocated worker: {cores} cores are too few to split between a prefill and "
+                              f"a decode worker (each would get {max(1, cores // 2)}; first tokens then wait for "
+                              f"the prefill worker). --prefill 1 --decode 1 splits them anyway")
+    return Topology(1, 1, f"one prefill and one decode worker ({args.device}, {cores} cores)")
 
 
 def with_internal_token(args):
@@ -79,12 +113,13 @@ def plan(args, redis_url: str, workdir: str) -> list[ChildSpec]:
         specs.append(ChildSpec("redis", argv, "Ready to accept connections"))
     # Set per child below: the Redis URL, the metrics port, the engine threads, the GPU memory share.
     own = frozenset({"redis_url", "metrics_port", "num_threads", "gpu_memory_utilization"})
-    roles = [("decode", i) for i in range(args.decode)] + [("prefill", i) for i in range(args.prefill)]
+    shape = topology(args)
+    roles = [("decode", i) for i in range(shape.decode)] + [("prefill", i) for i in range(shape.prefill)]
     if not roles:
         roles = [("both", None)]
     # Every worker runs on the one --device (rank r of a tensor-parallel worker on the r-th GPU
     # after it): --gpu-memory-utilization is split between them.
-    shares = memory_shares(args.gpu_memory_utilization, args.prefill, args.decode) \
+    shares = memory_shares(args.gpu_memory_utilization, shape.prefill, shape.decode) \
         if args.gpu_memory_utilization else {}
     # Worker processes share the cores: with more threads than cores they only contend
     # (measured: 1 thread each for prefill + decode on 2 cores halved TTFT at 2 req/s).
@@ -114,6 +149,7 @@ def cmd_up(args) -> int:
         raise SystemExit("--gpu-memory-utilization shares a GPU; on CPU size the KV pools with --kv-cache-memory-gb")
     from splitserve.common.authz import gateway_credentials
     gateway_credentials(with_internal_token(args))  # a bad security flag stops here, before anything starts
+    print(f"splitserve up: {topology(args).why}", flush=True)
     workdir = tempfile.mkdtemp(prefix="splitserve-up-")
     redis_url = args.redis_url or f"redis://127.0.0.1:{free_port()}/0"
     supervisor = Supervisor(plan(args, redis_url, workdir))
@@ -174,9 +210,11 @@ def _demo(address: str, question: str, args) -> int:
                                          temperature=0.0, timeout=300):
                 if event.finished:
                     t = event.timeline
+                    # A colocated worker prefills its own requests: the timeline names no prefill worker.
+                    where = (f"prefill on {t.prefill_worker}, decode on {t.decode_worker}" if t.prefill_worker
+                             else f"prefill and decode on {t.decode_worker}")
                     print(f"\n\n[{event.finish_reason}; {event.usage.completion_tokens} tokens; first token "
-                          f"{t.first_token_ms:.0f} ms; prefill on {t.prefill_worker}, decode on {t.decode_worker}]",
-                          flush=True)
+                          f"{t.first_token_ms:.0f} ms; {where}]", flush=True)
                 else:
                     print(event.text, end="", flush=True)
         except grpc.RpcError as e:

@@ -226,3 +226,30 @@ def test_up_gives_its_own_redis_a_password_only_its_children_learn(tmp_path):
     theirs = {s.name: s for s in up.plan(parse(["up", "--redis-url", "redis://10.0.0.9:6379/0"]),
                                          "redis://10.0.0.9:6379/0", str(tmp_path / "x"))}
     assert "redis" not in theirs and envvar not in theirs["gateway"].env
+
+
+def test_up_without_prefill_or_decode_chooses_from_the_device_and_the_cores(tmp_path, monkeypatch):
+    """Issue 41, point 2: on a CPU of fewer than 4 cores, one colocated worker (split in two,
+    each worker gets one core and first tokens wait for the prefill worker); otherwise, and on a
+    GPU, one prefill and one decode worker; what is given is kept (one count alone: the other 1).
+    up says which at start and why."""
+    from splitserve.cli import up
+    counts = lambda t: (t.prefill, t.decode)  # noqa: E731
+    auto = parse(["up", "--device", "cpu"])  # auto: cpu where no NVIDIA device node is
+    assert counts(up.topology(auto, cores=2)) == (0, 0) and "one colocated worker: 2 cores" in up.topology(auto, 2).why
+    assert counts(up.topology(auto, cores=3)) == (0, 0)
+    assert counts(up.topology(auto, cores=4)) == (1, 1) and "4 cores" in up.topology(auto, 4).why
+    assert counts(up.topology(parse(["up", "--device", "cuda"]), cores=2)) == (1, 1)
+    assert up.topology(parse(["up", "--prefill", "1", "--decode", "1"]), cores=2) == up.Topology(
+        1, 1, "as given (--prefill/--decode)")
+    assert counts(up.topology(parse(["up", "--prefill", "2"]), cores=2)) == (2, 1)
+    assert counts(up.topology(parse(["up", "--decode", "0", "--prefill", "0"]), cores=64)) == (0, 0)
+    with pytest.raises(click.BadParameter):
+        parse(["up", "--prefill", "-1"])
+    monkeypatch.setattr(up.os, "cpu_count", lambda: 2)
+    names = [spec.name for spec in up.plan(auto, "redis://127.0.0.1:1/0", str(tmp_path))]
+    assert names == ["redis", "both", "gateway"]
+    monkeypatch.setattr(up.os, "cpu_count", lambda: 8)
+    (tmp_path / "x").mkdir()
+    names = [spec.name for spec in up.plan(auto, "redis://127.0.0.1:1/0", str(tmp_path / "x"))]
+    assert names == ["redis", "decode0", "prefill0", "gateway"]

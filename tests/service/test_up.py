@@ -14,7 +14,8 @@ from tests.harness.up import start_up
 @pytest.fixture(scope="module")
 def up(tiny_model_dirs, tmp_path_factory):
     with start_up(["--model", str(tiny_model_dirs["llama"]), "--dtype", "float32", "--block-size", "8",
-                   "--num-gpu-blocks", "128"], tmp_path_factory.mktemp("up")) as running:
+                   "--num-gpu-blocks", "128", "--prefill", "1", "--decode", "1"],
+                  tmp_path_factory.mktemp("up")) as running:
         yield running
 
 
@@ -30,6 +31,7 @@ def test_grpcurl_against_splitserve_up(up):
     info = json.loads(run("-d", "{}", up.address, "splitserve.v1.Generation/GetServerInfo").stdout)
     assert sorted(w["role"] for w in info["workers"]) == ["decode", "gateway", "prefill"]
     assert sorted(up.pids) == ["decode0", "gateway", "prefill0", "redis"]
+    up.wait_log("splitserve up: as given (--prefill/--decode)")  # what it runs, and why
 
 
 def test_the_workers_run_on_tcmalloc(up):
