@@ -35,7 +35,8 @@ def template_kwargs(tokenizer, kwargs: struct_pb2.Struct) -> dict:
         if name in RESERVED:
             raise InvalidArgument(f"chat_template_kwargs.{name}: set by the server, not by a request")
     read = template_variables(_template_source(tokenizer))
-    return {name: _whole_numbers(value) for name, value in json_format.MessageToDict(kwargs).items() if name in read}
+    return {name: _whole_numbers(value) for name, value in json_format.MessageToDict(kwargs).items()
+            if read is None or name in read}
 
 
 def _template_source(tokenizer) -> str:
@@ -45,11 +46,17 @@ def _template_source(tokenizer) -> str:
 
 
 @functools.lru_cache(maxsize=8)
-def template_variables(source: str) -> frozenset[str]:
-    """Names a Jinja template reads without defining them."""
+def template_variables(source: str) -> frozenset[str] | None:
+    """Names a Jinja template reads without defining them; None when this parser cannot read it
+    (transformers renders with tags of its own, e.g. ``{% generation %}``): then every name a
+    request gives is passed on, and the template ignores those it does not read."""
     if not source:
         return frozenset()
-    return frozenset(jinja2.meta.find_undeclared_variables(jinja2.Environment().parse(source)))
+    try:
+        parsed = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(source)
+    except jinja2.TemplateSyntaxError:
+        return None
+    return frozenset(jinja2.meta.find_undeclared_variables(parsed))
 
 
 def _whole_numbers(value):

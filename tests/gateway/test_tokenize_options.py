@@ -89,6 +89,19 @@ def test_template_variables_reach_a_template_that_reads_them():
     assert tokenize(tokenizer, chat(reasoning_effort="high")) == ids("<user>hi")
 
 
+def test_a_template_with_transformers_own_tags_still_gets_its_variables():
+    """transformers renders ``{% generation %}`` (assistant-token masks) and ``{% break %}``; a
+    template using them cannot be parsed without its extensions, and must still render (with the
+    request's variables) rather than fail the request."""
+    tagged = ("{% for m in messages %}{% if m.role == 'assistant' %}{% generation %}{{ m.content }}"
+              "{% endgeneration %}{% else %}<{{ m.role }}>{{ m.content }}{% endif %}{% if loop.index > 5 %}"
+              "{% break %}{% endif %}{% endfor %}{% if enable_thinking is defined and not enable_thinking %}"
+              "<no_think>{% endif %}")
+    tokenizer = with_bos(tagged)
+    assert tokenize(tokenizer, chat(enable_thinking=False)) == tokenizer.encode("<user>hi<no_think>",
+                                                                                add_special_tokens=False)
+
+
 @pytest.mark.parametrize("name", ["messages", "tools", "add_generation_prompt", "chat_template", "bos_token"])
 def test_names_the_server_sets_are_refused(name):
     tokenizer = with_bos(THINKING)
