@@ -24,6 +24,8 @@ import re
 import time
 from typing import TYPE_CHECKING, Mapping, Sequence
 
+from google.protobuf import json_format
+
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.structured_output import StructuredOutput
 from splitserve.common.errors import InvalidArgument
@@ -34,7 +36,7 @@ if TYPE_CHECKING:  # splitserve.kvtransfer.base imports torch; the gateway conve
 
 __all__ = [
     "DEFAULT_MAX_TOKENS", "DEFAULT_TEMPERATURE", "PROMPT_FIELDS", "sampling_from_proto", "resolve_sampling",
-    "check_sampling_defaults",
+    "check_sampling_defaults", "struct_to_python",
     "sampling_to_worker", "sampling_from_worker", "arrival_to_monotonic", "check_sizes", "prompt_from_request",
     "structured_output_from_proto", "structured_output_to_proto", "descriptor_to_proto", "descriptor_from_proto", "logprobs_to_proto", "logprobs_from_proto",
 ]
@@ -202,15 +204,24 @@ def check_sizes(req, limits: "RequestLimits", max_model_len: int) -> None:
                               f"{limits.max_messages} (--max-messages)")
     left = limits.max_prompt_bytes
     for i, m in enumerate(req.messages):
-        left -= _utf8_len(m.role, left) + _utf8_len(m.content, left)
+        # ByteSize: a parsed message's size, computed without a copy.
+        left -= (_utf8_len(m.role, left) + _utf8_len(m.content, left) + _utf8_len(m.tool_call_id, left)
+                 + _utf8_len(m.name, left) + sum(call.ByteSize() for call in m.tool_calls))
         if left < 0:
             raise InvalidArgument(f"messages: their roles and contents up to messages[{i}] are more than the "
                                   f"{limits.max_prompt_bytes} bytes this server takes (--max-prompt-bytes)")
-    if req.HasField("chat_template_kwargs"):
-        size = req.chat_template_kwargs.ByteSize()  # the parsed message's size: no copy is made
-        if size > left:
-            raise InvalidArgument(f"chat_template_kwargs: with the messages, more than the {limits.max_prompt_bytes} "
-                                  "bytes this server takes (--max-prompt-bytes)")
+    for name in ("tools", "documents"):
+        entries = getattr(req, name)
+        if len(entries) > limits.max_messages:
+            raise InvalidArgument(f"{name} has {len(entries)} entries; this server takes at most "
+                                  f"{limits.max_messages} (--max-messages)")
+        left -= sum(entry.ByteSize() for entry in entries)
+        if left < 0:
+            raise InvalidArgument(f"{name}: with the messages, more than the {limits.max_prompt_bytes} bytes this "
+                                  "server takes (--max-prompt-bytes)")
+    if req.chat_template_kwargs.ByteSize() > left:
+        raise InvalidArgument(f"chat_template_kwargs: with the messages, more than the {limits.max_prompt_bytes} "
+                              "bytes this server takes (--max-prompt-bytes)")
     if "sampling" in fields and req.HasField("sampling"):
         sampling = req.sampling
         if len(sampling.stop) > limits.max_stop_sequences:
@@ -308,8 +319,32 @@ def prompt_from_request(req, vocab_size: int | None = None) -> tuple[str, object
     for i, m in enumerate(req.messages):
         if not m.role.strip():
             raise InvalidArgument(f"messages[{i}].role must not be empty (e.g. \"user\")")
-        messages.append({"role": m.role, "content": m.content})
+        message = {"role": m.role, "content": m.content}
+        # A tool turn's id and name, an assistant turn's calls: only where set, as OpenAI's bodies have them.
+        if m.tool_call_id:
+            message["tool_call_id"] = m.tool_call_id
+        if m.name:
+            message["name"] = m.name
+        if m.tool_calls:
+            message["tool_calls"] = [struct_to_python(call) for call in m.tool_calls]
+        messages.append(message)
     return "messages", messages
+
+
+def struct_to_python(struct) -> dict:
+    """A ``google.protobuf.Struct`` as the JSON object it was sent as: whole numbers come back
+    as ints (a Struct holds every number as a double; a chat template may ``range`` over one)."""
+    return _whole_numbers(json_format.MessageToDict(struct))
+
+
+def _whole_numbers(value):
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, dict):
+        return {k: _whole_numbers(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_whole_numbers(v) for v in value]
+    return value
 
 
 # ---- logprobs --------------------------------------------------------------------------

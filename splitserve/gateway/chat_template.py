@@ -13,9 +13,10 @@ import functools
 
 import jinja2
 import jinja2.meta
-from google.protobuf import json_format, struct_pb2
+from google.protobuf import struct_pb2
 
 from splitserve.common.errors import InvalidArgument
+from splitserve.wire import struct_to_python
 
 # Arguments of ``apply_chat_template`` and variables transformers fills in from the tokenizer.
 RESERVED = frozenset({
@@ -35,8 +36,7 @@ def template_kwargs(tokenizer, kwargs: struct_pb2.Struct) -> dict:
         if name in RESERVED:
             raise InvalidArgument(f"chat_template_kwargs.{name}: set by the server, not by a request")
     read = template_variables(_template_source(tokenizer))
-    return {name: _whole_numbers(value) for name, value in json_format.MessageToDict(kwargs).items()
-            if read is None or name in read}
+    return {name: value for name, value in struct_to_python(kwargs).items() if read is None or name in read}
 
 
 def _template_source(tokenizer) -> str:
@@ -58,12 +58,3 @@ def template_variables(source: str) -> frozenset[str] | None:
         return None
     return frozenset(jinja2.meta.find_undeclared_variables(parsed))
 
-
-def _whole_numbers(value):
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    if isinstance(value, dict):
-        return {k: _whole_numbers(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_whole_numbers(v) for v in value]
-    return value

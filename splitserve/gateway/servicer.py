@@ -41,7 +41,7 @@ from splitserve.gateway.job import Finished, Job, Tokens, cancelled, deadline_ex
 from splitserve.gateway.memory import Collector
 from splitserve.state.store import PRIORITY_MAX, PRIORITY_MIN, TERMINAL_STATES
 from splitserve.gateway.samples import MAX_N, SampleGroup, sample_params
-from splitserve.wire import check_sizes, prompt_from_request, resolve_sampling
+from splitserve.wire import check_sizes, prompt_from_request, resolve_sampling, struct_to_python
 from splitserve.common.authz import Authorizer, scoped_id
 from splitserve.common.errors import (AlreadyExists, InvalidArgument, NotFound, PermissionDenied, ResourceExhausted,
                                       Unavailable)
@@ -333,8 +333,12 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         """The request's prompt as token ids; text and messages are encoded off the event loop, a
         few at a time (its size was checked before: ``check_sizes``)."""
         kind, prompt = prompt_from_request(request, vocab_size=self.model_info.vocab_size)
-        if kind != "messages" and request.chat_template_kwargs.fields:
-            raise InvalidArgument("chat_template_kwargs: only with messages (a chat template renders them)")
+        if kind != "messages":
+            given = {"chat_template_kwargs": request.chat_template_kwargs.fields, "tools": request.tools,
+                     "documents": request.documents}
+            for name, value in given.items():
+                if len(value):
+                    raise InvalidArgument(f"{name}: only with messages (a chat template renders them)")
         if kind == "token_ids":
             return list(prompt)
         if self._waiting_to_encode >= MAX_TOKENIZE_WAITING:
@@ -355,9 +359,12 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         if kind == "messages":
             add_prompt = request.add_generation_prompt if tokenize else True
             variables = template_kwargs(self.tokenizer, request.chat_template_kwargs)
+            # Passed as transformers takes them (None: the template's own "no tools" branch).
+            tools = [struct_to_python(tool) for tool in request.tools] or None
+            documents = [struct_to_python(document) for document in request.documents] or None
             try:
                 text = self.tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=add_prompt,
-                                                          **variables)
+                                                          tools=tools, documents=documents, **variables)
             except jinja2.TemplateError as e:  # the model's template refuses this conversation
                 raise InvalidArgument(f"messages: the model's chat template refused them: {e}") from e
             return self.tokenizer.encode(text, add_special_tokens=bool(special))

@@ -118,3 +118,59 @@ def test_template_variables_only_with_messages_and_within_the_prompt_limit(token
     check_sizes(chat(note="x" * 50), limits, 4096)
     with pytest.raises(InvalidArgument, match="chat_template_kwargs: .*--max-prompt-bytes"):
         check_sizes(chat(note="x" * 200), limits, 4096)
+
+
+# A template that reads tools, documents and the tool turns of a conversation, as tool-use
+# templates (Hermes, Llama 3.1, Qwen) do.
+TOOL_USE = ("{% if tools %}[tools:{% for t in tools %}{{ t.function.name }} max {{ "
+            "t.function.parameters.properties.n.maximum }}{% endfor %}]{% endif %}"
+            "{% if documents %}[docs:{% for d in documents %}{{ d.title }};{% endfor %}]{% endif %}"
+            "{% for m in messages %}<{{ m.role }}>{% if m.tool_calls %}{% for c in m.tool_calls %}call "
+            "{{ c.id }} {{ c.function.name }} {{ c.function.arguments }}{% endfor %}{% elif m.role == 'tool' %}"
+            "{{ m.tool_call_id }} {{ m.name }}={{ m.content }}{% else %}{{ m.content }}{% endif %}{% endfor %}")
+TOOL = {"type": "function", "function": {"name": "roll", "description": "Roll a die",
+                                         "parameters": {"type": "object", "properties": {
+                                             "n": {"type": "integer", "minimum": 1, "maximum": 10}}}}}
+DOCUMENT = {"title": "Dice", "text": "A die has six faces."}
+TURNS = [{"role": "user", "content": "Roll one."},
+         {"role": "assistant", "content": "", "tool_calls": [
+             {"id": "call_1", "type": "function", "function": {"name": "roll", "arguments": "{\"n\": 1}"}}]},
+         {"role": "tool", "tool_call_id": "call_1", "name": "roll", "content": "4"}]
+
+
+def test_tools_documents_and_tool_turns_reach_the_template_unchanged():
+    """What transformers' apply_chat_template(tools=, documents=) renders from the same Python
+    objects (issue 34, point 6): the gRPC messages carry tool calls and tool answers, and a
+    whole number in a tool's schema stays an int."""
+    tokenizer = with_bos(TOOL_USE)
+    request = pb.TokenizeRequest(add_generation_prompt=False)
+    for turn in TURNS:
+        message = request.messages.add(role=turn["role"], content=turn["content"],
+                                       tool_call_id=turn.get("tool_call_id", ""), name=turn.get("name", ""))
+        for call in turn.get("tool_calls", ()):
+            message.tool_calls.add().update(call)
+    request.tools.add().update(TOOL)
+    request.documents.add().update(DOCUMENT)
+    expected = tokenizer.apply_chat_template(TURNS, tools=[TOOL], documents=[DOCUMENT], tokenize=False)
+    assert "[tools:roll max 10]" in expected and "call call_1 roll" in expected and "call_1 roll=4" in expected
+    assert tokenize(tokenizer, request) == tokenizer.encode(expected, add_special_tokens=False)
+
+
+def test_tools_and_documents_only_with_messages_and_within_the_limits(tokenizer):
+    request = pb.TokenizeRequest(text="hi")
+    request.tools.add().update(TOOL)
+    with pytest.raises(InvalidArgument, match="tools: only with messages"):
+        tokenize(tokenizer, request)
+    limits = RequestLimits(max_prompt_bytes=300, max_messages=2).resolve(4096, tokenizer)
+    ok = chat()
+    ok.tools.add().update(TOOL)
+    check_sizes(ok, limits, 4096)
+    big = chat()
+    big.documents.add().update({"text": "x" * 400})
+    with pytest.raises(InvalidArgument, match="documents: .*--max-prompt-bytes"):
+        check_sizes(big, limits, 4096)
+    many = chat()
+    for _ in range(3):
+        many.tools.add().update({"type": "function"})
+    with pytest.raises(InvalidArgument, match="tools has 3 entries; .*--max-messages"):
+        check_sizes(many, limits, 4096)

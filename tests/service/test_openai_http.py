@@ -297,6 +297,16 @@ def test_tokenize_and_detokenize_answer_as_vllms_do(stack, tokenizer):
     ("/tokenize", {"prompt": "x", "messages": [{"role": "user", "content": "x"}]}, 400, "prompt", "either prompt"),
     ("/tokenize", {}, 400, "prompt", "either prompt"),
     ("/tokenize", {"prompt": "x", "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools",
+     "tools: only with messages"),
+    ("/tokenize", {"messages": [{"role": "user", "content": "x"}], "chat_template": "{{ 7 * 7 }}"}, 400,
+     "chat_template", "not supported"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                              "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tool_choice",
+     "give tool_choice \"none\""),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "tool_choice": "auto",
+                              "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tool_choice",
+     "only \"none\" is supported"),
+    ("/v1/completions", {"prompt": "x", "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools",
      "not supported"),
     ("/tokenize", {"prompt": "x", "model": "other"}, 404, "model", "does not exist"),
     ("/tokenize", {"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"tools": []}}, 400,
@@ -315,6 +325,32 @@ def test_tokenizer_routes_refuse_bad_bodies_naming_the_field(stack, path, body, 
     assert words in error["message"]
     if param is not None:
         assert error["param"] == param
+
+
+def test_tools_documents_and_tool_turns_pass_through_the_template(stack, client, tokenizer, reference):
+    """/tokenize renders tools, documents and a tool-call conversation as transformers'
+    apply_chat_template does with the same objects; a chat completion takes them with
+    tool_choice "none" and answers transformers' greedy tokens for that prompt."""
+    tools = [{"type": "function", "function": {"name": "roll", "description": "Roll a die",
+                                               "parameters": {"type": "object", "properties": {
+                                                   "n": {"type": "integer", "maximum": 10}}}}}]
+    documents = [{"title": "Dice", "text": "A die has six faces."}]
+    messages = [{"role": "user", "content": "Roll one."},
+                {"role": "assistant", "content": None, "tool_calls": [
+                    {"id": "call_1", "type": "function", "function": {"name": "roll", "arguments": "{\"n\": 1}"}}]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "4"}]
+    rendered = [{**m, "content": m["content"] or ""} for m in messages]
+    text = tokenizer.apply_chat_template(rendered, tools=tools, documents=documents, tokenize=False,
+                                         add_generation_prompt=True)
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    got = httpx.post(stack.http + "/tokenize", json={"messages": messages, "tools": tools, "documents": documents})
+    assert got.status_code == 200, got.text
+    assert got.json()["tokens"] == ids
+    answer = client.chat.completions.create(model=DEFAULT_MODEL, messages=messages, tools=tools, tool_choice="none",
+                                            max_tokens=6, extra_body={"documents": documents, "ignore_eos": True},
+                                            temperature=0)
+    assert answer.usage.prompt_tokens == len(ids)
+    assert answer.choices[0].message.content == expected_text(reference, tokenizer, ids, 6)
 
 
 def test_a_gateway_takes_the_models_sampling_defaults(stack, tmp_path, tokenizer, reference):

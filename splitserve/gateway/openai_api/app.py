@@ -36,8 +36,9 @@ from starlette.exceptions import HTTPException
 
 from splitserve.gateway.health_monitor import public_reason
 from splitserve.gateway.job import Finished, cancelled
-from splitserve.gateway.openai_api.protocol import (UNSUPPORTED_FIELDS, ChatCompletionRequest, CompletionRequest,
-                                                    DetokenizeRequest, TokenizeRequest)
+from splitserve.gateway.openai_api.protocol import (UNSUPPORTED_FIELDS, UNSUPPORTED_TOKENIZE_FIELDS,
+                                                    ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                                    TokenizeRequest)
 from splitserve.gateway.openai_api.responses import Responses, new_request_id
 from splitserve.gateway.samples import SampleGroup
 from splitserve.common.authz import Authorizer
@@ -266,5 +267,5 @@ def _param_of(exc: Exception) -> str | None:
     return _PARAMS.get(path[0], path[0])
 
 
-_KNOWN_PARAMS = frozenset(CompletionRequest.model_fields) | frozenset(ChatCompletionRequest.model_fields) | {
-    "text", "token_ids", *UNSUPPORTED_FIELDS}
+_KNOWN_PARAMS = frozenset(CompletionRequest.model_fields) | frozenset(ChatCompletionRequest.model_fields) | frozenset(
+    TokenizeRequest.model_fields) | {"text", "token_ids", *UNSUPPORTED_FIELDS, *UNSUPPORTED_TOKENIZE_FIELDS}

@@ -7,6 +7,7 @@ are refused with a 400 naming them, never ignored: a caller relying on them must
 """
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -59,9 +60,12 @@ class _Sampling(BaseModel):
     guided_choice: Any = None
     structured_outputs: Any = None
 
-    def unsupported(self) -> None:
-        """A 400 for a field this server does not implement, set to anything that matters."""
+    def unsupported(self, handled: tuple[str, ...] = ()) -> None:
+        """A 400 for a field this server does not implement, set to anything that matters;
+        ``handled``: those the endpoint checks itself."""
         for name in UNSUPPORTED_FIELDS:
+            if name in handled:
+                continue
             value = getattr(self, name) if name in type(self).model_fields else (self.model_extra or {}).get(name)
             if value not in _HARMLESS.get(name, (None, False, [], {})):
                 raise InvalidArgument(f"{name}: not supported by this server")
@@ -150,13 +154,38 @@ class ChatMessage(BaseModel):
 
     role: str
     content: str | list[TextPart] | None = None
+    # A tool turn's answer to one call, and an assistant turn's calls (OpenAI's shapes).
+    tool_call_id: str | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
 
     def text(self, i: int) -> str:
         if self.content is None:
+            if self.tool_calls:  # an assistant turn that only called tools
+                return ""
             raise InvalidArgument(f"messages[{i}].content: text content is required")
         if isinstance(self.content, str):
             return self.content
         return "".join(part.text for part in self.content)
+
+    def add_to(self, messages, i: int) -> None:
+        """This turn as the gRPC request's ``ChatMessage``, appended to ``messages``."""
+        message = messages.add(role=self.role, content=self.text(i), tool_call_id=self.tool_call_id or "",
+                               name=self.name or "")
+        for call in self.tool_calls or ():
+            message.tool_calls.add().update(call)
+
+
+def add_template_inputs(req, messages: list[ChatMessage], tools, documents, variables) -> None:
+    """The chat and what its template reads besides (tools, documents, further variables) onto a
+    gRPC GenerateRequest or TokenizeRequest."""
+    for i, m in enumerate(messages):
+        m.add_to(req.messages, i)
+    for tool in tools or ():
+        req.tools.add().update(tool)
+    for document in documents or ():
+        req.documents.add().update(document)
+    req.chat_template_kwargs.update(variables or {})
 
 
 class ChatCompletionRequest(_Sampling):
@@ -167,9 +196,21 @@ class ChatCompletionRequest(_Sampling):
     add_generation_prompt: bool = True
     # vLLM's: further variables for the model's chat template (splitserve.gateway.chat_template).
     chat_template_kwargs: dict[str, Any] | None = None
+    # Rendered into the prompt by the model's template; no tool call is parsed from the output yet,
+    # so only tool_choice "none" is taken with them (as vLLM without --enable-auto-tool-choice).
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    documents: list[dict[str, Any]] | None = None  # vLLM's: retrieval results for templates that read them
 
     def to_generate(self, request_id: str) -> generation_pb2.GenerateRequest:
-        self.unsupported()
+        self.unsupported(handled=("tools", "tool_choice"))
+        if self.tool_choice not in (None, "none"):
+            raise InvalidArgument(f"tool_choice: only \"none\" is supported (got {json.dumps(self.tool_choice)}): "
+                                  "this server renders tools into the prompt but does not parse tool calls yet")
+        if self.tools and self.tool_choice is None:
+            raise InvalidArgument("tool_choice: with tools, give tool_choice \"none\" (the default, \"auto\", needs "
+                                  "a tool-call parser, which this server does not have yet)")
         if not self.add_generation_prompt:
             raise InvalidArgument("add_generation_prompt: only true is supported")
         if self.top_logprobs is not None and not self.logprobs:
@@ -179,16 +220,14 @@ class ChatCompletionRequest(_Sampling):
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         req = self.request(self.sampling(max_tokens, logprobs), request_id)
-        for i, m in enumerate(self.messages):
-            req.messages.add(role=m.role, content=m.text(i))
-        req.chat_template_kwargs.update(self.chat_template_kwargs or {})
+        add_template_inputs(req, self.messages, self.tools, self.documents, self.chat_template_kwargs)
         return req
 
 
 # ---- /tokenize and /detokenize (vLLM's bodies) ------------------------------------------
 
 # Fields of vLLM's tokenize body that change the chat template's input: not implemented, so refused.
-UNSUPPORTED_TOKENIZE_FIELDS = ("tools", "documents", "chat_template", "mm_processor_kwargs")
+UNSUPPORTED_TOKENIZE_FIELDS = ("chat_template", "mm_processor_kwargs")
 
 
 class TokenizeRequest(BaseModel):
@@ -205,6 +244,8 @@ class TokenizeRequest(BaseModel):
     continue_final_message: bool = False
     return_token_strs: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    tools: list[dict[str, Any]] | None = None
+    documents: list[dict[str, Any]] | None = None
 
     def to_proto(self) -> generation_pb2.TokenizeRequest:
         for name in UNSUPPORTED_TOKENIZE_FIELDS:
@@ -217,15 +258,14 @@ class TokenizeRequest(BaseModel):
         req = generation_pb2.TokenizeRequest()
         if self.add_special_tokens is not None:
             req.add_special_tokens = self.add_special_tokens
+        if self.messages is not None and not self.messages:
+            raise InvalidArgument("messages must not be empty")
+        # With a prompt the template's inputs travel too: the gateway refuses them, naming each.
+        add_template_inputs(req, self.messages or [], self.tools, self.documents, self.chat_template_kwargs)
         if self.prompt is not None:
             req.text = self.prompt
-            return req
-        if not self.messages:
-            raise InvalidArgument("messages must not be empty")
-        req.add_generation_prompt = self.add_generation_prompt
-        for i, m in enumerate(self.messages):
-            req.messages.add(role=m.role, content=m.text(i))
-        req.chat_template_kwargs.update(self.chat_template_kwargs or {})
+        else:
+            req.add_generation_prompt = self.add_generation_prompt
         return req
 
 
