@@ -37,14 +37,6 @@ PROCESS_DIRS = {"service", "faults", "bench", "deploy"}
 PROCESS_MODULES = {"test_tensor_parallel", "test_kvtransfer_handoff", "test_kvtransfer_nccl", "test_kvtransfer_tcp",
                    "test_tp_all_reduce", "test_openmp_handover", "test_layers", "test_docs"}
 
-# The longest files, longest first: junit durations of a whole `make test` on a 2-core AVX2 box
-# (each 55-180 s; the rest of the suite's files keep their collection order after them).
-LONGEST_FIRST = {stem: rank for rank, stem in enumerate((
-    "test_kvtransfer_handoff", "test_tensor_parallel", "test_compose", "test_faults", "test_quantization",
-    "test_tensor_parallel_service", "test_openai_http", "test_lifecycle", "test_slow_readers", "test_tune",
-    "test_fuzz_api", "test_structured_output_service", "test_bench_engine", "test_engine_correctness",
-    "test_cancel_storm", "test_priority_order"))}
-
 
 def pytest_collection_modifyitems(config, items):
     root = Path(__file__).parent
@@ -52,12 +44,10 @@ def pytest_collection_modifyitems(config, items):
         path = Path(item.fspath).relative_to(root)
         if path.parts[0] in PROCESS_DIRS or path.stem in PROCESS_MODULES:
             item.add_marker(pytest.mark.processes)
-    # The files that start processes first, and within each group the longest files first (a
-    # stable sort keeps each file's tests together and in order): under `-n 2 --dist loadfile` the
-    # long files are shared out while the short ones are still pending, instead of one process
-    # finishing a long file alone at the end.
-    items.sort(key=lambda item: (item.get_closest_marker("processes") is None,
-                                 LONGEST_FIRST.get(Path(item.fspath).stem, len(LONGEST_FIRST))))
+    # The files that start processes first (a stable sort keeps each file's tests together and in
+    # order): under `-n 2 --dist loadfile` the long files are shared out while the short ones are
+    # still pending, instead of one process finishing a long file alone at the end.
+    items.sort(key=lambda item: item.get_closest_marker("processes") is None)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
