@@ -49,11 +49,16 @@ class Event:
     error: str = ""  # on the last event of a request that ended in error
     request_id: str = ""
     index: int = 0  # the sample it belongs to (n > 1: each sample's events, its own last one included)
+    reasoning_text: str = ""  # thinking, apart from text (a gateway with --reasoning-parser)
+    tool_calls: list[generation_pb2.ToolCall] = field(default_factory=list)  # calls written in full (tools)
 
 
 def build_request(prompt: str | Sequence[int] | None = None, *, messages: Sequence[dict] | None = None,
                   request_id: str = "", priority: int = 0, stream_interval: int = 0,
+                  tools: Sequence[dict] = (), tool_choice: str | None = None, parallel_tool_calls: bool | None = None,
                   **sampling) -> generation_pb2.GenerateRequest:
+    """``tools``: OpenAI's tool objects; ``tool_choice``: "none", "auto", "required" or a
+    function's name (any other string)."""
     unknown = set(sampling) - _SAMPLING_FIELDS
     if unknown:
         raise TypeError(f"unknown sampling parameters: {sorted(unknown)}")
@@ -66,6 +71,14 @@ def build_request(prompt: str | Sequence[int] | None = None, *, messages: Sequen
         request.text = prompt
     elif prompt is not None:
         request.token_ids.extend(prompt)
+    for tool in tools:
+        request.tools.add().update(tool)
+    if tool_choice in ("none", "auto", "required"):
+        request.tool_choice.mode = tool_choice
+    elif tool_choice is not None:
+        request.tool_choice.function = tool_choice
+    if parallel_tool_calls is not None:
+        request.parallel_tool_calls = parallel_tool_calls
     return request
 
 
@@ -77,7 +90,8 @@ def _event(response: generation_pb2.GenerateResponse) -> Event:
                      index=response.index)
     chunk = response.chunk
     return Event(token_ids=list(chunk.token_ids), text=chunk.text, logprobs=list(chunk.logprobs),
-                 request_id=response.request_id, index=response.index)
+                 request_id=response.request_id, index=response.index, reasoning_text=chunk.reasoning_text,
+                 tool_calls=list(chunk.tool_calls))
 
 
 def _tokenize_request(text: str | None, messages: Sequence[dict] | None, add_generation_prompt: bool,

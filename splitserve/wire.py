@@ -37,7 +37,8 @@ if TYPE_CHECKING:  # splitserve.kvtransfer.base imports torch; the gateway conve
 __all__ = [
     "DEFAULT_MAX_TOKENS", "DEFAULT_TEMPERATURE", "PROMPT_FIELDS", "sampling_from_proto", "resolve_sampling",
     "check_sampling_defaults", "struct_to_python",
-    "sampling_to_worker", "sampling_from_worker", "arrival_to_monotonic", "check_sizes", "prompt_from_request",
+    "sampling_to_worker", "sampling_from_worker", "arrival_to_monotonic", "check_sizes", "check_grammar_size",
+    "prompt_from_request",
     "structured_output_from_proto", "structured_output_to_proto", "descriptor_to_proto", "descriptor_from_proto", "logprobs_to_proto", "logprobs_from_proto",
 ]
 
@@ -118,16 +119,17 @@ def check_sampling_defaults(defaults: Mapping[str, float | int]) -> None:
     SamplingParams(**defaults)
 
 
-def structured_output_from_proto(msg: generation_pb2.StructuredOutput, resumed_tokens: int = 0) -> StructuredOutput:
+def structured_output_from_proto(msg: generation_pb2.StructuredOutput, resumed_tokens: int = 0,
+                                 after_token_ids=(), after_opener: int | None = None) -> StructuredOutput:
     """The proto's oneof -> the engine's spec (ValueError naming the field if it is empty or bad)."""
     kind = msg.WhichOneof("kind")
     if kind is None:
         raise ValueError("structured_output must set one of json_schema, json_object, regex, choice")
-    if kind == "choice":
-        return StructuredOutput(choice=tuple(msg.choice.values), resumed_tokens=resumed_tokens)
     if kind == "json_object" and not msg.json_object:
         raise ValueError("structured_output.json_object must be true when set")
-    return StructuredOutput(**{kind: getattr(msg, kind)}, resumed_tokens=resumed_tokens)
+    value = tuple(msg.choice.values) if kind == "choice" else getattr(msg, kind)
+    return StructuredOutput(**{kind: value}, resumed_tokens=resumed_tokens, after_token_ids=tuple(after_token_ids),
+                            after_opener=after_opener)
 
 
 def structured_output_to_proto(spec: StructuredOutput) -> generation_pb2.StructuredOutput:
@@ -151,6 +153,9 @@ def sampling_to_worker(params: SamplingParams) -> worker_pb2.ResolvedSampling:
     if params.structured_output is not None:
         msg.structured_output.CopyFrom(structured_output_to_proto(params.structured_output))
         msg.structured_output_resumed_tokens = params.structured_output.resumed_tokens
+        msg.structured_output_after_token_ids.extend(params.structured_output.after_token_ids)
+        if params.structured_output.after_opener is not None:
+            msg.structured_output_after_opener = params.structured_output.after_opener
     return msg
 
 
@@ -160,7 +165,10 @@ def sampling_from_worker(msg: worker_pb2.ResolvedSampling) -> SamplingParams:
     try:
         structured = None
         if msg.HasField("structured_output"):
-            structured = structured_output_from_proto(msg.structured_output, msg.structured_output_resumed_tokens)
+            structured = structured_output_from_proto(msg.structured_output, msg.structured_output_resumed_tokens,
+                                                      msg.structured_output_after_token_ids,
+                                                      msg.structured_output_after_opener
+                                                      if msg.HasField("structured_output_after_opener") else None)
         return SamplingParams(
             structured_output=structured, max_tokens=msg.max_tokens, min_tokens=msg.min_tokens, temperature=msg.temperature,
             top_p=msg.top_p, top_k=msg.top_k, min_p=msg.min_p,
@@ -233,13 +241,14 @@ def check_sizes(req, limits: "RequestLimits", max_model_len: int) -> None:
             raise InvalidArgument(f"sampling.stop_token_ids has {len(sampling.stop_token_ids)} ids; this server "
                                   f"takes at most {limits.max_stop_token_ids} (--max-stop-token-ids)")
         if sampling.HasField("structured_output"):
-            _check_grammar_size(sampling.structured_output, limits)
+            check_grammar_size(sampling.structured_output, limits)
 
 
-def _check_grammar_size(spec, limits: "RequestLimits") -> None:
-    """A structured-output spec's size, and a JSON schema's depth, before anything compiles it."""
+def check_grammar_size(spec, limits: "RequestLimits", path: str = "") -> None:
+    """A structured-output spec's size, and a JSON schema's depth, before anything compiles it;
+    ``path``: the field a refusal names (default: the spec's own)."""
     kind = spec.WhichOneof("kind")
-    path = f"sampling.structured_output.{kind}"
+    path = path or f"sampling.structured_output.{kind}"
     if kind in ("json_schema", "regex"):
         _check_bytes(path, getattr(spec, kind), limits.max_grammar_bytes, "--max-grammar-bytes")
     elif kind == "choice":

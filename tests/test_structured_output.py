@@ -200,3 +200,46 @@ def test_the_grammar_cache_bound_is_checked():
     from splitserve.engine.config import EngineConfig
     with pytest.raises(ValueError, match="grammar_cache_mb"):
         EngineConfig(model="m", grammar_cache_mb=0)
+
+
+def test_a_constraint_after_reasoning_starts_once_its_end_tokens_are_written(llm):
+    """after_token_ids (a reasoning model's </think>): the tokens up to and including them are the
+    model's own (unconstrained greedy), and the rest is exactly what the constraint gives a prompt
+    that already ends with them. Stand-in for </think>: the second token unconstrained greedy
+    writes, so the test does not depend on the model ever thinking."""
+    prompt = person_prompt(llm, "Alice")
+    free = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=3))[0].token_ids
+    end = (free[1],)
+    gated = SamplingParams(temperature=0, max_tokens=40,
+                           structured_output=StructuredOutput(json_schema=json.dumps(SCHEMA), after_token_ids=end))
+    out = llm.generate([prompt], gated)[0]
+    assert out.token_ids[:2] == free[:2]
+    answer = llm.generate([prompt + free[:2]], SamplingParams(temperature=0, max_tokens=38,
+                                                              structured_output=SCHEMA_SPEC))[0]
+    assert out.token_ids[2:] == answer.token_ids
+    jsonschema.validate(json.loads(answer.text), SCHEMA)
+    # Without the gate the first tokens are the constraint's, not the model's own.
+    assert llm.generate([prompt], SamplingParams(temperature=0, max_tokens=2, structured_output=SCHEMA_SPEC)
+                        )[0].token_ids != free[:2]
+
+
+def test_an_opener_lets_the_first_token_choose_reasoning_or_the_answer(llm):
+    """after_opener: a first token equal to it waits for after_token_ids (free text until then);
+    any other first token is constrained at once -- and the opener is allowed beside the grammar's
+    tokens, so a model whose favourite first token is the opener takes it."""
+    prompt = person_prompt(llm, "Bob")
+    free = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=3))[0].token_ids
+    constrained = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=40, structured_output=SCHEMA_SPEC))[0]
+    # The model's own first token opens: its reasoning runs until free[2], then the schema.
+    opened = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=40, structured_output=StructuredOutput(
+        json_schema=json.dumps(SCHEMA), after_token_ids=(free[2],), after_opener=free[0])))[0]
+    assert opened.token_ids[:3] == free[:3]
+    rest = llm.generate([prompt + free[:3]], SamplingParams(temperature=0, max_tokens=37,
+                                                            structured_output=SCHEMA_SPEC))[0]
+    assert opened.token_ids[3:] == rest.token_ids
+    # An opener the model does not pick first: constrained from the first token, as without a gate.
+    other = next(t for t in range(100, 200) if t not in free)
+    answered = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=40, structured_output=StructuredOutput(
+        json_schema=json.dumps(SCHEMA), after_token_ids=(free[2],), after_opener=other)))[0]
+    assert answered.token_ids == constrained.token_ids
+    jsonschema.validate(json.loads(answered.text), SCHEMA)

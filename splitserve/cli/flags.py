@@ -26,6 +26,8 @@ import click
 from splitserve.engine.config import (ATTENTION_BACKENDS, BATCHING_MODES, DTYPES, KV_CACHE_DTYPES, PREEMPTION_MODES,
                            SCHEDULING_POLICIES, EngineConfig)
 from splitserve.common.limits import OutputLimits, RequestLimits
+from splitserve.gateway.chat_output.reasoning import PARSERS as REASONING_PARSERS
+from splitserve.gateway.chat_output.tool_parsers import PARSERS as TOOL_PARSERS
 
 ENV_PREFIX = "SPLITSERVE_"
 WORKERS = frozenset({"decode", "prefill"})
@@ -197,6 +199,13 @@ def _flags() -> list[Flag]:
           "model's generation_config.json (its temperature, top_p, top_k, min_p, repetition_penalty, "
           "max_new_tokens); vllm, none (the server's own, vLLM's name for it); or a directory holding a "
           "generation_config.json", gw),
+        f("tool_call_parser", click.Choice(["", *TOOL_PARSERS]), "", "how the model writes tool calls, by vLLM's "
+          "names: its output is parsed into tool_calls for tool_choice auto (with --enable-auto-tool-choice)", gw),
+        f("enable_auto_tool_choice", click.BOOL, False, "allow tool_choice auto (the default with tools): the "
+          "model decides whether to call, and --tool-call-parser reads its calls", gw, is_bool=True),
+        f("reasoning_parser", click.Choice(["", *REASONING_PARSERS]), "", "how a reasoning model writes its "
+          "thinking (<think>...</think>): it comes as reasoning_content, apart from the answer, and structured "
+          "output constrains the answer only", gw),
         f("http_max_connections", i, 2048, "HTTP connections served at once; one more is answered 503 at once",
           gw),
         f("http_header_timeout_s", fl, 10.0, "seconds an HTTP request's line and headers may take to arrive, "

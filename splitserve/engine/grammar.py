@@ -83,13 +83,35 @@ def check_grammar(spec: StructuredOutput) -> None:
 class Grammar:
     """One request's matcher: which tokens may come next, advanced by every accepted token."""
 
-    def __init__(self, matcher):
+    def __init__(self, matcher, after: Sequence[int] = (), opener: int | None = None):
+        """``after``: tokens the output writes before the constraint starts (the end of a
+        reasoning model's thinking); until then every token is allowed. ``opener``: only an
+        output that starts with this token waits for them (the model may also answer at once:
+        its first token may be the opener or one the grammar allows)."""
         self._matcher = matcher
+        self._after = tuple(after)
+        self._opener = opener if self._after else None  # still undecided: the first token decides
+        self._tail: tuple[int, ...] = ()  # the last len(after) tokens, while waiting for them
         # False once a token the grammar refuses got through (nothing should let one through;
         # the request then ends rather than decoding on from a state the grammar cannot follow).
         self.ok = True
 
+    @property
+    def active(self) -> bool:
+        """The constraint applies to the next token (it is not waiting for ``after``)."""
+        return not self._after or self._opener is not None
+
     def accept(self, token_id: int) -> bool:
+        if self._opener is not None:  # the first token: the opener (wait for the end) or the answer's
+            opener, self._opener = self._opener, None
+            if token_id == opener:
+                return True
+            self._after = ()
+        if self._after:
+            self._tail = (self._tail + (token_id,))[-len(self._after):]
+            if self._tail == self._after:
+                self._after = ()
+            return True
         if self.ok and not self._matcher.is_terminated():
             self.ok = bool(self._matcher.accept_token(token_id))
             if not self.ok:
@@ -99,10 +121,14 @@ class Grammar:
     @property
     def is_terminated(self) -> bool:
         """The grammar accepted a stop token: nothing may follow."""
-        return self._matcher.is_terminated()
+        return self.active and self._opener is None and self._matcher.is_terminated()
 
     def fill_bitmask(self, bitmask: "torch.Tensor", row: int) -> None:
         self._matcher.fill_next_token_bitmask(bitmask, row)
+        if self._opener is not None:  # also allowed first: the opener of the reasoning
+            word, bit = divmod(self._opener, 32)
+            value = (int(bitmask[row, word]) & 0xFFFFFFFF) | (1 << bit)  # int32 words, bit 31 the sign
+            bitmask[row, word] = value - (1 << 32) if value >= 1 << 31 else value
 
 
 class GrammarCompiler:
@@ -183,7 +209,8 @@ class GrammarCompiler:
         Raises ValueError if the spec does not compile or the tokens do not fit it."""
         import xgrammar as xgr
 
-        grammar = Grammar(xgr.GrammarMatcher(self.compile(spec, count=self.counted_on_engine_thread)))
+        grammar = Grammar(xgr.GrammarMatcher(self.compile(spec, count=self.counted_on_engine_thread)),
+                          spec.after_token_ids, spec.after_opener)
         for token in generated:
             if not grammar.accept(token):
                 raise ValueError(f"structured_output: token {token} of the resumed output does not fit the "
@@ -197,7 +224,7 @@ def apply_grammar_bitmask(logits: "torch.Tensor", grammars: Sequence[Grammar | N
     logits are, by xgrammar's kernel (a CUDA/Triton one on a GPU)."""
     import xgrammar as xgr
 
-    rows = [i for i, g in enumerate(grammars) if g is not None and not g.is_terminated]
+    rows = [i for i, g in enumerate(grammars) if g is not None and g.active and not g.is_terminated]
     if not rows:
         return
     vocab = logits.shape[1]

@@ -5,6 +5,7 @@ the grammar library's side is ``splitserve.engine.grammar``.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 
@@ -23,6 +24,12 @@ class StructuredOutput:
     this same constraint (a request retried on another worker carries its streamed tokens in
     its prompt): the matcher replays them before constraining the next token. Not part of the
     grammar's identity (``key``).
+
+    ``after_token_ids``: the constraint starts once the output has written these tokens (a
+    reasoning model's ``</think>``: its thinking is free text, its answer follows the schema).
+    ``after_opener``: set, only an output whose first token is this one (``<think>``) waits for
+    ``after_token_ids``; any other first token is constrained at once (a model that may or may
+    not think first: Qwen3). Not part of the grammar's identity either.
     """
 
     json_schema: str | None = None
@@ -30,6 +37,8 @@ class StructuredOutput:
     regex: str | None = None
     choice: tuple[str, ...] | None = None
     resumed_tokens: int = 0
+    after_token_ids: tuple[int, ...] = ()
+    after_opener: int | None = None
 
     def __post_init__(self) -> None:
         if self.choice is not None:
@@ -60,6 +69,13 @@ class StructuredOutput:
         if isinstance(self.resumed_tokens, bool) or not isinstance(self.resumed_tokens, int) \
                 or self.resumed_tokens < 0:
             raise ValueError(f"structured_output.resumed_tokens must be an int >= 0, got {self.resumed_tokens!r}")
+        object.__setattr__(self, "after_token_ids", tuple(self.after_token_ids))
+        if not all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in self.after_token_ids):
+            raise ValueError(f"structured_output.after_token_ids must be token ids, got {self.after_token_ids!r}")
+        if self.after_opener is not None and (not isinstance(self.after_opener, int) or self.after_opener < 0
+                                              or not self.after_token_ids):
+            raise ValueError(f"structured_output.after_opener must be a token id, with after_token_ids, got "
+                             f"{self.after_opener!r}")
 
     @property
     def kind(self) -> str:
@@ -72,4 +88,4 @@ class StructuredOutput:
 
     def resumed(self, tokens: int) -> "StructuredOutput":
         """The same constraint for a retry whose prompt ends with ``tokens`` generated ones."""
-        return StructuredOutput(self.json_schema, self.json_object, self.regex, self.choice, tokens)
+        return dataclasses.replace(self, resumed_tokens=tokens)

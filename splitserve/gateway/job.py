@@ -72,6 +72,7 @@ class Job:
         self.deadline = deadline  # time.monotonic() seconds, from the client's gRPC deadline
         self._on_finish = on_finish
         self.text = text
+        self.chat_output = None  # its answer's parser (splitserve.gateway.chat_output), when it needs one
         self.state = JobState.ADMITTING
         self.outcome: Finished | None = None
         self.events = Outbox()  # what the client has yet to take: Tokens, then one Finished

@@ -30,6 +30,10 @@ class Tokens:
     token_ids: list[int]
     logprobs: list = field(default_factory=list)  # TokenLogprobs protos, one per token when asked
     text: str = ""  # their text, as far as it is safe to show (see splitserve.gateway.detokenizer.TextStream)
+    # Set where the gateway parses the answer (splitserve.gateway.chat_output), on the way to the
+    # client: text is then the content alone.
+    reasoning: str = ""  # thinking, apart from the answer
+    tool_calls: list = field(default_factory=list)  # ToolCalls written in full by these tokens
 
     def nbytes(self) -> int:
         """Roughly the memory these tokens hold while they wait (ids, UTF-8 text, logprobs)."""

@@ -84,6 +84,7 @@ def generation_defaults(source: str, model_dir: Path) -> dict[str, float | int]:
 
 async def _serve(args) -> int:
     from splitserve.gateway.backpressure import Backpressure
+    from splitserve.gateway.chat_output.plan import ChatOutputs
     from splitserve.gateway.dispatch import Dispatcher
     from splitserve.gateway.health_monitor import GatewayHealth
     from splitserve.state.store import RedisState, make_async_client
@@ -131,7 +132,10 @@ async def _serve(args) -> int:
     metrics.unread_output.set_function(lambda: backpressure.buffered_bytes)
     servicer = GenerationServicer(state, dispatcher, tokenizer, info, limits, metrics=metrics,
                                   metrics_address=metrics_address, backpressure=backpressure,
-                                  authorizer=authorizer, sampling_defaults=sampling_defaults)
+                                  authorizer=authorizer, sampling_defaults=sampling_defaults,
+                                  chat_outputs=ChatOutputs.from_flags(tokenizer, args.tool_call_parser,
+                                                                      args.enable_auto_tool_choice,
+                                                                      args.reasoning_parser))
 
     def register(server):
         generation_pb2_grpc.add_GenerationServicer_to_server(servicer, server)

@@ -20,6 +20,7 @@ the model, never a local path.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import time
@@ -33,6 +34,7 @@ import jinja2
 from google.protobuf import json_format
 
 from splitserve.gateway.backpressure import Backpressure
+from splitserve.gateway.chat_output.plan import ChatOutputs, OutputPlan
 from splitserve.gateway.chat_template import template_kwargs
 from splitserve.gateway.detokenizer import TextStream
 from splitserve.gateway.dispatch import Dispatcher
@@ -69,13 +71,15 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     def __init__(self, state, dispatcher: Dispatcher, tokenizer, model_info: generation_pb2.ModelInfo,
                  limits: RequestLimits, metrics: GatewayMetrics | None = None, metrics_address: str = "",
                  backpressure: Backpressure | None = None, authorizer: Authorizer | None = None,
-                 grammars: GrammarChecker | None = None, sampling_defaults: Mapping[str, float | int] | None = None):
+                 grammars: GrammarChecker | None = None, sampling_defaults: Mapping[str, float | int] | None = None,
+                 chat_outputs: ChatOutputs | None = None):
         """``limits``: resolved for this model (``RequestLimits.resolve``); ``backpressure``: the
         bounds on unread output (default ones, not watching for slow readers, if not given);
         ``authorizer``: who callers are (default: no credentials, every caller the anonymous admin);
         ``grammars``: checks structured-output specs in a child process (one is made if not given);
         ``sampling_defaults``: what a request's unset sampling fields take before the server's own
-        defaults (the model's ``generation_config.json``: ``splitserve.engine.model_files.sampling_defaults``)."""
+        defaults (the model's ``generation_config.json``: ``splitserve.engine.model_files.sampling_defaults``);
+        ``chat_outputs``: the tool-call and reasoning parsers (none: tool_choice auto is refused)."""
         self.authorizer = authorizer or Authorizer()
         self.state = state
         self.dispatcher = dispatcher
@@ -84,6 +88,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self.model_info = model_info
         self.limits = limits
         self.sampling_defaults = dict(sampling_defaults or {})
+        self.chat_outputs = chat_outputs or ChatOutputs()
         self.collector = Collector()
         self.metrics = metrics
         self.metrics_address = metrics_address
@@ -153,9 +158,14 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         if self.health is not None and self.health.no_workers:
             raise Unavailable(f"this gateway cannot serve now: {self.health.reason}")
         self.backpressure.check_room()
+        plan = self.chat_outputs.plan(request, self.limits)
         token_ids = await self._tokenize(request)
         params = resolve_sampling(request.sampling, len(token_ids), self.model_info.max_model_len,
                                   self.sampling_defaults)
+        plan = self.chat_outputs.with_prompt(plan, token_ids)
+        if params.structured_output is not None:
+            # The thinking is free text; the constraint starts after it (splitserve.engine.grammar).
+            params.structured_output = self.chat_outputs.after_reasoning(plan, params.structured_output)
         if params.structured_output is not None:
             await self.grammars.check(params.structured_output)
         n = request.sampling.n if request.sampling.HasField("n") else 1
@@ -174,7 +184,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         # No client deadline shows up as an infinite (or absurdly far) time remaining.
         has_deadline = remaining_s is not None and remaining_s < NO_DEADLINE_S
         deadline = time.monotonic() + remaining_s if has_deadline else None
-        admission = _Admission(token_ids, request.priority, time.time(), deadline, owner)
+        admission = _Admission(token_ids, request.priority, time.time(), deadline, owner, plan)
         leader = await self._admit_job(admission, request_id, params, trace, room=n, shown_id=client_id)
 
         async def admit_sample(index: int, prefer_decode: str | None) -> Job:
@@ -206,6 +216,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         if job is None:  # this gateway runs it (its record may not even be in Redis yet)
             raise AlreadyExists(_duplicate_message(shown_id, "running", self.state.id_reuse_after_s))
         job.prefer_decode = prefer_decode
+        job.chat_output = admission.plan.output()
         job.trace = trace
         trace.identify(request_id, len(admission.token_ids), admission.priority)
         try:
@@ -226,9 +237,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
 
     async def outputs(self, group: SampleGroup):
         """``(index, event)`` of the request's samples as they come: ``Tokens`` (the last of a
-        sample may carry only the text held back for a stop string), then the sample's
-        ``Finished``; each sample's metrics are recorded as it ends. A failed sample is the last
-        thing that comes (the others are ended)."""
+        sample may carry only the text held back for a stop string, or the calls its parser
+        found at the end), then the sample's ``Finished``; each sample's metrics are recorded as
+        it ends. A failed sample is the last thing that comes (the others are ended)."""
         token_times: dict[int, list[float]] = {}
         observed: set[int] = set()
         try:
@@ -236,13 +247,20 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 job = group.jobs[index]
                 if isinstance(event, Tokens):
                     token_times.setdefault(index, []).extend([time.monotonic()] * len(event.token_ids))
+                    if job.chat_output is not None:
+                        event = _parsed(event, job.chat_output.feed(event.text))
                     yield index, event
                     continue
                 rest = job.text.finish() if event.status is None else ""
-                if rest:
-                    yield index, Tokens([], [], rest)
                 observed.add(index)
                 self._observe(job, event, token_times.get(index, []), prompt=index == 0)
+                if job.chat_output is not None and event.status is None:
+                    delta = job.chat_output.end(rest)
+                    if delta:
+                        yield index, Tokens([], [], delta.content, delta.reasoning, delta.tool_calls)
+                    event = dataclasses.replace(event, finish_reason=job.chat_output.finish_reason(event.finish_reason))
+                elif rest:
+                    yield index, Tokens([], [], rest)
                 yield index, event
         finally:
             # Left early (the client went away or its deadline passed, a sample failed): the
@@ -264,11 +282,13 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 batch.token_ids += event.token_ids
                 batch.logprobs += event.logprobs
                 batch.text += event.text
+                batch.reasoning += event.reasoning
+                batch.tool_calls += event.tool_calls
                 if len(batch.token_ids) >= interval:
                     yield self._chunk(group, index, pending.pop(index))
                 continue
             batch = pending.pop(index, None)
-            if batch is not None and (batch.token_ids or batch.text):
+            if batch is not None and (batch.token_ids or batch.text or batch.reasoning or batch.tool_calls):
                 yield self._chunk(group, index, batch)
             if event.status is not None:
                 await context.abort(event.status, event.message)
@@ -307,7 +327,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
     # ---- messages ------------------------------------------------------------------------
     @staticmethod
     def _chunk(group: SampleGroup, index: int, tokens: Tokens) -> generation_pb2.GenerateResponse:
-        chunk = generation_pb2.Chunk(token_ids=tokens.token_ids, text=tokens.text)
+        chunk = generation_pb2.Chunk(token_ids=tokens.token_ids, text=tokens.text, reasoning_text=tokens.reasoning)
+        for call in tokens.tool_calls:
+            chunk.tool_calls.add(id=call.id, name=call.name, arguments=call.arguments)
         chunk.logprobs.extend(tokens.logprobs)
         return generation_pb2.GenerateResponse(chunk=chunk, request_id=group.request_id, index=index)
 
@@ -452,6 +474,7 @@ class _Admission:
     arrival_s: float  # Unix seconds: the request's (and each sample's) place in every queue
     deadline: float | None  # time.monotonic() seconds
     owner: str
+    plan: OutputPlan  # what is done with the output besides relaying its text (a parser per sample)
 
 
 def _duplicate_message(request_id: str, state: str | None, reuse_after_s: float) -> str:
@@ -461,3 +484,8 @@ def _duplicate_message(request_id: str, state: str | None, reuse_after_s: float)
                 f"used again {reuse_after_s:g} s after its request ended")
     return (f"request_id {request_id!r} belongs to a request that is still running (state: {state}); a request id "
             "names one request: a second Generate does not attach to it (GetRequest reads it, Abort ends it)")
+
+
+def _parsed(tokens: Tokens, delta) -> Tokens:
+    """``tokens`` with their text split by the sample's parser (``splitserve.gateway.chat_output``)."""
+    return Tokens(tokens.token_ids, tokens.logprobs, delta.content, delta.reasoning, delta.tool_calls)

@@ -2,7 +2,7 @@
 import openai
 import pytest
 
-from splitserve.engine.model_loader import DEFAULT_MODEL
+from splitserve.engine.model_loader import DEFAULT_MODEL, load_tokenizer, resolve_model
 from tests.harness.stack import start_stack
 
 
@@ -22,3 +22,16 @@ def openai_client(smollm2_stack):
     """The real ``openai`` SDK on that stack's HTTP API (no retries: a test sees every answer)."""
     with openai.OpenAI(base_url=smollm2_stack.http + "/v1", api_key="unused", max_retries=0) as c:
         yield c
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    """The default model's tokenizer (a module may define its own ``tokenizer``)."""
+    return load_tokenizer(resolve_model(DEFAULT_MODEL))
+
+
+@pytest.fixture(scope="module")
+def reference(hf_reference):
+    """transformers' greedy output of the default model (fp32), the oracle of these modules (a module
+    may define its own ``reference``)."""
+    return hf_reference(resolve_model(DEFAULT_MODEL))

@@ -119,13 +119,13 @@ def test_worker_service_methods():
     }
     # WorkerInfo is shared with the public API, not redefined; workers get sampling resolved
     # by the gateway (every field set, nothing optional but the seed, logprobs and the
-    # structured-output constraint).
+    # structured-output constraint, with the reasoning opener that may gate it).
     worker_info = worker_pb2.DESCRIPTOR.services_by_name["DecodeWorker"].methods_by_name["GetWorkerInfo"]
     assert worker_info.output_type is generation_pb2.WorkerInfo.DESCRIPTOR
     for request in (worker_pb2.PrefillRequest, worker_pb2.DecodeRequest):
         assert request.DESCRIPTOR.fields_by_name["sampling"].message_type is worker_pb2.ResolvedSampling.DESCRIPTOR
     optional = {f.name for f in worker_pb2.ResolvedSampling.DESCRIPTOR.fields if f.has_presence}
-    assert optional == {"seed", "logprobs", "structured_output"}
+    assert optional == {"seed", "logprobs", "structured_output", "structured_output_after_opener"}
     for name in ("PrefillWorkerStub", "DecodeWorkerStub", "add_PrefillWorkerServicer_to_server",
                  "add_DecodeWorkerServicer_to_server"):
         assert hasattr(worker_pb2_grpc, name)

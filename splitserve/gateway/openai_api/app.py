@@ -39,7 +39,7 @@ from splitserve.gateway.job import Finished, cancelled
 from splitserve.gateway.openai_api.protocol import (UNSUPPORTED_FIELDS, UNSUPPORTED_TOKENIZE_FIELDS,
                                                     ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                                     TokenizeRequest)
-from splitserve.gateway.openai_api.responses import Responses, new_request_id
+from splitserve.gateway.openai_api.responses import Answer, Responses, new_request_id, tool_call_deltas
 from splitserve.gateway.samples import SampleGroup
 from splitserve.common.authz import Authorizer
 from splitserve.common.errors import HttpError, NotFound, Unauthenticated, http_error_for, http_error_of_status
@@ -172,14 +172,13 @@ def build_app(servicer, authorizer: Authorizer | None = None, model_aliases: Seq
 async def _whole(servicer, group: SampleGroup, responses: Responses, request: Request):
     """The answer once the request has ended; a client that disconnects first ends it."""
     async def collect():
-        texts, logprobs, ends = defaultdict(list), defaultdict(list), {}
+        answers, ends = defaultdict(Answer), {}
         async for index, event in servicer.outputs(group):
             if isinstance(event, Finished):
                 ends[index] = event
                 continue
-            texts[index].append(event.text)
-            logprobs[index] += event.logprobs
-        return ["".join(texts[i]) for i in range(group.n)], [logprobs[i] for i in range(group.n)], ends
+            answers[index].add(event)
+        return [answers[i] for i in range(group.n)], ends
 
     collecting = asyncio.ensure_future(collect())
     watching = asyncio.ensure_future(_disconnected(request))
@@ -192,11 +191,11 @@ async def _whole(servicer, group: SampleGroup, responses: Responses, request: Re
             collecting.cancel()
     if collecting.cancelled():  # nobody is there to read an answer
         return error_response(http_error_of_status(group.leader.outcome.status, group.leader.outcome.message))
-    texts, logprobs, ends = collecting.result()
+    answers, ends = collecting.result()
     failed = next((e for e in ends.values() if e.status is not None), None)
     if failed is not None:
         return error_response(http_error_of_status(failed.status, failed.message))
-    return JSONResponse(responses.whole(group, texts, logprobs, [ends[i] for i in range(group.n)]))
+    return JSONResponse(responses.whole(group, answers, [ends[i] for i in range(group.n)]))
 
 
 async def _disconnected(request: Request) -> None:
@@ -215,6 +214,8 @@ async def _events(servicer, group: SampleGroup, responses: Responses, usage: boo
     streams = []
     group.watch(lambda job: streams.append(servicer.backpressure.open(job, None)))
 
+    calls_sent: dict[int, int] = defaultdict(int)  # tool calls streamed so far, per choice
+
     async def bodies():
         if responses.chat:
             for index in range(group.n):
@@ -225,9 +226,13 @@ async def _events(servicer, group: SampleGroup, responses: Responses, usage: boo
                     yield _sse(http_error_of_status(event.status, event.message).body())
                     break
                 yield _sse(responses.chunk("", [], finish_reason=event.finish_reason, with_usage=usage, index=index))
-            elif event.text or event.logprobs or (responses.token_ids and event.token_ids):
-                yield _sse(responses.chunk(event.text, event.logprobs, with_usage=usage, token_ids=event.token_ids,
-                                           index=index))
+            else:
+                if event.text or event.reasoning or event.logprobs or (responses.token_ids and event.token_ids):
+                    yield _sse(responses.chunk(event.text, event.logprobs, with_usage=usage, token_ids=event.token_ids,
+                                               index=index, reasoning=event.reasoning))
+                for delta in tool_call_deltas(event.tool_calls, calls_sent[index]):
+                    yield _sse(responses.chunk("", [], with_usage=usage, index=index, tool_calls=delta))
+                calls_sent[index] += len(event.tool_calls)
         else:
             if usage:
                 yield _sse(responses.usage_chunk(group))

@@ -100,6 +100,7 @@ class _Sampling(BaseModel):
 
 
 # Fields of OpenAI's API (and vLLM's extras) that this server does not implement.
+# (tools and tool_choice: a chat's own, handled there.)
 UNSUPPORTED_FIELDS = ("logit_bias", "guided_grammar", "tools", "tool_choice", "functions", "function_call",
                 "best_of", "suffix", "echo", "prompt_logprobs", "allowed_token_ids", "bad_words")
 STRUCTURED_OUTPUT_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice", "structured_outputs")
@@ -196,8 +197,8 @@ class ChatCompletionRequest(_Sampling):
     add_generation_prompt: bool = True
     # vLLM's: further variables for the model's chat template (splitserve.gateway.chat_template).
     chat_template_kwargs: dict[str, Any] | None = None
-    # Rendered into the prompt by the model's template; no tool call is parsed from the output yet,
-    # so only tool_choice "none" is taken with them (as vLLM without --enable-auto-tool-choice).
+    # Rendered into the prompt by the model's template; what tool_choice asks of the output is the
+    # gateway's to enforce (splitserve.gateway.chat_output.tools), for gRPC and HTTP alike.
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
@@ -205,12 +206,6 @@ class ChatCompletionRequest(_Sampling):
 
     def to_generate(self, request_id: str) -> generation_pb2.GenerateRequest:
         self.unsupported(handled=("tools", "tool_choice"))
-        if self.tool_choice not in (None, "none"):
-            raise InvalidArgument(f"tool_choice: only \"none\" is supported (got {json.dumps(self.tool_choice)}): "
-                                  "this server renders tools into the prompt but does not parse tool calls yet")
-        if self.tools and self.tool_choice is None:
-            raise InvalidArgument("tool_choice: with tools, give tool_choice \"none\" (the default, \"auto\", needs "
-                                  "a tool-call parser, which this server does not have yet)")
         if not self.add_generation_prompt:
             raise InvalidArgument("add_generation_prompt: only true is supported")
         if self.top_logprobs is not None and not self.logprobs:
@@ -221,7 +216,26 @@ class ChatCompletionRequest(_Sampling):
         logprobs = (self.top_logprobs or 0) if self.logprobs else None
         req = self.request(self.sampling(max_tokens, logprobs), request_id)
         add_template_inputs(req, self.messages, self.tools, self.documents, self.chat_template_kwargs)
+        self.add_tool_choice(req)
         return req
+
+    def add_tool_choice(self, req: generation_pb2.GenerateRequest) -> None:
+        """OpenAI's ``tool_choice`` ("none", "auto", "required" or ``{"type": "function", "function":
+        {"name": ...}}``) and ``parallel_tool_calls`` onto the gRPC request."""
+        if self.parallel_tool_calls is not None:
+            req.parallel_tool_calls = self.parallel_tool_calls
+        choice = self.tool_choice
+        if choice is None:
+            return
+        function = choice.get("function") if isinstance(choice, dict) else None
+        name = function.get("name") if isinstance(function, dict) else None
+        if choice in ("none", "auto", "required"):
+            req.tool_choice.mode = choice
+            return
+        if not isinstance(choice, dict) or choice.get("type") != "function" or not isinstance(name, str) or not name:
+            raise InvalidArgument('tool_choice: must be "none", "auto", "required" or {"type": "function", '
+                                  f'"function": {{"name": ...}}}}, got {json.dumps(choice)}')
+        req.tool_choice.function = name
 
 
 # ---- /tokenize and /detokenize (vLLM's bodies) ------------------------------------------

@@ -8,7 +8,7 @@ from splitserve.gateway.job import Finished, Job
 from splitserve.gateway.samples import SampleGroup
 
 # Our finish reasons -> OpenAI's (a request that failed carries an error body instead).
-FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length"}
+FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "tool_calls": "tool_calls"}
 
 
 class Responses:
@@ -26,20 +26,26 @@ class Responses:
         self.text_offsets: dict[int, int] = {}
 
     # ---- whole answers ------------------------------------------------------------------
-    def whole(self, group: SampleGroup, texts: list[str], logprobs: list[list], ends: list[Finished]) -> dict:
+    def whole(self, group: SampleGroup, answers: list["Answer"], ends: list[Finished]) -> dict:
         """The answer: one choice per sample, in index order."""
-        choices = [self._choice(index, job, texts[index], logprobs[index], ends[index])
-                   for index, job in enumerate(group.jobs)]
+        choices = [self._choice(index, job, answers[index], ends[index]) for index, job in enumerate(group.jobs)]
         body = {**self._head(whole=True), "choices": choices, "usage": usage(group)}
         if self.token_ids:
             body["prompt_token_ids"] = list(group.leader.prompt_token_ids)
         return body
 
-    def _choice(self, index: int, job: Job, text: str, logprobs: list, finished: Finished) -> dict:
+    def _choice(self, index: int, job: Job, answer: "Answer", finished: Finished) -> dict:
         reason = FINISH_REASONS.get(finished.finish_reason, finished.finish_reason)
         stop_reason = job.text.matched if job.text else None
+        text, logprobs = "".join(answer.texts), answer.logprobs
         if self.chat:
-            choice = {"index": index, "message": {"role": "assistant", "content": text},
+            message = {"role": "assistant", "content": text}
+            if answer.tool_calls:  # OpenAI: no content beside calls unless the model wrote some
+                message["content"] = text if text.strip() else None
+                message["tool_calls"] = [call.openai() for call in answer.tool_calls]
+            if answer.reasoning:
+                message["reasoning_content"] = "".join(answer.reasoning)
+            choice = {"index": index, "message": message,
                       "logprobs": self.chat_logprobs(logprobs) if logprobs else None,
                       "finish_reason": reason, "stop_reason": stop_reason}
         else:
@@ -52,10 +58,16 @@ class Responses:
 
     # ---- stream chunks ------------------------------------------------------------------
     def chunk(self, text: str, logprobs: list, finish_reason: str | None = None, role: bool = False,
-              with_usage: bool = False, token_ids: list[int] = (), index: int = 0) -> dict:
+              with_usage: bool = False, token_ids: list[int] = (), index: int = 0, reasoning: str = "",
+              tool_calls: list[dict] = ()) -> dict:
+        """One stream chunk; ``tool_calls``: OpenAI's call deltas (``tool_call_deltas``)."""
         reason = FINISH_REASONS.get(finish_reason, finish_reason) if finish_reason else None
         if self.chat:
             delta = {"role": "assistant", "content": text} if role else ({"content": text} if text else {})
+            if reasoning:
+                delta["reasoning_content"] = reasoning
+            if tool_calls:
+                delta["tool_calls"] = list(tool_calls)
             choice = {"index": index, "delta": delta, "logprobs": self.chat_logprobs(logprobs) if logprobs else None,
                       "finish_reason": reason}
         else:
@@ -101,6 +113,34 @@ class Responses:
             offset += len(token)
         self.text_offsets[index] = offset
         return {"tokens": tokens, "token_logprobs": logprobs, "top_logprobs": tops, "text_offset": offsets}
+
+
+class Answer:
+    """What one sample has said so far (a whole answer is collected, then written at once)."""
+
+    def __init__(self):
+        self.texts: list[str] = []
+        self.reasoning: list[str] = []
+        self.logprobs: list = []
+        self.tool_calls: list = []  # ToolCalls
+
+    def add(self, tokens) -> None:
+        self.texts.append(tokens.text)
+        if tokens.reasoning:
+            self.reasoning.append(tokens.reasoning)
+        self.logprobs += tokens.logprobs
+        self.tool_calls += tokens.tool_calls
+
+
+def tool_call_deltas(calls, first_index: int) -> list[list[dict]]:
+    """Whole calls as OpenAI streams them: per call, one delta with its index, id and name (empty
+    arguments), then one with its arguments; ``first_index``: calls this choice streamed before."""
+    deltas = []
+    for i, call in enumerate(calls, start=first_index):
+        deltas.append([{"index": i, "id": call.id, "type": "function",
+                        "function": {"name": call.name, "arguments": ""}}])
+        deltas.append([{"index": i, "function": {"arguments": call.arguments}}])
+    return deltas
 
 
 def usage(group: SampleGroup) -> dict:

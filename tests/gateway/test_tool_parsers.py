@@ -1,0 +1,240 @@
+"""The tool-call and reasoning parsers on outputs written the way each model family writes them:
+whole, streamed a character at a time and in uneven pieces (the same result every way), and
+malformed ones (their text comes back as content, never an error)."""
+import json
+import random
+
+import jsonschema
+import pytest
+
+from splitserve.common.errors import InvalidArgument
+from splitserve.engine.grammar import check_grammar
+from splitserve.engine.structured_output import StructuredOutput
+from splitserve.gateway.chat_output.reasoning import PARSERS as REASONING, ReasoningMarkers, held_back
+from splitserve.gateway.chat_output.stream import ChatOutput, NamedCall, ToolStream
+from splitserve.gateway.chat_output.tool_parsers import PARSERS, RequiredCalls
+from splitserve.gateway.chat_output.tools import (Function, ToolChoice, constraint_schema, functions_of,
+                                                  resolve_tool_choice)
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"},
+                                            "metric": {"type": "boolean"}}, "required": ["city"]}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Forecast", "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "search", "parameters": {
+             "type": "object", "properties": {"query": {"type": "string"}}}}}]
+FUNCTIONS = functions_of(TOOLS)
+PARIS = ("get_weather", {"city": "Paris", "days": 3})
+ROME = ("search", {"query": "Rome \"old\" town"})
+
+# (parser, output as the family writes it, the content, the calls (name, arguments)).
+RECORDED = [
+    ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}\n</tool_call>',
+     "", [PARIS]),
+    ("hermes", 'Let me look that up.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}'
+               '\n</tool_call>\n<tool_call>\n{"name": "search", "arguments": {"query": "Rome \\"old\\" town"}}\n'
+               '</tool_call>', "Let me look that up.\n", [PARIS, ROME]),
+    # The stop token cut the closing tag off.
+    ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}', "", [PARIS]),
+    # Arguments written as JSON text (some fine-tunes do).
+    ("hermes", '<tool_call>{"name": "get_weather", "arguments": "{\\"city\\": \\"Paris\\", \\"days\\": 3}"}'
+               '</tool_call>', "", [PARIS]),
+    ("qwen3_xml", '<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n3\n'
+                  '</parameter>\n</function>\n</tool_call>', "", [PARIS]),
+    ("qwen3_coder", 'Checking.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n'
+                    '<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>\n<tool_call>\n<function=search>\n'
+                    '<parameter=query>\nRome "old" town\n</parameter>\n</function>\n</tool_call>',
+     "Checking.\n", [PARIS, ROME]),
+    ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Paris", "days": 3}}', "", [PARIS]),
+    ("llama3_json", '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris", "days": 3}}; '
+                    '{"name": "search", "parameters": {"query": "Rome \\"old\\" town"}}', "", [PARIS, ROME]),
+    ("mistral", '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}, '
+                '{"name": "search", "arguments": {"query": "Rome \\"old\\" town"}}]', "", [PARIS, ROME]),
+    ("mistral", '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "days": 3}[TOOL_CALLS]search[ARGS]'
+                '{"query": "Rome \\"old\\" town"}', "", [PARIS, ROME]),
+    ("pythonic", '[get_weather(city="Paris", days=3), search(query=\'Rome "old" town\')]', "", [PARIS, ROME]),
+    ("pythonic", '<|python_start|>[get_weather(city="Paris", days=3)]<|python_end|>', "", [PARIS]),
+]
+
+# Outputs a parser must give back as text: no call, or a call that does not parse.
+MALFORMED = [
+    ("hermes", "The weather is fine; no <tool_call> needed, < and > are fine too."),
+    ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Par'),
+    ("hermes", '<tool_call>{"arguments": {"city": "Paris"}}</tool_call>'),  # no name
+    ("hermes", '<tool_call>{"name": "get_weather", "arguments": [1, 2]}</tool_call>'),  # arguments not an object
+    ("qwen3_xml", "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis"),
+    ("llama3_json", 'Sure: {"name": "get_weather"} is what I would call.'),  # not at the start: text
+    ("llama3_json", '{"name": "get_weather", "parameters": {"city": '),
+    ("mistral", "[TOOL_CALLS] [{\"name\": \"get_weather\", \"arguments\": }]"),
+    ("pythonic", "[get_weather(city=Paris)]"),  # a name, not a literal
+    ("pythonic", "[1, 2, 3]"),
+    ("pythonic", "[" * 5000 + "]" * 5000),  # hostile nesting: no RecursionError escapes
+]
+
+
+def pieces(text: str, how: str) -> list[str]:
+    if how == "whole":
+        return [text]
+    if how == "chars":
+        return list(text)
+    rng = random.Random(len(text))
+    cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, len(text) // 4)))
+    return [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+
+
+def run(output: ChatOutput, text: str, how: str):
+    content, reasoning, calls = "", "", []
+    for piece in pieces(text, how):
+        delta = output.feed(piece)
+        content, reasoning, calls = content + delta.content, reasoning + delta.reasoning, calls + delta.tool_calls
+    delta = output.finish()
+    return content + delta.content, reasoning + delta.reasoning, calls + delta.tool_calls
+
+
+@pytest.mark.parametrize("how", ["whole", "chars", "uneven"])
+@pytest.mark.parametrize("name,text,content,calls", RECORDED)
+def test_each_format_gives_its_calls_whole_and_streamed(name, text, content, calls, how):
+    got_content, _, got_calls = run(ChatOutput(tools=ToolStream(PARSERS[name](FUNCTIONS))), text, how)
+    assert got_content == content
+    assert [(c.name, json.loads(c.arguments)) for c in got_calls] == calls
+    assert len({c.id for c in got_calls}) == len(got_calls)
+    if name == "mistral":  # its templates take 9 letters or digits only
+        assert all(len(c.id) == 9 and c.id.isalnum() for c in got_calls)
+    else:
+        assert all(c.id.startswith("call_") for c in got_calls)
+
+
+@pytest.mark.parametrize("how", ["whole", "chars", "uneven"])
+@pytest.mark.parametrize("name,text", MALFORMED)
+def test_malformed_calls_come_back_as_text(name, text, how):
+    content, _, calls = run(ChatOutput(tools=ToolStream(PARSERS[name](FUNCTIONS))), text, how)
+    assert (content, calls) == (text, [])
+
+
+def test_a_call_is_handed_out_as_soon_as_it_is_written():
+    stream = ToolStream(PARSERS["hermes"](FUNCTIONS))
+    first = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}\n</tool_call>'
+    assert stream.feed("Looking <") == ("Looking ", [])  # "<" may start the marker: held
+    content, calls = stream.feed(first[1:])
+    assert content == "" and [c.name for c in calls] == ["get_weather"]
+    assert stream.feed('\n<tool_call>\n{"name": "search", "arguments": {}}') == ("", [])
+    content, calls = stream.finish()  # the second one's closing tag never came
+    assert content == "" and [(c.name, c.arguments) for c in calls] == [("search", "{}")]
+
+
+def test_text_after_the_calls_is_content_and_not_parallel_keeps_the_first_call():
+    text = RECORDED[1][1] + "\nDone."
+    content, _, calls = run(ChatOutput(tools=ToolStream(PARSERS["hermes"](FUNCTIONS))), text, "chars")
+    assert content == "Let me look that up.\n" + "\nDone." and len(calls) == 2
+    for how in ("whole", "chars"):
+        _, _, calls = run(ChatOutput(tools=ToolStream(PARSERS["hermes"](FUNCTIONS), parallel=False)), text, how)
+        assert [c.name for c in calls] == ["get_weather"]
+
+
+def test_qwen3_xml_reads_values_by_their_parameter_types():
+    text = ("<tool_call>\n<function=get_weather>\n<parameter=city>\n42\n</parameter>\n<parameter=days>\n7\n"
+            "</parameter>\n<parameter=metric>\nTrue\n</parameter>\n<parameter=extra>\n[1, 2]\n</parameter>\n"
+            "</function>\n</tool_call>")
+    _, _, calls = run(ChatOutput(tools=ToolStream(PARSERS["qwen3_xml"](FUNCTIONS))), text, "whole")
+    # city is a string even when it looks like a number; an unknown parameter is read as JSON.
+    assert json.loads(calls[0].arguments) == {"city": "42", "days": 7, "metric": True, "extra": [1, 2]}
+
+
+# ---- tool_choice ---------------------------------------------------------------------------
+
+def test_required_and_named_constraints_are_schemas_the_grammar_compiles_and_calls_validate():
+    for parallel in (True, False):
+        schema = constraint_schema(ToolChoice("required", None, parallel), FUNCTIONS)
+        check_grammar(StructuredOutput(json_schema=schema))
+        calls = [{"name": "get_weather", "parameters": {"city": "Paris"}}, {"name": "search", "parameters": {}}]
+        if parallel:
+            jsonschema.validate(calls, json.loads(schema))
+        else:
+            with pytest.raises(jsonschema.ValidationError):
+                jsonschema.validate(calls, json.loads(schema))
+        with pytest.raises(jsonschema.ValidationError):  # a name no tool has
+            jsonschema.validate([{"name": "other", "parameters": {}}], json.loads(schema))
+    named = constraint_schema(ToolChoice("function", FUNCTIONS[0]), FUNCTIONS)
+    assert json.loads(named) == WEATHER
+    assert constraint_schema(ToolChoice("auto"), FUNCTIONS) is None
+
+
+def test_required_output_and_a_named_call_become_tool_calls():
+    text = '[{"name": "get_weather", "parameters": {"city": "Paris", "days": 3}}, {"name": "search", "parameters": ' \
+           '{"query": "Rome \\"old\\" town"}}]'
+    for how in ("whole", "chars"):
+        content, _, calls = run(ChatOutput(tools=ToolStream(RequiredCalls(FUNCTIONS))), text, how)
+        assert content == "" and [(c.name, json.loads(c.arguments)) for c in calls] == [PARIS, ROME]
+    content, _, calls = run(ChatOutput(tools=NamedCall("get_weather")), '{"city": "Paris"}', "chars")
+    assert content == "" and [(c.name, c.arguments) for c in calls] == [("get_weather", '{"city": "Paris"}')]
+
+
+@pytest.mark.parametrize("tools,kwargs,match", [
+    ([{"type": "retrieval"}], {}, r"tools\[0\].type"),
+    ([{"type": "function"}], {}, r"tools\[0\].function"),
+    ([{"type": "function", "function": {"name": ""}}], {}, r"tools\[0\].function.name"),
+    ([{"type": "function", "function": {"name": "f", "parameters": [1]}}], {}, r"tools\[0\].function.parameters"),
+    (TOOLS + TOOLS[:1], {}, r"tools\[2\].function.name: 'get_weather' is offered twice"),
+    (TOOLS, {"mode": "auto"}, "needs a server started with --enable-auto-tool-choice"),
+    (TOOLS, {}, "needs a server started with --enable-auto-tool-choice"),
+    (TOOLS, {"function": "nope"}, "no tool is named 'nope'"),
+    (TOOLS, {"mode": "sometimes"}, "must be"),
+    ([], {"mode": "required"}, "needs tools"),
+    ([], {"function": "get_weather"}, "needs tools"),
+])
+def test_tool_choice_refusals_name_the_field(tools, kwargs, match):
+    with pytest.raises(InvalidArgument, match=match):
+        resolve_tool_choice(kwargs.get("mode", ""), kwargs.get("function", ""), functions_of(tools), None,
+                            auto_enabled=False)
+
+
+def test_tool_choice_defaults():
+    assert resolve_tool_choice("", "", [], None, auto_enabled=False).mode == "none"
+    assert resolve_tool_choice("", "", FUNCTIONS, None, auto_enabled=True).mode == "auto"
+    assert resolve_tool_choice("none", "", FUNCTIONS, None, auto_enabled=False).mode == "none"
+    named = resolve_tool_choice("", "search", FUNCTIONS, False, auto_enabled=False)
+    assert (named.mode, named.function.name, named.parallel) == ("function", "search", False)
+    assert functions_of([{"type": "function", "function": {"name": "f"}}])[0] == Function("f", {"type": "object"})
+
+
+# ---- reasoning -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("how", ["whole", "chars", "uneven"])
+@pytest.mark.parametrize("parser,state,text,reasoning,content", [
+    ("deepseek_r1", "open", "Let me think.\nParis is big.\n</think>\n\nParis.", "Let me think.\nParis is big.\n",
+     "\n\nParis."),
+    ("deepseek_r1", "", "<think>\nHmm.</think>Paris.", "\nHmm.", "Paris."),
+    ("deepseek_r1", "", "Thinking that never ends", "Thinking that never ends", ""),
+    ("deepseek_r1", "closed", "Paris.", "", "Paris."),
+    ("qwen3", "", "<think>\nThe user asks.\n</think>\n\nParis.", "\nThe user asks.\n", "\n\nParis."),
+    ("qwen3", "", "Paris, no thinking.", "", "Paris, no thinking."),
+    ("qwen3", "", "<thinking is not a tag", "", "<thinking is not a tag"),
+    ("qwen3", "closed", "Paris.", "", "Paris."),
+    ("qwen3", "open", "Cut off by max_tokens", "Cut off by max_tokens", ""),
+])
+def test_reasoning_is_split_from_the_answer(parser, state, text, reasoning, content, how):
+    got_content, got_reasoning, _ = run(ChatOutput(reasoning=REASONING[parser]().stream(state)), text, how)
+    assert (got_reasoning, got_content) == (reasoning, content)
+
+
+def test_reasoning_then_a_tool_call():
+    text = '<think>I need the weather.</think>\n<tool_call>\n{"name": "get_weather", "arguments": ' \
+           '{"city": "Paris", "days": 3}}\n</tool_call>'
+    for how in ("whole", "chars"):
+        output = ChatOutput(REASONING["qwen3"]().stream(""), ToolStream(PARSERS["hermes"](FUNCTIONS)))
+        content, reasoning, calls = run(output, text, how)
+        assert (content, reasoning) == ("\n", "I need the weather.")
+        assert [(c.name, json.loads(c.arguments)) for c in calls] == [PARIS]
+
+
+def test_the_prompts_state_is_whichever_marker_comes_last():
+    markers = ReasoningMarkers(start_ids=(7,), end_ids=(8, 9))
+    assert markers.prompt_state([1, 2, 3]) == ""
+    assert markers.prompt_state([1, 7, 2]) == "open"
+    assert markers.prompt_state([1, 7, 2, 8, 9, 4]) == "closed"
+    assert markers.prompt_state([8, 9, 7, 5]) == "open"
+    assert markers.prompt_state([7, 8, 5, 9]) == "open"  # the end marker is two tokens, not one
+
+
+def test_held_back_is_the_longest_possible_start_of_a_marker():
+    assert held_back("abc <too", ["<tool_call>"]) == 4
+    assert held_back("abc", ["<tool_call>"]) == 0
+    assert held_back("x[TOOL", ["[TOOL_CALLS]", "<t"]) == 5
