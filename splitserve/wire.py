@@ -148,6 +148,8 @@ def sampling_to_worker(params: SamplingParams) -> worker_pb2.ResolvedSampling:
         stop_token_ids=params.stop_token_ids)
     if params.seed is not None:
         msg.seed = params.seed
+    if params.lora is not None:
+        msg.lora = params.lora
     if params.logprobs is not None:
         msg.logprobs = params.logprobs
     if params.structured_output is not None:
@@ -175,7 +177,8 @@ def sampling_from_worker(msg: worker_pb2.ResolvedSampling) -> SamplingParams:
             seed=msg.seed if msg.HasField("seed") else None,
             repetition_penalty=msg.repetition_penalty, frequency_penalty=msg.frequency_penalty,
             presence_penalty=msg.presence_penalty, ignore_eos=msg.ignore_eos,
-            stop_token_ids=list(msg.stop_token_ids), logprobs=msg.logprobs if msg.HasField("logprobs") else None)
+            stop_token_ids=list(msg.stop_token_ids), logprobs=msg.logprobs if msg.HasField("logprobs") else None,
+            lora=msg.lora or None)
     except ValueError as exc:
         raise InvalidArgument(f"sampling: {exc}") from exc
 
@@ -389,4 +392,5 @@ def worker_info_to_proto(worker_id: str, role: str, address: str, transports, st
         kv_blocks_total=int(stats.get("kv_blocks_total", 0)), kv_blocks_free=int(stats.get("kv_blocks_free", 0)),
         kv_blocks_cached=int(stats.get("kv_blocks_cached", 0)), num_running=int(stats.get("num_running", 0)),
         num_waiting=int(stats.get("num_waiting", 0)), metrics_address=metrics_address,
-        kv_cache_dtype=str(stats.get("kv_cache_dtype", "")), kv_page_bytes=int(stats.get("kv_page_bytes", 0)))
+        kv_cache_dtype=str(stats.get("kv_cache_dtype", "")), kv_page_bytes=int(stats.get("kv_page_bytes", 0)),
+        loras=[str(name) for name in stats.get("loras", ())])

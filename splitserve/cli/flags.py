@@ -182,6 +182,8 @@ def _flags() -> list[Flag]:
           "between its workers)", WORKERS),
         f("kv_transport", s, "auto", "KV transports: a decode worker offers them fastest first, a prefill "
           "worker may use them; auto or a comma list of shm, tcp, nccl, cuda_ipc", WORKERS),
+        f("lora_modules", s, "", "LoRA adapters to serve (with --enable-lora), as name=path pairs separated by "
+          "commas: PEFT adapter directories; requests name them (gRPC lora, HTTP model)", WORKERS),
         f("role", click.Choice(["decode", "both"]), "decode", "decode only, or colocated prefill + decode",
           frozenset({"decode"}), up=False),
         f("lease_ttl_s", fl, 30.0, "seconds a reservation waits for its KV before its pages are freed",

@@ -93,6 +93,12 @@ class NotFound(SplitserveError):
     code = grpc.StatusCode.NOT_FOUND
 
 
+class FailedPrecondition(SplitserveError):
+    """The system is not in a state that allows this (an adapter that running requests use)."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
 class Cancelled(SplitserveError):
     """The request was aborted or its client went away."""
 

@@ -128,6 +128,14 @@ class EngineConfig:
     # Structured output: seconds a request's grammar may take to compile on a worker (off the
     # engine thread) before the request is refused.
     grammar_compile_timeout_s: float = 10.0
+    # LoRA (vLLM's names): serve adapters of this model beside it, requests naming theirs; every
+    # projection gets the stacked adapter matrices (splitserve/engine/lora).
+    enable_lora: bool = False
+    # Adapters resident at once (slots; least recently used out first). The cost of a step grows
+    # with max_loras * max_lora_rank, whatever adapters it holds.
+    max_loras: int = 1
+    # The highest adapter rank accepted (a higher one is refused when it is added).
+    max_lora_rank: int = 16
 
     def __post_init__(self) -> None:
         def positive(name: str) -> None:
@@ -140,7 +148,7 @@ class EngineConfig:
                 raise ValueError(f"{name} must be one of {allowed}, got {getattr(self, name)!r}")
 
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "static_batch_size",
-                     "tensor_parallel_size", "grammar_cache_mb"):
+                     "tensor_parallel_size", "grammar_cache_mb", "max_loras", "max_lora_rank"):
             positive(name)
         if self.block_size & (self.block_size - 1):
             raise ValueError(f"block_size must be a power of two, got {self.block_size}")
@@ -170,6 +178,8 @@ class EngineConfig:
         one_of("load_format", LOAD_FORMATS)
         check_quantization(self.quantization)
         self._check_speculative(positive)
+        if self.enable_lora and self.tensor_parallel_size > 1:
+            raise ValueError("enable_lora with tensor_parallel_size > 1 is not supported yet")
         if self.preemption_mode == "swap" and self.num_cpu_blocks == 0:
             raise ValueError("preemption_mode='swap' needs num_cpu_blocks > 0")
         if not self.enable_chunked_prefill and self.max_model_len is not None \

@@ -210,17 +210,18 @@ class KVCacheManager:
         return pages_for_tokens(num_tokens, self.block_size)
 
     # ---- allocation ----------------------------------------------------------------
-    def find_cached_prefix(self, token_ids: Sequence[int]) -> list[int]:
+    def find_cached_prefix(self, token_ids: Sequence[int], root: int | None = None) -> list[int]:
         """Cached blocks matching the longest full-block prefix of ``token_ids``.
 
         The last token is never served from cache: its forward pass produces the logits of
-        the next token, so at least one token is always computed.
+        the next token, so at least one token is always computed. ``root``: where the hash chain
+        starts (``Request.cache_root``: a LoRA adapter's blocks are its own).
         """
         if not self.enable_prefix_caching:
             return []
         max_blocks = (len(token_ids) - 1) // self.block_size
         hits: list[int] = []
-        parent = None
+        parent = root
         for i in range(max_blocks):
             parent, key = chain_hash(parent, token_ids[i * self.block_size:(i + 1) * self.block_size])
             block_id = self.pool.lookup(parent, key)
@@ -229,21 +230,23 @@ class KVCacheManager:
             hits.append(block_id)
         return hits
 
-    def next_block_hash(self, token_ids: Sequence[int], cached_blocks: Sequence[int]) -> int | None:
+    def next_block_hash(self, token_ids: Sequence[int], cached_blocks: Sequence[int],
+                        root: int | None = None) -> int | None:
         """Chain hash of the block ``find_cached_prefix`` would serve right after ``cached_blocks``
         (what it returned for ``token_ids``); None when no further block could be served."""
         k = len(cached_blocks)
         if k >= (len(token_ids) - 1) // self.block_size:
             return None
-        parent = self.pool.blocks[cached_blocks[-1]].block_hash if cached_blocks else None
+        parent = self.pool.blocks[cached_blocks[-1]].block_hash if cached_blocks else root
         return chain_hash(parent, token_ids[k * self.block_size:(k + 1) * self.block_size])[0]
 
-    def unregistered_block_hashes(self, request_id: str, token_ids: Sequence[int]) -> list[int]:
+    def unregistered_block_hashes(self, request_id: str, token_ids: Sequence[int],
+                                  root: int | None = None) -> list[int]:
         """Chain hashes of ``request_id``'s full blocks of ``token_ids`` not registered yet: for a
         request still prefilling, the blocks its coming forwards compute (``cache_full_blocks``
         registers them after each one)."""
         owner = self._owners[request_id]
-        hashes, parent = [], owner.last_hash
+        hashes, parent = [], owner.last_hash if owner.num_hashed_blocks else root
         for i in range(owner.num_hashed_blocks, len(token_ids) // self.block_size):
             parent, _ = chain_hash(parent, token_ids[i * self.block_size:(i + 1) * self.block_size])
             hashes.append(parent)
@@ -279,14 +282,16 @@ class KVCacheManager:
         owner.block_ids.extend(new)
         return new
 
-    def cache_full_blocks(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int) -> None:
+    def cache_full_blocks(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int,
+                          root: int | None = None) -> None:
         """Register the blocks whose every token now has its KV written."""
         if not self.enable_prefix_caching:
             return
         owner = self._owners[request_id]
         num_full = min(num_computed_tokens, len(token_ids)) // self.block_size
         for i in range(owner.num_hashed_blocks, num_full):
-            block_hash, key = chain_hash(owner.last_hash, token_ids[i * self.block_size:(i + 1) * self.block_size])
+            parent = owner.last_hash if i else root
+            block_hash, key = chain_hash(parent, token_ids[i * self.block_size:(i + 1) * self.block_size])
             self.pool.register(owner.block_ids[i], block_hash, key)
             owner.last_hash = block_hash
             owner.num_hashed_blocks = i + 1

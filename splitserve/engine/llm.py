@@ -1,6 +1,7 @@
 """The offline API vLLM users know: ``LLM(model=...).generate(prompts, sampling_params)``."""
 from __future__ import annotations
 
+import dataclasses
 from typing import Sequence
 
 from splitserve.engine.config import EngineConfig
@@ -15,13 +16,19 @@ class LLM:
     def __init__(self, model: str = EngineConfig.model, **engine_args):
         self.engine = LLMEngine(EngineConfig(model=model, **engine_args))
 
+    def add_lora(self, name: str, path) -> None:
+        """Serve the PEFT adapter in directory ``path`` as ``name`` (needs ``enable_lora=True``)."""
+        self.engine.add_lora(name, path)
+
     def get_tokenizer(self):
         return self.engine.tokenizer
 
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 priority: Sequence[int] | None = None) -> list[RequestOutput]:
-        """Run every prompt to completion; outputs come back in the order of the prompts."""
+                 priority: Sequence[int] | None = None,
+                 lora: str | Sequence[str | None] | None = None) -> list[RequestOutput]:
+        """Run every prompt to completion; outputs come back in the order of the prompts.
+        ``lora``: the adapter (``add_lora``) of every prompt, or one per prompt (None: the base model)."""
         prompts = _as_prompt_list(prompts)
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             params = [sampling_params or SamplingParams()] * len(prompts)
@@ -33,9 +40,15 @@ class LLM:
         if len(priorities) != len(prompts):
             raise ValueError(f"got {len(priorities)} priorities for {len(prompts)} prompts")
 
+        loras = [lora] * len(prompts) if lora is None or isinstance(lora, str) else list(lora)
+        if len(loras) != len(prompts):
+            raise ValueError(f"got {len(loras)} lora names for {len(prompts)} prompts")
+
         ids = []
         try:
-            for prompt, p, prio in zip(prompts, params, priorities):
+            for prompt, p, prio, adapter in zip(prompts, params, priorities, loras):
+                if adapter is not None:
+                    p = dataclasses.replace(p, lora=adapter)
                 ids.append(self.engine.add_request(None, prompt, p, priority=prio).request_id)
             finished: dict[str, RequestOutput] = {}
             while self.engine.has_unfinished_requests():

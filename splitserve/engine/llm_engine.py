@@ -57,7 +57,8 @@ class LLMEngine:
     def add_request(self, request_id: str | None, prompt: str | Sequence[int],
                     params: SamplingParams | None = None, priority: int = 0,
                     arrival_time: float | None = None) -> Request:
-        """Validate and queue one request. Bad input raises ValueError naming the field."""
+        """Validate and queue one request. Bad input raises ValueError naming the field.
+        ``params.lora``: an adapter added with ``add_lora`` to run it under (None: the base model)."""
         params = params or SamplingParams()
         request_id = request_id if request_id is not None else f"req-{next(self._ids)}"
         if request_id in self.requests:
@@ -77,9 +78,44 @@ class LLMEngine:
                           priority=priority, arrival_time=self.clock() if arrival_time is None else arrival_time,
                           prompt=text)
         request.grammar = self._grammar(params, token_ids)
+        self._take_lora(request)  # last: nothing after it may fail while the slot is held
         self.requests[request_id] = request
         self.scheduler.add(request)
         return request
+
+    # ---- LoRA adapters -------------------------------------------------------------------
+    def add_lora(self, name: str, path) -> None:
+        """Make the PEFT adapter in directory ``path`` available to requests as ``name``."""
+        self._lora_manager().add(name, path)
+
+    def read_lora(self, name: str, path):
+        """Read and check an adapter without touching the engine's state (any thread: a worker
+        reads off its engine thread, then ``register_lora`` on it)."""
+        return self._lora_manager().read(name, path)
+
+    def register_lora(self, adapter) -> None:
+        self._lora_manager().register(adapter)
+
+    def remove_lora(self, name: str) -> None:
+        self._lora_manager().remove(name)
+
+    def list_loras(self) -> list[str]:
+        return list(self.runner.lora.known) if self.runner.lora is not None else []
+
+    def _lora_manager(self):
+        if self.runner.lora is None:
+            raise ValueError("lora: this engine serves no adapters (start it with enable_lora)")
+        return self.runner.lora
+
+    def _take_lora(self, request: Request) -> None:
+        if request.sampling_params.lora is not None:
+            request.lora = request.sampling_params.lora
+            request.lora_slot = self._lora_manager().acquire(request.lora)
+
+    def _forget(self, request: Request) -> None:
+        """A request that ended leaves the engine (and gives its adapter slot back)."""
+        if self.requests.pop(request.request_id, None) is not None and request.lora is not None:
+            self.runner.lora.release(request.lora)
 
     def add_prefilled_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
                               first_token: int, priority: int = 0,
@@ -102,10 +138,11 @@ class LLMEngine:
         request.grammar = self._grammar(params, token_ids)  # the first token is accepted below
         if sampler_state:
             request.restore_sampler_state(sampler_state)
+        self._take_lora(request)
         request.num_computed_tokens = len(token_ids)
         request.num_cached_tokens = 0
         request.first_token_time = self.clock()
-        self.kv.cache_full_blocks(request_id, token_ids, len(token_ids))
+        self.kv.cache_full_blocks(request_id, token_ids, len(token_ids), request.cache_root)
         self.requests[request_id] = request
         request.append_token(first_token, first_logprobs)
         self.scheduler.add_running(request)
@@ -140,9 +177,10 @@ class LLMEngine:
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """End a request wherever it is; its pages go back at once. None if unknown or done."""
-        request = self.requests.pop(request_id, None)
+        request = self.requests.get(request_id)
         if request is None:
             return None
+        self._forget(request)
         self.scheduler.abort(request)
         return self._output(request)
 
@@ -225,7 +263,7 @@ class LLMEngine:
     def _output(self, request: Request) -> RequestOutput:
         finished = request.is_finished
         if finished:
-            self.requests.pop(request.request_id, None)
+            self._forget(request)
         reason = request.finish_reason
         return RequestOutput(
             request_id=request.request_id,
@@ -261,6 +299,7 @@ class LLMEngine:
             "grammar_cache_bytes": self.grammars.cached_bytes,
             "grammar_cache_hits": self.grammars.hits,
             "grammar_cache_misses": self.grammars.misses,
+            "loras": self.list_loras(),
         }
 
     def assert_idle(self) -> None:

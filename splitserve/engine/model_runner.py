@@ -32,7 +32,7 @@ from splitserve.engine.model_registry import check_supported, final_logits, quan
 from splitserve.engine.sampler import Sampler, SamplingRow
 from splitserve.engine.scheduler import SampledToken, ScheduledChunk, SchedulerOutput
 from splitserve.engine.rejection_sampler import verify
-from splitserve.engine.step_inputs import InputBuffers
+from splitserve.engine.step_inputs import InputBuffers, expand_verification
 from splitserve.engine.tensor_parallel import TP_FOLLOWER, FollowerProgram, rank_device
 from splitserve.engine.tensor_parallel.messages import StepMessage
 
@@ -180,6 +180,12 @@ class ModelRunner:
             else config.max_num_seqs
         self.inputs = InputBuffers(max_tokens, min(max_rows, max_tokens), pages_for_tokens(self.max_model_len, self.block_size),
                                    self.block_size, self.device)
+        # LoRA: every projection wrapped before the forward is compiled (splitserve/engine/lora).
+        self.lora = None
+        if config.enable_lora:
+            from splitserve.engine.lora.manager import LoRAManager
+            self.lora = LoRAManager(self.model, config.max_loras, config.max_lora_rank, max_tokens, self.dtype,
+                                    self.device)
         self.forward = build_forward(self.decoder, config, self.device)
         if hasattr(self.forward, "warm_up"):
             self.forward.warm_up(self._dummy_forward)
@@ -286,6 +292,8 @@ class ModelRunner:
         if self.graphs is not None and kv is None and all(c.is_decode for c in plan.chunks):
             graph_size = self.graphs.padded_size(num_seqs)
         step = self.inputs.build(plan.chunks, plan.block_tables, pad_to=graph_size)
+        if self.lora is not None:
+            self.lora.prepare_step(expand_verification(plan.chunks), step.layout.query_start_list)
         message = None
         if self.followers is not None:
             # Host copies: a device tensor sent as it is would come back on rank 0's device.

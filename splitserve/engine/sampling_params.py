@@ -69,8 +69,13 @@ class SamplingParams:
     logprobs: int | None = None
     # Constrain the output to a JSON schema / JSON object / regex / choice (splitserve.engine.structured_output).
     structured_output: StructuredOutput | None = None
+    # The LoRA adapter to run under (a name the engine was given with add_lora); None: the base
+    # model. Not sampling, but resolved with it and sent with it to every worker of the request.
+    lora: str | None = None
 
     def __post_init__(self) -> None:
+        if self.lora is not None and (not isinstance(self.lora, str) or not self.lora):
+            raise ValueError(f"lora must be None or an adapter's name, got {self.lora!r}")
         # --- integers -------------------------------------------------------------------
         self.n = _check_int("n", self.n)
         if self.n != 1:

@@ -239,7 +239,8 @@ class Scheduler:
             out.chunks.append(admitted)
             budget -= admitted.num_tokens
             if in_flight is not None and self._is_prefilling(request):
-                in_flight.update(self.kv.unregistered_block_hashes(request.request_id, request.all_token_ids))
+                in_flight.update(self.kv.unregistered_block_hashes(request.request_id, request.all_token_ids,
+                                                                   request.cache_root))
 
     def _blocks_in_flight(self) -> set[int] | None:
         """Hashes of the full blocks that running prefills compute in this or coming steps and
@@ -251,7 +252,7 @@ class Scheduler:
         in_flight: set[int] = set()
         for r in self.running:
             if self._is_prefilling(r):
-                in_flight.update(self.kv.unregistered_block_hashes(r.request_id, r.all_token_ids))
+                in_flight.update(self.kv.unregistered_block_hashes(r.request_id, r.all_token_ids, r.cache_root))
         return in_flight
 
     @staticmethod
@@ -265,8 +266,8 @@ class Scheduler:
         request keeps its own pages and never waits for this."""
         if request.status is not RequestStatus.WAITING:
             return False
-        cached = self.kv.find_cached_prefix(request.all_token_ids)
-        return self.kv.next_block_hash(request.all_token_ids, cached) in in_flight
+        cached = self.kv.find_cached_prefix(request.all_token_ids, request.cache_root)
+        return self.kv.next_block_hash(request.all_token_ids, cached, request.cache_root) in in_flight
 
     def _admit(self, request: Request, out: SchedulerOutput, budget: int) -> ScheduledChunk | None:
         """Give a waiting request its pages; None when the pool is short."""
@@ -278,7 +279,7 @@ class Scheduler:
             out.swap_in.extend(self.kv.swap_in(rid))
             start = request.num_computed_tokens
         else:
-            cached = self.kv.find_cached_prefix(request.all_token_ids)
+            cached = self.kv.find_cached_prefix(request.all_token_ids, request.cache_root)
             start = len(cached) * self.kv.block_size
             remaining = request.num_tokens - start
             if self.kv.allocate(rid, start + min(remaining, budget), cached) is None:
@@ -336,7 +337,8 @@ class Scheduler:
             if chunk.padding or request.is_finished:
                 continue
             if not chunk.samples:
-                self.kv.cache_full_blocks(request.request_id, request.all_token_ids, request.num_computed_tokens)
+                self.kv.cache_full_blocks(request.request_id, request.all_token_ids, request.num_computed_tokens,
+                                          request.cache_root)
                 continue
             tokens = sampled[request.request_id]
             if chunk.spec_token_ids:
@@ -350,7 +352,8 @@ class Scheduler:
                     break
             if request.first_token_time is None:
                 request.first_token_time = self.clock()
-            self.kv.cache_full_blocks(request.request_id, request.all_token_ids, request.num_computed_tokens)
+            self.kv.cache_full_blocks(request.request_id, request.all_token_ids, request.num_computed_tokens,
+                                      request.cache_root)
             if reason is not None:
                 self.finish(request, reason)
             elif request.spec is not None:

@@ -160,12 +160,12 @@ class _Attempt:
             return False
         self.prompt, params = inputs
         self.sampling = sampling_to_worker(params)
-        candidates = await self.directory.decode_candidates()
+        candidates = await self.directory.decode_candidates(params.lora)
         if job.prefer_decode is not None:  # stable: the others keep their order by load
             candidates.sort(key=lambda w: w.worker_id != job.prefer_decode)
         if not job.gated:  # claimed without the gate: only a placement that takes no capacity
             candidates = [w for w in candidates if w.role == "both"]
-        has_prefill = await self.directory.pick_prefill() is not None
+        has_prefill = await self.directory.pick_prefill(lora=params.lora) is not None
         if not any(w.role == "both" for w in candidates) and not (candidates and has_prefill):
             raise _NoWorkers()
         job.timeline.pop("no_worker_since", None)
@@ -197,9 +197,10 @@ class _Attempt:
     def _reserve_request(self) -> worker_pb2.ReserveRequest:
         # With the prompt, the worker serves its head from its prefix cache: a shared prefix (the
         # other samples of an n > 1 request, a system prompt) crosses once. With the constraint,
-        # it compiles the grammar while the prompt is prefilled.
+        # it compiles the grammar while the prompt is prefilled. Not under a LoRA adapter: the
+        # reservation's prefix match is the base model's, whose KV an adapter must not reuse.
         request = worker_pb2.ReserveRequest(request_id=self.job.request_id, num_prompt_tokens=len(self.prompt),
-                                            prompt_token_ids=self.prompt)
+                                            prompt_token_ids=self.prompt if not self.sampling.lora else ())
         if self.sampling.HasField("structured_output"):
             request.structured_output.CopyFrom(self.sampling.structured_output)
         return request
@@ -237,7 +238,7 @@ class _Attempt:
             with job.trace.call("decode", decode.worker_id, job.attempt) as metadata:
                 return await self._relay(self.directory.decode_stub(decode).Decode(
                     request, timeout=job.timeout(None), metadata=metadata))
-        prefill = await self.directory.pick_prefill(self.prompt, decode)
+        prefill = await self.directory.pick_prefill(self.prompt, decode, self.sampling.lora or None)
         if prefill is None:
             raise WorkerLost("no prefill worker left")
         self._track(prefill)
@@ -252,7 +253,8 @@ class _Attempt:
                     timeout=job.timeout(PREFILL_TIMEOUT_S), metadata=metadata)
         finally:
             renewer.cancel()
-        self.directory.affinity.record(self.directory.affinity.hashes(self.prompt), prefill.worker_id)
+        if not self.sampling.lora:  # (an adapter's blocks are not the base model's)
+            self.directory.affinity.record(self.directory.affinity.hashes(self.prompt), prefill.worker_id)
         job.timeline.setdefault("prefill_ms", first.prefill_ms)
         job.timeline.setdefault("kv_transfer_ms", first.kv_transfer_ms)
         if not job.generated:

@@ -39,6 +39,7 @@ from splitserve.gateway.chat_template import template_kwargs
 from splitserve.gateway.detokenizer import TextStream
 from splitserve.gateway.dispatch import Dispatcher
 from splitserve.gateway.grammar_check import GrammarChecker
+from splitserve.gateway.lora_admin import LoRAAdmin
 from splitserve.gateway.job import Finished, Job, Tokens, cancelled, deadline_exceeded
 from splitserve.gateway.memory import Collector
 from splitserve.state.store import PRIORITY_MAX, PRIORITY_MIN, TERMINAL_STATES
@@ -99,6 +100,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self._encoding = asyncio.Semaphore(TOKENIZE_THREADS)
         self._waiting_to_encode = 0
         self.grammars = grammars or GrammarChecker()
+        self.loras = LoRAAdmin(dispatcher, self.ledger)
         # The n > 1 requests running here, by id (gone with their last reference).
         self._groups: weakref.WeakValueDictionary[str, SampleGroup] = weakref.WeakValueDictionary()
 
@@ -162,6 +164,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         token_ids = await self._tokenize(request)
         params = resolve_sampling(request.sampling, len(token_ids), self.model_info.max_model_len,
                                   self.sampling_defaults)
+        params.lora = await self._lora(request.lora)
         plan = self.chat_outputs.with_prompt(plan, token_ids)
         if params.structured_output is not None:
             # The thinking is free text; the constraint starts after it (splitserve.engine.grammar).
@@ -344,6 +347,16 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         return generation_pb2.GenerateResponse(final=final, request_id=group.request_id, index=index)
 
     # ---- the other RPCs -------------------------------------------------------------------
+    async def _lora(self, name: str) -> str | None:
+        """The request's adapter, if it names one some worker serves (NOT_FOUND otherwise)."""
+        if not name:
+            return None
+        served = await self.ledger.now(self.dispatcher.directory.loras())
+        if name not in served:
+            raise NotFound(f"lora: no worker serves the adapter {name!r}; "
+                           f"{'served: ' + ', '.join(sorted(served)) if served else 'none is served'}")
+        return name
+
     def _check_sizes(self, request) -> None:
         try:
             check_sizes(request, self.limits, self.model_info.max_model_len)
@@ -446,6 +459,12 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         text = self.tokenizer.decode(list(ids), skip_special_tokens=request.skip_special_tokens)
         return generation_pb2.DetokenizeResponse(text=text)
 
+    async def LoadLoRAAdapter(self, request, context):
+        return await self.loras.load(request.lora_name, request.lora_path, self.authorizer.caller(context).admin)
+
+    async def UnloadLoRAAdapter(self, request, context):
+        return await self.loras.unload(request.lora_name, self.authorizer.caller(context).admin)
+
     async def GetModelInfo(self, request, context):
         return self.model_info
 
@@ -461,7 +480,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             info.workers.add(worker_id=w.worker_id, role=w.role, address=w.address if admin else "",
                              transports=w.transports, kv_blocks_total=w.kv_blocks_total,
                              kv_blocks_free=w.kv_blocks_free, kv_blocks_cached=w.kv_blocks_cached,
-                             num_running=w.num_running, num_waiting=w.num_waiting,
+                             num_running=w.num_running, num_waiting=w.num_waiting, loras=sorted(w.loras),
                              metrics_address=w.metrics_address if admin else "")
         return info
 

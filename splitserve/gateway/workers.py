@@ -78,6 +78,7 @@ class WorkerView:
     num_waiting: int = 0
     metrics_address: str = ""
     host_id: str = ""  # its shared-memory domain (splitserve/common/locality.py); "" when it does not say
+    loras: frozenset[str] = frozenset()  # the LoRA adapters it serves
 
     @classmethod
     def from_registry(cls, entry: dict) -> "WorkerView":
@@ -88,7 +89,12 @@ class WorkerView:
                    kv_blocks_free=int(stats.get("kv_blocks_free", 0)),
                    kv_blocks_cached=int(stats.get("kv_blocks_cached", 0)),
                    num_running=int(stats.get("num_running", 0)), num_waiting=int(stats.get("num_waiting", 0)),
-                   metrics_address=str(stats.get("metrics_address", "")), host_id=str(stats.get("host_id", "")))
+                   metrics_address=str(stats.get("metrics_address", "")), host_id=str(stats.get("host_id", "")),
+                   loras=frozenset(str(name) for name in stats.get("loras") or ()))
+
+    def serves(self, lora: str | None) -> bool:
+        """It can run a request under ``lora`` (None: the base model, which every worker serves)."""
+        return lora is None or lora in self.loras
 
 
 class WorkerDirectory:
@@ -114,6 +120,10 @@ class WorkerDirectory:
         self.inflight: dict[str, int] = {}
         # Workers that just failed a request, skipped until the given monotonic time.
         self._suspects: dict[str, float] = {}
+
+    def invalidate(self) -> None:
+        """The next ``list`` reads the registry again (after a change this gateway made)."""
+        self._cached_at = -REFRESH_S
 
     async def list(self) -> list[WorkerView]:
         """The registered workers (one Redis read per ``REFRESH_S``, however many callers)."""
@@ -180,14 +190,14 @@ class WorkerDirectory:
         nothing on one host over shm or cuda_ipc, more over the network."""
         return transfer_cost(prefill.transports, prefill.host_id, decode.transports, decode.host_id)
 
-    async def decode_candidates(self) -> list[WorkerView]:
+    async def decode_candidates(self, lora: str | None = None) -> list[WorkerView]:
         """Decode-capable workers, best first: fewest requests in flight from this gateway
         (counted from the moment a reservation is asked for, so a burst spreads out) plus how much
         worse than the best route in the stack its cheapest route from a prefill worker is (that
         prefill worker's load plus the transfer's cost); then fewest running and waiting as last
         heartbeated, then most free KV pages. Where every route costs the same (one host, or one
-        transport everywhere), this is the order by load alone."""
-        usable = await self.usable()
+        transport everywhere), this is the order by load alone. ``lora``: only workers serving it."""
+        usable = [w for w in await self.usable() if w.serves(lora)]
         workers = [w for w in usable if w.role in ("decode", "both")]
         prefills = [w for w in usable if w.role == "prefill"]
         route = {w.worker_id: min((self.inflight.get(p.worker_id, 0) + self.path_cost(p, w) for p in prefills),
@@ -199,23 +209,34 @@ class WorkerDirectory:
         return sorted(workers, key=lambda w: (self.inflight.get(w.worker_id, 0) + extra(w),
                                               w.num_running + w.num_waiting, -w.kv_blocks_free))
 
-    async def pick_prefill(self, prompt_token_ids: Sequence[int] = (), decode: WorkerView | None = None
-                           ) -> WorkerView | None:
-        """The least-loaded prefill worker, unless one that holds the prompt's prefix is nearly as
-        free; with ``decode``, the transfer to it counts as load (``path_cost``)."""
-        workers = [w for w in await self.usable() if w.role == "prefill"]
+    async def pick_prefill(self, prompt_token_ids: Sequence[int] = (), decode: WorkerView | None = None,
+                           lora: str | None = None) -> WorkerView | None:
+        """The least-loaded prefill worker serving ``lora``, unless one that holds the prompt's
+        prefix is nearly as free; with ``decode``, the transfer to it counts as load (``path_cost``)."""
+        workers = [w for w in await self.usable() if w.role == "prefill" and w.serves(lora)]
         if not workers:
             return None
         cost = (lambda w: self.path_cost(w, decode)) if decode is not None else (lambda w: 0.0)
         load = lambda w: self.inflight.get(w.worker_id, 0) + cost(w)  # noqa: E731
         least = min(workers, key=lambda w: (load(w), w.num_running + w.num_waiting))
-        overlap = self.affinity.overlap(self.affinity.hashes(prompt_token_ids)) if prompt_token_ids else {}
+        # (Prefix affinity is the base model's: an adapter's blocks hash apart, so it guides no
+        # adapter request.)
+        overlap = self.affinity.overlap(self.affinity.hashes(prompt_token_ids)) \
+            if prompt_token_ids and lora is None else {}
         holders = [w for w in workers if overlap.get(w.worker_id)]
         if holders:
             best = max(holders, key=lambda w: (overlap[w.worker_id], -load(w)))
             if load(best) <= load(least) + AFFINITY_SLACK:
                 return best
         return least
+
+    async def loras(self) -> dict[str, int]:
+        """The adapters the usable workers serve, and how many workers serve each."""
+        counts: dict[str, int] = {}
+        for worker in await self.usable():
+            for name in worker.loras:
+                counts[name] = counts.get(name, 0) + 1
+        return counts
 
     async def can_serve(self) -> bool:
         """A usable set of workers is registered: a prefill and a decode worker, or a colocated one."""

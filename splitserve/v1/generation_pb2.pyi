@@ -76,7 +76,7 @@ class StringList(_message.Message):
     def __init__(self, values: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "text", "token_ids", "messages", "sampling", "priority", "stream_interval", "chat_template_kwargs", "tools", "documents", "tool_choice", "parallel_tool_calls")
+    __slots__ = ("request_id", "text", "token_ids", "messages", "sampling", "priority", "stream_interval", "chat_template_kwargs", "tools", "documents", "tool_choice", "parallel_tool_calls", "lora")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
@@ -89,6 +89,7 @@ class GenerateRequest(_message.Message):
     DOCUMENTS_FIELD_NUMBER: _ClassVar[int]
     TOOL_CHOICE_FIELD_NUMBER: _ClassVar[int]
     PARALLEL_TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
+    LORA_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     text: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
@@ -101,7 +102,8 @@ class GenerateRequest(_message.Message):
     documents: _containers.RepeatedCompositeFieldContainer[_struct_pb2.Struct]
     tool_choice: ToolChoice
     parallel_tool_calls: bool
-    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., stream_interval: _Optional[int] = ..., chat_template_kwargs: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., tools: _Optional[_Iterable[_Union[_struct_pb2.Struct, _Mapping]]] = ..., documents: _Optional[_Iterable[_Union[_struct_pb2.Struct, _Mapping]]] = ..., tool_choice: _Optional[_Union[ToolChoice, _Mapping]] = ..., parallel_tool_calls: _Optional[bool] = ...) -> None: ...
+    lora: str
+    def __init__(self, request_id: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., priority: _Optional[int] = ..., stream_interval: _Optional[int] = ..., chat_template_kwargs: _Optional[_Union[_struct_pb2.Struct, _Mapping]] = ..., tools: _Optional[_Iterable[_Union[_struct_pb2.Struct, _Mapping]]] = ..., documents: _Optional[_Iterable[_Union[_struct_pb2.Struct, _Mapping]]] = ..., tool_choice: _Optional[_Union[ToolChoice, _Mapping]] = ..., parallel_tool_calls: _Optional[bool] = ..., lora: _Optional[str] = ...) -> None: ...
 
 class ToolChoice(_message.Message):
     __slots__ = ("mode", "function")
@@ -307,6 +309,26 @@ class GetServerInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class LoadLoRAAdapterRequest(_message.Message):
+    __slots__ = ("lora_name", "lora_path")
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    LORA_PATH_FIELD_NUMBER: _ClassVar[int]
+    lora_name: str
+    lora_path: str
+    def __init__(self, lora_name: _Optional[str] = ..., lora_path: _Optional[str] = ...) -> None: ...
+
+class UnloadLoRAAdapterRequest(_message.Message):
+    __slots__ = ("lora_name",)
+    LORA_NAME_FIELD_NUMBER: _ClassVar[int]
+    lora_name: str
+    def __init__(self, lora_name: _Optional[str] = ...) -> None: ...
+
+class LoRAAdapterResponse(_message.Message):
+    __slots__ = ("worker_ids",)
+    WORKER_IDS_FIELD_NUMBER: _ClassVar[int]
+    worker_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, worker_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
 class ServerInfo(_message.Message):
     __slots__ = ("queue_depth", "workers")
     QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
@@ -316,7 +338,7 @@ class ServerInfo(_message.Message):
     def __init__(self, queue_depth: _Optional[int] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ...) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "role", "address", "transports", "kv_blocks_total", "kv_blocks_free", "kv_blocks_cached", "num_running", "num_waiting", "metrics_address", "kv_cache_dtype", "kv_page_bytes")
+    __slots__ = ("worker_id", "role", "address", "transports", "kv_blocks_total", "kv_blocks_free", "kv_blocks_cached", "num_running", "num_waiting", "metrics_address", "kv_cache_dtype", "kv_page_bytes", "loras")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
@@ -329,6 +351,7 @@ class WorkerInfo(_message.Message):
     METRICS_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
     KV_PAGE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LORAS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     role: str
     address: str
@@ -341,4 +364,5 @@ class WorkerInfo(_message.Message):
     metrics_address: str
     kv_cache_dtype: str
     kv_page_bytes: int
-    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., address: _Optional[str] = ..., transports: _Optional[_Iterable[str]] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., metrics_address: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ..., kv_page_bytes: _Optional[int] = ...) -> None: ...
+    loras: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, worker_id: _Optional[str] = ..., role: _Optional[str] = ..., address: _Optional[str] = ..., transports: _Optional[_Iterable[str]] = ..., kv_blocks_total: _Optional[int] = ..., kv_blocks_free: _Optional[int] = ..., kv_blocks_cached: _Optional[int] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., metrics_address: _Optional[str] = ..., kv_cache_dtype: _Optional[str] = ..., kv_page_bytes: _Optional[int] = ..., loras: _Optional[_Iterable[str]] = ...) -> None: ...

@@ -70,6 +70,16 @@ class GenerationStub:
                 request_serializer=splitserve_dot_v1_dot_generation__pb2.GetServerInfoRequest.SerializeToString,
                 response_deserializer=splitserve_dot_v1_dot_generation__pb2.ServerInfo.FromString,
                 _registered_method=True)
+        self.LoadLoRAAdapter = channel.unary_unary(
+                '/splitserve.v1.Generation/LoadLoRAAdapter',
+                request_serializer=splitserve_dot_v1_dot_generation__pb2.LoadLoRAAdapterRequest.SerializeToString,
+                response_deserializer=splitserve_dot_v1_dot_generation__pb2.LoRAAdapterResponse.FromString,
+                _registered_method=True)
+        self.UnloadLoRAAdapter = channel.unary_unary(
+                '/splitserve.v1.Generation/UnloadLoRAAdapter',
+                request_serializer=splitserve_dot_v1_dot_generation__pb2.UnloadLoRAAdapterRequest.SerializeToString,
+                response_deserializer=splitserve_dot_v1_dot_generation__pb2.LoRAAdapterResponse.FromString,
+                _registered_method=True)
 
 
 class GenerationServicer:
@@ -131,6 +141,25 @@ class GenerationServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoRAAdapter(self, request, context):
+        """Loads a LoRA adapter (a PEFT directory every worker can read) on every worker, as vLLM's
+        /v1/load_lora_adapter; returns once this gateway routes requests to it. Admin only
+        (PERMISSION_DENIED otherwise). INVALID_ARGUMENT when a worker refuses it (rank above
+        --max-lora-rank, another base model, a format it does not serve: the message says which),
+        FAILED_PRECONDITION on workers started without --enable-lora, ALREADY_EXISTS when loaded.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoRAAdapter(self, request, context):
+        """Unloads an adapter from every worker that has it. Admin only. NOT_FOUND when none has it,
+        FAILED_PRECONDITION while requests run under it.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_GenerationServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -168,6 +197,16 @@ def add_GenerationServicer_to_server(servicer, server):
                     servicer.GetServerInfo,
                     request_deserializer=splitserve_dot_v1_dot_generation__pb2.GetServerInfoRequest.FromString,
                     response_serializer=splitserve_dot_v1_dot_generation__pb2.ServerInfo.SerializeToString,
+            ),
+            'LoadLoRAAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoRAAdapter,
+                    request_deserializer=splitserve_dot_v1_dot_generation__pb2.LoadLoRAAdapterRequest.FromString,
+                    response_serializer=splitserve_dot_v1_dot_generation__pb2.LoRAAdapterResponse.SerializeToString,
+            ),
+            'UnloadLoRAAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoRAAdapter,
+                    request_deserializer=splitserve_dot_v1_dot_generation__pb2.UnloadLoRAAdapterRequest.FromString,
+                    response_serializer=splitserve_dot_v1_dot_generation__pb2.LoRAAdapterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -360,6 +399,60 @@ class Generation:
             '/splitserve.v1.Generation/GetServerInfo',
             splitserve_dot_v1_dot_generation__pb2.GetServerInfoRequest.SerializeToString,
             splitserve_dot_v1_dot_generation__pb2.ServerInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoRAAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitserve.v1.Generation/LoadLoRAAdapter',
+            splitserve_dot_v1_dot_generation__pb2.LoadLoRAAdapterRequest.SerializeToString,
+            splitserve_dot_v1_dot_generation__pb2.LoRAAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoRAAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitserve.v1.Generation/UnloadLoRAAdapter',
+            splitserve_dot_v1_dot_generation__pb2.UnloadLoRAAdapterRequest.SerializeToString,
+            splitserve_dot_v1_dot_generation__pb2.LoRAAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -70,7 +70,7 @@ class RankOffers(_message.Message):
     def __init__(self, offers: _Optional[_Iterable[_Union[TransportOffer, _Mapping]]] = ...) -> None: ...
 
 class ResolvedSampling(_message.Message):
-    __slots__ = ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty", "frequency_penalty", "presence_penalty", "ignore_eos", "stop_token_ids", "logprobs", "structured_output", "structured_output_resumed_tokens", "structured_output_after_token_ids", "structured_output_after_opener")
+    __slots__ = ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "seed", "repetition_penalty", "frequency_penalty", "presence_penalty", "ignore_eos", "stop_token_ids", "logprobs", "structured_output", "structured_output_resumed_tokens", "structured_output_after_token_ids", "structured_output_after_opener", "lora")
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
@@ -88,6 +88,7 @@ class ResolvedSampling(_message.Message):
     STRUCTURED_OUTPUT_RESUMED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     STRUCTURED_OUTPUT_AFTER_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     STRUCTURED_OUTPUT_AFTER_OPENER_FIELD_NUMBER: _ClassVar[int]
+    LORA_FIELD_NUMBER: _ClassVar[int]
     max_tokens: int
     min_tokens: int
     temperature: float
@@ -105,7 +106,8 @@ class ResolvedSampling(_message.Message):
     structured_output_resumed_tokens: int
     structured_output_after_token_ids: _containers.RepeatedScalarFieldContainer[int]
     structured_output_after_opener: int
-    def __init__(self, max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., ignore_eos: _Optional[bool] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[int] = ..., structured_output: _Optional[_Union[_generation_pb2.StructuredOutput, _Mapping]] = ..., structured_output_resumed_tokens: _Optional[int] = ..., structured_output_after_token_ids: _Optional[_Iterable[int]] = ..., structured_output_after_opener: _Optional[int] = ...) -> None: ...
+    lora: str
+    def __init__(self, max_tokens: _Optional[int] = ..., min_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_p: _Optional[float] = ..., top_k: _Optional[int] = ..., min_p: _Optional[float] = ..., seed: _Optional[int] = ..., repetition_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., presence_penalty: _Optional[float] = ..., ignore_eos: _Optional[bool] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[int] = ..., structured_output: _Optional[_Union[_generation_pb2.StructuredOutput, _Mapping]] = ..., structured_output_resumed_tokens: _Optional[int] = ..., structured_output_after_token_ids: _Optional[_Iterable[int]] = ..., structured_output_after_opener: _Optional[int] = ..., lora: _Optional[str] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
     __slots__ = ("request_id", "num_prompt_tokens", "prompt_token_ids", "structured_output")

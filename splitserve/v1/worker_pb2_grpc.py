@@ -51,6 +51,16 @@ class PrefillWorkerStub:
                 request_serializer=splitserve_dot_v1_dot_worker__pb2.WorkerInfoRequest.SerializeToString,
                 response_deserializer=splitserve_dot_v1_dot_generation__pb2.WorkerInfo.FromString,
                 _registered_method=True)
+        self.LoadLoRA = channel.unary_unary(
+                '/splitserve.v1.PrefillWorker/LoadLoRA',
+                request_serializer=splitserve_dot_v1_dot_generation__pb2.LoadLoRAAdapterRequest.SerializeToString,
+                response_deserializer=splitserve_dot_v1_dot_generation__pb2.LoRAAdapterResponse.FromString,
+                _registered_method=True)
+        self.UnloadLoRA = channel.unary_unary(
+                '/splitserve.v1.PrefillWorker/UnloadLoRA',
+                request_serializer=splitserve_dot_v1_dot_generation__pb2.UnloadLoRAAdapterRequest.SerializeToString,
+                response_deserializer=splitserve_dot_v1_dot_generation__pb2.LoRAAdapterResponse.FromString,
+                _registered_method=True)
 
 
 class PrefillWorkerServicer:
@@ -79,6 +89,19 @@ class PrefillWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoRA(self, request, context):
+        """Loads / unloads a LoRA adapter (read off the engine thread); errors as the gateway's.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoRA(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_PrefillWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -96,6 +119,16 @@ def add_PrefillWorkerServicer_to_server(servicer, server):
                     servicer.GetWorkerInfo,
                     request_deserializer=splitserve_dot_v1_dot_worker__pb2.WorkerInfoRequest.FromString,
                     response_serializer=splitserve_dot_v1_dot_generation__pb2.WorkerInfo.SerializeToString,
+            ),
+            'LoadLoRA': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoRA,
+                    request_deserializer=splitserve_dot_v1_dot_generation__pb2.LoadLoRAAdapterRequest.FromString,
+                    response_serializer=splitserve_dot_v1_dot_generation__pb2.LoRAAdapterResponse.SerializeToString,
+            ),
+            'UnloadLoRA': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoRA,
+                    request_deserializer=splitserve_dot_v1_dot_generation__pb2.UnloadLoRAAdapterRequest.FromString,
+                    response_serializer=splitserve_dot_v1_dot_generation__pb2.LoRAAdapterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -190,6 +223,60 @@ class PrefillWorker:
             metadata,
             _registered_method=True)
 
+    @staticmethod
+    def LoadLoRA(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitserve.v1.PrefillWorker/LoadLoRA',
+            splitserve_dot_v1_dot_generation__pb2.LoadLoRAAdapterRequest.SerializeToString,
+            splitserve_dot_v1_dot_generation__pb2.LoRAAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoRA(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitserve.v1.PrefillWorker/UnloadLoRA',
+            splitserve_dot_v1_dot_generation__pb2.UnloadLoRAAdapterRequest.SerializeToString,
+            splitserve_dot_v1_dot_generation__pb2.LoRAAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
 
 class DecodeWorkerStub:
     """Owns a paged KV pool and runs continuous batching over the requests whose KV has arrived.
@@ -225,6 +312,16 @@ class DecodeWorkerStub:
                 '/splitserve.v1.DecodeWorker/RenewLease',
                 request_serializer=splitserve_dot_v1_dot_worker__pb2.RenewLeaseRequest.SerializeToString,
                 response_deserializer=splitserve_dot_v1_dot_worker__pb2.RenewLeaseResponse.FromString,
+                _registered_method=True)
+        self.LoadLoRA = channel.unary_unary(
+                '/splitserve.v1.DecodeWorker/LoadLoRA',
+                request_serializer=splitserve_dot_v1_dot_generation__pb2.LoadLoRAAdapterRequest.SerializeToString,
+                response_deserializer=splitserve_dot_v1_dot_generation__pb2.LoRAAdapterResponse.FromString,
+                _registered_method=True)
+        self.UnloadLoRA = channel.unary_unary(
+                '/splitserve.v1.DecodeWorker/UnloadLoRA',
+                request_serializer=splitserve_dot_v1_dot_generation__pb2.UnloadLoRAAdapterRequest.SerializeToString,
+                response_deserializer=splitserve_dot_v1_dot_generation__pb2.LoRAAdapterResponse.FromString,
                 _registered_method=True)
 
 
@@ -270,6 +367,19 @@ class DecodeWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LoadLoRA(self, request, context):
+        """Loads / unloads a LoRA adapter (read off the engine thread); errors as the gateway's.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadLoRA(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_DecodeWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -297,6 +407,16 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
                     servicer.RenewLease,
                     request_deserializer=splitserve_dot_v1_dot_worker__pb2.RenewLeaseRequest.FromString,
                     response_serializer=splitserve_dot_v1_dot_worker__pb2.RenewLeaseResponse.SerializeToString,
+            ),
+            'LoadLoRA': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadLoRA,
+                    request_deserializer=splitserve_dot_v1_dot_generation__pb2.LoadLoRAAdapterRequest.FromString,
+                    response_serializer=splitserve_dot_v1_dot_generation__pb2.LoRAAdapterResponse.SerializeToString,
+            ),
+            'UnloadLoRA': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadLoRA,
+                    request_deserializer=splitserve_dot_v1_dot_generation__pb2.UnloadLoRAAdapterRequest.FromString,
+                    response_serializer=splitserve_dot_v1_dot_generation__pb2.LoRAAdapterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -435,6 +555,60 @@ class DecodeWorker:
             '/splitserve.v1.DecodeWorker/RenewLease',
             splitserve_dot_v1_dot_worker__pb2.RenewLeaseRequest.SerializeToString,
             splitserve_dot_v1_dot_worker__pb2.RenewLeaseResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadLoRA(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitserve.v1.DecodeWorker/LoadLoRA',
+            splitserve_dot_v1_dot_generation__pb2.LoadLoRAAdapterRequest.SerializeToString,
+            splitserve_dot_v1_dot_generation__pb2.LoRAAdapterResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadLoRA(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/splitserve.v1.DecodeWorker/UnloadLoRA',
+            splitserve_dot_v1_dot_generation__pb2.UnloadLoRAAdapterRequest.SerializeToString,
+            splitserve_dot_v1_dot_generation__pb2.LoRAAdapterResponse.FromString,
             options,
             channel_credentials,
             insecure,

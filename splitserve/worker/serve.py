@@ -31,7 +31,29 @@ def run_worker(servicer: WorkerServicer, add_to_server, service_name: str, args)
     return asyncio.run(_serve(servicer, add_to_server, service_name, args))
 
 
+def lora_modules(value: str) -> list[tuple[str, str]]:
+    """``--lora-modules``: "name=path,name2=path2" -> [(name, path), ...] (SystemExit naming a bad one)."""
+    pairs = []
+    for item in filter(None, (part.strip() for part in (value or "").split(","))):
+        name, sep, path = item.partition("=")
+        if not sep or not name.strip() or not path.strip():
+            raise SystemExit(f"splitserve: --lora-modules: {item!r} is not name=path")
+        pairs.append((name.strip(), path.strip()))
+    return pairs
+
+
+def load_loras(engine, value: str) -> None:
+    """Add the ``--lora-modules`` adapters to ``engine`` (SystemExit naming one that does not fit)."""
+    for name, path in lora_modules(value):
+        try:
+            engine.add_lora(name, path)
+        except ValueError as e:
+            raise SystemExit(f"splitserve: --lora-modules {name}={path}: {e}") from None
+
+
 async def _serve(servicer: WorkerServicer, add_to_server, service_name: str, args) -> int:
+    load_loras(servicer.engine, getattr(args, "lora_modules", ""))  # before it registers: gateways route by them
+
     def register(server):
         add_to_server(servicer, server)
         return [service_name]

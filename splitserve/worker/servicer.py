@@ -7,12 +7,13 @@ events, so an open stream holds no thread.
 """
 from __future__ import annotations
 
+import asyncio
 import logging
 from typing import Any
 
 from splitserve.wire import worker_info_to_proto
-from splitserve.common.errors import Unavailable
-from splitserve.v1 import worker_pb2
+from splitserve.common.errors import AlreadyExists, FailedPrecondition, InvalidArgument, NotFound, Unavailable
+from splitserve.v1 import generation_pb2, worker_pb2
 from splitserve.worker.engine_loop import EngineDead, EngineLoop
 from splitserve.worker.grammars import GrammarPreparer
 
@@ -68,6 +69,37 @@ class WorkerServicer:
     async def Abort(self, request, context):
         found = await self.loop.run(lambda: self.abort(request.request_id))
         return worker_pb2.WorkerAbortResponse(found=bool(found))
+
+    async def LoadLoRA(self, request, context):
+        """Read the adapter on a thread of its own (its files, its checks), then register it on
+        the engine thread: steps go on meanwhile."""
+        from splitserve.engine.lora.manager import AdapterExists
+        self._check_lora(request.lora_name)
+        try:
+            adapter = await asyncio.to_thread(self.engine.read_lora, request.lora_name, request.lora_path)
+            await self.loop.run(lambda: self.engine.register_lora(adapter))
+        except AdapterExists as e:
+            raise AlreadyExists(str(e)) from None
+        except ValueError as e:
+            raise InvalidArgument(str(e)) from None
+        return generation_pb2.LoRAAdapterResponse(worker_ids=[self.worker_id])
+
+    async def UnloadLoRA(self, request, context):
+        from splitserve.engine.lora.manager import AdapterInUse
+        self._check_lora(request.lora_name)
+        try:
+            await self.loop.run(lambda: self.engine.remove_lora(request.lora_name))
+        except KeyError:
+            raise NotFound(f"LoRA adapter {request.lora_name!r} is not loaded on {self.worker_id}") from None
+        except AdapterInUse as e:
+            raise FailedPrecondition(str(e)) from None
+        return generation_pb2.LoRAAdapterResponse(worker_ids=[self.worker_id])
+
+    def _check_lora(self, name: str) -> None:
+        if not name:
+            raise InvalidArgument("lora_name is required")
+        if getattr(getattr(self.engine, "runner", None), "lora", None) is None:
+            raise FailedPrecondition(f"worker {self.worker_id} serves no LoRA adapters (start it with --enable-lora)")
 
     async def GetWorkerInfo(self, request, context):
         stats = await self.loop.run(self.engine.stats)

@@ -98,6 +98,8 @@ def test_generation_service_methods():
         "Detokenize": ("DetokenizeRequest", "DetokenizeResponse", False, False),
         "GetModelInfo": ("GetModelInfoRequest", "ModelInfo", False, False),
         "GetServerInfo": ("GetServerInfoRequest", "ServerInfo", False, False),
+        "LoadLoRAAdapter": ("LoadLoRAAdapterRequest", "LoRAAdapterResponse", False, False),
+        "UnloadLoRAAdapter": ("UnloadLoRAAdapterRequest", "LoRAAdapterResponse", False, False),
     }
     assert hasattr(generation_pb2_grpc, "GenerationStub")
     assert hasattr(generation_pb2_grpc, "add_GenerationServicer_to_server")
@@ -109,6 +111,8 @@ def test_worker_service_methods():
         "Prefill": ("PrefillRequest", "PrefillResponse", False, False),
         "Abort": ("WorkerAbortRequest", "WorkerAbortResponse", False, False),
         "GetWorkerInfo": ("WorkerInfoRequest", "WorkerInfo", False, False),
+        "LoadLoRA": ("LoadLoRAAdapterRequest", "LoRAAdapterResponse", False, False),
+        "UnloadLoRA": ("UnloadLoRAAdapterRequest", "LoRAAdapterResponse", False, False),
     }
     assert _methods(worker_pb2.DESCRIPTOR, "DecodeWorker") == {
         "Reserve": ("ReserveRequest", "ReserveResponse", False, False),
@@ -116,6 +120,8 @@ def test_worker_service_methods():
         "Abort": ("WorkerAbortRequest", "WorkerAbortResponse", False, False),
         "GetWorkerInfo": ("WorkerInfoRequest", "WorkerInfo", False, False),
         "RenewLease": ("RenewLeaseRequest", "RenewLeaseResponse", False, False),
+        "LoadLoRA": ("LoadLoRAAdapterRequest", "LoRAAdapterResponse", False, False),
+        "UnloadLoRA": ("UnloadLoRAAdapterRequest", "LoRAAdapterResponse", False, False),
     }
     # WorkerInfo is shared with the public API, not redefined; workers get sampling resolved
     # by the gateway (every field set, nothing optional but the seed, logprobs and the

@@ -3,7 +3,10 @@
 * ``POST /v1/completions`` and ``POST /v1/chat/completions``: whole answers, or server-sent
   events with ``stream: true`` (``stream_options.include_usage`` adds a last chunk with the
   usage), ended by ``data: [DONE]``;
-* ``GET /v1/models``; ``GET /health`` (200 while the gateway can serve, else 503);
+* ``GET /v1/models`` (the base model and the LoRA adapters the workers serve, each with its
+  ``parent``; a generation names an adapter by ``model``); ``GET /health`` (200 while the gateway
+  can serve, else 503);
+* ``POST /v1/load_lora_adapter`` and ``/v1/unload_lora_adapter`` (vLLM's; the admin token only);
 * ``POST /tokenize`` and ``POST /detokenize`` (vLLM's bodies and answers: the gRPC ``Tokenize``
   and ``Detokenize`` behind them, with their limits); ``GET /version``.
 
@@ -31,14 +34,14 @@ from typing import Sequence
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from splitserve.gateway.health_monitor import public_reason
 from splitserve.gateway.job import Finished, cancelled
 from splitserve.gateway.openai_api.protocol import (UNSUPPORTED_FIELDS, UNSUPPORTED_TOKENIZE_FIELDS,
                                                     ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
-                                                    TokenizeRequest)
+                                                    LoRAAdapterRequest, TokenizeRequest)
 from splitserve.gateway.openai_api.responses import Answer, Responses, new_request_id, tool_call_deltas
 from splitserve.gateway.samples import SampleGroup
 from splitserve.common.authz import Authorizer
@@ -109,7 +112,28 @@ def build_app(servicer, authorizer: Authorizer | None = None, model_aliases: Seq
     async def models():
         card = {"id": model, "object": "model", "created": 0, "owned_by": "splitserve",
                 "max_model_len": servicer.model_info.max_model_len}
-        return {"object": "list", "data": [card]}
+        # The LoRA adapters the workers serve, each a model of its own whose parent is the base (as vLLM lists them).
+        adapters = [{**card, "id": name, "parent": model} for name in sorted(await served_loras())]
+        return {"object": "list", "data": [card, *adapters]}
+
+    async def served_loras() -> dict[str, int]:
+        return await servicer.ledger.now(servicer.dispatcher.directory.loras())
+
+    @app.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(body: LoRAAdapterRequest, request: Request):
+        try:
+            await servicer.loras.load(body.lora_name, body.lora_path or "", request.state.caller.admin)
+        except Exception as exc:
+            return error_response(http_error_for(exc))
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+    @app.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(body: LoRAAdapterRequest, request: Request):
+        try:
+            await servicer.loras.unload(body.lora_name, request.state.caller.admin)
+        except Exception as exc:
+            return error_response(http_error_for(exc))
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
     @app.get("/version")
     async def version():
@@ -140,6 +164,16 @@ def build_app(servicer, authorizer: Authorizer | None = None, model_aliases: Seq
         if name is not None and name not in names:
             raise NotFound(f"model: the model {name!r} does not exist; this server serves {model!r}")
 
+    async def model_or_adapter(name: str | None) -> str:
+        """A generation's ``model``: the base model (""), or a LoRA adapter a worker serves (its name)."""
+        if name is None or name in names:
+            return ""
+        adapters = await served_loras()
+        if name in adapters:
+            return name
+        listed = ", ".join([repr(model), *map(repr, sorted(adapters))])
+        raise NotFound(f"model: the model {name!r} does not exist; this server serves {listed}")
+
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest, request: Request):
         return await generate(body, request, chat=False)
@@ -151,15 +185,17 @@ def build_app(servicer, authorizer: Authorizer | None = None, model_aliases: Seq
     async def generate(body, request: Request, chat: bool):
         request_id = body.request_id or new_request_id()
         try:
-            check_model(body.model)
-            group = await servicer.admit(body.to_generate(request_id), remaining_s=None,
+            generate_request = body.to_generate(request_id)
+            generate_request.lora = await model_or_adapter(body.model)
+            group = await servicer.admit(generate_request, remaining_s=None,
                                          owner=request.state.caller.owner, admin=request.state.caller.admin,
                                          trace_parent=http_parent(request.headers))
         except Exception as exc:  # a refused request: its error, as the gRPC API would say it
             error = http_error_for(exc, param=_param_of(exc))
             # Field paths of the gRPC request ("sampling.top_p") read as the HTTP body's ("top_p").
             return error_response(dataclasses.replace(error, message=error.message.removeprefix("sampling.")))
-        responses = Responses(chat, model, servicer.tokenizer, request_id, token_ids=body.return_token_ids)
+        responses = Responses(chat, generate_request.lora or model, servicer.tokenizer, request_id,
+                              token_ids=body.return_token_ids)
         if body.stream:
             usage = body.stream_options is not None and body.stream_options.include_usage
             return StreamingResponse(_events(servicer, group, responses, usage), media_type="text/event-stream",

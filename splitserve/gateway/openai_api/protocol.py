@@ -283,6 +283,13 @@ class TokenizeRequest(BaseModel):
         return req
 
 
+class LoRAAdapterRequest(BaseModel):
+    """vLLM's body of /v1/load_lora_adapter (both fields) and /v1/unload_lora_adapter (the name)."""
+
+    lora_name: str
+    lora_path: str | None = None
+
+
 class DetokenizeRequest(BaseModel):
     model: str | None = None
     tokens: list[int]

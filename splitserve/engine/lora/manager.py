@@ -1,0 +1,144 @@
+"""``LoRAManager``: the adapters an engine knows, the ``max_loras`` slots they take turns in, and
+each step's token-to-slot mask (``splitserve.engine.lora.layers``).
+
+An adapter is read once (``add``), checked against the model, and kept on the host; a request
+naming it takes a slot (``acquire``): the one it already holds, else a free one, else the least
+recently used one no running request holds, into which its weights are copied. A request gives
+its slot back when it ends (``release``). When every slot holds an adapter of running requests, a
+request for another one is refused (ValueError naming --max-loras), never mixed up.
+"""
+from __future__ import annotations
+
+import logging
+from collections import Counter, OrderedDict
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from splitserve.engine.lora.adapter import LoRAAdapter, load_adapter
+from splitserve.engine.lora.layers import wrap_projections
+
+log = logging.getLogger(__name__)
+
+
+class AdapterExists(ValueError):
+    """An adapter of that name is loaded already."""
+
+
+class AdapterInUse(ValueError):
+    """Running requests hold the adapter."""
+
+
+class LoRAManager:
+    def __init__(self, model: torch.nn.Module, max_loras: int, max_rank: int, max_tokens: int, dtype: torch.dtype,
+                 device: torch.device):
+        self.max_loras, self.max_rank = max_loras, max_rank
+        self.mask = torch.zeros(max_tokens, max_loras * max_rank, dtype=dtype, device=device)
+        self.layers = wrap_projections(model, self.mask)
+        self.known: dict[str, LoRAAdapter] = {}
+        self.slots: list[str | None] = [None] * max_loras  # the adapter in each slot
+        self.recent: OrderedDict[str, int] = OrderedDict()  # resident adapter -> slot, least recently used first
+        self.users: Counter[str] = Counter()  # adapter -> requests holding its slot
+        self._masked_tokens = 0  # mask rows the last step set (zeroed before the next one)
+
+    # ---- adapters ------------------------------------------------------------------------
+    def add(self, name: str, path: str | Path) -> LoRAAdapter:
+        """Read, check and register an adapter; ValueError naming what does not fit this model."""
+        return self.register(self.read(name, path))
+
+    def read(self, name: str, path: str | Path) -> LoRAAdapter:
+        """Read and check an adapter (any thread: it only reads files and the layers' shapes)."""
+        if not name:
+            raise ValueError("LoRA adapter: a name is required")
+        self._check_new(name)
+        adapter = load_adapter(name, path, self.max_rank)
+        for module, (a, b) in adapter.weights.items():
+            layer = self.layers.get(module)
+            if layer is None:
+                raise ValueError(f"LoRA adapter {name!r}: the model has no projection {module} (is the adapter for "
+                                 "this base model?)")
+            if (b.shape[0], a.shape[1]) != (layer.out_features, layer.in_features):
+                raise ValueError(f"LoRA adapter {name!r}: {module} is {a.shape[1]} -> {b.shape[0]} in the adapter, "
+                                 f"{layer.in_features} -> {layer.out_features} in the model (another base model?)")
+        return adapter
+
+    def register(self, adapter: LoRAAdapter) -> LoRAAdapter:
+        """Make a read adapter available to requests (the engine's thread)."""
+        self._check_new(adapter.name)
+        self.known[adapter.name] = adapter
+        log.info("LoRA adapter %s: rank %d, %d projections, from %s", adapter.name, adapter.rank,
+                 len(adapter.weights), adapter.path)
+        return adapter
+
+    def _check_new(self, name: str) -> None:
+        if name in self.known:
+            raise AdapterExists(f"LoRA adapter {name!r} is already loaded")
+
+    def remove(self, name: str) -> None:
+        if name not in self.known:
+            raise KeyError(name)
+        if self.users[name]:
+            raise AdapterInUse(f"LoRA adapter {name!r} is in use by {self.users[name]} running request(s)")
+        slot = self.recent.pop(name, None)
+        if slot is not None:
+            self.slots[slot] = None
+            self._write(slot, None)
+        del self.known[name]
+
+    # ---- slots ---------------------------------------------------------------------------
+    def acquire(self, name: str) -> int:
+        """The slot of ``name`` for one more request (loaded into one if need be)."""
+        if name not in self.known:
+            raise ValueError(f"LoRA adapter {name!r} is not loaded here")
+        slot = self.recent.get(name)
+        if slot is None:
+            slot = self._free_slot(name)
+            self._write(slot, self.known[name])
+            self.slots[slot] = name
+            self.recent[name] = slot
+        self.recent.move_to_end(name)
+        self.users[name] += 1
+        return slot
+
+    def release(self, name: str) -> None:
+        self.users[name] -= 1
+        if self.users[name] <= 0:
+            del self.users[name]
+
+    def _free_slot(self, name: str) -> int:
+        if None in self.slots:
+            return self.slots.index(None)
+        for resident, slot in self.recent.items():  # least recently used first
+            if not self.users[resident]:
+                del self.recent[resident]
+                return slot
+        raise ValueError(f"LoRA adapter {name!r}: all {self.max_loras} adapter slots (--max-loras) hold adapters of "
+                         "running requests")
+
+    @torch.inference_mode()
+    def _write(self, slot: int, adapter: LoRAAdapter | None) -> None:
+        """Copy ``adapter``'s weights into ``slot`` of every layer (zeros where it has none)."""
+        rows = slice(slot * self.max_rank, (slot + 1) * self.max_rank)
+        for module, layer in self.layers.items():
+            layer.lora_a[rows].zero_()
+            layer.lora_b[:, rows].zero_()
+            if adapter is not None and module in adapter.weights:
+                a, b = adapter.weights[module]
+                r = a.shape[0]
+                layer.lora_a[rows.start:rows.start + r].copy_(a)
+                layer.lora_b[:, rows.start:rows.start + r].copy_(b)
+
+    # ---- steps ---------------------------------------------------------------------------
+    def prepare_step(self, rows: Sequence, query_start: Sequence[int]) -> None:
+        """Write the mask of a step whose rows (scheduled chunks, in input order) start at
+        ``query_start``: each token gets its request's slot columns."""
+        if self._masked_tokens:
+            self.mask[:self._masked_tokens].zero_()
+        self._masked_tokens = 0
+        r = self.max_rank
+        for i, row in enumerate(rows):
+            slot = row.request.lora_slot
+            if slot is not None:
+                self.mask[query_start[i]:query_start[i + 1], slot * r:(slot + 1) * r] = 1
+                self._masked_tokens = query_start[i + 1]

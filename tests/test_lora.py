@@ -1,0 +1,127 @@
+"""LoRA adapters in the engine: two random adapters made with PEFT on a tiny random Llama, served
+beside the base model. Each adapter's greedy output equals transformers' on the model PEFT merges
+(fp32), alone and in one batch with the base model and the other adapter; prefix-cache blocks are
+never shared across adapters; what PEFT can write but the engine does not serve is refused."""
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from splitserve.engine import LLM, SamplingParams
+from tests.harness.lora_adapters import ALL_PROJECTIONS, make_adapter
+from tests.harness.tiny_models import make_tiny_model
+PROMPTS = [[5, 17, 99, 3, 42, 8, 61, 7, 13, 21, 34, 55, 89, 2, 9, 4, 6, 1, 70, 71], [11, 12, 13], [200, 150, 100, 50]]
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora")
+    base = make_tiny_model(root / "base", seed=3)
+    a = make_adapter(base, root / "a", 1, r=8, lora_alpha=16, target_modules=ALL_PROJECTIONS)
+    b = make_adapter(base, root / "b", 2, r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], use_rslora=True)
+    return {"base": base, "a": a, "b": b, "root": root}
+
+
+@pytest.fixture(scope="module")
+def llm(dirs):
+    llm = LLM(model=str(dirs["base"]), dtype="float32", num_gpu_blocks=128, block_size=4, enable_lora=True,
+              max_loras=2, max_lora_rank=8)
+    llm.add_lora("a", dirs["a"][0])
+    llm.add_lora("b", dirs["b"][0])
+    yield llm
+    llm.engine.assert_idle()
+
+
+@pytest.fixture(scope="module")
+def expected(dirs, hf_reference):
+    """Per adapter (None: the base model), transformers' greedy tokens of each prompt."""
+    models = {None: dirs["base"], "a": dirs["a"][1], "b": dirs["b"][1]}
+    return {name: [hf_reference(path).greedy(p, GREEDY.max_tokens) for p in PROMPTS] for name, path in models.items()}
+
+
+def test_each_adapter_alone_equals_the_merged_model(llm, expected):
+    for name in ("a", "b", None):
+        outs = llm.generate(PROMPTS, GREEDY, lora=name)
+        assert [o.token_ids for o in outs] == expected[name], name
+    assert expected["a"] != expected[None] and expected["b"] != expected[None]  # the adapters change the output
+
+
+def test_base_and_both_adapters_share_one_batch(llm, expected):
+    """Nine requests, three per adapter, interleaved, so every step mixes them."""
+    names = [None, "a", "b"] * 3
+    prompts = [PROMPTS[i // 3] for i in range(9)]
+    outs = llm.generate(prompts, GREEDY, lora=names)
+    for i, (name, out) in enumerate(zip(names, outs)):
+        assert out.token_ids == expected[name][i // 3], (i, name)
+
+
+def test_prefix_cache_blocks_belong_to_their_adapter(llm, dirs, hf_reference):
+    """A prompt no earlier test sent: under "a" twice (the second reuses its blocks), then under
+    "b" and the base model, which find none of them."""
+    prompt = [250, 3, 250, 4, 250, 5, 250, 6, 250, 7, 250, 8, 1]
+    first = llm.generate([prompt], GREEDY, lora="a")[0]
+    again = llm.generate([prompt], GREEDY, lora="a")[0]
+    other = llm.generate([prompt], GREEDY, lora="b")[0]
+    base = llm.generate([prompt], GREEDY)[0]
+    assert (first.num_cached_tokens, again.num_cached_tokens) == (0, 12)  # three full blocks of four
+    assert other.num_cached_tokens == 0 and base.num_cached_tokens == 0  # never another adapter's
+    want = {name: hf_reference(path).greedy(prompt, GREEDY.max_tokens)
+            for name, path in (("a", dirs["a"][1]), ("b", dirs["b"][1]), (None, dirs["base"]))}
+    assert (first.token_ids, again.token_ids, other.token_ids, base.token_ids) == \
+        (want["a"], want["a"], want["b"], want[None])
+
+
+def test_slots_are_reused_least_recently_used_first(dirs, expected):
+    """One slot, two adapters: each request loads its adapter into the slot in turn."""
+    llm = LLM(model=str(dirs["base"]), dtype="float32", num_gpu_blocks=64, block_size=4, enable_lora=True,
+              max_loras=1, max_lora_rank=8, enforce_eager=True)
+    llm.add_lora("a", dirs["a"][0])
+    llm.add_lora("b", dirs["b"][0])
+    for name in ("a", "b", "a", None, "b"):
+        assert llm.generate([PROMPTS[1]], GREEDY, lora=name)[0].token_ids == expected[name][1], name
+    # Both at once need two slots: the second is refused while the first runs, not mixed up.
+    llm.engine.add_request("holds-a", PROMPTS[1], dataclasses.replace(GREEDY, lora="a"))
+    with pytest.raises(ValueError, match="all 1 adapter slots"):
+        llm.engine.add_request("wants-b", PROMPTS[1], dataclasses.replace(GREEDY, lora="b"))
+    llm.engine.abort_request("holds-a")
+    assert llm.generate([PROMPTS[1]], GREEDY, lora="b")[0].token_ids == expected["b"][1]
+    llm.engine.assert_idle()
+    assert not llm.engine.runner.lora.users
+
+
+def write_adapter(path, config: dict, tensors: dict):
+    from safetensors.torch import save_file
+    path.mkdir(parents=True)
+    (path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4, "lora_alpha": 4, **config}))
+    save_file(tensors, str(path / "adapter_model.safetensors"))
+
+
+def test_adapters_that_do_not_fit_are_refused_by_name(llm, dirs):
+    root = dirs["root"]
+    key = "base_model.model.model.layers.0.self_attn.q_proj.lora_{}.weight"
+    write_adapter(root / "rank32", {"r": 32}, {key.format("A"): torch.zeros(32, 64), key.format("B"): torch.zeros(64, 32)})
+    write_adapter(root / "wide", {}, {key.format("A"): torch.zeros(4, 96), key.format("B"): torch.zeros(96, 4)})
+    write_adapter(root / "dora", {"use_dora": True}, {key.format("A"): torch.zeros(4, 64),
+                                                      key.format("B"): torch.zeros(64, 4)})
+    write_adapter(root / "embed", {}, {"base_model.model.model.embed_tokens.lora_embedding_A": torch.zeros(4, 8)})
+    cases = {"rank32": "rank 32 is above this server's --max-lora-rank", "wide": "another base model",
+             "dora": "DoRA", "embed": "not a LoRA A or B matrix"}
+    for name, words in cases.items():
+        with pytest.raises(ValueError, match=words):
+            llm.add_lora(name, root / name)
+    with pytest.raises(ValueError, match="already loaded"):
+        llm.add_lora("a", dirs["a"][0])
+    with pytest.raises(ValueError, match="not loaded here"):
+        llm.generate([PROMPTS[1]], GREEDY, lora="nope")
+    with pytest.raises(ValueError, match="no adapter_config.json"):
+        llm.add_lora("missing", root / "nowhere")
+    assert sorted(llm.engine.list_loras()) == ["a", "b"]
+
+
+def test_an_engine_without_lora_refuses_adapters(dirs):
+    llm = LLM(model=str(dirs["base"]), dtype="float32", num_gpu_blocks=16, block_size=4, enforce_eager=True)
+    with pytest.raises(ValueError, match="serves no adapters"):
+        llm.generate([PROMPTS[1]], GREEDY, lora="a")
+    llm.engine.assert_idle()
