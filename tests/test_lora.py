@@ -125,3 +125,15 @@ def test_an_engine_without_lora_refuses_adapters(dirs):
     with pytest.raises(ValueError, match="serves no adapters"):
         llm.generate([PROMPTS[1]], GREEDY, lora="a")
     llm.engine.assert_idle()
+
+
+def test_an_adapters_chain_root_is_the_same_in_every_process():
+    """The prefill and decode workers must agree on an adapter's block hashes; Python's hash of a
+    string differs per process."""
+    import subprocess
+    import sys
+    code = "from splitserve.engine.kv_cache_manager import chain_root; print(chain_root('sql'))"
+    roots = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                            env={"PYTHONHASHSEED": seed}).stdout.strip() for seed in ("1", "2")}
+    from splitserve.engine.kv_cache_manager import chain_root
+    assert roots == {str(chain_root("sql"))}

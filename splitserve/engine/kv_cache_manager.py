@@ -12,6 +12,7 @@ ref count is never evicted.
 """
 from __future__ import annotations
 
+import hashlib
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
@@ -33,6 +34,12 @@ def chain_hash(parent_hash: int | None, tokens: Sequence[int]) -> tuple[int, tup
     """Hash of one full block given its parent's hash. Stable across processes (ints only)."""
     key = (parent_hash, tuple(tokens))
     return hash(key), key
+
+
+def chain_root(namespace: str) -> int:
+    """The parent hash a chain of ``namespace`` (a LoRA adapter's name) starts from: the same in
+    every process (``hash`` of a string is not), never None (the base model's root)."""
+    return int.from_bytes(hashlib.blake2b(namespace.encode(), digest_size=8).digest(), "little", signed=True)
 
 
 def prefix_block_hashes(token_ids: Sequence[int], block_size: int, max_blocks: int | None = None) -> list[int]:

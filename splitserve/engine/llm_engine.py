@@ -10,7 +10,7 @@ import time
 from typing import Callable, Sequence
 
 from splitserve.engine.config import EngineConfig
-from splitserve.engine.kv_cache_manager import KVCacheManager
+from splitserve.engine.kv_cache_manager import KVCacheManager, chain_root
 from splitserve.engine.kv_connector import KVConnector
 from splitserve.engine.model_loader import load_tokenizer, resolve_model
 from splitserve.engine.model_runner import ModelRunner, PoolFactory, default_pool
@@ -111,6 +111,7 @@ class LLMEngine:
         if request.sampling_params.lora is not None:
             request.lora = request.sampling_params.lora
             request.lora_slot = self._lora_manager().acquire(request.lora)
+            request.cache_root = chain_root(request.lora)
 
     def _forget(self, request: Request) -> None:
         """A request that ended leaves the engine (and gives its adapter slot back)."""

@@ -63,18 +63,15 @@ class Request:
     # LoRA: the adapter the request runs under (None: the base model) and its slot while it runs.
     lora: str | None = None
     lora_slot: int | None = None
+    # Where the chain of its prefix-cache hashes starts (None: the base model's chain): KV
+    # computed under one adapter is never served to a request under another, or the base model.
+    cache_root: int | None = None
 
     def __post_init__(self) -> None:
         # prompt + output, maintained incrementally: the scheduler reads it every step.
         self.all_token_ids: list[int] = list(self.prompt_token_ids)
         if self.sampling_params.seed is not None:
             self.generator = torch.Generator().manual_seed(self.sampling_params.seed)
-
-    @property
-    def cache_root(self) -> int | None:
-        """Where the chain of its prefix-cache hashes starts: KV computed under one adapter is
-        never served to a request under another (or the base model)."""
-        return None if self.lora is None else hash(("lora", self.lora))
 
     @property
     def num_tokens(self) -> int:
