@@ -77,10 +77,17 @@ class EngineLoop:
         """Run ``fn`` on the loop thread and wait for its result (from a thread, not the event loop)."""
         return self.submit(fn).result(timeout=timeout)
 
-    async def run(self, fn: Callable[[], Any], timeout: float | None = 60.0) -> Any:
+    async def run(self, fn: Callable[[], Any], timeout: float | None = 60.0, *, must_run: bool = False) -> Any:
         """Run ``fn`` on the loop thread and await its result. A caller cancelled (or timed out)
-        before the loop thread got to ``fn`` cancels it: it never runs."""
-        return await asyncio.wait_for(asyncio.wrap_future(self.submit(fn)), timeout)
+        before the loop thread got to ``fn`` cancels it: it never runs -- unless ``must_run``:
+        a release (an Abort) must happen whether or not its caller still waits for the answer,
+        or what it frees stays held (a busy loop thread outlasted the gateway's 1 s Abort, and a
+        cancel storm kept a reservation's pages until its lease ended)."""
+        future = asyncio.wrap_future(self.submit(fn))
+        if must_run:
+            future.add_done_callback(_retrieved)  # nobody may be left to read its error
+            future = asyncio.shield(future)
+        return await asyncio.wait_for(future, timeout)
 
     def subscribe(self, request_id: str) -> asyncio.Queue:
         """Events for ``request_id`` from now on, on the calling event loop; call before the
@@ -189,6 +196,12 @@ def _failing_at(step: Step, n: int) -> Step:
             raise RuntimeError(f"injected fault: engine step {count} fails ({FAIL_STEP_ENV}={n})")
         return step()
     return failing
+
+
+def _retrieved(future: asyncio.Future) -> None:
+    """Read a shielded command's outcome, so one whose caller left logs no 'never retrieved'."""
+    if not future.cancelled() and future.exception() is not None:
+        log.warning("engine command failed after its caller left: %r", future.exception())
 
 
 def _slowed(step: Step, delay_s: float) -> Step:

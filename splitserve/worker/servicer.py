@@ -67,7 +67,8 @@ class WorkerServicer:
             pass  # a dead engine holds nothing that matters any more
 
     async def Abort(self, request, context):
-        found = await self.loop.run(lambda: self.abort(request.request_id))
+        # Done even if the caller stops waiting first (its timeout is short, a step may be long).
+        found = await self.loop.run(lambda: self.abort(request.request_id), must_run=True)
         return worker_pb2.WorkerAbortResponse(found=bool(found))
 
     async def LoadLoRA(self, request, context):

@@ -1,0 +1,103 @@
+"""The worker's engine loop: which commands still run after their caller stopped waiting.
+
+A command queued behind a long step may outlast its caller's timeout. An ordinary one is then
+dropped (nobody wants its answer), but a release must still happen: the gateway's Abort waits
+1 s, and an Abort dropped so kept a reservation's pages held until its lease ended.
+"""
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from types import SimpleNamespace
+
+import pytest
+
+from splitserve.v1 import worker_pb2
+from splitserve.worker.engine_loop import EngineLoop
+from splitserve.worker.servicer import WorkerServicer
+
+
+class _Stepper:
+    """A step that blocks until told to go on: the loop thread is busy for as long as a test likes."""
+
+    def __init__(self):
+        self.entered = threading.Event()
+        self.go_on = threading.Event()
+        self.pending = True
+
+    def step(self):
+        self.entered.set()
+        self.go_on.wait(30)
+        self.pending = False
+        return []
+
+    def has_work(self) -> bool:
+        return self.pending
+
+
+def _run_after_timeout(loop: EngineLoop, stepper: _Stepper, must_run: bool) -> list[str]:
+    ran: list[str] = []
+
+    async def caller():
+        with pytest.raises(asyncio.TimeoutError):
+            await loop.run(lambda: ran.append("ran"), timeout=0.05, must_run=must_run)
+
+    assert stepper.entered.wait(10)
+    asyncio.run(caller())
+    stepper.go_on.set()
+    loop.call(lambda: None)  # every command queued before this one has had its turn
+    return ran
+
+
+@pytest.mark.parametrize("must_run", [False, True])
+def test_a_command_whose_caller_timed_out_runs_only_when_it_must(must_run):
+    stepper = _Stepper()
+    loop = EngineLoop(stepper.step, stepper.has_work).start()
+    try:
+        assert _run_after_timeout(loop, stepper, must_run) == (["ran"] if must_run else [])
+    finally:
+        loop.stop()
+
+
+class _BusyWorker(WorkerServicer):
+    """A worker whose one step takes as long as the test likes; ``abort`` records what it freed."""
+    role = "decode"
+
+    def __init__(self, stepper: _Stepper):
+        self.stepper = stepper
+        self.aborted: list[str] = []
+        engine = SimpleNamespace(grammars=SimpleNamespace(), config=SimpleNamespace(grammar_compile_timeout_s=1.0))
+        super().__init__(engine, "busy-worker", [])
+
+    def step(self):
+        return self.stepper.step()
+
+    def has_work(self) -> bool:
+        return self.stepper.has_work()
+
+    def abort(self, request_id: str) -> bool:
+        self.aborted.append(request_id)
+        return True
+
+
+def test_an_abort_whose_caller_gave_up_during_a_long_step_still_frees_the_request():
+    stepper = _Stepper()
+    worker = _BusyWorker(stepper)
+    try:
+        assert stepper.entered.wait(10)
+
+        async def gateway():  # its Abort waits a bounded time: the worker may be frozen
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(worker.Abort(worker_pb2.WorkerAbortRequest(request_id="r1"), None), 0.05)
+
+        asyncio.run(gateway())
+        assert worker.aborted == []  # the step is still going
+        stepper.go_on.set()
+        deadline = time.monotonic() + 10
+        while not worker.aborted and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert worker.aborted == ["r1"]
+    finally:
+        stepper.go_on.set()
+        worker.close()
