@@ -34,8 +34,11 @@ log = logging.getLogger(__name__)
 # Bounds on the calls of an attempt (a request's own deadline shortens them).
 RESERVE_TIMEOUT_S = 5.0
 PREFILL_TIMEOUT_S = 120.0
-# Bound on the best-effort aborts of a failed attempt (the worker may be frozen).
+# Bound on the aborts a failed attempt waits for before its retry (the worker may be frozen).
 ABORT_TIMEOUT_S = 1.0
+# Bound on the aborts of an ended request, which nothing waits for: a worker busy for longer
+# than ABORT_TIMEOUT_S must still get its Abort, or the request's pages stay held until the lease ends.
+ENDED_ABORT_TIMEOUT_S = 30.0
 # Renew a reservation's lease this many times per lease while its prefill is under way: a late
 # or lost renewal still leaves time for the next.
 RENEWALS_PER_LEASE = 3
@@ -99,7 +102,7 @@ async def run_attempt(job: Job, directory: WorkerDirectory, ledger: Ledger, deci
         return None
     except asyncio.CancelledError:
         if job.lost is None:  # ended by Job.finish (client gone, stop string, abort, drain...)
-            spawn(attempt.abort_on_workers())
+            spawn(attempt.abort_on_workers(ENDED_ABORT_TIMEOUT_S))  # nothing waits for it
             raise
         asyncio.current_task().uncancel()  # the watchdog's signal: this attempt is lost, not the job
         outcome = Retry(job.lost)
@@ -121,8 +124,10 @@ async def run_attempt(job: Job, directory: WorkerDirectory, ledger: Ledger, deci
             # verdict on the worker this attempt just left cannot cancel the cleanup, the backoff
             # or the requeue below (that lost the request for good: nobody put it back).
             job.state = JobState.QUEUED
-    # Ended early (a retry, an error): free what it holds now rather than at the lease's end.
-    await attempt.abort_on_workers()
+    # Ended early (a retry, an error): free what it holds now rather than at the lease's end. A
+    # retry may reserve on the same worker again, so no abort of this attempt may outlive this
+    # wait; an ended request's that timed out goes on in the background.
+    await attempt.abort_on_workers(then_s=None if isinstance(outcome, Retry) else ENDED_ABORT_TIMEOUT_S)
     if isinstance(outcome, Retry):
         for worker in attempt.workers:
             if not await directory.responsive(worker):
@@ -342,12 +347,17 @@ class _Attempt:
         for worker in self.workers:
             self.directory.track(worker.worker_id, -1)
 
-    async def abort_on_workers(self) -> None:
-        """Free whatever the request holds on the attempt's workers (bounded: one may be frozen)."""
-        async def abort(worker: WorkerView) -> None:
+    async def abort_on_workers(self, timeout_s: float | None = None, then_s: float | None = None) -> None:
+        """Free whatever the request holds on the attempt's workers, waiting ``timeout_s`` at most
+        (default ABORT_TIMEOUT_S: one may be frozen). ``then_s``: an abort that timed out is sent
+        again in the background, bounded so."""
+        async def abort(worker: WorkerView, timeout_s: float, again: bool) -> None:
             stub = (self.directory.prefill_stub if worker.role == "prefill" else self.directory.decode_stub)(worker)
             try:
-                await stub.Abort(worker_pb2.WorkerAbortRequest(request_id=self.job.request_id), timeout=ABORT_TIMEOUT_S)
+                await stub.Abort(worker_pb2.WorkerAbortRequest(request_id=self.job.request_id), timeout=timeout_s)
             except grpc.RpcError as e:
                 log.warning("abort of %s on %s failed: %s", self.job.request_id, worker.worker_id, e.code())
-        await asyncio.gather(*(abort(w) for w in self.workers))
+                if again and e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
+                    spawn(abort(worker, then_s, again=False))
+        first_s = ABORT_TIMEOUT_S if timeout_s is None else timeout_s
+        await asyncio.gather(*(abort(w, first_s, then_s is not None) for w in self.workers))
