@@ -298,7 +298,8 @@ def start_stack(model: str | os.PathLike, log_dir: str | os.PathLike | None = No
         workers = _worker_names(prefill, decode, both)
         if not any(role in ("decode", "both") for _, role in workers):
             raise ValueError("a stack needs a decode or a both worker")
-        # Spawn all workers first (they boot in parallel), then wait for each.
+        # Spawn every worker and the gateway at once (they boot in parallel: the gateway finds
+        # the workers in Redis whenever they register), then wait for each.
         pending = []
         for name, role in workers:
             cli_role = ["decode", "--role", "both"] if role == "both" else [role]
@@ -309,10 +310,6 @@ def start_stack(model: str | os.PathLike, log_dir: str | os.PathLike | None = No
             stack.env[name] = {**token_env, **(role_env or {}).get(role, {})}
             stack.log_paths[name] = log_dir / f"{name}.log"
             pending.append((name, _spawn(argv, stack.log_paths[name], stack.env[name], wrap.get(name, ()))))
-        for name, boot in pending:
-            stack.procs[name] = boot.proc  # known to close() even if it never boots
-        for name, boot in pending:
-            stack.procs[name], stack.addresses[name] = _started(boot)
         argv = ["gateway", "--model", model, "--host", gateway_host, "--port", "0", "--redis-url", redis_server.url,
                 "--block-size", _flag_value([*worker_defaults, *worker_args], "--block-size", "16"),
                 *metrics_flag, *gateway_args, *name_args.get("gateway", ())]
@@ -322,9 +319,13 @@ def start_stack(model: str | os.PathLike, log_dir: str | os.PathLike | None = No
             stack.http = f"http://{gateway_host}:{port}"
         stack.argv["gateway"], stack.log_paths["gateway"] = argv, log_dir / "gateway.log"
         stack.env["gateway"] = {**token_env, **(role_env or {}).get("gateway", {}), **(gateway_env or {})}
-        stack.procs["gateway"], stack.gateway_address = start_process(argv, stack.log_paths["gateway"],
-                                                                      env=stack.env["gateway"],
-                                                                      prefix=wrap.get("gateway", ()))
+        gateway = _spawn(argv, stack.log_paths["gateway"], stack.env["gateway"], wrap.get("gateway", ()))
+        stack.procs["gateway"] = gateway.proc
+        for name, boot in pending:
+            stack.procs[name] = boot.proc  # known to close() even if it never boots
+        for name, boot in pending:
+            stack.procs[name], stack.addresses[name] = _started(boot)
+        stack.procs["gateway"], stack.gateway_address = _started(gateway)
         stack.client = Client(stack.gateway_address)
         _wait_registered(stack, metrics)
         return stack
