@@ -19,32 +19,29 @@ the model, never a local path.
 """
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import json
 import logging
 import time
 import uuid
 import weakref
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Mapping
 
-import jinja2
 from google.protobuf import json_format
 
 from splitserve.gateway.backpressure import Backpressure
 from splitserve.gateway.chat_output.plan import ChatOutputs, OutputPlan
-from splitserve.gateway.chat_template import template_kwargs
 from splitserve.gateway.detokenizer import TextStream
 from splitserve.gateway.dispatch import Dispatcher
 from splitserve.gateway.grammar_check import GrammarChecker
 from splitserve.gateway.lora_admin import LoRAAdmin
 from splitserve.gateway.job import Finished, Job, Tokens, cancelled, deadline_exceeded
 from splitserve.gateway.memory import Collector
+from splitserve.gateway.prompt_encoder import PromptEncoder
 from splitserve.state.store import PRIORITY_MAX, PRIORITY_MIN, TERMINAL_STATES
 from splitserve.gateway.samples import MAX_N, SampleGroup, sample_params
-from splitserve.wire import check_sizes, prompt_from_request, resolve_sampling, struct_to_python
+from splitserve.wire import check_sizes, resolve_sampling
 from splitserve.common.authz import Authorizer, scoped_id
 from splitserve.common.errors import (AlreadyExists, InvalidArgument, NotFound, PermissionDenied, ResourceExhausted,
                                       Unavailable)
@@ -58,14 +55,6 @@ log = logging.getLogger(__name__)
 
 NO_DEADLINE_S = 10 * 365 * 86400
 RETRY_AFTER_S = 1.0
-
-
-# A text prompt at the size limit takes a few hundred ms to encode (SmolLM2, 650 KB: 0.3 s): prompts
-# are encoded on a few threads beside the event loop (a fast tokenizer lets go of the GIL while it
-# encodes), so every other stream of the gateway goes on meanwhile. Past MAX_TOKENIZE_WAITING
-# prompts waiting for one, more are refused at once (RESOURCE_EXHAUSTED), as a full queue is.
-TOKENIZE_THREADS = 2
-MAX_TOKENIZE_WAITING = 64
 
 
 class GenerationServicer(generation_pb2_grpc.GenerationServicer):
@@ -96,9 +85,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         self.draining = False  # SIGTERM: in-flight requests finish, new ones are refused
         self.health = None  # the GatewayHealth monitor, once the server runs
         self.backpressure = backpressure or Backpressure()
-        self._encoders = ThreadPoolExecutor(TOKENIZE_THREADS, thread_name_prefix="tokenize")
-        self._encoding = asyncio.Semaphore(TOKENIZE_THREADS)
-        self._waiting_to_encode = 0
+        self.prompts = PromptEncoder(tokenizer, model_info.vocab_size)
         self.grammars = grammars or GrammarChecker()
         self.loras = LoRAAdmin(dispatcher, self.ledger)
         # The n > 1 requests running here, by id (gone with their last reference).
@@ -161,7 +148,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             raise Unavailable(f"this gateway cannot serve now: {self.health.reason}")
         self.backpressure.check_room()
         plan = self.chat_outputs.plan(request, self.limits)
-        token_ids = await self._tokenize(request)
+        token_ids = await self.prompts.token_ids(request)
         params = resolve_sampling(request.sampling, len(token_ids), self.model_info.max_model_len,
                                   self.sampling_defaults)
         params.lora = await self._lora(request.lora)
@@ -364,47 +351,6 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             self.collector.soon()  # the refused message is freed by the cyclic collector (splitserve/gateway/memory.py)
             raise
 
-    async def _tokenize(self, request) -> list[int]:
-        """The request's prompt as token ids; text and messages are encoded off the event loop, a
-        few at a time (its size was checked before: ``check_sizes``)."""
-        kind, prompt = prompt_from_request(request, vocab_size=self.model_info.vocab_size)
-        if kind != "messages":
-            given = {"chat_template_kwargs": request.chat_template_kwargs.fields, "tools": request.tools,
-                     "documents": request.documents}
-            for name, value in given.items():
-                if len(value):
-                    raise InvalidArgument(f"{name}: only with messages (a chat template renders them)")
-        if kind == "token_ids":
-            return list(prompt)
-        if self._waiting_to_encode >= MAX_TOKENIZE_WAITING:
-            raise ResourceExhausted(f"{self._waiting_to_encode} prompts are waiting to be tokenized on this gateway; "
-                                    "retry shortly or send it to another gateway")
-        self._waiting_to_encode += 1
-        try:
-            async with self._encoding:
-                return await asyncio.get_running_loop().run_in_executor(self._encoders, self._encode, request, kind,
-                                                                        prompt)
-        finally:
-            self._waiting_to_encode -= 1
-
-    def _encode(self, request, kind: str, prompt) -> list[int]:
-        # A Tokenize call may ask for other choices than Generate makes; unset, it gets Generate's.
-        tokenize = isinstance(request, generation_pb2.TokenizeRequest)
-        special = request.add_special_tokens if tokenize and request.HasField("add_special_tokens") else None
-        if kind == "messages":
-            add_prompt = request.add_generation_prompt if tokenize else True
-            variables = template_kwargs(self.tokenizer, request.chat_template_kwargs)
-            # Passed as transformers takes them (None: the template's own "no tools" branch).
-            tools = [struct_to_python(tool) for tool in request.tools] or None
-            documents = [struct_to_python(document) for document in request.documents] or None
-            try:
-                text = self.tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=add_prompt,
-                                                          tools=tools, documents=documents, **variables)
-            except jinja2.TemplateError as e:  # the model's template refuses this conversation
-                raise InvalidArgument(f"messages: the model's chat template refused them: {e}") from e
-            return self.tokenizer.encode(text, add_special_tokens=bool(special))
-        return self.tokenizer.encode(prompt, add_special_tokens=special is not False)
-
     async def Abort(self, request, context):
         caller = self.authorizer.caller(context)
         for request_id in caller.addressed(request.request_id):
@@ -445,7 +391,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             raise Unavailable("the gateway is shutting down; send the request to another one")
         self._check_sizes(request)
         self.backpressure.check_room()
-        ids = await self._tokenize(request)
+        ids = await self.prompts.token_ids(request)
         return generation_pb2.TokenizeResponse(token_ids=ids, tokens=self.tokenizer.convert_ids_to_tokens(ids))
 
     async def Detokenize(self, request, context):

@@ -1,20 +1,18 @@
 """The gateway encodes text prompts beside its event loop, a few at a time (issue 36, point 3).
 
-A unit test of ``GenerationServicer._tokenize`` alone: its tokenizer is a stand-in whose encode
+A unit test of ``PromptEncoder`` alone: its tokenizer is a stand-in whose encode
 waits for the test, as a 650 KB prompt keeps a real one busy for 0.3 s. While it waits, the event
 loop goes on (another request's token ids come through); past MAX_TOKENIZE_WAITING prompts, one
 more is refused at once.
 """
 import asyncio
 import threading
-import types
 
 import pytest
 
 from splitserve.common.errors import ResourceExhausted
-from splitserve.common.limits import RequestLimits
-from splitserve.gateway import servicer as servicer_module
-from splitserve.gateway.servicer import GenerationServicer
+from splitserve.gateway import prompt_encoder as encoder_module
+from splitserve.gateway.prompt_encoder import PromptEncoder
 from splitserve.v1 import generation_pb2
 
 
@@ -31,10 +29,8 @@ class HeldTokenizer:
         return [ord(c) % 100 for c in text]
 
 
-def servicer(tokenizer) -> GenerationServicer:
-    info = generation_pb2.ModelInfo(max_model_len=4096, vocab_size=100)
-    return GenerationServicer(state=None, dispatcher=types.SimpleNamespace(ledger=None), tokenizer=tokenizer,
-                              model_info=info, limits=RequestLimits(), grammars=object())
+def encoder(tokenizer) -> PromptEncoder:
+    return PromptEncoder(tokenizer, vocab_size=100)
 
 
 def request(**prompt) -> generation_pb2.GenerateRequest:
@@ -43,14 +39,14 @@ def request(**prompt) -> generation_pb2.GenerateRequest:
 
 def test_a_long_encode_does_not_hold_the_event_loop():
     tokenizer = HeldTokenizer()
-    gateway = servicer(tokenizer)
+    gateway = encoder(tokenizer)
 
     async def main():
-        held = asyncio.ensure_future(gateway._tokenize(request(text="abc")))
+        held = asyncio.ensure_future(gateway.token_ids(request(text="abc")))
         while not tokenizer.threads:  # it is encoding now, on a thread of its own...
             await asyncio.sleep(0.01)
         # ... and the loop serves another request meanwhile.
-        assert await gateway._tokenize(request(token_ids=[1, 2, 3])) == [1, 2, 3]
+        assert await gateway.token_ids(request(token_ids=[1, 2, 3])) == [1, 2, 3]
         assert not held.done()
         tokenizer.go.set()
         return await held
@@ -60,20 +56,20 @@ def test_a_long_encode_does_not_hold_the_event_loop():
 
 
 def test_prompts_past_the_waiting_bound_are_refused_at_once(monkeypatch):
-    monkeypatch.setattr(servicer_module, "MAX_TOKENIZE_WAITING", 3)
+    monkeypatch.setattr(encoder_module, "MAX_TOKENIZE_WAITING", 3)
     tokenizer = HeldTokenizer()
-    gateway = servicer(tokenizer)
+    gateway = encoder(tokenizer)
 
     async def main():
-        waiting = [asyncio.ensure_future(gateway._tokenize(request(text=f"p{i}"))) for i in range(3)]
+        waiting = [asyncio.ensure_future(gateway.token_ids(request(text=f"p{i}"))) for i in range(3)]
         await asyncio.sleep(0.05)
         with pytest.raises(ResourceExhausted, match="waiting to be tokenized"):
-            await gateway._tokenize(request(text="one more"))
-        assert await gateway._tokenize(request(token_ids=[4])) == [4]  # ids need no encoder
+            await gateway.token_ids(request(text="one more"))
+        assert await gateway.token_ids(request(token_ids=[4])) == [4]  # ids need no encoder
         tokenizer.go.set()
         return await asyncio.gather(*waiting)
 
     assert len(asyncio.run(main())) == 3
-    assert gateway._waiting_to_encode == 0
+    assert gateway.waiting == 0
     # Two at a time: no more encoder threads than TOKENIZE_THREADS.
-    assert len(set(tokenizer.threads)) <= servicer_module.TOKENIZE_THREADS
+    assert len(set(tokenizer.threads)) <= encoder_module.TOKENIZE_THREADS
