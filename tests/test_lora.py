@@ -81,14 +81,45 @@ def test_slots_are_reused_least_recently_used_first(dirs, expected):
     llm.add_lora("b", dirs["b"][0])
     for name in ("a", "b", "a", None, "b"):
         assert llm.generate([PROMPTS[1]], GREEDY, lora=name)[0].token_ids == expected[name][1], name
-    # Both at once need two slots: the second is refused while the first runs, not mixed up.
-    llm.engine.add_request("holds-a", PROMPTS[1], dataclasses.replace(GREEDY, lora="a"))
-    with pytest.raises(ValueError, match="all 1 adapter slots"):
-        llm.engine.add_request("wants-b", PROMPTS[1], dataclasses.replace(GREEDY, lora="b"))
-    llm.engine.abort_request("holds-a")
-    assert llm.generate([PROMPTS[1]], GREEDY, lora="b")[0].token_ids == expected["b"][1]
-    llm.engine.assert_idle()
-    assert not llm.engine.runner.lora.users
+    # Both at once need two slots: the second waits in the queue while the first runs, then runs
+    # in the slot the first gave back; neither is mixed up with the other's adapter.
+    engine = llm.engine
+    engine.add_request("holds-a", PROMPTS[1], dataclasses.replace(GREEDY, lora="a"))
+    engine.add_request("wants-b", PROMPTS[1], dataclasses.replace(GREEDY, lora="b"))
+    finished, first_token_step, step = {}, {}, 0
+    while engine.has_unfinished_requests():
+        step += 1
+        for out in engine.step():
+            first_token_step.setdefault(out.request_id, step)
+            if out.finished:
+                finished[out.request_id] = (step, out.token_ids)
+    assert finished["holds-a"][1] == expected["a"][1] and finished["wants-b"][1] == expected["b"][1]
+    assert first_token_step["wants-b"] > finished["holds-a"][0]  # it waited for the slot
+    assert engine.scheduler.num_deferred_for_lora > 0
+    engine.assert_idle()
+    assert not engine.runner.lora.users
+
+
+def test_an_adapter_is_not_unloaded_under_a_request_that_waits_for_a_slot(dirs):
+    from splitserve.engine.lora.manager import AdapterInUse
+    llm = LLM(model=str(dirs["base"]), dtype="float32", num_gpu_blocks=64, block_size=4, enable_lora=True,
+              max_loras=1, max_lora_rank=8, enforce_eager=True)
+    llm.add_lora("a", dirs["a"][0])
+    llm.add_lora("b", dirs["b"][0])
+    engine = llm.engine
+    engine.add_request("holds-a", PROMPTS[1], dataclasses.replace(GREEDY, lora="a"))
+    engine.add_request("wants-b", PROMPTS[1], dataclasses.replace(GREEDY, lora="b"))
+    engine.step()  # "holds-a" runs; "wants-b" waits, holding no slot
+    assert engine.requests["wants-b"].lora_slot is None
+    with pytest.raises(AdapterInUse, match="1 request"):
+        engine.remove_lora("b")
+    with pytest.raises(ValueError, match="'zz' is not loaded here"):
+        engine.add_request("unknown", PROMPTS[1], dataclasses.replace(GREEDY, lora="zz"))
+    engine.abort_request("wants-b")
+    engine.remove_lora("b")
+    engine.abort_request("holds-a")
+    engine.assert_idle()
+    assert not engine.runner.lora.users
 
 
 def write_adapter(path, config: dict, tensors: dict):

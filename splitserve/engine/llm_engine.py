@@ -12,6 +12,7 @@ from typing import Callable, Sequence
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.kv_cache_manager import KVCacheManager, chain_root
 from splitserve.engine.kv_connector import KVConnector
+from splitserve.engine.lora.manager import AdapterInUse
 from splitserve.engine.model_loader import load_tokenizer, resolve_model
 from splitserve.engine.model_runner import ModelRunner, PoolFactory, default_pool
 from splitserve.engine.outputs import RequestMetrics, RequestOutput
@@ -41,6 +42,9 @@ class LLMEngine:
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
                                  num_cpu_blocks=config.num_cpu_blocks if config.preemption_mode == "swap" else 0)
         self.scheduler = Scheduler(config, self.kv, self.max_model_len, clock=clock)
+        self.scheduler.lora = self.runner.lora
+        # Prefilled requests (a decode worker's) whose adapter waits for a LoRA slot to free.
+        self._waiting_for_lora: list[Request] = []
         self.step_budget = StepBudget(config.target_tpot_ms, config.max_num_batched_tokens, config.block_size) \
             if config.target_tpot_ms else None
         self.proposer = build_proposer(config, self.runner)  # None unless speculative decoding is on
@@ -78,7 +82,7 @@ class LLMEngine:
                           priority=priority, arrival_time=self.clock() if arrival_time is None else arrival_time,
                           prompt=text)
         request.grammar = self._grammar(params, token_ids)
-        self._take_lora(request)  # last: nothing after it may fail while the slot is held
+        self._name_lora(request)  # its slot is taken when the scheduler admits it
         self.requests[request_id] = request
         self.scheduler.add(request)
         return request
@@ -97,7 +101,12 @@ class LLMEngine:
         self._lora_manager().register(adapter)
 
     def remove_lora(self, name: str) -> None:
-        self._lora_manager().remove(name)
+        """Forget an adapter; AdapterInUse while a request here (running or waiting) names it."""
+        manager = self._lora_manager()
+        naming = sum(1 for r in self.requests.values() if r.lora == name)
+        if name in manager.known and naming:
+            raise AdapterInUse(f"LoRA adapter {name!r} is in use by {naming} request(s) on this engine")
+        manager.remove(name)
 
     def list_loras(self) -> list[str]:
         return list(self.runner.lora.known) if self.runner.lora is not None else []
@@ -107,16 +116,30 @@ class LLMEngine:
             raise ValueError("lora: this engine serves no adapters (start it with enable_lora)")
         return self.runner.lora
 
-    def _take_lora(self, request: Request) -> None:
-        if request.sampling_params.lora is not None:
-            request.lora = request.sampling_params.lora
-            request.lora_slot = self._lora_manager().acquire(request.lora)
-            request.cache_root = chain_root(request.lora)
+    def _name_lora(self, request: Request) -> None:
+        """The request's adapter (ValueError if this engine does not know it), not its slot yet."""
+        name = request.sampling_params.lora
+        if name is not None:
+            if name not in self._lora_manager().known:
+                raise ValueError(f"LoRA adapter {name!r} is not loaded here")
+            request.lora = name
+            request.cache_root = chain_root(name)
 
     def _forget(self, request: Request) -> None:
         """A request that ended leaves the engine (and gives its adapter slot back)."""
-        if self.requests.pop(request.request_id, None) is not None and request.lora is not None:
+        if request in self._waiting_for_lora:
+            self._waiting_for_lora.remove(request)
+        if self.requests.pop(request.request_id, None) is not None and request.lora_slot is not None:
             self.runner.lora.release(request.lora)
+            request.lora_slot = None
+
+    def _resume_waiting_for_lora(self) -> None:
+        """Prefilled requests whose adapter now has a slot start decoding, in arrival order."""
+        for request in list(self._waiting_for_lora):
+            if self.runner.lora.can_acquire(request.lora):
+                self._waiting_for_lora.remove(request)
+                request.lora_slot = self.runner.lora.acquire(request.lora)
+                self.scheduler.add_running(request)
 
     def add_prefilled_request(self, request_id: str, prompt_token_ids: Sequence[int], params: SamplingParams,
                               first_token: int, priority: int = 0,
@@ -139,15 +162,22 @@ class LLMEngine:
         request.grammar = self._grammar(params, token_ids)  # the first token is accepted below
         if sampler_state:
             request.restore_sampler_state(sampler_state)
-        self._take_lora(request)
+        self._name_lora(request)
         request.num_computed_tokens = len(token_ids)
         request.num_cached_tokens = 0
         request.first_token_time = self.clock()
         self.kv.cache_full_blocks(request_id, token_ids, len(token_ids), request.cache_root)
         self.requests[request_id] = request
         request.append_token(first_token, first_logprobs)
-        self.scheduler.add_running(request)
         reason = request.check_stop(self.max_model_len)
+        if reason is None and request.lora is not None and not self.runner.lora.can_acquire(request.lora):
+            # Every slot holds another adapter of running requests: its pages stay reserved and
+            # it decodes once one of them ends (each step looks: _resume_waiting_for_lora).
+            self._waiting_for_lora.append(request)
+            return self._output(request)
+        if reason is None and request.lora is not None:
+            request.lora_slot = self.runner.lora.acquire(request.lora)
+        self.scheduler.add_running(request)
         if reason is not None:
             self.scheduler.finish(request, reason)
         return self._output(request)
@@ -186,7 +216,7 @@ class LLMEngine:
         return self._output(request)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or bool(self._waiting_for_lora)
 
     # ---- the KV handoff's scheduler side (splitserve.engine.kv_connector.KVHandoffEngine) ----
     @property
@@ -240,6 +270,8 @@ class LLMEngine:
 
     # ---- the loop --------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        if self._waiting_for_lora:
+            self._resume_waiting_for_lora()
         plan = self.scheduler.schedule()
         started = time.perf_counter()
         if self.proposer is not None:
@@ -292,7 +324,7 @@ class LLMEngine:
             "kv_usage": self.kv.usage,
             "prefix_cache_hit_rate": self.kv.prefix_stats.hit_rate,
             "num_running": sum(1 for r in self.scheduler.running if not r.is_finished),
-            "num_waiting": len(self.scheduler.waiting),
+            "num_waiting": len(self.scheduler.waiting) + len(self._waiting_for_lora),
             "num_preemptions": self.scheduler.num_preemptions,
             "spec_decode_num_drafts": self.scheduler.spec_stats.num_drafts,
             "spec_decode_num_draft_tokens": self.scheduler.spec_stats.num_draft_tokens,

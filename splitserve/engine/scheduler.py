@@ -102,6 +102,12 @@ class Scheduler:
         self.num_sampled_tokens = 0
         # Times a waiting request was passed over because a running prefill computes its prefix.
         self.num_deferred_for_prefix = 0
+        # The engine's LoRA slots (splitserve.engine.lora.manager.LoRAManager; None: no adapters).
+        # A request under an adapter takes its slot when it is admitted, and waits while every
+        # slot holds another adapter of running requests.
+        self.lora = None
+        # Times a waiting request was passed over because no LoRA slot was free for its adapter.
+        self.num_deferred_for_lora = 0
 
     # ---- queue management ------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -218,6 +224,10 @@ class Scheduler:
                 self.num_deferred_for_prefix += 1
                 i += 1
                 continue
+            if request.lora is not None and request.lora_slot is None and not self.lora.can_acquire(request.lora):
+                self.num_deferred_for_lora += 1
+                i += 1
+                continue
             if not self.config.enable_chunked_prefill and request.status is RequestStatus.WAITING \
                     and request.num_tokens > budget:
                 return
@@ -234,6 +244,8 @@ class Scheduler:
                 in_flight = self._blocks_in_flight()  # the victim no longer computes its blocks
                 admitted = self._admit(request, out, budget)
             self.waiting.pop(i)
+            if request.lora is not None and request.lora_slot is None:  # (can_acquire said yes above)
+                request.lora_slot = self.lora.acquire(request.lora)
             request.status = RequestStatus.RUNNING
             self.running.append(request)
             out.chunks.append(admitted)

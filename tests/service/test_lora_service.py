@@ -146,3 +146,25 @@ def test_loading_refusals_name_the_problem(stack, models, tmp_path):
     assert missing.status_code == 404
     listed = [m["id"] for m in httpx.get(stack.http + "/v1/models", timeout=10).json()["data"][1:]]
     assert listed == ["a", "b"]  # a refused load left nothing behind on any worker
+
+
+def test_more_adapters_at_once_than_slots_wait_their_turn(stack, models, expected, tmp_path):
+    """Three adapters, two slots per worker (--max-loras 2): requests of all three at once. Those
+    whose adapter finds no free slot wait (in the prefill worker's queue, and with their pages
+    reserved on the decode worker) until requests of another adapter end; every one is served,
+    exact."""
+    from tests.conftest import HFReference
+    d_adapter, d_merged = make_adapter(models["base"], tmp_path / "d", 15, r=8, lora_alpha=8,
+                                       target_modules=["k_proj", "gate_proj"])
+    stack.stub.LoadLoRAAdapter(generation_pb2.LoadLoRAAdapterRequest(lora_name="d", lora_path=str(d_adapter)),
+                               timeout=60)
+    want = {**{name: expected[name] for name in ("a", "b")},
+            "d": [HFReference(d_merged).greedy(p, MAX_TOKENS) for p in PROMPTS]}
+    jobs = [(name, i) for i in range(len(PROMPTS)) for name in ("a", "b", "d")] * 2
+    try:
+        with ThreadPoolExecutor(len(jobs)) as pool:
+            results = list(pool.map(lambda job: generate(stack, PROMPTS[job[1]], job[0])[0], jobs))
+    finally:
+        stack.stub.UnloadLoRAAdapter(generation_pb2.UnloadLoRAAdapterRequest(lora_name="d"), timeout=60)
+    for (name, i), tokens in zip(jobs, results):
+        assert tokens == want[name][i], (name, i)

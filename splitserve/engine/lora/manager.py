@@ -5,7 +5,8 @@ An adapter is read once (``add``), checked against the model, and kept on the ho
 naming it takes a slot (``acquire``): the one it already holds, else a free one, else the least
 recently used one no running request holds, into which its weights are copied. A request gives
 its slot back when it ends (``release``). When every slot holds an adapter of running requests, a
-request for another one is refused (ValueError naming --max-loras), never mixed up.
+request for another one waits (``can_acquire`` is False: the scheduler leaves it queued) until one
+of them ends, as in vLLM; it is never mixed up with another adapter.
 """
 from __future__ import annotations
 
@@ -87,6 +88,11 @@ class LoRAManager:
         del self.known[name]
 
     # ---- slots ---------------------------------------------------------------------------
+    def can_acquire(self, name: str) -> bool:
+        """Whether ``acquire(name)`` would find a slot now (its own, a free one, or one no running
+        request holds)."""
+        return name in self.recent or None in self.slots or any(not self.users[r] for r in self.recent)
+
     def acquire(self, name: str) -> int:
         """The slot of ``name`` for one more request (loaded into one if need be)."""
         if name not in self.known:
