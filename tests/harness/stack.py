@@ -363,8 +363,18 @@ def _wait_listed(stack: Stack, wanted: set[str]) -> generation_pb2.ServerInfo:
 
 
 def _wait_registered(stack: Stack, metrics: bool) -> None:
-    """Until the gateway lists every worker; then note every process's metrics port."""
+    """Until the gateway lists every worker and, when they make a usable set, is ready to serve
+    (its health monitor saw them too: the gateway boots beside the workers); then note every
+    process's metrics port."""
     info = _wait_listed(stack, set(stack.addresses.values()))
+    roles = set(stack.roles.values())
+    if "both" in roles or {"prefill", "decode"} <= roles:
+        deadline = time.monotonic() + REGISTER_TIMEOUT_S
+        while (status := gateway_health(stack)) != health_pb2.HealthCheckResponse.SERVING:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the gateway was not ready within {REGISTER_TIMEOUT_S:.0f} s of listing every "
+                                   f"worker: {status}")
+            time.sleep(0.1)
     if metrics:
         by_address = {address: name for name, address in stack.addresses.items()}
         for w in info.workers:
