@@ -20,7 +20,7 @@ from splitserve.gateway.workers import WorkerDirectory
 from splitserve.state.store import RedisState, make_async_client
 from splitserve.v1 import worker_pb2, worker_pb2_grpc
 from tests.harness.redis_server import RedisServer
-from tests.harness.stand_ins import serve_decode_worker
+from tests.harness.stand_ins import serve_decode_worker, stop_dispatcher
 
 SHORT_S = 0.2  # the waited-for abort's bound in this test
 BUSY_S = 0.6   # how long this worker takes to answer an Abort: longer than SHORT_S
@@ -71,9 +71,6 @@ def test_an_abort_that_timed_out_for_an_ended_request_is_sent_again_and_answered
                 await asyncio.sleep(0.05)
             assert worker.aborts_started == 2 and worker.aborts_answered >= 1
         finally:
-            await dispatcher.stop()
-            await dispatcher.directory.close()
-            await server.stop(None)
-            await state.client.aclose()
+            await stop_dispatcher(dispatcher, state, server)
     with RedisServer() as server:
         asyncio.run(main(server.url))

@@ -26,7 +26,7 @@ from splitserve.gateway.workers import WorkerDirectory
 from splitserve.state.store import RedisState, make_async_client
 from splitserve.v1 import worker_pb2, worker_pb2_grpc
 from tests.harness.redis_server import RedisServer
-from tests.harness.stand_ins import serve_decode_worker
+from tests.harness.stand_ins import serve_decode_worker, stop_dispatcher
 
 TOKENS = 40
 TOKEN_GAP_S = 0.1
@@ -91,10 +91,7 @@ def test_a_claim_whose_reply_is_lost_is_adopted():
             await dispatcher.ledger.flush(5)
             assert (await state.get("r1"))["state"] == "finished"
         finally:
-            await dispatcher.stop()
-            await dispatcher.directory.close()
-            await server.stop(None)
-            await state.client.aclose()
+            await stop_dispatcher(dispatcher, state, server)
     with RedisServer() as server:
         asyncio.run(main(server.url))
 
@@ -133,10 +130,7 @@ def test_a_redis_rolled_back_under_a_running_request_does_not_start_it_twice(tmp
             record = await state.get("r1")
             assert record["state"] == "finished" and record["epoch"] == 1, record
         finally:
-            await dispatcher.stop()
-            await dispatcher.directory.close()
-            await server.stop(None)
-            await state.client.aclose()
+            await stop_dispatcher(dispatcher, state, server)
     try:
         asyncio.run(main())
     finally:

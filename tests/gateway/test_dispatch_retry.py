@@ -19,7 +19,7 @@ from splitserve.gateway.job import Finished, JobState
 from splitserve.state.store import RedisState, make_async_client
 from splitserve.gateway.workers import WorkerDirectory
 from tests.harness.redis_server import RedisServer
-from tests.harness.stand_ins import serve_decode_worker
+from tests.harness.stand_ins import serve_decode_worker, stop_dispatcher
 from splitserve.v1 import worker_pb2, worker_pb2_grpc
 
 
@@ -75,9 +75,6 @@ def test_a_retry_in_its_backoff_is_not_cancelled_by_the_watchdogs_verdict_on_the
             assert job.attempt == 2 and job.state is JobState.FINISHED
             assert (failing.decodes, good.decodes) == (1, 1)
         finally:
-            await dispatcher.stop()
-            await dispatcher.directory.close()
-            await good_server.stop(None)
-            await state.client.aclose()
+            await stop_dispatcher(dispatcher, state, good_server)
     with RedisServer() as server:
         asyncio.run(main(server.url))

@@ -1,5 +1,6 @@
 """Serving a stand-in decode worker inside a test of one gateway class (the Dispatcher's tests):
-a real gRPC server on loopback with the health service, whose DecodeWorker the test writes."""
+a real gRPC server on loopback with the health service, whose DecodeWorker the test writes; and
+the end of such a test."""
 from __future__ import annotations
 
 import grpc
@@ -16,3 +17,13 @@ async def serve_decode_worker(servicer: worker_pb2_grpc.DecodeWorkerServicer) ->
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     return server, f"127.0.0.1:{port}"
+
+
+async def stop_dispatcher(dispatcher, state, *servers: grpc.aio.Server) -> None:
+    """The end of a Dispatcher test: the dispatcher, its worker channels, the stand-in servers,
+    the Redis client."""
+    await dispatcher.stop()
+    await dispatcher.directory.close()
+    for server in servers:
+        await server.stop(None)
+    await state.client.aclose()
