@@ -145,6 +145,9 @@ class LoRAManager:
         r = self.max_rank
         for i, row in enumerate(rows):
             slot = row.request.lora_slot
+            if slot is None and row.request.lora is not None and not row.request.is_finished:
+                # It would run as the base model (a finished request is only a static batch's padding).
+                raise RuntimeError(f"request {row.request.request_id} runs without its adapter's slot")
             if slot is not None:
                 self.mask[query_start[i]:query_start[i + 1], slot * r:(slot + 1) * r] = 1
                 self._masked_tokens = query_start[i + 1]
