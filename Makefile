@@ -23,17 +23,20 @@ $(STAMP): pyproject.toml Makefile | $(PY)
 
 install: $(STAMP)
 
+# apt waits for another apt (an unattended upgrade, a parallel make) instead of failing on its lock.
+APT_GET := DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=300
+
 # A private redis-server is started by the tests and by `make run`; install it if missing.
 redis:
 	@command -v redis-server >/dev/null 2>&1 || { \
 		echo "installing redis-server with apt"; \
-		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq redis-server >/dev/null; }
+		$(APT_GET) update -qq && $(APT_GET) install -y -qq redis-server >/dev/null; }
 
 # Worker processes run on tcmalloc where it is installed (splitserve/cli/allocator.py: ~8 % more tok/s).
 tcmalloc:
 	@ldconfig -p 2>/dev/null | grep -q libtcmalloc_minimal || { \
 		echo "installing libtcmalloc-minimal4 with apt"; \
-		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libtcmalloc-minimal4 >/dev/null; }
+		$(APT_GET) update -qq && $(APT_GET) install -y -qq libtcmalloc-minimal4 >/dev/null; }
 
 # checkov (tests/deploy/test_kubernetes.py lints deploy/kubernetes with it) pins many dependencies of
 # its own: a venv of its own, so it cannot change what the project's venv holds.

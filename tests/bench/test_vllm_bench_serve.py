@@ -1,0 +1,67 @@
+"""bench/vllm_bench_serve.py: the parts that run without vLLM. Whose CPU time is whose, on a real
+process tree (a parent, a named child that burns CPU, and that child's own child)."""
+import os
+import signal
+import subprocess
+import sys
+
+from bench.vllm_bench_serve import cpu_by_process, cpu_flags
+
+# The root starts a child which starts a grandchild; the grandchild spins for `BURN_S` of CPU
+# then all three sleep until killed. Each prints its pid so the test can name them.
+BURN_S = 0.6
+TREE = f"""
+import os, subprocess, sys, time
+depth = int(sys.argv[1])
+if depth < 2:
+    subprocess.Popen([sys.executable, "-c", sys.argv[2], str(depth + 1), sys.argv[2]])
+print(os.getpid(), flush=True)
+if depth == 2:
+    end = time.process_time() + {BURN_S}
+    while time.process_time() < end:
+        pass
+    print("burnt", flush=True)
+time.sleep(60)
+"""
+
+
+def stat_of(pid: int) -> tuple[str, int]:
+    """A process's command name and parent pid."""
+    with open(f"/proc/{pid}/stat") as f:
+        stat = f.read()
+    return stat[stat.index("(") + 1:stat.rindex(")")], int(stat.rsplit(")", 1)[1].split()[1])
+
+
+def test_cpu_time_goes_to_the_nearest_named_ancestor():
+    root = subprocess.Popen([sys.executable, "-c", TREE, "0", TREE], stdout=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    try:
+        lines = [root.stdout.readline().strip() for _ in range(4)]  # three pids and "burnt", in any order
+        assert "burnt" in lines
+        pids = [int(line) for line in lines if line != "burnt"]
+        others = [p for p in pids if p != root.pid]
+        child = next(p for p in others if stat_of(p)[1] == root.pid)
+        grandchild = next(p for p in others if p != child)
+
+        named = cpu_by_process(root.pid, {root.pid: "root", child: "worker"})
+        assert set(named) == {"root", "worker"}
+        assert named["worker"] >= BURN_S * 0.9  # the grandchild's spin, under its named parent
+        assert named["root"] < BURN_S / 2
+
+        # Naming the grandchild moves its time to it; an unnamed child of the root goes by its command.
+        split = cpu_by_process(root.pid, {root.pid: "root", grandchild: "spinner"})
+        assert split["spinner"] >= BURN_S * 0.9
+        assert set(split) == {"root", "spinner", stat_of(child)[0]}
+        assert split[stat_of(child)[0]] < BURN_S / 2
+    finally:
+        os.killpg(root.pid, signal.SIGKILL)  # the whole tree: it runs in its own session
+        root.wait()
+
+
+def test_cpu_flags_are_read_from_this_machine():
+    with open("/proc/cpuinfo") as f:
+        text = f.read()
+    flags = cpu_flags()
+    assert flags, "no vector flag at all on an x86-64 box that runs torch"
+    for flag in flags:
+        assert f" {flag}" in text
