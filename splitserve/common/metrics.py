@@ -105,11 +105,17 @@ class EngineMetrics:
         self.pages_set_aside = Gauge("splitserve:kv_pages_set_aside",
                                      "Pages of ended reservations held back while a sender in another process "
                                      "is still copying into them (decode)", registry=registry)
+        self.step_seconds = Counter("splitserve:engine_step_seconds",
+                                    "Wall seconds of the engine's steps by phase: schedule, propose, prepare, "
+                                    "forward, sample, update (splitserve.engine.step_phases)", ["phase"],
+                                    registry=registry)
+        self.steps = Counter("splitserve:engine_steps", "Engine steps that ran the model", registry=registry)
         self.role = Gauge("splitserve:worker_info", "Constant 1, labelled with the worker's role",
                           list(labels), registry=registry)
         self.role.labels(**labels).set(1)
         self._seen = {"num_preemptions": 0, "prefix_queries": 0, "prefix_hits": 0, "spec_drafts": 0,
                       "spec_draft_tokens": 0, "spec_accepted_tokens": 0, "grammar_hits": 0, "grammar_misses": 0}
+        self._seen_phases: dict[str, float] = {}  # the engine's StepPhases at the last refresh
 
     def refresh(self, engine) -> None:
         """Copy the engine's counters into the metrics; runs on the engine thread."""
@@ -137,6 +143,12 @@ class EngineMetrics:
                               ("grammar_misses", self.grammar_cache_misses)):
             counter.inc(max(0, totals[name] - self._seen[name]))
             self._seen[name] = totals[name]
+        phases = engine.runner.phases
+        self.steps.inc(max(0, phases.steps - self._seen_phases.get("steps", 0)))
+        self._seen_phases["steps"] = phases.steps
+        for phase, seconds in phases.seconds().items():
+            self.step_seconds.labels(phase=phase).inc(max(0.0, seconds - self._seen_phases.get(phase, 0.0)))
+            self._seen_phases[phase] = seconds
 
 
 class TransferMetrics:

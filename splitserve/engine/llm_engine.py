@@ -272,15 +272,19 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         if self._waiting_for_lora:
             self._resume_waiting_for_lora()
-        plan = self.scheduler.schedule()
+        phases = self.runner.phases
+        with phases.timing("schedule"):
+            plan = self.scheduler.schedule()
         started = time.perf_counter()
         if self.proposer is not None:
-            self.proposer.propose(plan)
+            with phases.timing("propose"):
+                self.proposer.propose(plan)
         sampled = self.runner.run(plan)
         seconds = time.perf_counter() - started
-        changed = self.scheduler.update(plan, sampled)
-        self._budget_next_step(plan, seconds)
-        return [self._output(r) for r in changed]
+        with phases.timing("update"):
+            changed = self.scheduler.update(plan, sampled)
+            self._budget_next_step(plan, seconds)
+            return [self._output(r) for r in changed]
 
     def _budget_next_step(self, plan, seconds: float) -> None:
         """Under ``target_tpot_ms``: learn from this step's time, size the next one's budget."""

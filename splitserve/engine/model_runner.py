@@ -33,6 +33,7 @@ from splitserve.engine.sampler import Sampler, SamplingRow
 from splitserve.engine.scheduler import SampledToken, ScheduledChunk, SchedulerOutput
 from splitserve.engine.rejection_sampler import verify
 from splitserve.engine.step_inputs import InputBuffers, expand_verification
+from splitserve.engine.step_phases import StepPhases
 from splitserve.engine.tensor_parallel import TP_FOLLOWER, FollowerProgram, rank_device
 from splitserve.engine.tensor_parallel.messages import StepMessage
 
@@ -88,6 +89,7 @@ class ModelRunner:
                  max_model_len: int | None = None, tp_rank: int = 0, tp_comm=None,
                  tp_follower: FollowerProgram = TP_FOLLOWER):
         self.config = config
+        self.phases = StepPhases()  # where the steps' time goes (prepare, forward, sample here)
         self.tp_rank, self.tp_size = tp_rank, config.tensor_parallel_size
         self.device = rank_device(resolve_device(config.device), tp_rank)
         bind_device(self.device)  # the compile warm-up and the graph capture below run on this thread
@@ -269,17 +271,19 @@ class ModelRunner:
         self._swap(plan.swap_out, plan.swap_in)
         if plan.is_empty:
             return {}
+        self.phases.steps += 1
         logits, chunks = self.logits(plan)
         if not chunks:
             return {}
-        if any(c.spec_token_ids for c in chunks):
-            return verify(self.sampler, logits, chunks)
-        requests = [chunk.request for chunk in chunks]
-        rows = [SamplingRow(r.sampling_params, r.prompt_token_ids, r.output_token_ids, r.generator, r.grammar)
-                for r in requests]
-        out = self.sampler(logits, rows)
-        logprobs = out.logprobs or [None] * len(requests)
-        return {r.request_id: [SampledToken(t, lp)] for r, t, lp in zip(requests, out.token_ids, logprobs)}
+        with self.phases.timing("sample"):
+            if any(c.spec_token_ids for c in chunks):
+                return verify(self.sampler, logits, chunks)
+            requests = [chunk.request for chunk in chunks]
+            rows = [SamplingRow(r.sampling_params, r.prompt_token_ids, r.output_token_ids, r.generator, r.grammar)
+                    for r in requests]
+            out = self.sampler(logits, rows)
+            logprobs = out.logprobs or [None] * len(requests)
+            return {r.request_id: [SampledToken(t, lp)] for r, t, lp in zip(requests, out.token_ids, logprobs)}
 
     @torch.inference_mode()
     def logits(self, plan: SchedulerOutput) -> tuple[torch.Tensor, list[ScheduledChunk]]:
@@ -289,32 +293,34 @@ class ModelRunner:
         kv = self.kv_connector
         num_seqs = len(plan.chunks)
         graph_size = None
-        if self.graphs is not None and kv is None and all(c.is_decode for c in plan.chunks):
-            graph_size = self.graphs.padded_size(num_seqs)
-        step = self.inputs.build(plan.chunks, plan.block_tables, pad_to=graph_size)
-        if self.lora is not None:
-            self.lora.prepare_step(expand_verification(plan.chunks), step.layout.query_start_list)
-        message = None
-        if self.followers is not None:
-            # Host copies: a device tensor sent as it is would come back on rank 0's device.
-            message = StepMessage(input_ids=step.input_ids.to("cpu", copy=True),
-                                  positions=step.positions.to("cpu", copy=True),
-                                  layout=_detached(step.layout),
-                                  kv_orders=kv.step_orders(plan) if kv is not None else ())
-            self.followers.broadcast(message)
-        if graph_size is not None:
-            hidden = self.graphs.replay(num_seqs, graph_size)
-        else:
-            hidden = self._forward(step.layout, step.input_ids, step.positions,
-                                   (lambda layer: kv.save_layer(plan, layer)) if kv is not None else None)
-        if message is not None and message.wants_reply:
-            failures: dict[str, str] = {}
-            for reply in self.followers.gather():
-                failures.update(reply)
-            kv.followers_failed(failures)
-        if not step.sample_chunks:
-            return hidden[:0], []
-        return self.head(hidden[step.sample_index]), step.sample_chunks
+        with self.phases.timing("prepare"):
+            if self.graphs is not None and kv is None and all(c.is_decode for c in plan.chunks):
+                graph_size = self.graphs.padded_size(num_seqs)
+            step = self.inputs.build(plan.chunks, plan.block_tables, pad_to=graph_size)
+            if self.lora is not None:
+                self.lora.prepare_step(expand_verification(plan.chunks), step.layout.query_start_list)
+            message = None
+            if self.followers is not None:
+                # Host copies: a device tensor sent as it is would come back on rank 0's device.
+                message = StepMessage(input_ids=step.input_ids.to("cpu", copy=True),
+                                      positions=step.positions.to("cpu", copy=True),
+                                      layout=_detached(step.layout),
+                                      kv_orders=kv.step_orders(plan) if kv is not None else ())
+                self.followers.broadcast(message)
+        with self.phases.timing("forward"):
+            if graph_size is not None:
+                hidden = self.graphs.replay(num_seqs, graph_size)
+            else:
+                hidden = self._forward(step.layout, step.input_ids, step.positions,
+                                       (lambda layer: kv.save_layer(plan, layer)) if kv is not None else None)
+            if message is not None and message.wants_reply:
+                failures: dict[str, str] = {}
+                for reply in self.followers.gather():
+                    failures.update(reply)
+                kv.followers_failed(failures)
+            if not step.sample_chunks:
+                return hidden[:0], []
+            return self.head(hidden[step.sample_index]), step.sample_chunks
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits of ``hidden`` rows, as the model's own head computes them."""

@@ -5,7 +5,7 @@ import signal
 import subprocess
 import sys
 
-from bench.vllm_bench_serve import cpu_by_process, cpu_flags
+from bench.vllm_bench_serve import breakdown, cpu_by_process, cpu_flags
 
 # The root starts a child which starts a grandchild; the grandchild spins for `BURN_S` of CPU
 # then all three sleep until killed. Each prints its pid so the test can name them.
@@ -65,3 +65,15 @@ def test_cpu_flags_are_read_from_this_machine():
     assert flags, "no vector flag at all on an x86-64 box that runs torch"
     for flag in flags:
         assert f" {flag}" in text
+
+
+def test_breakdown_is_what_one_run_added_to_the_counters():
+    before = {"gateway": {"vllm:request_queue_time_seconds_sum": 1.0, "vllm:request_queue_time_seconds_count": 10},
+              "both": {"splitserve:engine_steps_total": 100, "splitserve:engine_step_seconds_total{phase=forward}": 2.0,
+                       "splitserve:engine_step_seconds_total{phase=schedule}": 0.1}}
+    after = {"gateway": {"vllm:request_queue_time_seconds_sum": 1.5, "vllm:request_queue_time_seconds_count": 20},
+             "both": {"splitserve:engine_steps_total": 300, "splitserve:engine_step_seconds_total{phase=forward}": 6.0,
+                      "splitserve:engine_step_seconds_total{phase=schedule}": 0.3}}
+    out = breakdown(before, after)
+    assert out["gateway"] == {"queued": 50.0}  # 0.5 s over 10 requests; spans without requests left out
+    assert out["both"] == {"steps": 200, "ms_per_step": {"forward": 20.0, "schedule": 1.0}}

@@ -78,6 +78,20 @@ def test_token_counters_summed_over_every_process_equal_the_tokens_served(stack,
     assert engine == {"gateway": 0.0, "prefill": len(finals), "decode": generated - len(finals)}
 
 
+def test_workers_export_where_their_step_time_went(stack, served):
+    """``splitserve:engine_step_seconds{phase}`` and ``splitserve:engine_steps`` (splitserve.engine.step_phases):
+    both workers ran steps and every phase of them took time; no speculative decoding, so no
+    proposals; the gateway runs no engine."""
+    before, after, _ = served
+    for name in ("prefill", "decode"):
+        delta = lambda key: after[name].get(key, 0.0) - before[name].get(key, 0.0)  # noqa: E731
+        assert delta("splitserve:engine_steps_total") > 0, name
+        for phase in ("schedule", "prepare", "forward", "sample", "update"):
+            assert delta(f"splitserve:engine_step_seconds_total{{phase={phase}}}") > 0, (name, phase)
+        assert after[name].get("splitserve:engine_step_seconds_total{phase=propose}", 0.0) == 0.0, name
+    assert not any(key.startswith("splitserve:engine_step") for key in after["gateway"])
+
+
 def test_every_series_carries_the_public_model_name(stack, served):
     public = stack.client.model_info().model
     assert public == Path(stack.model).name  # a local directory by its last component only
