@@ -5,8 +5,10 @@ server, ``splitserve up --prefill 0 --decode 0`` (one colocated worker) and ``sp
 with one prefill and one decode worker. All three start once; a warm-up run of the client against
 each (the whole workload at the highest rate, another seed: every step shape the measured runs
 make is compiled by then), then, for every rate, the systems take turns (the order rotating each
-round) with the same seed, so every system gets the same prompts, lengths and send times. Every
-run waits for a quiet machine first (the previous system may still be finishing its tail).
+round) with the same seed, so every system gets the same prompts, lengths and send times; each
+rate and round has a seed of its own (``--seed`` + 1000 x rate index + round), so no system serves
+a measured run's prompts from its prefix cache. Every run waits for a quiet machine first (the
+previous system may still be finishing its tail).
 
 Beside the client's figures, each run records where the time went: CPU milliseconds per output
 token of every process (gateway, Redis, workers, vLLM's API server and engine, the client), and
@@ -244,7 +246,7 @@ def main(argv=None) -> int:
                 trees["vllm"] = (server.proc.pid, {server.proc.pid: "api_server"})
             targets = {s.name: metrics_targets(s.address) for s in stacks}
 
-            def run(name: str, rate: str, num_prompts: int, tag: str, seed: int = args.seed) -> dict:
+            def run(name: str, rate: str, num_prompts: int, tag: str, seed: int) -> dict:
                 command = client_command(args, urls[name], models[name], model_dir, rate, num_prompts, result_dir, tag,
                                          seed)
                 commands[f"{name} at {rate} req/s"] = command  # the warm-up's, then each rate's
@@ -257,13 +259,17 @@ def main(argv=None) -> int:
                       f"  (waited {waited:.1f} s for a quiet machine)", flush=True)
                 return figures
 
+            # Every run has prompts of its own (a seed of its own, the same for every system): a
+            # system that saw a run's prompts before would serve them from its prefix cache.
+            rates = args.rates.split(",")
             for name in names:  # compile (every step shape the workload makes), caches, connections: not measured
-                run(name, max(args.rates.split(","), key=float), args.num_prompts, f"warmup-{name}", seed=args.seed + 1)
-            for rate in args.rates.split(","):
+                run(name, max(rates, key=float), args.num_prompts, f"warmup-{name}", seed=args.seed + 1_000_000)
+            for i, rate in enumerate(rates):
                 for rnd in range(args.rounds):
                     order = names[rnd % len(names):] + names[:rnd % len(names)]
                     for name in order:
-                        runs[name].setdefault(rate, []).append(run(name, rate, args.num_prompts, f"{name}-rate{rate}-round{rnd}"))
+                        runs[name].setdefault(rate, []).append(run(name, rate, args.num_prompts, f"{name}-rate{rate}-round{rnd}",
+                                                                   seed=args.seed + 1000 * i + rnd))
     finally:
         if server:
             server.stop()
