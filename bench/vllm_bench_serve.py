@@ -230,11 +230,9 @@ def main(argv=None) -> int:
     commands: dict[str, list[str]] = {}
     runs: dict[str, dict[str, list[dict]]] = {name: {} for name in names}
     try:
-        if server:
-            server.start()
         with running(stacks):
-            if server:
-                server.wait_ready()
+            if server:  # after the stacks: started beside them, its ports raced theirs (a gateway failed to bind)
+                server.start().wait_ready()
             urls = {s.name: s.http for s in stacks}
             if server:
                 urls["vllm"] = server.base_url
