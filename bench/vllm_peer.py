@@ -21,6 +21,9 @@ import os
 import sys
 import time
 
+# Run as a script, this file's folder (bench/) is the first entry of sys.path, and its modules
+# would shadow packages vLLM imports (bench/kernels.py is taken for the `kernels` package).
+sys.path = [entry for entry in sys.path if os.path.abspath(entry or ".") != os.path.dirname(os.path.abspath(__file__))]
 
 _channel = None
 
