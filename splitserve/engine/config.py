@@ -95,6 +95,9 @@ class EngineConfig:
     linear_backend: str = "auto"
     # Run the model op by op instead of as one compiled graph (vLLM's escape hatch of the same name).
     enforce_eager: bool = False
+    # Keep every page of windowed layers (Gemma 2/3, gpt-oss, Mistral) instead of giving back those
+    # behind the window (kv_groups, vLLM's hybrid KV cache manager). Disaggregated workers always do.
+    disable_hybrid_kv_cache_manager: bool = False
     # Weights: auto, the checkpoint's; dummy, random ones built from config.json alone (vLLM's
     # name), to measure or check a model's shapes without its checkpoint (tokens are meaningless).
     load_format: str = "auto"

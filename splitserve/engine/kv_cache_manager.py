@@ -9,6 +9,14 @@ block's token ids). A request whose prompt starts with blocks already in the cac
 them (ref count > 1). Blocks whose ref count drops to zero stay cached and reusable until
 memory is needed; then the least recently freed one is evicted. A block with a non-zero
 ref count is never evicted.
+
+Groups (``kv_groups``): a model whose layers differ in attention kind has one block table per
+group of layers per request, all drawn from the one pool. A windowed group gives a request's
+pages back once no later token can read them (``slide``); the table keeps a placeholder there
+(page 0, which the kernels never read: they skip pages outside the window). Prefix caching then
+serves a prefix only where every group still has the pages its next tokens read: the full
+groups all blocks of it, a windowed group the blocks of the window before its end (vLLM's
+hybrid KV cache manager does the same).
 """
 from __future__ import annotations
 
@@ -17,7 +25,11 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from typing import Iterable, Sequence
 
+from splitserve.engine.kv_groups import window_pages
 from splitserve.engine.kv_sizes import pages_for_tokens
+
+# Where a windowed group's table has given a page back: a valid page id that no kernel reads.
+PLACEHOLDER = 0
 
 
 @dataclass
@@ -40,6 +52,15 @@ def chain_root(namespace: str) -> int:
     """The parent hash a chain of ``namespace`` (a LoRA adapter's name) starts from: the same in
     every process (``hash`` of a string is not), never None (the base model's root)."""
     return int.from_bytes(hashlib.blake2b(namespace.encode(), digest_size=8).digest(), "little", signed=True)
+
+
+def group_hash(group: int, block_hash: int, key: tuple) -> tuple[int, tuple]:
+    """The hash and key a block of group ``group`` is cached under: group 0's are the chain's
+    own (what cache-aware routing computes, ``prefix_block_hashes``); another group's pages of the
+    same tokens hold other layers, so they are cached under keys of their own."""
+    if not group:
+        return block_hash, key
+    return hash((group, block_hash)), (group, key)
 
 
 def prefix_block_hashes(token_ids: Sequence[int], block_size: int, max_blocks: int | None = None) -> list[int]:
@@ -170,19 +191,47 @@ class BlockPool:
 @dataclass
 class _Owner:
     """What the manager remembers per request."""
-    block_ids: list[int] = field(default_factory=list)
+    # Block table per group (one group unless the model mixes attention kinds).
+    tables: list[list[int]] = field(default_factory=list)
+    # Per group: leading entries given back behind the window (placeholders now).
+    released: list[int] = field(default_factory=list)
     # Parent hash for the next block to register and how many blocks are registered.
     num_hashed_blocks: int = 0
     last_hash: int | None = None
     # Swap preemption: the host blocks holding this request's pages while it is out.
     cpu_block_ids: list[int] | None = None
 
+    @property
+    def block_ids(self) -> list[int]:
+        return self.tables[0]
+
+    def held(self, group: int) -> list[int]:
+        """The pages group ``group`` holds (its table past the placeholders)."""
+        return self.tables[group][self.released[group]:]
+
+
+class CachedPrefix(list):
+    """``find_cached_prefix``'s answer: the first group's hit pages (a list, as a single-group
+    caller wants them), and every group's table of the hit with its placeholders."""
+
+    def __init__(self, tables: list[list[int]], released: list[int]):
+        super().__init__(tables[0])
+        self.tables = tables
+        self.released = released
+
 
 class KVCacheManager:
     """Block tables per request over a device pool (and a host pool for swap preemption)."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 num_cpu_blocks: int = 0):
+                 num_cpu_blocks: int = 0, windows: Sequence[int] = (0,), max_step_tokens: int | None = None):
+        """``windows``: each group's window (``kv_groups.KVGroups.windows``; 0: full attention).
+        ``max_step_tokens``: the most tokens of one request a step computes (sizes a windowed
+        group's need, ``blocks_needed``)."""
+        if num_cpu_blocks and len(windows) > 1:
+            raise ValueError("swap preemption needs one KV group (the hybrid KV layout recomputes)")
+        self.windows = tuple(windows)
+        self.max_step_tokens = max_step_tokens
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
@@ -208,34 +257,79 @@ class KVCacheManager:
         return 1.0 - self.pool.num_free / self.pool.num_blocks
 
     def block_table(self, request_id: str) -> list[int]:
+        """The first group's table (every layer's, unless the model mixes attention kinds)."""
         return self._owners[request_id].block_ids
+
+    def block_tables(self, request_id: str) -> list[list[int]]:
+        """Every group's table."""
+        return self._owners[request_id].tables
 
     def owns(self, request_id: str) -> bool:
         return request_id in self._owners
 
     def blocks_needed(self, num_tokens: int) -> int:
-        return pages_for_tokens(num_tokens, self.block_size)
+        """Most pages a sequence of ``num_tokens`` tokens holds at once, over all groups."""
+        step = self.max_step_tokens or num_tokens
+        return sum(window_pages(w, self.block_size, num_tokens, step) for w in self.windows)
+
+    def _first_needed(self, group: int, num_computed_tokens: int) -> int:
+        """The first page group ``group`` still reads once ``num_computed_tokens`` tokens are in:
+        a token at position p reads back to p - window + 1."""
+        window = self.windows[group]
+        return max(0, (num_computed_tokens - window + 1) // self.block_size) if window else 0
 
     # ---- allocation ----------------------------------------------------------------
-    def find_cached_prefix(self, token_ids: Sequence[int], root: int | None = None) -> list[int]:
-        """Cached blocks matching the longest full-block prefix of ``token_ids``.
+    def find_cached_prefix(self, token_ids: Sequence[int], root: int | None = None) -> CachedPrefix:
+        """Cached blocks matching the longest full-block prefix of ``token_ids`` that every group
+        can serve (a windowed group: the blocks of the window before the prefix's end).
 
         The last token is never served from cache: its forward pass produces the logits of
         the next token, so at least one token is always computed. ``root``: where the hash chain
         starts (``Request.cache_root``: a LoRA adapter's blocks are its own).
         """
+        groups = len(self.windows)
         if not self.enable_prefix_caching:
-            return []
+            return CachedPrefix([[] for _ in range(groups)], [0] * groups)
         max_blocks = (len(token_ids) - 1) // self.block_size
-        hits: list[int] = []
-        parent = root
-        for i in range(max_blocks):
-            parent, key = chain_hash(parent, token_ids[i * self.block_size:(i + 1) * self.block_size])
-            block_id = self.pool.lookup(parent, key)
-            if block_id is None:
+        chain: list[tuple[int, tuple]] = []  # hashed as far as a lookup asked (a miss ends the search early)
+        found: list[dict[int, int]] = [{} for _ in range(groups)]
+
+        def lookup(group: int, i: int) -> int | None:
+            while len(chain) <= i:
+                j = len(chain)
+                chain.append(chain_hash(chain[-1][0] if chain else root,
+                                        token_ids[j * self.block_size:(j + 1) * self.block_size]))
+            if i not in found[group]:
+                block_id = self.pool.lookup(*group_hash(group, *chain[i]))
+                if block_id is None:
+                    return None
+                found[group][i] = block_id
+            return found[group][i]
+
+        # The full groups need every block of the prefix: the longest run all of them have.
+        hit = max_blocks
+        for group, window in enumerate(self.windows):
+            if not window:
+                hit = next((i for i in range(hit) if lookup(group, i) is None), hit)
+        # A windowed group needs the blocks its window reads back from the prefix's end. A block
+        # it lacks rules out every prefix whose window covers it: try again ending before it.
+        while hit > 0:
+            missing = None
+            for group, window in enumerate(self.windows):
+                if window:
+                    first = self._first_needed(group, hit * self.block_size)
+                    missing = next((i for i in range(hit - 1, first - 1, -1) if lookup(group, i) is None), None)
+                    if missing is not None:
+                        break
+            if missing is None:
                 break
-            hits.append(block_id)
-        return hits
+            hit = missing
+        tables, released = [], []
+        for group in range(groups):
+            first = self._first_needed(group, hit * self.block_size) if hit else 0
+            tables.append([PLACEHOLDER] * first + [found[group][i] for i in range(first, hit)])
+            released.append(first)
+        return CachedPrefix(tables, released)
 
     def next_block_hash(self, token_ids: Sequence[int], cached_blocks: Sequence[int],
                         root: int | None = None) -> int | None:
@@ -244,7 +338,7 @@ class KVCacheManager:
         k = len(cached_blocks)
         if k >= (len(token_ids) - 1) // self.block_size:
             return None
-        parent = self.pool.blocks[cached_blocks[-1]].block_hash if cached_blocks else root
+        parent = self.pool.blocks[cached_blocks[-1]].block_hash if cached_blocks else root  # group 0: plain hashes
         return chain_hash(parent, token_ids[k * self.block_size:(k + 1) * self.block_size])[0]
 
     def unregistered_block_hashes(self, request_id: str, token_ids: Sequence[int],
@@ -261,13 +355,34 @@ class KVCacheManager:
 
     def can_allocate(self, request_id: str, num_tokens: int, cached_blocks: Sequence[int] = ()) -> bool:
         owner = self._owners.get(request_id)
-        have = len(owner.block_ids) if owner else len(cached_blocks)
-        # Cached blocks that nobody references sit in the free count; taking them uses it up.
-        idle_cached = 0 if owner else sum(1 for b in cached_blocks if self.pool.blocks[b].ref_count == 0)
-        return self.blocks_needed(num_tokens) - have + idle_cached <= self.pool.num_free
+        need = self.blocks_needed_now(num_tokens, owner, cached_blocks)
+        return need <= self.pool.num_free
+
+    def blocks_needed_now(self, num_tokens: int, owner: _Owner | None, cached_blocks: Sequence[int] = ()) -> int:
+        """Free pages growing to ``num_tokens`` tokens takes (the pool's free count includes cached
+        blocks nobody references: a hit on one uses it up)."""
+        need = 0
+        pages = pages_for_tokens(num_tokens, self.block_size)
+        for group in range(len(self.windows)):
+            if owner is not None:
+                need += max(0, pages - len(owner.tables[group]))
+                continue
+            table, released = self._hit_of(cached_blocks, group)
+            need += max(0, pages - len(table)) + sum(1 for b in table[released:] if self.pool.blocks[b].ref_count == 0)
+        return need
+
+    @staticmethod
+    def _hit_of(cached_blocks: Sequence[int], group: int) -> tuple[list[int], int]:
+        """(table, placeholders) of a prefix hit for ``group``: a ``CachedPrefix`` carries every
+        group's; a plain list is the first group's only (what a single-group caller may pass)."""
+        if isinstance(cached_blocks, CachedPrefix):
+            return cached_blocks.tables[group], cached_blocks.released[group]
+        if group and cached_blocks:
+            raise ValueError("a prefix hit of a multi-group manager must come from find_cached_prefix")
+        return (list(cached_blocks) if not group else []), 0
 
     def allocate(self, request_id: str, num_tokens: int, cached_blocks: Sequence[int] = ()) -> list[int] | None:
-        """Grow ``request_id``'s block table to hold ``num_tokens`` tokens.
+        """Grow ``request_id``'s block tables to hold ``num_tokens`` tokens.
 
         ``cached_blocks`` (first allocation only) are prefix hits from ``find_cached_prefix``.
         Returns the new block ids, or None (and changes nothing) when the pool is short.
@@ -277,17 +392,43 @@ class KVCacheManager:
         owner = self._owners.get(request_id)
         if owner is None:
             owner = self._owners[request_id] = _Owner()
+            for group in range(len(self.windows)):
+                table, released = self._hit_of(cached_blocks, group)
+                self.pool.touch(table[released:])
+                owner.tables.append(list(table))
+                owner.released.append(released)
             if cached_blocks:
-                self.pool.touch(cached_blocks)
-                owner.block_ids.extend(cached_blocks)
                 owner.num_hashed_blocks = len(cached_blocks)
                 owner.last_hash = self.pool.blocks[cached_blocks[-1]].block_hash
-        need = self.blocks_needed(num_tokens) - len(owner.block_ids)
-        new = self.pool.allocate(need) if need > 0 else []
-        if new is None:  # cannot happen after can_allocate; kept so state stays consistent
-            raise RuntimeError("block pool changed under allocate")
-        owner.block_ids.extend(new)
-        return new
+        pages = pages_for_tokens(num_tokens, self.block_size)
+        out: list[int] = []
+        for table in owner.tables:
+            need = pages - len(table)
+            new = self.pool.allocate(need) if need > 0 else []
+            if new is None:  # cannot happen after can_allocate; kept so state stays consistent
+                raise RuntimeError("block pool changed under allocate")
+            table.extend(new)
+            out.extend(new)
+        return out
+
+    def slide(self, request_id: str, num_computed_tokens: int) -> int:
+        """Give back the pages of ``request_id``'s windowed groups that no token from position
+        ``num_computed_tokens`` on reads; returns how many. Called before each step of a request:
+        its new tokens are at those positions."""
+        owner = self._owners[request_id]
+        freed = 0
+        for group, window in enumerate(self.windows):
+            if not window:
+                continue
+            first = min(self._first_needed(group, num_computed_tokens), len(owner.tables[group]))
+            table = owner.tables[group]
+            gone = table[owner.released[group]:first]
+            if gone:
+                self.pool.release(gone)
+                table[owner.released[group]:first] = [PLACEHOLDER] * len(gone)
+                owner.released[group] = first
+                freed += len(gone)
+        return freed
 
     def cache_full_blocks(self, request_id: str, token_ids: Sequence[int], num_computed_tokens: int,
                           root: int | None = None) -> None:
@@ -299,7 +440,9 @@ class KVCacheManager:
         for i in range(owner.num_hashed_blocks, num_full):
             parent = owner.last_hash if i else root
             block_hash, key = chain_hash(parent, token_ids[i * self.block_size:(i + 1) * self.block_size])
-            self.pool.register(owner.block_ids[i], block_hash, key)
+            for group, table in enumerate(owner.tables):
+                if i >= owner.released[group]:
+                    self.pool.register(table[i], *group_hash(group, block_hash, key))
             owner.last_hash = block_hash
             owner.num_hashed_blocks = i + 1
 
@@ -315,7 +458,8 @@ class KVCacheManager:
         if owner is None:
             return
         # Tail first, so the LRU evicts a prompt's tail before its shared head.
-        self.pool.release(reversed(owner.block_ids))
+        for group in range(len(owner.tables)):
+            self.pool.release(reversed(owner.held(group)))
         if owner.cpu_block_ids and self.cpu_pool is not None:
             self.cpu_pool.release(owner.cpu_block_ids)
 
@@ -323,11 +467,13 @@ class KVCacheManager:
         """Give back the pages past the first ``num_tokens`` tokens: speculative decoding reserved
         them for proposals that were rejected. They hold no registered (full, computed) block."""
         owner = self._owners[request_id]
-        keep = self.blocks_needed(num_tokens)
-        if len(owner.block_ids) > keep:
-            extra = owner.block_ids[keep:]
-            del owner.block_ids[keep:]
-            self.pool.release(reversed(extra))
+        keep = pages_for_tokens(num_tokens, self.block_size)
+        for group, table in enumerate(owner.tables):
+            if len(table) > keep:
+                extra = table[max(keep, owner.released[group]):]
+                del table[keep:]
+                owner.released[group] = min(owner.released[group], keep)
+                self.pool.release(reversed(extra))
 
     # ---- swap preemption -----------------------------------------------------------
     def swap_out(self, request_id: str) -> list[tuple[int, int]] | None:
@@ -340,7 +486,7 @@ class KVCacheManager:
             return None
         pairs = list(zip(owner.block_ids, cpu_blocks))
         self.pool.release(reversed(owner.block_ids))
-        owner.block_ids, owner.cpu_block_ids = [], cpu_blocks
+        owner.tables, owner.released, owner.cpu_block_ids = [[]], [0], cpu_blocks
         owner.num_hashed_blocks, owner.last_hash = 0, None
         return pairs
 
@@ -353,7 +499,7 @@ class KVCacheManager:
             return None
         pairs = list(zip(owner.cpu_block_ids, device_blocks))
         self.cpu_pool.release(owner.cpu_block_ids)
-        owner.block_ids, owner.cpu_block_ids = device_blocks, None
+        owner.tables, owner.released, owner.cpu_block_ids = [device_blocks], [0], None
         return pairs
 
     def is_swapped(self, request_id: str) -> bool:
@@ -370,8 +516,9 @@ class KVCacheManager:
             self.cpu_pool.check_invariants()
         expected = [0] * self.pool.num_blocks
         for owner in self._owners.values():
-            for block_id in owner.block_ids:
-                expected[block_id] += 1
+            for group in range(len(owner.tables)):
+                for block_id in owner.held(group):
+                    expected[block_id] += 1
         actual = [block.ref_count for block in self.pool.blocks]
         if expected != actual:
             raise AssertionError("ref counts do not match the block tables")

@@ -40,7 +40,9 @@ class LLMEngine:
         self.vocab_size = hf.vocab_size
         self.max_model_len = self.runner.max_model_len
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
-                                 num_cpu_blocks=config.num_cpu_blocks if config.preemption_mode == "swap" else 0)
+                                 num_cpu_blocks=config.num_cpu_blocks if config.preemption_mode == "swap" else 0,
+                                 windows=self.runner.kv_groups.windows,
+                                 max_step_tokens=config.max_num_batched_tokens)
         self.scheduler = Scheduler(config, self.kv, self.max_model_len, clock=clock)
         self.scheduler.lora = self.runner.lora
         # Prefilled requests (a decode worker's) whose adapter waits for a LoRA slot to free.
@@ -225,7 +227,8 @@ class LLMEngine:
 
     @property
     def kv_cache(self):
-        """The pool as [layers, 2, blocks, block_size, kv_heads, row]."""
+        """The pool as [slots, 2, blocks, block_size, kv_heads, row] (slots: every layer, unless
+        windowed layers have KV groups of their own: ``runner.kv_groups``)."""
         return self.runner.kv_cache
 
     def blocks_needed(self, num_tokens: int) -> int:

@@ -24,6 +24,7 @@ from splitserve.engine.attention.hf_integration import ATTN_IMPLEMENTATION, Step
 from splitserve.engine.compiled_forward import build_forward
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.kv_connector import KVConnector
+from splitserve.engine.kv_groups import KVGroups, layer_windows, one_group, plan_groups
 from splitserve.engine.kv_sizes import kv_bytes_per_token, pages_for_budget, pages_for_tokens
 from splitserve.engine.cuda_graphs import DecodeGraphs, capture_sizes
 from splitserve.engine.cpu_linear import pack_linear_layers, resolve_linear_backend
@@ -151,6 +152,9 @@ class ModelRunner:
         self.kv_quant = kv_quant(config.kv_cache_dtype)
         self.kv_dtype = self.kv_quant.storage if self.kv_quant else self.dtype
         self.kv_row = row_width(self.head_dim, self.kv_quant)
+        # Which layers share pages (kv_groups): windowed layers apart from full ones, so their pages
+        # can go back behind the window; one group of every layer otherwise.
+        self.kv_groups = self._kv_groups(hf)
         self.num_blocks = config.num_gpu_blocks or self._pool_blocks()
         if self.tp_size > 1:  # every rank holds the same page ids: the smallest pool of them all
             from splitserve.engine.tensor_parallel.ranks import all_reduce_min
@@ -161,18 +165,19 @@ class ModelRunner:
         # step at 64 x 1,000: 10-20 % faster; docs/performance-history.md).
         # The Triton GPU kernels keep token-major pages (page_order_for).
         self.page_order = page_order_for(self.device.type, self.block_size, self.num_kv_heads)
-        shape = page_shape(self.page_order, self.num_layers, self.num_blocks, self.block_size,
+        shape = page_shape(self.page_order, self.kv_groups.slots, self.num_blocks, self.block_size,
                            self.num_kv_heads, self.kv_row)
         # The pool as it lies in memory: what kvtransfer and swapping copy, whole pages at a time.
         self.kv_pages = pool_factory(shape, self.kv_dtype, self.device)
-        # The same memory as [layers, 2, blocks, block_size, kv_heads, row] whatever the page order:
+        # The same memory as [slots, 2, blocks, block_size, kv_heads, row] whatever the page order
+        # (slots: the layers of one KV group, every layer unless the model mixes attention kinds):
         # what attention, checksums and tests index.
         self.kv_cache = token_view(self.kv_pages, self.page_order)
         self.cpu_cache = None
         if config.preemption_mode == "swap":
             self.cpu_cache = torch.zeros((*shape[:2], config.num_cpu_blocks, *shape[3:]), dtype=self.kv_dtype,
                                          pin_memory=self.device.type == "cuda")
-        self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(self.num_layers)]
+        self.kv_caches = [(self.kv_cache[slot, 0], self.kv_cache[slot, 1]) for _, slot in self.kv_groups.place]
         eos = self.model.generation_config.eos_token_id
         self.eos_token_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
         self.sampler = Sampler(self.eos_token_ids)
@@ -181,7 +186,7 @@ class ModelRunner:
         max_rows = config.max_num_seqs * (1 + config.num_speculative_tokens) if config.speculative_method \
             else config.max_num_seqs
         self.inputs = InputBuffers(max_tokens, min(max_rows, max_tokens), pages_for_tokens(self.max_model_len, self.block_size),
-                                   self.block_size, self.device)
+                                   self.block_size, self.device, num_groups=len(self.kv_groups.windows))
         # LoRA: every projection wrapped before the forward is compiled (splitserve/engine/lora).
         self.lora = None
         if config.enable_lora:
@@ -197,11 +202,32 @@ class ModelRunner:
             self.graphs = DecodeGraphs(self.forward, self.backend, self.kv_caches, self.inputs, self.max_model_len,
                                        capture_sizes(config.max_num_seqs))
             self.graphs.capture()
-        log.info("model runner: %s on %s in %s, attention %s, linear %s, %s, %d KV blocks of %d tokens (KV %s)%s",
+        groups = self.kv_groups
+        log.info("model runner: %s on %s in %s, attention %s, linear %s, %s, %d KV blocks of %d tokens (KV %s%s)%s",
                  model_dir.name, self.device, self.dtype, self.backend.name, self.linear_backend,
                  self.forward.describe(),
                  self.num_blocks, self.block_size, config.kv_cache_dtype,
+                 f"; {len(groups.windows)} groups of {groups.slots} layers, windows {groups.windows}"
+                 if groups.frees_pages else "",
                  f", tensor-parallel rank {tp_rank} of {self.tp_size}" if self.tp_size > 1 else "")
+
+    def _kv_groups(self, hf) -> KVGroups:
+        windows = layer_windows(hf)
+        if len(windows) != self.num_layers:
+            raise ValueError(f"config.json lists {len(windows)} layer_types for {self.num_layers} layers")
+        if not any(windows):
+            return one_group(self.num_layers)
+        c = self.config
+        why_not = ("--disable-hybrid-kv-cache-manager" if c.disable_hybrid_kv_cache_manager else
+                   "tensor parallelism" if self.tp_size > 1 else
+                   "swap preemption" if c.preemption_mode == "swap" else
+                   "a draft model" if c.speculative_method == "draft" else
+                   "CUDA graphs (--enforce-eager frees them)" if self.device.type == "cuda" and not c.enforce_eager
+                   else None)
+        if why_not:
+            log.info("windowed layers keep every page (no hybrid KV layout with %s)", why_not)
+            return one_group(self.num_layers)
+        return plan_groups(windows)
 
     def _load_shard(self, model_dir: Path) -> torch.nn.Module:
         """Rank 0 checks the split and starts the other ranks first (they load while it does);
@@ -247,7 +273,9 @@ class ModelRunner:
 
     @property
     def kv_bytes_per_token(self) -> int:
-        return kv_bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim,
+        """What one token of one page id costs: the layers of one KV group (every layer, unless
+        windowed layers have groups of their own)."""
+        return kv_bytes_per_token(self.kv_groups.slots, self.num_kv_heads, self.head_dim,
                                   torch.empty((), dtype=self.kv_dtype).element_size(), self.kv_quant is not None)
 
     def _pool_blocks(self) -> int:
@@ -296,7 +324,8 @@ class ModelRunner:
         with self.phases.timing("prepare"):
             if self.graphs is not None and kv is None and all(c.is_decode for c in plan.chunks):
                 graph_size = self.graphs.padded_size(num_seqs)
-            step = self.inputs.build(plan.chunks, plan.block_tables, pad_to=graph_size)
+            step = self.inputs.build(plan.chunks, plan.block_tables, pad_to=graph_size,
+                                     group_block_tables=plan.group_block_tables)
             if self.lora is not None:
                 self.lora.prepare_step(expand_verification(plan.chunks), step.layout.query_start_list)
             message = None
@@ -312,7 +341,8 @@ class ModelRunner:
                 hidden = self.graphs.replay(num_seqs, graph_size)
             else:
                 hidden = self._forward(step.layout, step.input_ids, step.positions,
-                                       (lambda layer: kv.save_layer(plan, layer)) if kv is not None else None)
+                                       (lambda layer: kv.save_layer(plan, layer)) if kv is not None else None,
+                                       step.group_layouts)
             if message is not None and message.wants_reply:
                 failures: dict[str, str] = {}
                 for reply in self.followers.gather():
@@ -328,10 +358,25 @@ class ModelRunner:
         return logits if self.final_logits is None else self.final_logits(logits)
 
     def _forward(self, layout: StepLayout, input_ids: torch.Tensor, positions: torch.Tensor,
-                 on_layer: Callable[[int], None] | None) -> torch.Tensor:
-        ctx = StepContext(self.backend, layout, self.backend.prepare(layout), self.kv_caches, on_layer_written=on_layer)
-        with step_context(ctx):
+                 on_layer: Callable[[int], None] | None, group_layouts: tuple[StepLayout, ...] = ()) -> torch.Tensor:
+        with step_context(self._step_context(layout, group_layouts, on_layer)):
             return self.forward(input_ids, positions)
+
+    def _step_context(self, layout: StepLayout, group_layouts: tuple[StepLayout, ...] = (),
+                      on_layer: Callable[[int], None] | None = None) -> StepContext:
+        """The context the attention op reads; ``group_layouts``: the further KV groups' layouts
+        (every group gets ``layout`` where there are none, as the warm-up's one page of each)."""
+        prepared = self.backend.prepare(layout)
+        ctx = StepContext(self.backend, layout, prepared, self.kv_caches, on_layer_written=on_layer)
+        groups = self.kv_groups
+        if len(groups.windows) > 1:
+            others = [(g, self.backend.prepare(g)) for g in group_layouts] or \
+                [(layout, prepared)] * (len(groups.windows) - 1)
+            ctx.group_steps = ((layout, prepared), *others)
+        if groups.frees_pages:
+            ctx.group_windows = groups.windows
+            ctx.layer_group = tuple(g for g, _ in groups.place)
+        return ctx
 
     @torch.inference_mode()
     def follow(self, message: StepMessage, on_layer: Callable[[int], None] | None = None) -> None:
@@ -363,8 +408,7 @@ class ModelRunner:
         # mode. Fresh tensors fail a guard of the compiled graph (their dispatch keys differ) and
         # the first request would compile it again (~9 s for SmolLM2).
         ids, pos = self.inputs.device_tensors[:2]
-        with torch.inference_mode(), \
-                step_context(StepContext(self.backend, layout, self.backend.prepare(layout), self.kv_caches)):
+        with torch.inference_mode(), step_context(self._step_context(layout)):
             ids[:n].zero_()
             pos[:n].copy_(torch.arange(n, device=dev))
             self.forward(ids[:n], pos[:n])

@@ -67,8 +67,11 @@ class SchedulerOutput:
     # (host block, device block) pairs to copy in before the forward runs.
     swap_in: list[tuple[int, int]] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
-    # Block table of every scheduled request, as it stands after this step's allocations.
+    # Block table of every scheduled request, as it stands after this step's allocations: the
+    # first KV group's (every layer's, unless the model mixes attention kinds: kv_groups).
     block_tables: dict[str, list[int]] = field(default_factory=dict)
+    # The tables of the other KV groups, per scheduled request; empty with one group.
+    group_block_tables: dict[str, list[list[int]]] = field(default_factory=dict)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -161,6 +164,8 @@ class Scheduler:
             n = min(remaining, budget)
             if n == 0:
                 continue
+            # Pages behind a windowed group's window go back before this step takes new ones.
+            self.kv.slide(request.request_id, request.num_computed_tokens)
             # Proposal slots only where the pool has room: speculation never preempts anyone.
             lookahead = 0 if padding or n != remaining or n != 1 else self._lookahead(request, budget - n)
             if lookahead and self.kv.allocate(request.request_id, request.num_computed_tokens + n + lookahead) is None:
@@ -183,8 +188,12 @@ class Scheduler:
             self._admit_waiting(out, budget, now)
 
         out.chunks.sort(key=lambda c: not c.is_decode)
+        groups = len(self.kv.windows)
         for chunk in out.chunks:
-            out.block_tables[chunk.request.request_id] = self.kv.block_table(chunk.request.request_id)
+            rid = chunk.request.request_id
+            out.block_tables[rid] = self.kv.block_table(rid)
+            if groups > 1:
+                out.group_block_tables[rid] = self.kv.block_tables(rid)[1:]
             if chunk.request.first_scheduled_time is None:
                 chunk.request.first_scheduled_time = now
         return out

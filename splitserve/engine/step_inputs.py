@@ -9,6 +9,7 @@ in one non-blocking copy each from pinned memory.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -23,6 +24,9 @@ class StepInputs:
     input_ids: torch.Tensor  # [T] int64, on the device
     positions: torch.Tensor  # [T] int64, on the device
     layout: StepLayout
+    # The layout of each further KV group (kv_groups): the same step over that group's block
+    # tables and slots; empty with one group.
+    group_layouts: tuple[StepLayout, ...]
     # Rows of the hidden states whose logits are sampled, and the chunks they sample for: one row
     # per chunk, or 1 + its proposals for a speculative decode (its last 1 + P rows, in order).
     sample_index: torch.Tensor  # [S] int64, on the device
@@ -67,9 +71,10 @@ def expand_verification(chunks: list[ScheduledChunk]) -> list:
 
 class InputBuffers:
     def __init__(self, max_tokens: int, max_seqs: int, max_blocks_per_seq: int, block_size: int,
-                 device: torch.device):
+                 device: torch.device, num_groups: int = 1):
         """``max_seqs``: rows of one step (sequences; with speculative decoding each verified
-        position is a row of its own)."""
+        position is a row of its own). ``num_groups``: KV groups, each with block tables and
+        slots of its own (``kv_groups``)."""
         self.block_size = block_size
         self.device = device
         pin = device.type == "cuda"
@@ -92,6 +97,11 @@ class InputBuffers:
         # them (a step that samples nothing never waits on the device, so the next one could
         # otherwise overwrite pinned memory a queued non-blocking copy has yet to read).
         self._copied = torch.cuda.Event() if device.type == "cuda" else None
+        # Groups 1..: (slots, tables) on the host and on the device.
+        self._group_host = [(host(max_tokens, dtype=torch.int64), host(max_seqs, max_blocks_per_seq, dtype=torch.int32))
+                            for _ in range(num_groups - 1)]
+        self._group_dev = self._group_host if device.type == "cpu" else \
+            [tuple(t.to(device) for t in pair) for pair in self._group_host]
 
     @property
     def device_tensors(self) -> list[torch.Tensor]:
@@ -111,8 +121,9 @@ class InputBuffers:
                 dev[lo:hi + 1].copy_(host[lo:hi + 1], non_blocking=True)
 
     def build(self, chunks: list[ScheduledChunk], block_tables: dict[str, list[int]],
-              pad_to: int | None = None) -> StepInputs:
+              pad_to: int | None = None, group_block_tables: dict[str, list[list[int]]] | None = None) -> StepInputs:
         """Inputs of one step; ``chunks`` are ordered decodes (and speculative decodes) first.
+        ``group_block_tables``: the further KV groups' tables per request (``SchedulerOutput``).
 
         ``pad_to``: a pure-decode batch replayed by a CUDA graph of that many rows; the rows past
         the batch are written as padding too."""
@@ -151,7 +162,17 @@ class InputBuffers:
         seq_of_token = np.repeat(np.arange(num_seqs), q_lens)
         positions = self._pos.numpy()[:num_tokens]
         np.add(np.repeat(starts - qsl[:-1], q_lens), np.arange(num_tokens), out=positions)
-        self._slots.numpy()[:num_tokens] = tables[seq_of_token, positions // bs].astype(np.int64) * bs + positions % bs
+        page_of_token, offset = positions // bs, positions % bs
+        self._slots.numpy()[:num_tokens] = tables[seq_of_token, page_of_token].astype(np.int64) * bs + offset
+        group_widths = []
+        for g, (slots_g, tables_g) in enumerate(self._group_host):
+            tables_np, width_g = tables_g.numpy(), 1
+            for i, chunk in enumerate(chunks):
+                table = group_block_tables[chunk.request.request_id][g]
+                tables_np[i, :len(table)] = table
+                width_g = max(width_g, len(table))
+            slots_g.numpy()[:num_tokens] = tables_np[seq_of_token, page_of_token].astype(np.int64) * bs + offset
+            group_widths.append(width_g)
         self._lens.numpy()[:num_seqs] = seq_lens
         sample_at = qsl[1:][np.fromiter((c.samples for c in chunks), dtype=bool, count=num_seqs)] - 1
         num_rows = len(sample_at)
@@ -171,7 +192,11 @@ class InputBuffers:
             query_start_list=qsl.tolist(),
             block_size=bs,
         )
-        return StepInputs(ids_d[:num_tokens], pos_d[:num_tokens], layout, sample_d[:num_rows], sample_chunks)
+        group_layouts = tuple(dataclasses.replace(layout, slot_mapping=slots_g[:num_tokens],
+                                                  block_tables=tables_g[:num_seqs, :width_g])
+                              for (slots_g, tables_g), width_g in zip(self._group_dev, group_widths))
+        return StepInputs(ids_d[:num_tokens], pos_d[:num_tokens], layout, group_layouts, sample_d[:num_rows],
+                          sample_chunks)
 
     def _to_device(self, num_tokens: int, num_seqs: int, num_rows: int) -> list[torch.Tensor]:
         if self.device.type == "cpu":
@@ -179,5 +204,8 @@ class InputBuffers:
         used = [num_tokens, num_tokens, num_tokens, num_seqs + 1, num_seqs, num_seqs, num_rows]
         for host, dev, n in zip(self._host, self._dev, used):
             dev[:n].copy_(host[:n], non_blocking=True)
+        for (slots_h, tables_h), (slots_d, tables_d) in zip(self._group_host, self._group_dev):
+            slots_d[:num_tokens].copy_(slots_h[:num_tokens], non_blocking=True)
+            tables_d[:num_seqs].copy_(tables_h[:num_seqs], non_blocking=True)
         self._copied.record()
         return self._dev

@@ -6,6 +6,7 @@ Offline, ``splitserve.engine.LLM`` builds a plain engine; only workers hand KV o
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Callable, Iterable
 
@@ -31,12 +32,18 @@ def build_decode(config: EngineConfig, transport: str = "auto", lease_ttl_s: flo
     if config.tensor_parallel_size > 1:
         names = tp_transports(names, transport == "auto", config.tensor_parallel_size)
     pool = DecodePool(names)
-    engine = LLMEngine(config, pool_factory=pool, tp_follower=KV_FOLLOWER)
+    engine = LLMEngine(_one_kv_group(config), pool_factory=pool, tp_follower=KV_FOLLOWER)
     return open_decode(engine, pool, lease_ttl_s, clock, host, advertise_host, kv_key)
 
 
 def build_prefill(config: EngineConfig, transports: Iterable[str] = TRANSPORTS, verify_checksum: bool = False,
                   kv_key: bytes | None = None):
     """A prefill engine that ships KV over any of ``transports``; returns its PrefillConnector."""
-    engine = LLMEngine(config, tp_follower=KV_FOLLOWER)
+    engine = LLMEngine(_one_kv_group(config), tp_follower=KV_FOLLOWER)
     return open_prefill(engine, transports, verify_checksum, kv_key)
+
+
+def _one_kv_group(config: EngineConfig) -> EngineConfig:
+    """The handoff moves one block table's pages: a windowed model's layers keep every page in one
+    group on both sides (as vLLM turns its hybrid KV cache manager off under a KV connector)."""
+    return dataclasses.replace(config, disable_hybrid_kv_cache_manager=True)

@@ -59,8 +59,9 @@ FAMILIES: dict[str, tuple[str, dict]] = {
 }
 
 
-def make_family_model(path: Path, name: str, seed: int = 0) -> Path:
-    """Save a tiny random model of ``name`` (a FAMILIES key) and the byte tokenizer into ``path``."""
+def make_family_model(path: Path, name: str, seed: int = 0, **overrides) -> Path:
+    """Save a tiny random model of ``name`` (a FAMILIES key) and the byte tokenizer into ``path``;
+    ``overrides``: config fields to set otherwise (e.g. more layers)."""
     if (path / "config.json").exists():
         return path
     config_class, extra = FAMILIES[name]
@@ -69,7 +70,7 @@ def make_family_model(path: Path, name: str, seed: int = 0) -> Path:
                   num_attention_heads=HEADS, num_key_value_heads=KV_HEADS, max_position_embeddings=MAX_POSITIONS,
                   bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                   pad_token_id=tokenizer.pad_token_id)
-    kwargs = {k: v for k, v in {**common, **extra}.items() if v is not None or k not in common}
+    kwargs = {k: v for k, v in {**common, **extra, **overrides}.items() if v is not None or k not in common}
     config = getattr(transformers, config_class)(**kwargs)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config)

@@ -36,6 +36,11 @@ class StepContext:
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
     # Called after a layer's K/V are in the cache (layer-by-layer KV transfer hooks in here).
     on_layer_written: Callable[[int], None] | None = None
+    # Layers in KV groups of their own (``kv_groups``): each group's (layout, prepared) —
+    # group 0's are ``layout`` and ``prepared`` — its window, and each layer's group. Empty: one group.
+    group_steps: tuple[tuple[StepLayout, object], ...] = ()
+    group_windows: tuple[int, ...] = ()
+    layer_group: tuple[int, ...] = ()
 
 
 _local = threading.local()
@@ -63,7 +68,17 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         variant = AttentionVariant(window, softcap, None if sinks is None else sinks.float().contiguous())
     else:
         variant = PLAIN
-    out = ctx.backend.forward(query, key, value, *ctx.kv_caches[layer], ctx.layout, ctx.prepared, scale, variant)
+    layout, prepared = ctx.layout, ctx.prepared
+    if ctx.layer_group:
+        group = ctx.layer_group[layer]
+        if ctx.group_windows[group] and window != ctx.group_windows[group]:
+            # The pool gave this layer's pages back behind a window it does not attend through.
+            raise RuntimeError(f"layer {layer} attends with sliding window {window or 'none'}, but its KV group frees "
+                               f"pages behind a window of {ctx.group_windows[group]} (kv_groups.layer_windows "
+                               "read this model's config wrongly; --disable-hybrid-kv-cache-manager serves it)")
+        if group:
+            layout, prepared = ctx.group_steps[group]
+    out = ctx.backend.forward(query, key, value, *ctx.kv_caches[layer], layout, prepared, scale, variant)
     if ctx.on_layer_written is not None:
         ctx.on_layer_written(layer)
     return out
