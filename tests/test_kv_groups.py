@@ -10,20 +10,33 @@ from splitserve.engine.kv_groups import layer_windows, one_group, plan_groups, w
 
 
 # ---- which layers go together ---------------------------------------------------------------
-def test_gemma3_1b_pattern_makes_groups_of_the_full_layers_count():
-    """26 layers, every sixth full: 4 full layers, 22 windowed. Groups of 4 layers: one full
-    group, six windowed ones (the last holds 2 layers: 2 slots padded)."""
+def test_gemma3_pattern_makes_groups_that_waste_little():
+    """Gemma-3-1B: 26 layers, every sixth full: 4 full, 22 windowed. Groups of 4 would pad 2 slots
+    (8 % of the memory of a short sequence): groups of 2 pad none (two full groups, eleven
+    windowed). Gemma-3-27B: 10 full, 52 windowed: groups of 5 pad 3 slots, of 10 would pad 8."""
     config = transformers.Gemma3TextConfig(num_hidden_layers=26, sliding_window=512)
     windows = layer_windows(config)
     assert windows.count(0) == 4 and set(windows) == {0, 512}
     groups = plan_groups(windows)
-    assert groups.slots == 4
-    assert groups.windows == (0,) + (512,) * 6
-    assert groups.padded_slots == 2
-    assert groups.layers_of(0) == [5, 11, 17, 23]
-    # Each (group, slot) holds one layer, and each layer is where its group's window is its own.
+    assert groups.slots == 2
+    assert groups.windows == (0, 0) + (512,) * 11
+    assert groups.padded_slots == 0
+    assert groups.layers_of(0) == [5, 11] and groups.layers_of(1) == [17, 23]
+    # Each (group, slot) holds one layer, and each layer's group has its window.
     assert len(set(groups.place)) == 26
     assert all(groups.windows[g] == windows[layer] for layer, (g, _) in enumerate(groups.place))
+    big = plan_groups(layer_windows(transformers.Gemma3TextConfig(num_hidden_layers=62, sliding_window=1024)))
+    assert big.slots == 5 and big.padded_slots == 3 and big.windows.count(0) == 2
+
+
+def test_padding_is_only_taken_in_the_windowed_groups_and_within_bounds():
+    # 3 full, 10 windowed (13 layers): groups of 3 pad 2 slots (15 %), too many: groups of 1.
+    groups = plan_groups([0, 9, 9, 9, 0, 9, 9, 9, 0, 9, 9, 9, 9])
+    assert groups.slots == 1 and groups.padded_slots == 0 and len(groups.windows) == 13
+    # 2 full, 41 windowed: groups of 2 pad one slot of 43 (2 %).
+    groups = plan_groups([0] * 2 + [9] * 41)
+    assert groups.slots == 2 and groups.padded_slots == 1
+    assert groups.windows == (0,) + (9,) * 21
 
 
 @pytest.mark.parametrize("config, expected", [

@@ -1,6 +1,6 @@
 """The engine gives windowed layers' pages back behind the window (issue 34, point 1: KV memory
-for windowed layers), exactly: a Gemma-3-shaped tiny model of seven layers (windowed and full
-ones in three kinds of groups, one slot padded) against ``transformers`` in fp32, over prompts
+for windowed layers), exactly: a Gemma-3-shaped tiny model of eight layers (two full, six
+windowed: a full group and three windowed ones of two layers each) against ``transformers`` in fp32, over prompts
 up to six times its window, chunked, with prefix-cache hits, in a pool so small that freed pages
 go to other requests at once, and under recompute preemption; and a request the same memory
 cannot hold when every page is kept."""
@@ -13,14 +13,13 @@ from splitserve.engine.kv_groups import window_pages
 from tests.harness.model_families import WINDOW, make_family_model
 from tests.test_engine_correctness import mixed_prompts
 
-# Windowed (S) and full (F) layers: 2 full, 5 windowed -> groups of 2 layers: one full group,
-# three windowed ones (the last holds one layer).
-LAYER_TYPES = ["sliding_attention"] * 3 + ["full_attention"] + ["sliding_attention"] * 2 + ["full_attention"]
+# 2 full, 6 windowed layers -> groups of 2 layers: one full group, three windowed ones.
+LAYER_TYPES = (["sliding_attention"] * 3 + ["full_attention"]) * 2
 
 
 @pytest.fixture(scope="module")
 def gemma3(tmp_path_factory):
-    return make_family_model(tmp_path_factory.mktemp("gemma3-7") / "m", "Gemma3ForCausalLM",
+    return make_family_model(tmp_path_factory.mktemp("gemma3-8") / "m", "Gemma3ForCausalLM",
                              num_hidden_layers=len(LAYER_TYPES), layer_types=LAYER_TYPES)
 
 
@@ -32,7 +31,7 @@ def test_the_layers_go_in_groups_by_window(gemma3, make_llm):
     llm = make_llm(gemma3, block_size=8, num_gpu_blocks=64)
     groups = llm.engine.runner.kv_groups
     assert groups.windows == (0, WINDOW, WINDOW, WINDOW)
-    assert groups.slots == 2 and groups.padded_slots == 1
+    assert groups.slots == 2 and groups.padded_slots == 0
     assert llm.engine.kv_cache.shape[0] == 2  # the pool holds 2 layers per page
     off = make_llm(gemma3, block_size=8, num_gpu_blocks=64, disable_hybrid_kv_cache_manager=True)
     assert off.engine.runner.kv_groups.windows == (0,) and off.engine.kv_cache.shape[0] == len(LAYER_TYPES)
@@ -56,10 +55,11 @@ def test_windowed_pages_freed_and_reused_serve_exact_tokens(gemma3, hf_reference
     # 40 pages cannot hold six such sequences at once: some are preempted and computed again.
     small = make_llm(gemma3, block_size=8, num_gpu_blocks=40, max_num_batched_tokens=32)
     assert [o.token_ids for o in small.generate(prompts, greedy(24))] == expected
+    assert small.engine.stats()["num_preemptions"] > 0
 
 
 def test_a_long_request_fits_the_memory_that_keeping_every_page_cannot(gemma3, hf_reference, make_llm):
-    """The same KV memory: 20 pages of 7 layers kept whole, 70 pages of 2 layers grouped. A request
+    """The same KV memory: 20 pages of 8 layers kept whole, 80 pages of 2 layers grouped. A request
     of 300 tokens needs 38 pages of every layer kept, but 38 full-group pages plus, per windowed
     group, the window and a step's worth."""
     keep = make_llm(gemma3, block_size=8, num_gpu_blocks=1, disable_hybrid_kv_cache_manager=True)
@@ -68,11 +68,11 @@ def test_a_long_request_fits_the_memory_that_keeping_every_page_cannot(gemma3, h
                     max_num_batched_tokens=32)
     grouped = make_llm(gemma3, block_size=8, kv_cache_memory_gb=memory_gb, max_num_batched_tokens=32)
     assert keep.engine.kv.num_total_blocks == 20
-    assert grouped.engine.kv.num_total_blocks == 70
+    assert grouped.engine.kv.num_total_blocks == 80
     prompt = mixed_prompts(1, seed=342, lo=260, hi=261)[0]
     with pytest.raises(ValueError, match="cannot fit the KV cache"):
         keep.generate([prompt], greedy(40))
-    assert grouped.engine.kv.blocks_needed(300) == 38 + 3 * window_pages(WINDOW, 8, 300, 32) <= 70
+    assert grouped.engine.kv.blocks_needed(300) == 38 + 3 * window_pages(WINDOW, 8, 300, 32) <= 80
     out = grouped.generate([prompt], greedy(40))
     assert out[0].token_ids == hf_reference(gemma3).greedy(prompt, 40)
 
@@ -96,3 +96,16 @@ def test_a_layer_attending_otherwise_than_its_group_frees_fails_loudly(gemma3):
     with pytest.raises(RuntimeError, match="attends with sliding window 16, but its KV group frees pages behind "
                                            "a window of 99"):
         llm.generate([[5] * 20], greedy(2))
+
+
+def test_the_sizing_report_counts_the_pages_a_colocated_worker_makes(gemma3, make_llm):
+    import re
+
+    from splitserve.cli.sizing import load_shape, report
+    budget = 0.001
+    text = report(load_shape(str(gemma3)), "float32", 8, budget, [300])
+    grouped = make_llm(gemma3, block_size=8, kv_cache_memory_gb=budget)
+    kept = make_llm(gemma3, block_size=8, kv_cache_memory_gb=budget, disable_hybrid_kv_cache_manager=True)
+    assert f"pool of {budget:g} GiB: {kept.engine.kv.num_total_blocks:,} pages" in text
+    found = re.search(r"4 groups of 2 layers\): pages of [\d,]+ B, ([\d,]+) in the pool", text)
+    assert found and int(found.group(1).replace(",", "")) == grouped.engine.kv.num_total_blocks

@@ -14,6 +14,12 @@ elements carries a 4-byte float32 scale (``splitserve/engine/attention/kv_quant.
 of N tokens holds ``ceil(N / block size)`` pages, so a pool serves that many sequences at
 full length at once (fewer long ones or more short ones; shared prefixes cost nothing extra).
 
+A model with sliding-window layers (Gemma 2/3, gpt-oss, Mistral) served by a colocated worker
+gives those layers' pages back behind the window (``splitserve.engine.kv_groups``): its pages hold
+one group of layers each, and a sequence holds the full layers' pages plus a window's worth per
+windowed group; the report adds those figures. Disaggregated workers keep every page (the
+figures above them, and every ``--gpus`` layout).
+
 With ``--tensor-parallel-size N`` a worker is N ranks on N GPUs, each holding 1/N of the KV heads:
 a page costs each GPU 1/N of its bytes, and ``--kv-cache-memory-gb`` is each rank's (each GPU's)
 budget, so the same budget holds N times the pages. ``--gpus`` compares tensor-parallel sizes
@@ -49,12 +55,20 @@ class KVShape:
     intermediate_size: int | None = None
     vocab_size: int | None = None
     tied_embeddings: bool = False
+    # Each layer's sliding window (0: full attention), as the engine reads the config; () when
+    # no layer has one.
+    windows: tuple[int, ...] = ()
 
     @classmethod
     def from_config(cls, name: str, config: dict) -> "KVShape":
         # The same fallbacks as ModelRunner: no num_key_value_heads means plain multi-head attention.
+        from types import SimpleNamespace
+
+        from splitserve.engine.kv_groups import layer_windows
         heads = config["num_attention_heads"]
-        return cls(name=name, layers=config["num_hidden_layers"],
+        windows = layer_windows(SimpleNamespace(**{k: config.get(k) for k in
+                                                   ("num_hidden_layers", "sliding_window", "layer_types")}))
+        return cls(name=name, layers=config["num_hidden_layers"], windows=tuple(windows) if any(windows) else (),
                    kv_heads=config.get("num_key_value_heads") or heads,
                    head_dim=config.get("head_dim") or config["hidden_size"] // heads, heads=heads,
                    hidden_size=config["hidden_size"], intermediate_size=config.get("intermediate_size"),
@@ -168,7 +182,34 @@ def report(shape: KVShape, dtype: str, block_size: int, budget_gib: float, conte
         if workers > 1:
             line += f" per worker, {seqs * workers:,} on {workers} workers"
         lines.append(line)
+    if shape.windows and tp == 1:
+        lines += windowed_lines(shape, dtype, block_size, budget_gib, context_lens, kv_cache_dtype)
     return "\n".join(lines)
+
+
+def windowed_lines(shape: KVShape, dtype: str, block_size: int, budget_gib: float, context_lens: list[int],
+                   kv_cache_dtype: str = "auto", step_tokens: int = 2048) -> list[str]:
+    """What a colocated worker makes of the budget when it frees windowed layers' pages: pages of
+    one KV group's layers; a decoding sequence holds the full groups' pages and a window's worth
+    (``kv_groups.window_pages``) per windowed group, and the pool keeps room for one step of
+    ``--max-num-batched-tokens``' default in every windowed group (a prefill chunk's pages, given
+    back behind the window after it)."""
+    from dataclasses import replace
+
+    from splitserve.engine.kv_groups import plan_groups, window_pages
+    groups = plan_groups(list(shape.windows))
+    per_page = kv_bytes_per_token(replace(shape, layers=groups.slots), dtype, kv_cache_dtype) * block_size
+    pages = kv_sizes.pages_for_budget(budget_gib, per_page // block_size, block_size)
+    windows = sorted(set(w for w in shape.windows if w))
+    step_pages = sum(1 for w in groups.windows if w) * kv_sizes.pages_for_tokens(step_tokens, block_size)
+    lines = [f"colocated, windowed layers' pages freed (windows {', '.join(map(str, windows))}; "
+             f"{len(groups.windows)} groups of {groups.slots} layers): pages of {per_page:,} B, {pages:,} in the pool, "
+             f"{step_pages:,} of them for a {step_tokens}-token step"]
+    for n in context_lens:
+        need = sum(window_pages(w, block_size, n, 1) for w in groups.windows)
+        lines.append(f"  context {n:,} tokens: {need:,} pages each -> "
+                     f"{max(0, pages - step_pages) // need:,} concurrent sequences")
+    return lines
 
 
 # ---- tensor-parallel sizes compared for a box of GPUs (--gpus) ----------------------------

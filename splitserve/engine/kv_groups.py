@@ -63,17 +63,30 @@ def layer_windows(hf_config) -> list[int]:
     return [window] * num_layers
 
 
+# Padding (slots no layer uses) a layout may waste, as a share of the layers, before a smaller group
+# size (more groups: a block table and an attention plan more per step each) is taken instead.
+MAX_PADDING = 0.05
+
+
 def plan_groups(windows: list[int]) -> KVGroups:
     """Groups of equal size over layers of one kind each (see the module docstring).
 
-    The group size is the layer count of the rarest kind, so the most common layout (one kind
-    many times as common as the other: Gemma 3's 5 to 1, gpt-oss's 1 to 1) needs no padding;
-    otherwise the last group of a kind is padded (``padded_slots``)."""
+    The group size divides the layer count of the rarest kind, so that kind (the full layers,
+    in every model we serve: their pages grow with the sequence) wastes nothing; among those
+    sizes, the largest whose padding of the other kinds' last groups stays within
+    ``MAX_PADDING`` (Gemma-3-27B: 10 full and 52 windowed layers, groups of 5: 3 slots padded,
+    where groups of 10 would pad 8)."""
     kinds = sorted(set(windows))  # 0 (full) first
     if len(kinds) == 1:
         return KVGroups((kinds[0],), len(windows), tuple((0, layer) for layer in range(len(windows))))
     layers_by_kind = {kind: [layer for layer, w in enumerate(windows) if w == kind] for kind in kinds}
-    slots = min(len(layers) for layers in layers_by_kind.values())
+    rarest = min(len(layers) for layers in layers_by_kind.values())
+
+    def padding(size: int) -> int:
+        return sum(-len(layers) % size for layers in layers_by_kind.values())
+
+    slots = max(size for size in range(1, rarest + 1)
+                if rarest % size == 0 and padding(size) <= MAX_PADDING * len(windows))
     group_windows: list[int] = []
     place: dict[int, tuple[int, int]] = {}
     for kind in kinds:
