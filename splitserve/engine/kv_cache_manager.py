@@ -231,6 +231,8 @@ class KVCacheManager:
         if num_cpu_blocks and len(windows) > 1:
             raise ValueError("swap preemption needs one KV group (the hybrid KV layout recomputes)")
         self.windows = tuple(windows)
+        # Whether any group gives pages back behind a window (``slide`` has work to do).
+        self.frees_pages = any(self.windows)
         self.max_step_tokens = max_step_tokens
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching

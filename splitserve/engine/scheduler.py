@@ -164,8 +164,8 @@ class Scheduler:
             n = min(remaining, budget)
             if n == 0:
                 continue
-            # Pages behind a windowed group's window go back before this step takes new ones.
-            self.kv.slide(request.request_id, request.num_computed_tokens)
+            if self.kv.frees_pages:  # pages behind a window go back before this step takes new ones
+                self.kv.slide(request.request_id, request.num_computed_tokens)
             # Proposal slots only where the pool has room: speculation never preempts anyone.
             lookahead = 0 if padding or n != remaining or n != 1 else self._lookahead(request, budget - n)
             if lookahead and self.kv.allocate(request.request_id, request.num_computed_tokens + n + lookahead) is None:
