@@ -148,6 +148,9 @@ class ModelRunner:
         self.head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
         self.block_size = config.block_size
         self.backend = select_backend(config.attention_backend, self.device.type, self.head_dim)
+        if self.backend.name == "triton":  # CUDA, or CPU tensors under the interpreter
+            from splitserve.engine.experts import use_triton_experts
+            use_triton_experts(self.model)  # mixture-of-experts layers as grouped-GEMM launches
         # Quantized pages (--kv-cache-dtype) are rows of 8-bit codes + a float32 scale; see kv_quant.
         self.kv_quant = kv_quant(config.kv_cache_dtype)
         self.kv_dtype = self.kv_quant.storage if self.kv_quant else self.dtype
