@@ -168,3 +168,23 @@ def test_an_adapters_chain_root_is_the_same_in_every_process():
                             env={"PYTHONHASHSEED": seed}).stdout.strip() for seed in ("1", "2")}
     from splitserve.engine.kv_cache_manager import chain_root
     assert roots == {str(chain_root("sql"))}
+
+
+def test_the_triton_grouped_gemms_serve_each_adapter_and_mixed_batches(dirs, expected):
+    """With the Triton kernels (interpreted on CPU, compiled on a GPU) each token goes through its
+    own adapter's A and B in grouped-GEMM launches instead of the masked stack of every slot: a
+    batch mixing the base model and both adapters equals transformers + PEFT."""
+    from splitserve.engine.attention.triton_common import _INTERPRETED, TRITON_AVAILABLE
+    if not TRITON_AVAILABLE or not (_INTERPRETED or torch.cuda.is_available()):
+        pytest.skip("Triton on CPU tensors needs TRITON_INTERPRET=1")
+    llm = LLM(model=str(dirs["base"]), dtype="float32", num_gpu_blocks=128, block_size=4, enable_lora=True,
+              max_loras=2, max_lora_rank=8, attention_backend="triton",
+              device="cuda" if torch.cuda.is_available() else "cpu")
+    assert llm.engine.runner.lora.grouped is not None
+    llm.add_lora("a", dirs["a"][0])
+    llm.add_lora("b", dirs["b"][0])
+    short = dataclasses.replace(GREEDY, max_tokens=6)
+    names = [None, "a", "b", "a", "b", None]
+    outs = llm.generate([PROMPTS[i % 3] for i in range(6)], short, lora=names)
+    assert [o.token_ids for o in outs] == [expected[name][i % 3][:6] for i, name in enumerate(names)]
+    llm.engine.assert_idle()

@@ -195,7 +195,7 @@ class ModelRunner:
         if config.enable_lora:
             from splitserve.engine.lora.manager import LoRAManager
             self.lora = LoRAManager(self.model, config.max_loras, config.max_lora_rank, max_tokens, self.dtype,
-                                    self.device)
+                                    self.device, grouped=self.backend.name == "triton")
         self.forward = build_forward(self.decoder, config, self.device)
         if hasattr(self.forward, "warm_up"):
             self.forward.warm_up(self._dummy_forward)

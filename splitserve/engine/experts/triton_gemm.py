@@ -1,5 +1,6 @@
 """One Triton launch for a projection of every expert: rows sorted by expert, each tile of rows
-multiplied by its own expert's weight (a grouped GEMM, as vLLM's fused MoE kernel does it).
+multiplied by its own expert's weight (a grouped GEMM, as vLLM's fused MoE kernel does it). LoRA
+adapters use it too, an adapter slot for an expert (``splitserve.engine.lora.layers``).
 
 The tile schedule is built on the device with fixed shapes (``tile_schedule``), so the launch
 needs no host sync and fits in a compiled graph or a CUDA graph: at most ``ceil(S / BLOCK_M) +
@@ -77,9 +78,10 @@ def _next_pow2(x: int) -> int:
 
 def grouped_gemm(a: torch.Tensor, rows: torch.Tensor | None, weight: torch.Tensor, bias: torch.Tensor | None,
                  tile_expert: torch.Tensor, tile_start: torch.Tensor, tile_end: torch.Tensor, num_rows: int,
-                 transposed: bool) -> torch.Tensor:
+                 transposed: bool, zero_rest: bool = False) -> torch.Tensor:
     """[num_rows, N]: row i = a[rows[i]] (or a[i]) @ W[e]^T + bias[e], e the expert of i's tile.
-    ``weight`` [E, N, K] (``transposed``: [E, K, N], gpt-oss's layout); ``bias`` [E, N] or None."""
+    ``weight`` [E, N, K] (``transposed``: [E, K, N], gpt-oss's layout), any strides; ``bias``
+    [E, N] or None. Rows no tile covers are left as they are (``zero_rest``: zeros)."""
     num_experts = weight.shape[0]
     if transposed:
         k_dim, n_dim = weight.shape[1], weight.shape[2]
@@ -87,7 +89,7 @@ def grouped_gemm(a: torch.Tensor, rows: torch.Tensor | None, weight: torch.Tenso
     else:
         n_dim, k_dim = weight.shape[1], weight.shape[2]
         stride_wn, stride_wk = weight.stride(1), weight.stride(2)
-    out = torch.empty((num_rows, n_dim), dtype=weight.dtype, device=a.device)
+    out = (torch.zeros if zero_rest else torch.empty)((num_rows, n_dim), dtype=weight.dtype, device=a.device)
     if num_rows == 0:
         return out
     a = a.to(weight.dtype)
@@ -108,10 +110,10 @@ def grouped_gemm(a: torch.Tensor, rows: torch.Tensor | None, weight: torch.Tenso
 # Opaque to torch.compile: the graph keeps one node per projection (as the attention op).
 _lib = torch.library.Library("splitserve", "FRAGMENT")
 _lib.define("moe_grouped_gemm(Tensor a, Tensor? rows, Tensor weight, Tensor? bias, Tensor tile_expert, "
-            "Tensor tile_start, Tensor tile_end, SymInt num_rows, bool transposed) -> Tensor")
+            "Tensor tile_start, Tensor tile_end, SymInt num_rows, bool transposed, bool zero_rest=False) -> Tensor")
 _lib.impl("moe_grouped_gemm", grouped_gemm, "CompositeExplicitAutograd")
 
 
 @torch.library.register_fake("splitserve::moe_grouped_gemm")
-def _(a, rows, weight, bias, tile_expert, tile_start, tile_end, num_rows, transposed):
+def _(a, rows, weight, bias, tile_expert, tile_start, tile_end, num_rows, transposed, zero_rest=False):
     return a.new_empty((num_rows, weight.shape[2] if transposed else weight.shape[1]), dtype=weight.dtype)

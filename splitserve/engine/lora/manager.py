@@ -18,7 +18,7 @@ from typing import Sequence
 import torch
 
 from splitserve.engine.lora.adapter import LoRAAdapter, load_adapter
-from splitserve.engine.lora.layers import wrap_projections
+from splitserve.engine.lora.layers import GroupedRows, wrap_projections
 
 log = logging.getLogger(__name__)
 
@@ -33,10 +33,13 @@ class AdapterInUse(ValueError):
 
 class LoRAManager:
     def __init__(self, model: torch.nn.Module, max_loras: int, max_rank: int, max_tokens: int, dtype: torch.dtype,
-                 device: torch.device):
+                 device: torch.device, grouped: bool = False):
+        """``grouped``: each token through its own adapter's matrices in grouped-GEMM launches (the
+        Triton kernels); otherwise every token through the masked stack of all slots (CPU)."""
         self.max_loras, self.max_rank = max_loras, max_rank
-        self.mask = torch.zeros(max_tokens, max_loras * max_rank, dtype=dtype, device=device)
-        self.layers = wrap_projections(model, self.mask)
+        self.mask = torch.zeros(max_tokens if not grouped else 1, max_loras * max_rank, dtype=dtype, device=device)
+        self.grouped = GroupedRows(max_tokens, max_loras, device) if grouped else None
+        self.layers = wrap_projections(model, self.mask, self.grouped)
         self.known: dict[str, LoRAAdapter] = {}
         self.slots: list[str | None] = [None] * max_loras  # the adapter in each slot
         self.recent: OrderedDict[str, int] = OrderedDict()  # resident adapter -> slot, least recently used first
@@ -138,16 +141,28 @@ class LoRAManager:
     # ---- steps ---------------------------------------------------------------------------
     def prepare_step(self, rows: Sequence, query_start: Sequence[int]) -> None:
         """Write the mask of a step whose rows (scheduled chunks, in input order) start at
-        ``query_start``: each token gets its request's slot columns."""
+        ``query_start``: each token gets its request's slot columns (grouped: its place in the
+        tokens sorted by slot)."""
+        if self.grouped is not None:
+            slots: list[int | None] = []
+            for i, row in enumerate(rows):
+                self._check_slot(row)
+                slots += [row.request.lora_slot] * (query_start[i + 1] - query_start[i])
+            self.grouped.write(slots)
+            return
         if self._masked_tokens:
             self.mask[:self._masked_tokens].zero_()
         self._masked_tokens = 0
         r = self.max_rank
         for i, row in enumerate(rows):
             slot = row.request.lora_slot
-            if slot is None and row.request.lora is not None and not row.request.is_finished:
-                # It would run as the base model (a finished request is only a static batch's padding).
-                raise RuntimeError(f"request {row.request.request_id} runs without its adapter's slot")
+            self._check_slot(row)
             if slot is not None:
                 self.mask[query_start[i]:query_start[i + 1], slot * r:(slot + 1) * r] = 1
                 self._masked_tokens = query_start[i + 1]
+
+    @staticmethod
+    def _check_slot(row) -> None:
+        if row.request.lora_slot is None and row.request.lora is not None and not row.request.is_finished:
+            # It would run as the base model (a finished request is only a static batch's padding).
+            raise RuntimeError(f"request {row.request.request_id} runs without its adapter's slot")
