@@ -109,3 +109,12 @@ def test_the_sizing_report_counts_the_pages_a_colocated_worker_makes(gemma3, mak
     assert f"pool of {budget:g} GiB: {kept.engine.kv.num_total_blocks:,} pages" in text
     found = re.search(r"4 groups of 2 layers\): pages of [\d,]+ B, ([\d,]+) in the pool", text)
     assert found and int(found.group(1).replace(",", "")) == grouped.engine.kv.num_total_blocks
+
+
+def test_speculative_proposals_over_windowed_groups_stay_exact(gemma3, hf_reference, make_llm):
+    """Proposal slots taken and given back (rejected ones trimmed) while the windows slide."""
+    prompts = [list(range(40, 70)) * 2, mixed_prompts(1, seed=344, lo=60, hi=61)[0]]  # repetitive: ngram proposes
+    llm = make_llm(gemma3, block_size=8, num_gpu_blocks=64, speculative_method="ngram", num_speculative_tokens=3)
+    out = llm.generate(prompts, greedy(24))
+    assert [o.token_ids for o in out] == [hf_reference(gemma3).greedy(p, 24) for p in prompts]
+    assert llm.engine.stats()["spec_decode_num_draft_tokens"] > 0
