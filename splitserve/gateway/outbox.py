@@ -34,6 +34,7 @@ class Tokens:
     # client: text is then the content alone.
     reasoning: str = ""  # thinking, apart from the answer
     tool_calls: list = field(default_factory=list)  # ToolCalls written in full by these tokens
+    tool_call_parts: list = field(default_factory=list)  # the calls as they stream (ToolCallParts)
 
     def nbytes(self) -> int:
         """Roughly the memory these tokens hold while they wait (ids, UTF-8 text, logprobs)."""

@@ -247,7 +247,8 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 if job.chat_output is not None and event.status is None:
                     delta = job.chat_output.end(rest)
                     if delta:
-                        yield index, Tokens([], [], delta.content, delta.reasoning, delta.tool_calls)
+                        yield index, Tokens([], [], delta.content, delta.reasoning, delta.tool_calls,
+                                            delta.tool_call_parts)
                     event = dataclasses.replace(event, finish_reason=job.chat_output.finish_reason(event.finish_reason))
                 elif rest:
                     yield index, Tokens([], [], rest)
@@ -453,4 +454,5 @@ def _duplicate_message(request_id: str, state: str | None, reuse_after_s: float)
 
 def _parsed(tokens: Tokens, delta) -> Tokens:
     """``tokens`` with their text split by the sample's parser (``splitserve.gateway.chat_output``)."""
-    return Tokens(tokens.token_ids, tokens.logprobs, delta.content, delta.reasoning, delta.tool_calls)
+    return Tokens(tokens.token_ids, tokens.logprobs, delta.content, delta.reasoning, delta.tool_calls,
+                  delta.tool_call_parts)

@@ -80,21 +80,45 @@ def pieces(text: str, how: str) -> list[str]:
     return [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
 
 
-def run(output: ChatOutput, text: str, how: str):
+def run(output: ChatOutput, text: str, how: str, parts: list | None = None):
+    """(content, reasoning, whole calls) of ``text`` fed in pieces; ``parts``: gets the calls' parts."""
     content, reasoning, calls = "", "", []
     for piece in pieces(text, how):
         delta = output.feed(piece)
         content, reasoning, calls = content + delta.content, reasoning + delta.reasoning, calls + delta.tool_calls
+        if parts is not None:
+            parts += delta.tool_call_parts
     delta = output.finish()
+    if parts is not None:
+        parts += delta.tool_call_parts
     return content + delta.content, reasoning + delta.reasoning, calls + delta.tool_calls
+
+
+def joined(parts) -> list[tuple[str, str, str]]:
+    """(id, name, arguments) per call from its parts, as an OpenAI client joins them; each call's
+    first part has its id and name and no arguments, the others no id and no name."""
+    calls: dict[int, list] = {}
+    for part in parts:
+        if part.index not in calls:
+            assert part.id and part.name and part.arguments == ""
+            calls[part.index] = [part.id, part.name, ""]
+        else:
+            assert part.id is None and part.name is None
+            calls[part.index][2] += part.arguments
+    assert sorted(calls) == list(range(len(calls)))
+    return [tuple(calls[i]) for i in sorted(calls)]
 
 
 @pytest.mark.parametrize("how", ["whole", "chars", "uneven"])
 @pytest.mark.parametrize("name,text,content,calls", RECORDED)
 def test_each_format_gives_its_calls_whole_and_streamed(name, text, content, calls, how):
-    got_content, _, got_calls = run(ChatOutput(tools=ToolStream(PARSERS[name](FUNCTIONS))), text, how)
+    parts = []
+    got_content, _, got_calls = run(ChatOutput(tools=ToolStream(PARSERS[name](FUNCTIONS))), text, how, parts)
     assert got_content == content
     assert [(c.name, json.loads(c.arguments)) for c in got_calls] == calls
+    # Streamed, the same calls: the same ids and names, arguments that mean the same.
+    assert [(i, n, json.loads(a)) for i, n, a in joined(parts)] == \
+        [(c.id, c.name, json.loads(c.arguments)) for c in got_calls]
     assert len({c.id for c in got_calls}) == len(got_calls)
     if name == "mistral":  # its templates take 9 letters or digits only
         assert all(len(c.id) == 9 and c.id.isalnum() for c in got_calls)
@@ -112,12 +136,49 @@ def test_malformed_calls_come_back_as_text(name, text, how):
 def test_a_call_is_handed_out_as_soon_as_it_is_written():
     stream = ToolStream(PARSERS["hermes"](FUNCTIONS))
     first = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}\n</tool_call>'
-    assert stream.feed("Looking <") == ("Looking ", [])  # "<" may start the marker: held
-    content, calls = stream.feed(first[1:])
+    assert stream.feed("Looking <") == ("Looking ", [], [])  # "<" may start the marker: held
+    content, calls, _ = stream.feed(first[1:])
     assert content == "" and [c.name for c in calls] == ["get_weather"]
-    assert stream.feed('\n<tool_call>\n{"name": "search", "arguments": {}}') == ("", [])
-    content, calls = stream.finish()  # the second one's closing tag never came
+    content, calls, parts = stream.feed('\n<tool_call>\n{"name": "search", "arguments": {}}')
+    assert (content, calls) == ("", []) and [p.name for p in parts if p.name] == ["search"]
+    content, calls, _ = stream.finish()  # the second one's closing tag never came
     assert content == "" and [(c.name, c.arguments) for c in calls] == [("search", "{}")]
+
+
+@pytest.mark.parametrize("name,text", [
+    ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Pa\\"ris}", "days": [3, {"x": 1}]}}\n'
+               '</tool_call>'),
+    ("llama3_json", '{"name": "get_weather", "parameters": {"city": "Paris", "days": 3}}'),
+    ("mistral", '[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}]'),
+    ("mistral", '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "days": 3}'),
+])
+def test_arguments_stream_as_the_model_writes_them(name, text):
+    """Fed a character at a time, the call's name goes out once its arguments begin, and every
+    character of the arguments object goes out as it comes, not when the call is whole."""
+    stream = ToolStream(PARSERS[name](FUNCTIONS))
+    start = text.index("{", text.index("get_weather"))
+    arguments = text[start:json.JSONDecoder().raw_decode(text, start)[1]]
+    sent, named_at = "", None
+    for i, ch in enumerate(text):
+        _, calls, parts = stream.feed(ch)
+        if any(p.name for p in parts):
+            named_at = i
+        sent += "".join(p.arguments for p in parts)
+        if start <= i < start + len(arguments) - 1:
+            assert sent == text[start:i + 1] and not calls, i  # within the object: everything so far
+    assert named_at == start  # the name goes out with the object's first character
+    _, calls, parts = stream.finish()
+    sent += "".join(p.arguments for p in parts)
+    assert sent == arguments
+    whole = run(ChatOutput(tools=ToolStream(PARSERS[name](FUNCTIONS))), text, "whole")[2]
+    assert json.loads(sent) == json.loads(whole[0].arguments)
+
+
+def test_a_named_call_streams_its_arguments_as_they_come():
+    parts = []
+    _, _, calls = run(ChatOutput(tools=NamedCall("get_weather")), '{"city": "Paris"}', "chars", parts)
+    assert len(parts) == 1 + len('{"city": "Paris"}')
+    assert joined(parts) == [(calls[0].id, "get_weather", '{"city": "Paris"}')]
 
 
 def test_text_after_the_calls_is_content_and_not_parallel_keeps_the_first_call():
@@ -125,8 +186,11 @@ def test_text_after_the_calls_is_content_and_not_parallel_keeps_the_first_call()
     content, _, calls = run(ChatOutput(tools=ToolStream(PARSERS["hermes"](FUNCTIONS))), text, "chars")
     assert content == "Let me look that up.\n" + "\nDone." and len(calls) == 2
     for how in ("whole", "chars"):
-        _, _, calls = run(ChatOutput(tools=ToolStream(PARSERS["hermes"](FUNCTIONS), parallel=False)), text, how)
+        parts = []
+        _, _, calls = run(ChatOutput(tools=ToolStream(PARSERS["hermes"](FUNCTIONS), parallel=False)), text, how,
+                          parts)
         assert [c.name for c in calls] == ["get_weather"]
+        assert [(i, n) for i, n, _ in joined(parts)] == [(calls[0].id, "get_weather")]  # nothing of the second
 
 
 def test_qwen3_xml_reads_values_by_their_parameter_types():

@@ -2,9 +2,13 @@
 
 Text passes through at once except what could be the start of a marker (``<think>``,
 ``</think>``, ``<tool_call>``...): that is held until the next text decides. Once a format's calls
-have started, text is held until each call is written in full; a call is handed out whole
-(name and arguments together; the HTTP API streams it as OpenAI does, name first). What does not
-parse as a call comes back as content at the end, never as an error.
+have started, each call is handed out whole once written in full (``tool_calls``: what a whole
+answer and gRPC carry), and streamed as it is written (``tool_call_parts``: what the HTTP API
+streams, as OpenAI does): its id and name as soon as the model has written the name and begun the
+arguments, then its arguments as they come (formats whose arguments are not the model's JSON text,
+``qwen3_xml`` and ``pythonic``, send them in one part once the call is whole). What does not parse
+as a call comes back as content at the end, never as an error; a call whose name and arguments had
+begun to stream and then did not parse leaves those parts with the client (as in vLLM).
 """
 from __future__ import annotations
 
@@ -12,7 +16,7 @@ from dataclasses import dataclass, field
 
 from splitserve.gateway.chat_output.reasoning import ReasoningStream, held_back
 from splitserve.gateway.chat_output.tool_parsers import ToolParser
-from splitserve.gateway.chat_output.tools import ToolCall, new_call_id
+from splitserve.gateway.chat_output.tools import ToolCall, ToolCallPart, new_call_id
 
 # A call can only have been completed by text holding one of these: the parse is tried again then.
 _CLOSERS = frozenset("}])>")
@@ -22,10 +26,49 @@ _CLOSERS = frozenset("}])>")
 class Delta:
     content: str = ""
     reasoning: str = ""
-    tool_calls: list[ToolCall] = field(default_factory=list)
+    tool_calls: list[ToolCall] = field(default_factory=list)  # calls written in full
+    tool_call_parts: list[ToolCallPart] = field(default_factory=list)  # the same calls as they stream
 
     def __bool__(self) -> bool:
-        return bool(self.content or self.reasoning or self.tool_calls)
+        return bool(self.content or self.reasoning or self.tool_calls or self.tool_call_parts)
+
+
+@dataclass
+class _Streaming:
+    """A call whose arguments are streaming: its JSON object is scanned as it comes (strings and
+    nesting followed) so that what is sent is inside the object, up to its closing brace."""
+
+    index: int  # the call's place in the answer
+    id: str
+    start: int  # where its arguments object begins in the tool text
+    scanned: int  # the tool text up to here is scanned (and sent)
+    depth: int = 0
+    in_string: bool = False
+    escaped: bool = False
+    closed: bool = False
+
+    def scan(self, text: str) -> str:
+        """The arguments text past what was sent, up to the object's end if it has come."""
+        i, n = self.scanned, len(text)
+        while i < n and not self.closed:
+            c = text[i]
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif c == "\\":
+                    self.escaped = True
+                elif c == '"':
+                    self.in_string = False
+            elif c == '"':
+                self.in_string = True
+            elif c in "{[":
+                self.depth += 1
+            elif c in "}]":
+                self.depth -= 1
+                self.closed = self.depth == 0
+            i += 1
+        fragment, self.scanned = text[self.scanned:i], i
+        return fragment
 
 
 class ToolStream:
@@ -38,19 +81,23 @@ class ToolStream:
         self.pending = ""  # text held back (a marker may be starting)
         self.tool_text = ""  # from the first marker on
         self.found = 0  # calls found so far (handed out, or dropped when not parallel)
+        self.parsed_end = 0  # where the tool text's finished calls end
+        self.streaming: _Streaming | None = None  # the call being written, once its name is
 
-    def feed(self, text: str) -> tuple[str, list[ToolCall]]:
+    def feed(self, text: str) -> tuple[str, list[ToolCall], list[ToolCallPart]]:
         if self.state == "plain":
-            return text, []
+            return text, [], []
         if self.state == "text":
             content = self._before_calls(text)
             if self.state != "calls":
-                return content, []
-            return content, self._new_calls(self.parser.parse(self.tool_text, final=False))
+                return content, [], []
+            calls, parts = self._finished(self.parser.parse(self.tool_text, final=False))
+            return content, calls, parts + self._stream()
         self.tool_text += text
-        if _CLOSERS.isdisjoint(text):
-            return "", []
-        return "", self._new_calls(self.parser.parse(self.tool_text, final=False))
+        calls, parts = [], []
+        if not _CLOSERS.isdisjoint(text):
+            calls, parts = self._finished(self.parser.parse(self.tool_text, final=False))
+        return "", calls, parts + self._stream()
 
     def _before_calls(self, text: str) -> str:
         """Content that comes before the calls (if any); switches state when they start."""
@@ -76,37 +123,75 @@ class ToolStream:
         content, self.pending = self.pending[:len(self.pending) - keep], self.pending[len(self.pending) - keep:]
         return content
 
-    def _new_calls(self, parsed) -> list[ToolCall]:
-        new = parsed.calls[self.found:]
-        self.found = len(parsed.calls)
-        if not self.parallel:
-            new = new[:max(0, 1 - (self.found - len(new)))]
-        return [ToolCall(new_call_id(self.parser.mistral_ids), name, arguments) for name, arguments in new]
+    def _finished(self, parsed) -> tuple[list[ToolCall], list[ToolCallPart]]:
+        """The calls ``parsed`` holds past those handed out: whole, and the parts of them not
+        streamed yet (a call that streamed gets the rest of its arguments' text)."""
+        calls, parts = [], []
+        for name, arguments in parsed.calls[self.found:]:
+            index = self.found
+            self.found += 1
+            if not self.parallel and index >= 1:
+                continue
+            streaming, self.streaming = self.streaming, None
+            if streaming is not None and streaming.index == index:
+                rest = streaming.scan(self.tool_text)
+                if rest:
+                    parts.append(ToolCallPart(index, rest))
+                calls.append(ToolCall(streaming.id, name, arguments))
+                continue
+            call = ToolCall(new_call_id(self.parser.mistral_ids), name, arguments)
+            calls.append(call)
+            parts += [ToolCallPart(index, "", call.id, name), ToolCallPart(index, arguments)]
+        if parsed.calls:
+            self.parsed_end = max(self.parsed_end, parsed.end)
+        return calls, parts
 
-    def finish(self) -> tuple[str, list[ToolCall]]:
+    def _stream(self) -> list[ToolCallPart]:
+        """The call being written: its first part once its name is, then its arguments so far."""
+        parts = []
+        if self.streaming is None:
+            if not self.parallel and self.found >= 1:
+                return []
+            begun = self.parser.partial(self.tool_text, self.parsed_end)
+            if begun is None:
+                return []
+            name, start = begun
+            self.streaming = _Streaming(self.found, new_call_id(self.parser.mistral_ids), start, start)
+            parts.append(ToolCallPart(self.found, "", self.streaming.id, name))
+        fragment = self.streaming.scan(self.tool_text)
+        if fragment:
+            parts.append(ToolCallPart(self.streaming.index, fragment))
+        return parts
+
+    def finish(self) -> tuple[str, list[ToolCall], list[ToolCallPart]]:
         if self.state != "calls":
             content, self.pending = self.pending, ""
-            return content, []
+            return content, [], []
         parsed = self.parser.parse(self.tool_text, final=True)
         if not parsed.calls:  # malformed: what the model wrote is its answer
-            return self.tool_text, []
+            return self.tool_text, [], []
+        calls, parts = self._finished(parsed)
         rest = self.tool_text[parsed.end:]
-        return (rest if rest.strip() else ""), self._new_calls(parsed)
+        return (rest if rest.strip() else ""), calls, parts
 
 
 class NamedCall:
-    """``tool_choice`` naming a function: the whole output is its arguments (constrained to them)."""
+    """``tool_choice`` naming a function: the whole output is its arguments (constrained to them),
+    streamed as they come."""
 
     def __init__(self, name: str):
         self.name = name
+        self.id = new_call_id()
         self.arguments = ""
 
-    def feed(self, text: str) -> tuple[str, list[ToolCall]]:
+    def feed(self, text: str) -> tuple[str, list[ToolCall], list[ToolCallPart]]:
+        parts = [] if self.arguments or not text else [ToolCallPart(0, "", self.id, self.name)]
         self.arguments += text
-        return "", []
+        return "", [], parts + ([ToolCallPart(0, text)] if text else [])
 
-    def finish(self) -> tuple[str, list[ToolCall]]:
-        return "", [ToolCall(new_call_id(), self.name, self.arguments)]
+    def finish(self) -> tuple[str, list[ToolCall], list[ToolCallPart]]:
+        parts = [] if self.arguments else [ToolCallPart(0, "", self.id, self.name)]
+        return "", [ToolCall(self.id, self.name, self.arguments)], parts
 
 
 class ChatOutput:
@@ -125,9 +210,10 @@ class ChatOutput:
         reasoning, content = self.reasoning.finish() if self.reasoning is not None else ("", "")
         delta = self._content(reasoning, content)
         if self.tools is not None:
-            content, calls = self.tools.finish()
+            content, calls, parts = self.tools.finish()
             delta.content += content
             delta.tool_calls += calls
+            delta.tool_call_parts += parts
             self.calls += calls
         return delta
 
@@ -135,7 +221,7 @@ class ChatOutput:
         """The answer's last text (held back for a stop string) and whatever the parsers still hold."""
         delta, last = self.feed(rest), self.finish()
         return Delta(delta.content + last.content, delta.reasoning + last.reasoning,
-                     delta.tool_calls + last.tool_calls)
+                     delta.tool_calls + last.tool_calls, delta.tool_call_parts + last.tool_call_parts)
 
     def finish_reason(self, reason: str) -> str:
         """OpenAI's: "tool_calls" for an answer that called tools and ended by itself; a named
@@ -144,8 +230,8 @@ class ChatOutput:
         return "tool_calls" if called and reason in ("eos", "stop") else reason
 
     def _content(self, reasoning: str, content: str) -> Delta:
-        calls = []
+        calls, parts = [], []
         if self.tools is not None and content:
-            content, calls = self.tools.feed(content)
+            content, calls, parts = self.tools.feed(content)
             self.calls += calls
-        return Delta(content, reasoning, calls)
+        return Delta(content, reasoning, calls, parts)

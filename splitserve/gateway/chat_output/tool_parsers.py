@@ -6,6 +6,10 @@ again as more text comes (``final`` False: only finished calls count) and once a
 (``final`` True: a last call whose closing tag the stop token cut off counts too). What does not
 parse is never an error: ``splitserve.gateway.chat_output.stream`` gives it back as content.
 
+The JSON formats also find a call still being written (``partial``): its name, once written in
+full before its arguments, and where its arguments object begins, so that the stream can send
+the arguments as they come (vLLM streams them so too).
+
 * ``hermes`` (Hermes, Qwen2.5, Qwen3): ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, repeated;
 * ``qwen3_xml`` / ``qwen3_coder`` (Qwen3-Coder): ``<tool_call><function=NAME><parameter=P>value
   </parameter>...</function></tool_call>``, values read by the tool's parameter types;
@@ -62,6 +66,25 @@ def _skip_space(text: str, pos: int) -> int:
     return _SPACE.match(text, pos).end()
 
 
+def _name_then_arguments(keys: Sequence[str]) -> str:
+    """A call object's beginning, ``{"name": "NAME", "<key>": `` up to its arguments' ``{``."""
+    return (r'\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)+)"\s*,\s*"(?:' + "|".join(map(re.escape, keys))
+            + r')"\s*:\s*(?=\{)')
+
+
+def _partial_match(pattern: re.Pattern, text: str, pos: int) -> tuple[str, int] | None:
+    """(name, where the arguments begin) of a call ``pattern`` finds at ``pos`` (group 1: the name
+    as JSON string content)."""
+    match = pattern.match(text, pos)
+    if match is None:
+        return None
+    try:
+        name = json.loads(f'"{match.group(1)}"')
+    except json.JSONDecodeError:
+        return None
+    return name, match.end()
+
+
 class ToolParser:
     """One format. ``starts``: the markers where calls begin; ``at_start_only``: only when the
     answer begins with one (its formats have no tag: a ``{`` or ``[`` later is text)."""
@@ -77,12 +100,24 @@ class ToolParser:
     def parse(self, text: str, final: bool) -> Parsed:
         raise NotImplementedError
 
+    def partial(self, text: str, pos: int) -> tuple[str, int] | None:
+        """A call begun at ``pos`` (where the finished calls end): its name and where its arguments
+        object begins, once both are written; None until then, and for formats whose arguments
+        are not the model's JSON text (they come whole)."""
+        return None
+
 
 class _JsonArray(ToolParser):
     """A JSON array of call objects, read one element at a time, so that each call counts as soon
     as its object closes."""
 
     argument_keys: tuple[str, ...] = ("arguments", "parameters")
+    opening = r"\["  # what opens the array (a regular expression)
+
+    def partial(self, text: str, pos: int) -> tuple[str, int] | None:
+        # Before the first element: what opens the array; after one: its comma.
+        pattern = re.compile(r"\s*(?:" + self.opening + r")?\s*,?\s*" + _name_then_arguments(self.argument_keys), re.S)
+        return _partial_match(pattern, text, pos)
 
     def parse_array(self, text: str, pos: int) -> Parsed:
         """``text[pos:]`` starts the array's ``[``."""
@@ -126,6 +161,10 @@ class Hermes(ToolParser):
     starts = ("<tool_call>",)
     _block = re.compile(r"\s*<tool_call>\s*(.*?)\s*</tool_call>", re.S)
     _open = re.compile(r"\s*<tool_call>\s*(.*?)\s*$", re.S)
+    _partial = re.compile(r"\s*<tool_call>\s*" + _name_then_arguments(("arguments", "parameters")), re.S)
+
+    def partial(self, text: str, pos: int) -> tuple[str, int] | None:
+        return _partial_match(self._partial, text, pos)
 
     def parse(self, text: str, final: bool) -> Parsed:
         parsed = Parsed()
@@ -199,6 +238,10 @@ class Llama3Json(ToolParser):
     name = "llama3_json"
     starts = ("<|python_tag|>", "{")
     at_start_only = True
+    _partial = re.compile(r"(?:<\|python_tag\|>)?\s*;?\s*" + _name_then_arguments(("parameters", "arguments")), re.S)
+
+    def partial(self, text: str, pos: int) -> tuple[str, int] | None:
+        return _partial_match(self._partial, text, pos)
 
     def parse(self, text: str, final: bool) -> Parsed:
         parsed = Parsed()
@@ -224,8 +267,16 @@ class Mistral(_JsonArray):
     name = "mistral"
     starts = ("[TOOL_CALLS]",)
     mistral_ids = True
+    opening = r"\[TOOL_CALLS\]\s*\["
     _marker = "[TOOL_CALLS]"
     _named = re.compile(r"\s*([A-Za-z0-9_.\-]+)(?:\[CALL_ID\][A-Za-z0-9]+)?\[ARGS\]")
+    _named_partial = re.compile(r"\s*(?:\[TOOL_CALLS\])?\s*([A-Za-z0-9_.\-]+)(?:\[CALL_ID\][A-Za-z0-9]+)?\[ARGS\]\s*(?=\{)")
+
+    def partial(self, text: str, pos: int) -> tuple[str, int] | None:
+        if text.startswith("[", _skip_space(text, len(self._marker))):  # the older shape: a JSON array
+            return super().partial(text, pos)
+        match = self._named_partial.match(text, pos)
+        return (match.group(1), match.end()) if match is not None else None
 
     def parse(self, text: str, final: bool) -> Parsed:
         pos = _skip_space(text, len(self._marker))

@@ -35,6 +35,24 @@ class ToolCall:
         return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
 
 
+@dataclass(frozen=True)
+class ToolCallPart:
+    """A piece of a call as it streams (OpenAI's ``delta.tool_calls`` entries): the call's first
+    part has its id and name, the others a fragment of its arguments' JSON text each; a call's
+    fragments, joined, are its arguments object as the model wrote it."""
+
+    index: int  # the call's place in the answer (0, 1, ...)
+    arguments: str = ""
+    id: str | None = None
+    name: str | None = None
+
+    def openai(self) -> dict:
+        if self.id is None:
+            return {"index": self.index, "function": {"arguments": self.arguments}}
+        return {"index": self.index, "id": self.id, "type": "function",
+                "function": {"name": self.name, "arguments": self.arguments}}
+
+
 def new_call_id(mistral: bool = False) -> str:
     """``call_`` and 24 hex digits; Mistral's templates accept only 9 letters or digits."""
     if mistral:

@@ -42,7 +42,7 @@ from splitserve.gateway.job import Finished, cancelled
 from splitserve.gateway.openai_api.protocol import (UNSUPPORTED_FIELDS, UNSUPPORTED_TOKENIZE_FIELDS,
                                                     ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                                     LoRAAdapterRequest, TokenizeRequest)
-from splitserve.gateway.openai_api.responses import Answer, Responses, new_request_id, tool_call_deltas
+from splitserve.gateway.openai_api.responses import Answer, Responses, new_request_id
 from splitserve.gateway.samples import SampleGroup
 from splitserve.common.authz import Authorizer
 from splitserve.common.errors import HttpError, NotFound, Unauthenticated, http_error_for, http_error_of_status
@@ -250,8 +250,6 @@ async def _events(servicer, group: SampleGroup, responses: Responses, usage: boo
     streams = []
     group.watch(lambda job: streams.append(servicer.backpressure.open(job, None)))
 
-    calls_sent: dict[int, int] = defaultdict(int)  # tool calls streamed so far, per choice
-
     async def bodies():
         if responses.chat:
             for index in range(group.n):
@@ -266,9 +264,8 @@ async def _events(servicer, group: SampleGroup, responses: Responses, usage: boo
                 if event.text or event.reasoning or event.logprobs or (responses.token_ids and event.token_ids):
                     yield _sse(responses.chunk(event.text, event.logprobs, with_usage=usage, token_ids=event.token_ids,
                                                index=index, reasoning=event.reasoning))
-                for delta in tool_call_deltas(event.tool_calls, calls_sent[index]):
-                    yield _sse(responses.chunk("", [], with_usage=usage, index=index, tool_calls=delta))
-                calls_sent[index] += len(event.tool_calls)
+                for part in event.tool_call_parts:  # a call's id and name, then its arguments as they come
+                    yield _sse(responses.chunk("", [], with_usage=usage, index=index, tool_calls=[part.openai()]))
         else:
             if usage:
                 yield _sse(responses.usage_chunk(group))

@@ -60,7 +60,7 @@ class Responses:
     def chunk(self, text: str, logprobs: list, finish_reason: str | None = None, role: bool = False,
               with_usage: bool = False, token_ids: list[int] = (), index: int = 0, reasoning: str = "",
               tool_calls: list[dict] = ()) -> dict:
-        """One stream chunk; ``tool_calls``: OpenAI's call deltas (``tool_call_deltas``)."""
+        """One stream chunk; ``tool_calls``: OpenAI's call deltas (``ToolCallPart.openai``)."""
         reason = FINISH_REASONS.get(finish_reason, finish_reason) if finish_reason else None
         if self.chat:
             delta = {"role": "assistant", "content": text} if role else ({"content": text} if text else {})
@@ -130,17 +130,6 @@ class Answer:
             self.reasoning.append(tokens.reasoning)
         self.logprobs += tokens.logprobs
         self.tool_calls += tokens.tool_calls
-
-
-def tool_call_deltas(calls, first_index: int) -> list[list[dict]]:
-    """Whole calls as OpenAI streams them: per call, one delta with its index, id and name (empty
-    arguments), then one with its arguments; ``first_index``: calls this choice streamed before."""
-    deltas = []
-    for i, call in enumerate(calls, start=first_index):
-        deltas.append([{"index": i, "id": call.id, "type": "function",
-                        "function": {"name": call.name, "arguments": ""}}])
-        deltas.append([{"index": i, "function": {"arguments": call.arguments}}])
-    return deltas
 
 
 def usage(group: SampleGroup) -> dict:
