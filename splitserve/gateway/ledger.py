@@ -47,7 +47,8 @@ class Ledger:
     def __init__(self, state):
         """``state``: the gateway's asyncio ``RedisState``."""
         self.state = state
-        self._writes: set[asyncio.Task] = set()  # terminal states still on their way
+        self._writes: set[asyncio.Task] = set()  # terminal states and notes still on their way
+        self._notes: dict[str, asyncio.Task] = {}  # each request's latest note on its way
 
     # ---- fail at once ------------------------------------------------------------------
     async def now(self, awaitable: Awaitable):
@@ -93,6 +94,27 @@ class Ledger:
                                     f"requeueing {request_id}", stop))
 
     # ---- best effort ---------------------------------------------------------------------
+    def note_soon(self, request_id: str, epoch: int, **fields) -> None:
+        """``note``, in the background: nothing waits on it (a request's next step must not wait
+        for a Redis round trip). A note that lands late changes nothing that came after it: the
+        store takes no progress of an ended request, of one put back in the queue, or of another
+        epoch. Notes of one request land in the order they were made."""
+        before = self._notes.get(request_id)
+
+        async def write():
+            if before is not None:
+                await asyncio.wait([before])
+            await self.note(request_id, epoch, **fields)
+        task = asyncio.get_running_loop().create_task(write())
+        self._notes[request_id] = task
+        self._writes.add(task)
+
+        def done(t: asyncio.Task) -> None:
+            self._writes.discard(t)
+            if self._notes.get(request_id) is t:
+                del self._notes[request_id]
+        task.add_done_callback(done)
+
     async def note(self, request_id: str, epoch: int, **fields) -> None:
         """Progress for GetRequest: an outage must not fail the request."""
         try:
