@@ -90,6 +90,12 @@ class ClaimLoop:
         self._room.set()
         self._wake.set()
 
+    def placement_decided(self, decided: "asyncio.Future[bool]") -> None:
+        """The placement of a request claimed at its admission is decided: no room pauses the
+        claims as after one of the loop's own."""
+        if not decided.cancelled() and decided.exception() is None and not decided.result():
+            self._room.clear()
+
     # ---- the loop ----------------------------------------------------------------------
     async def _claim_loop(self) -> None:
         while not self._stopping:

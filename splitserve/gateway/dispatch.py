@@ -70,12 +70,22 @@ class Dispatcher:
         self.jobs[request_id] = job
         return job
 
-    def admitted(self, job: Job) -> None:
+    def admitted(self, job: Job, claimed=None) -> None:
         """Redis took the job's request: it waits in the queue (unless something already ended
-        it, or the claim loop already took it)."""
+        it, or the claim loop already took it); ``claimed``: the admission claimed it too
+        (``claim_at_admission``), and its attempt starts now."""
         if job.state is JobState.ADMITTING:
             job.state = JobState.QUEUED
+        if claimed is not None:
+            self._start_attempt(claimed, gated=False).add_done_callback(self.claims.placement_decided)
+            return
         self.claims.wake()
+
+    async def claim_at_admission(self) -> bool:
+        """Whether admissions may claim their request in the same Redis call: placements take no
+        capacity (no gate), so a request at the head of the queue would be the claim loop's next
+        claim anyway (``RedisState.admit(claim_lease_s=...)``)."""
+        return not await self._needs_gate()
 
     def forget(self, job: Job) -> None:
         """A job whose admission was refused: it never existed."""

@@ -106,9 +106,15 @@ Limitations
 # compared as strings (the epoch field is always written by HINCRBY, i.e. a plain integer).
 TERMINAL_LUA = "local TERMINAL = {finished=true, aborted=true, failed=true, deadline=true}\n"
 
-# KEYS: req, pending, inflight, wake channel.
-# ARGV: id, gateway, priority, arrival, score, payload, limit, token, terminal ttl_s, id reuse after s, owner.
-# Returns {status, depth, state}; depth counts every unfinished request (queued or in flight).
+# KEYS: req, pending, inflight, wake channel, placing.
+# ARGV: id, gateway, priority, arrival, score, payload, limit, token, terminal ttl_s, id reuse after s, owner,
+# claim lease deadline ('' : queue only), now.
+# Returns {status, depth, state} (+ {epoch, attempt} when claimed at once); depth counts every
+# unfinished request (queued or in flight).
+# With a lease deadline (the caller's placements take no capacity: CLAIM's no-gate case), a request
+# that lands at the head of the queue while no placement is open is claimed in the same call, as
+# CLAIM would claim it next (state dispatching, attempt and epoch +1, in flight until the
+# deadline): the claim loop's round trip saved. Anywhere else in the queue it waits as usual.
 # The id of a terminal request is taken again once `id reuse after s` have passed since its end,
 # read off its record's remaining TTL (every terminal write sets EXPIRE `terminal ttl_s`). The
 # new request keeps the old record's epoch (claims count on from it), so any late write of the
@@ -117,9 +123,10 @@ ADMIT = TERMINAL_LUA + """
 local depth = redis.call('ZCARD', KEYS[2]) + redis.call('ZCARD', KEYS[3])
 local epoch = 0
 if redis.call('EXISTS', KEYS[1]) == 1 then
-  local cur = redis.call('HMGET', KEYS[1], 'state', 'admit_token', 'epoch')
-  if cur[2] == ARGV[8] then
-    return {'admitted', depth, cur[1]}  -- a retry of this very call
+  local cur = redis.call('HMGET', KEYS[1], 'state', 'admit_token', 'epoch', 'attempt', 'admit_claim')
+  if cur[2] == ARGV[8] then  -- a retry of this very call (its claim too, if it made one)
+    if cur[1] == 'dispatching' and cur[5] == ARGV[8] then return {'admitted', depth, cur[1], cur[3], cur[4]} end
+    return {'admitted', depth, cur[1]}
   end
   if not TERMINAL[cur[1]] then return {'duplicate', depth, cur[1]} end
   local ttl = redis.call('TTL', KEYS[1])
@@ -134,6 +141,15 @@ redis.call('HSET', KEYS[1], 'state', 'queued', 'priority', ARGV[3], 'gateway', A
            'attempt', 0, 'epoch', epoch, 'arrival', ARGV[4], 'score', ARGV[5],
            'payload', ARGV[6], 'admit_token', ARGV[8], 'owner', ARGV[11])
 redis.call('ZADD', KEYS[2], ARGV[5], ARGV[1])
+if ARGV[12] ~= '' and redis.call('ZRANGE', KEYS[2], 0, 0)[1] == ARGV[1]
+    and redis.call('ZCOUNT', KEYS[5], '(' .. ARGV[13], '+inf') == 0 then
+  redis.call('ZREM', KEYS[2], ARGV[1])
+  redis.call('ZADD', KEYS[3], ARGV[12], ARGV[1])
+  redis.call('HSET', KEYS[1], 'state', 'dispatching', 'admit_claim', ARGV[8])
+  local attempt = redis.call('HINCRBY', KEYS[1], 'attempt', 1)
+  local claimed_epoch = redis.call('HINCRBY', KEYS[1], 'epoch', 1)
+  return {'admitted', depth + 1, 'dispatching', claimed_epoch, attempt}
+end
 redis.call('PUBLISH', KEYS[4], 'admit')
 return {'admitted', depth + 1, 'queued'}
 """

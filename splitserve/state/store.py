@@ -94,6 +94,8 @@ class AdmitResult:
     status: Literal["admitted", "duplicate", "full"]
     depth: int
     state: str | None = None
+    # Claimed in the same call (``admit(claim_lease_s=...)``): the claim, as ``claim`` returns it.
+    claimed: "Claimed | None" = None
 
     @property
     def admitted(self) -> bool:
@@ -214,23 +216,34 @@ class RedisState:
     # ---- requests
 
     def admit(self, request_id: str, gateway_id: str, priority: int, arrival_s: float, payload: dict,
-              owner: str = "", room: int = 1):
+              owner: str = "", room: int = 1, claim_lease_s: float | None = None, now_s: float | None = None):
         """Queue a new request atomically -> ``AdmitResult``. ``owner``: who may read and abort it
         (``splitserve.common.authz``; "" anonymous). A duplicate id (a live request's, or
         one that ended less than ``id_reuse_after_s`` ago) writes nothing and reports the existing
         state; an older terminal request's record is replaced; when fewer than ``room`` more
         requests fit under ``queue_limit`` unfinished ones (queued or in flight, over all gateways)
         it writes nothing and reports "full". ``room`` 0: the place was counted before (the later
-        samples of an n > 1 request, whose first sample's admission asked room for all)."""
+        samples of an n > 1 request, whose first sample's admission asked room for all).
+
+        ``claim_lease_s`` (with ``now_s``): the caller's placements take no capacity (``claim_many``
+        with ``gate`` False); a request that lands at the head of the queue while no placement is
+        open is then claimed in the same call, with a lease until ``now_s + claim_lease_s``
+        (``AdmitResult.claimed``), as the next ``claim_many`` would have claimed it."""
         token = uuid.uuid4().hex  # same for redis-py's own retries of this call
+        if claim_lease_s is not None and now_s is None:
+            raise ValueError("claim_lease_s needs now_s")
         reply = self._admit(
-            keys=[self.request_key(request_id), self.pending_key, self.inflight_key, self.wake_channel],
+            keys=[self.request_key(request_id), self.pending_key, self.inflight_key, self.wake_channel,
+                  self.placing_key],
             args=[request_id, _check_id(gateway_id), int(priority), _float_arg(arrival_s),
                   queue_score(priority, arrival_s, self.priority_aging_per_s),
                   json.dumps(payload, separators=(",", ":")),
                   self.queue_limit - room + 1 if room > 0 else _NO_LIMIT, token,
-                  self.terminal_ttl_s, self.id_reuse_after_s, owner])
-        return _then(reply, lambda r: AdmitResult(_s(r[0]), int(r[1]), _s(r[2]) if r[2] else None))
+                  self.terminal_ttl_s, self.id_reuse_after_s, owner,
+                  "" if claim_lease_s is None else _float_arg(now_s + claim_lease_s),
+                  _float_arg(now_s if now_s is not None else 0.0)])
+        return _then(reply, lambda r: AdmitResult(_s(r[0]), int(r[1]), _s(r[2]) if r[2] else None,
+                                                  Claimed(request_id, int(r[3]), int(r[4])) if len(r) > 3 else None))
 
     def claim(self, gateway_id: str, lease_s: float, now_s: float, place_s: float = 5.0):
         """Take the head of the global queue if ``gateway_id`` admitted it -> ``Claimed`` or None.
@@ -423,6 +436,7 @@ def _request_fields(raw: dict) -> dict[str, Any] | None:
         return None
     out = {_s(k): _s(v) for k, v in raw.items()}
     out.pop("admit_token", None)
+    out.pop("admit_claim", None)
     for k in _INT_FIELDS:
         if k in out:
             out[k] = int(out[k])

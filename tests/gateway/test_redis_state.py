@@ -215,6 +215,47 @@ def test_without_the_gate_a_claim_takes_consecutive_heads_up_to_another_gateways
     assert state.placed("theirs") and state.claim_many("g1", 30, T0, limit=8, gate=False) == ["mine-late"]
 
 
+def test_an_admission_at_the_head_claims_its_request_in_the_same_call(state, client):
+    """No gate (colocated placements): a request that lands at the head of the queue, with no
+    placement open, is claimed by its admission as the next claim would have claimed it; one
+    behind another request, or while a placement is open, waits in the queue as usual."""
+    first = state.admit("a", "g1", 0, T0, {}, claim_lease_s=30, now_s=T0)
+    assert first.admitted and first.claimed == "a" and (first.claimed.epoch, first.claimed.attempt) == (1, 1)
+    assert first.state == "dispatching" and state.get("a")["state"] == "dispatching"
+    assert client.zscore(state.inflight_key, "a") == T0 + 30 and client.zcard(state.pending_key) == 0
+    assert "admit_claim" not in state.get("a")
+    # Behind another gateway's queued request (it came first): queued, not claimed.
+    admit(state, "theirs", gateway="g2", arrival=T0 + 1)
+    second = state.admit("b", "g1", 0, T0 + 2, {}, claim_lease_s=30, now_s=T0)
+    assert second == AdmitResult("admitted", 3, "queued") and second.claimed is None
+    # A higher priority lands at the head, ahead of both: claimed at once.
+    urgent = state.admit("c", "g1", -5, T0 + 3, {}, claim_lease_s=30, now_s=T0)
+    assert urgent.claimed == "c"
+    assert state.claim_many("g2", 30, T0, limit=8, gate=False) == ["theirs"]
+    # A placement open (a gated claim of another gateway): nobody passes it, admissions neither.
+    admit(state, "gated", gateway="g2", arrival=T0)
+    assert state.claim_many("g2", 30, T0, limit=1, gate=True) == ["gated"]
+    blocked = state.admit("d", "g1", -9, T0 + 4, {}, claim_lease_s=30, now_s=T0)
+    assert blocked.claimed is None and blocked.state == "queued"
+    # Its deadline passed: the gate has lapsed, the admission claims again.
+    assert state.admit("e", "g1", -9, T0 + 5, {}, claim_lease_s=30, now_s=T0 + 60).claimed is None  # d is ahead
+    assert state.claim_many("g1", 30, T0 + 60, limit=8, gate=False) == ["d", "e", "b"]
+
+
+def test_a_retried_admission_returns_the_claim_it_made(state, monkeypatch):
+    import splitserve.state.store as rs
+    monkeypatch.setattr(rs.uuid, "uuid4", lambda: type("U", (), {"hex": "same-call"})())
+    first = state.admit("a", "g1", 0, T0, {}, claim_lease_s=30, now_s=T0)
+    again = state.admit("a", "g1", 0, T0, {}, claim_lease_s=30, now_s=T0)
+    assert again.claimed == "a" and (again.claimed.epoch, again.claimed.attempt) == (1, 1) == \
+        (first.claimed.epoch, first.claimed.attempt)
+    # A retry of an admission that only queued its request never reports the claim loop's claim
+    # as its own (the claim loop runs that one).
+    queued = state.admit("b", "g1", 5, T0, {})
+    assert queued.claimed is None and state.claim("g1", 30, T0) == "b"
+    assert state.admit("b", "g1", 5, T0, {}, claim_lease_s=30, now_s=T0).claimed is None
+
+
 def test_a_dead_gateways_queued_requests_fail_at_the_head(state, client):
     admit(state, "orphan", gateway="gone", priority=0, arrival=T0)
     admit(state, "mine", gateway="g1", priority=1, arrival=T0)
