@@ -173,12 +173,13 @@ def test_an_adapters_chain_root_is_the_same_in_every_process():
 def test_the_triton_grouped_gemms_serve_each_adapter_and_mixed_batches(dirs, expected):
     """With the Triton kernels (interpreted on CPU, compiled on a GPU) each token goes through its
     own adapter's A and B in grouped-GEMM launches instead of the masked stack of every slot: a
-    batch mixing the base model and both adapters equals transformers + PEFT."""
+    batch mixing the base model and both adapters equals transformers + PEFT (eager on CPU: the
+    compiled layer is checked on its own below)."""
     from splitserve.engine.attention.triton_common import _INTERPRETED, TRITON_AVAILABLE
     if not TRITON_AVAILABLE or not (_INTERPRETED or torch.cuda.is_available()):
         pytest.skip("Triton on CPU tensors needs TRITON_INTERPRET=1")
     llm = LLM(model=str(dirs["base"]), dtype="float32", num_gpu_blocks=128, block_size=4, enable_lora=True,
-              max_loras=2, max_lora_rank=8, attention_backend="triton",
+              max_loras=2, max_lora_rank=8, attention_backend="triton", enforce_eager=not torch.cuda.is_available(),
               device="cuda" if torch.cuda.is_available() else "cpu")
     assert llm.engine.runner.lora.grouped is not None
     llm.add_lora("a", dirs["a"][0])
@@ -188,3 +189,32 @@ def test_the_triton_grouped_gemms_serve_each_adapter_and_mixed_batches(dirs, exp
     outs = llm.generate([PROMPTS[i % 3] for i in range(6)], short, lora=names)
     assert [o.token_ids for o in outs] == [expected[name][i % 3][:6] for i, name in enumerate(names)]
     llm.engine.assert_idle()
+
+
+def test_a_grouped_lora_layer_compiles_and_equals_the_masked_one():
+    """The grouped path of one LoRALinear under torch.compile (token count dynamic, the launches
+    opaque) against the masked stack, for a step mixing the base model and two slots."""
+    from splitserve.engine.attention.triton_common import _INTERPRETED, TRITON_AVAILABLE
+    from splitserve.engine.lora.layers import GroupedRows, LoRALinear
+    if not TRITON_AVAILABLE or not (_INTERPRETED or torch.cuda.is_available()):
+        pytest.skip("Triton on CPU tensors needs TRITON_INTERPRET=1")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(0)
+    slots, rank, tokens = 3, 4, 23
+    mask = torch.zeros(64, slots * rank, device=device)
+    base = torch.nn.Linear(32, 48, bias=False).to(device)
+    masked = LoRALinear(base, 32, 48, mask)
+    grouped = LoRALinear(base, 32, 48, mask, GroupedRows(64, slots, torch.device(device)))
+    for layer in (masked, grouped):
+        layer.lora_a.copy_(torch.randn(slots * rank, 32, generator=g).to(device))
+        layer.lora_b.copy_(torch.randn(48, slots * rank, generator=g).to(device))
+        g.manual_seed(0)
+    slot_of_token = [None if t % 4 == 0 else t % 3 for t in range(tokens)]
+    for t, s in enumerate(slot_of_token):
+        if s is not None:
+            mask[t, s * rank:(s + 1) * rank] = 1
+    grouped.grouped.write(slot_of_token)
+    x = torch.randn(tokens, 32, generator=g).to(device)
+    compiled = torch.compile(grouped, fullgraph=True, dynamic=True)
+    with torch.no_grad():
+        assert torch.allclose(compiled(x), masked(x), atol=1e-4, rtol=1e-4)
