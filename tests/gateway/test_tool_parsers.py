@@ -302,3 +302,26 @@ def test_held_back_is_the_longest_possible_start_of_a_marker():
     assert held_back("abc <too", ["<tool_call>"]) == 4
     assert held_back("abc", ["<tool_call>"]) == 0
     assert held_back("x[TOOL", ["[TOOL_CALLS]", "<t"]) == 5
+
+
+def test_qwen3_xml_streams_the_json_of_its_parameters_as_they_come():
+    """The parser writes the JSON: a string parameter's text goes out as it comes (never what may
+    be its closing tag or the newline before it), a number once whole; joined, the parts are
+    exactly the whole call's arguments."""
+    text = ('<tool_call>\n<function=get_weather>\n<parameter=city>\nPa"ris\n</parameter>\n<parameter=days>\n3\n'
+            '</parameter>\n</function>\n</tool_call>')
+    stream = ToolStream(PARSERS["qwen3_xml"](FUNCTIONS))
+    sent, seen = "", {}
+    for i, ch in enumerate(text):
+        _, calls, parts = stream.feed(ch)
+        sent += "".join(p.arguments for p in parts)
+        seen[text[:i + 1]] = sent
+    assert seen[text[:text.index("Pa") + 2]] == '{"city": "Pa'
+    assert seen[text[:text.index('ris') + 3]] == '{"city": "Pa\\"ris'
+    assert seen[text[:text.index("</parameter>") + 5]] == '{"city": "Pa\\"ris'  # "</par" may close it: held
+    assert seen[text[:text.index("3") + 1]] == '{"city": "Pa\\"ris", "days": '  # a number waits for its end
+    _, calls, parts = stream.finish()
+    sent += "".join(p.arguments for p in parts)
+    assert calls == [] and sent == '{"city": "Pa\\"ris", "days": 3}'
+    whole = run(ChatOutput(tools=ToolStream(PARSERS["qwen3_xml"](FUNCTIONS))), text, "whole")[2]
+    assert sent == whole[0].arguments

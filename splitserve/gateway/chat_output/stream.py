@@ -5,8 +5,9 @@ Text passes through at once except what could be the start of a marker (``<think
 have started, each call is handed out whole once written in full (``tool_calls``: what a whole
 answer and gRPC carry), and streamed as it is written (``tool_call_parts``: what the HTTP API
 streams, as OpenAI does): its id and name as soon as the model has written the name and begun the
-arguments, then its arguments as they come (formats whose arguments are not the model's JSON text,
-``qwen3_xml`` and ``pythonic``, send them in one part once the call is whole). What does not parse
+arguments, then its arguments as they come: the model's own JSON text, or for ``qwen3_xml`` the
+JSON the parser writes of each parameter (a string parameter's text as it comes, other types once
+whole); ``pythonic`` calls send their arguments in one part once the call is whole. What does not parse
 as a call comes back as content at the end, never as an error; a call whose name and arguments had
 begun to stream and then did not parse leaves those parts with the client (as in vLLM).
 """
@@ -42,6 +43,9 @@ class _Streaming:
     id: str
     start: int  # where its arguments object begins in the tool text
     scanned: int  # the tool text up to here is scanned (and sent)
+    # Formats whose arguments the parser writes as JSON (``ToolParser.partial_arguments``): the
+    # JSON sent so far; None for the others, whose arguments are the model's own text.
+    built: str | None = None
     depth: int = 0
     in_string: bool = False
     escaped: bool = False
@@ -134,7 +138,10 @@ class ToolStream:
                 continue
             streaming, self.streaming = self.streaming, None
             if streaming is not None and streaming.index == index:
-                rest = streaming.scan(self.tool_text)
+                if streaming.built is None:
+                    rest = streaming.scan(self.tool_text)
+                else:  # the whole call's JSON past what was sent (nothing if it no longer extends it)
+                    rest = arguments[len(streaming.built):] if arguments.startswith(streaming.built) else ""
                 if rest:
                     parts.append(ToolCallPart(index, rest))
                 calls.append(ToolCall(streaming.id, name, arguments))
@@ -153,12 +160,20 @@ class ToolStream:
             if not self.parallel and self.found >= 1:
                 return []
             begun = self.parser.partial(self.tool_text, self.parsed_end)
-            if begun is None:
+            built = self.parser.partial_arguments(self.tool_text, self.parsed_end) if begun is None else None
+            if begun is None and built is None:
                 return []
-            name, start = begun
-            self.streaming = _Streaming(self.found, new_call_id(self.parser.mistral_ids), start, start)
+            name, start = begun if begun is not None else (built[0], -1)
+            self.streaming = _Streaming(self.found, new_call_id(self.parser.mistral_ids), start, start,
+                                        built="" if built is not None else None)
             parts.append(ToolCallPart(self.found, "", self.streaming.id, name))
-        fragment = self.streaming.scan(self.tool_text)
+        if self.streaming.built is None:
+            fragment = self.streaming.scan(self.tool_text)
+        else:
+            built = self.parser.partial_arguments(self.tool_text, self.parsed_end)
+            fragment = ""
+            if built is not None and built[1].startswith(self.streaming.built):
+                fragment, self.streaming.built = built[1][len(self.streaming.built):], built[1]
         if fragment:
             parts.append(ToolCallPart(self.streaming.index, fragment))
         return parts

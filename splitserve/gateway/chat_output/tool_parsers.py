@@ -30,6 +30,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+from splitserve.gateway.chat_output.reasoning import held_back
 from splitserve.gateway.chat_output.tools import Function
 
 _DECODER = json.JSONDecoder()
@@ -103,7 +104,13 @@ class ToolParser:
     def partial(self, text: str, pos: int) -> tuple[str, int] | None:
         """A call begun at ``pos`` (where the finished calls end): its name and where its arguments
         object begins, once both are written; None until then, and for formats whose arguments
-        are not the model's JSON text (they come whole)."""
+        are not the model's JSON text (``partial_arguments``, or they come whole)."""
+        return None
+
+    def partial_arguments(self, text: str, pos: int) -> tuple[str, str] | None:
+        """For formats whose arguments the parser writes as JSON itself: a call begun at ``pos``,
+        its name and the JSON text of its arguments so far — a prefix of what ``parse`` will give
+        once the call is whole, growing as text comes. None until the name is written."""
         return None
 
 
@@ -205,14 +212,58 @@ class Qwen3Xml(ToolParser):
             parsed.end = len(text)
         return parsed
 
+    _open_call = re.compile(r"\s*<tool_call>\s*<function=([^>\n]+)>", re.S)
+    _open_parameter = re.compile(r"<parameter=([^>\n]+)>\n?", re.S)
+
     def call(self, name: str, body: str) -> tuple[str, str]:
         name = name.strip()
-        properties = self.functions[name].parameters.get("properties", {}) if name in self.functions else {}
+        properties = self._properties(name)
         arguments = {}
         for match in self._parameter.finditer(body):
             key = match.group(1).strip()
             arguments[key] = self.value(match.group(2), properties.get(key, {}))
         return name, json.dumps(arguments, ensure_ascii=False)
+
+    def _properties(self, name: str) -> dict:
+        return self.functions[name].parameters.get("properties", {}) if name in self.functions else {}
+
+    def partial_arguments(self, text: str, pos: int) -> tuple[str, str] | None:
+        """The parameters written in full, as ``call`` writes them; then, of a string parameter
+        being written, its key and its text so far (less what may yet be the closing tag or the
+        newline before it). Other types wait for their closing tag (their JSON needs the whole
+        value). A key written twice makes the whole call's JSON differ from this (the later value
+        wins there): the stream then sends no more of it."""
+        opened = self._open_call.match(text, pos)
+        if opened is None:
+            return None
+        name = opened.group(1).strip()
+        properties = self._properties(name)
+        body_start = opened.end()
+        closed = text.find("</function>", body_start)
+        body = text[body_start:closed if closed >= 0 else len(text)]
+        pieces, end = [], 0
+        for match in self._parameter.finditer(body):
+            key = match.group(1).strip()
+            pieces.append(f"{json.dumps(key, ensure_ascii=False)}: "
+                          f"{json.dumps(self.value(match.group(2), properties.get(key, {})), ensure_ascii=False)}")
+            end = match.end()
+        prefix = "{" + ", ".join(pieces)
+        if closed >= 0:
+            return name, prefix
+        current = self._open_parameter.search(body, end)
+        if current is None:
+            return name, prefix
+        key = current.group(1).strip()
+        schema = properties.get(key, {})
+        kind = schema.get("type") if isinstance(schema, dict) else None
+        prefix += (", " if pieces else "") + json.dumps(key, ensure_ascii=False) + ": "
+        if kind != "string" and not (isinstance(kind, list) and "string" in kind):
+            return name, prefix
+        value = body[current.end():]
+        value = value[:len(value) - held_back(value, ("\n</parameter>", "</parameter>"))]
+        if value.endswith("\n"):
+            value = value[:-1]
+        return name, prefix + json.dumps(value, ensure_ascii=False)[:-1]
 
     @staticmethod
     def value(text: str, schema: dict) -> Any:
