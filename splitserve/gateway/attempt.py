@@ -266,7 +266,7 @@ class _Attempt:
         if not job.generated:
             job.cached_prompt_tokens = first.cached_prompt_tokens
         job.emit([first.first_token], [first.first_logprobs] if first.HasField("first_logprobs") else [])
-        self.ledger.note_soon(job.request_id, job.epoch, state="decoding", prefill_worker=prefill.worker_id)
+        await self.ledger.note(job.request_id, job.epoch, state="decoding", prefill_worker=prefill.worker_id)
         request = worker_pb2.DecodeRequest(request_id=job.request_id, epoch=first.epoch, prompt_token_ids=self.prompt,
                                            sampling=self.sampling, priority=job.priority, first_token=first.first_token,
                                            arrival_time=job.arrival_s, sampler_state=first.sampler_state)
