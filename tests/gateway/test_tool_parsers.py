@@ -52,6 +52,10 @@ RECORDED = [
                 '{"query": "Rome \\"old\\" town"}', "", [PARIS, ROME]),
     ("pythonic", '[get_weather(city="Paris", days=3), search(query=\'Rome "old" town\')]', "", [PARIS, ROME]),
     ("pythonic", '<|python_start|>[get_weather(city="Paris", days=3)]<|python_end|>', "", [PARIS]),
+    ("pythonic", '[get_weather(city="Paris", days=3)', "", [PARIS]),  # the stop token cut the "]" off
+    # Nested values, a tuple, JSON's literals, escapes, a comma and brackets inside strings.
+    ("pythonic", "[get_weather(city='Pa\\'ris, (x]', days=[3, {\"k\": (1, None)}], metric=true), search()]", "",
+     [("get_weather", {"city": "Pa'ris, (x]", "days": [3, {"k": [1, None]}], "metric": True}), ("search", {})]),
 ]
 
 # Outputs a parser must give back as text: no call, or a call that does not parse.
@@ -67,6 +71,8 @@ MALFORMED = [
     ("pythonic", "[get_weather(city=Paris)]"),  # a name, not a literal
     ("pythonic", "[1, 2, 3]"),
     ("pythonic", "[" * 5000 + "]" * 5000),  # hostile nesting: no RecursionError escapes
+    ("pythonic", "[get_weather(city='Paris').upper()]"),  # not a call of literals
+    ("pythonic", '[get_weather(city="Paris", city="Rome")]'),  # a keyword twice
 ]
 
 
@@ -325,3 +331,44 @@ def test_qwen3_xml_streams_the_json_of_its_parameters_as_they_come():
     assert calls == [] and sent == '{"city": "Pa\\"ris", "days": 3}'
     whole = run(ChatOutput(tools=ToolStream(PARSERS["qwen3_xml"](FUNCTIONS))), text, "whole")[2]
     assert sent == whole[0].arguments
+
+
+def test_pythonic_streams_the_json_of_its_arguments_as_they_come():
+    """Fed a character at a time: the name goes out once its "(" is written, a string argument's
+    text as it comes (an escape once whole), another value once its comma or ")" ends it; each
+    call is handed out at its ")", before the list closes; joined, the parts are exactly each
+    whole call's arguments."""
+    text = """[get_weather(city="Pa\\"ris", days=3, metric=true), search(query='Rome')]"""
+    stream = ToolStream(PARSERS["pythonic"](FUNCTIONS))
+    sent, seen, handed = "", {}, {}
+    for i, ch in enumerate(text):
+        _, calls, parts = stream.feed(ch)
+        sent += "".join(p.arguments for p in parts)
+        seen[text[:i + 1]] = (sent, [p.name for p in parts if p.name])
+        for call in calls:
+            handed[call.name] = i
+    at = lambda piece: seen[text[:text.index(piece) + len(piece)]]  # noqa: E731
+    assert at("get_weathe") == ("", []) and at("get_weather(") == ("{", ["get_weather"])
+    assert at('city="Pa')[0] == '{"city": "Pa'
+    assert at('city="Pa\\')[0] == '{"city": "Pa'  # an escape being written: held
+    assert at('city="Pa\\"r')[0] == '{"city": "Pa\\"r'
+    assert at("days=3")[0] == '{"city": "Pa\\"ris", "days": '  # a number waits for its end
+    assert at("days=3,")[0] == '{"city": "Pa\\"ris", "days": 3'
+    assert handed["get_weather"] == text.index(")") + 1  # at the "," after it, not at the list's "]"
+    assert at("metric=true)")[0] == '{"city": "Pa\\"ris", "days": 3, "metric": true}'
+    assert at("search(")[1] == ["search"] and at("query='Ro")[0].endswith('{"query": "Ro')
+    _, calls, parts = stream.finish()
+    sent += "".join(p.arguments for p in parts)
+    assert calls == [] and handed["search"] == len(text) - 1
+    whole = run(ChatOutput(tools=ToolStream(PARSERS["pythonic"](FUNCTIONS))), text, "whole")[2]
+    assert sent == whole[0].arguments + whole[1].arguments
+
+
+def test_pythonic_calls_before_one_that_does_not_parse_stay_calls():
+    """As with the other formats, calls written in full are handed out; what follows a broken one
+    comes back as content (whole and streamed alike)."""
+    text = '[get_weather(city="Paris", days=3), search(query=Rome)]'
+    for how in ("whole", "chars", "uneven"):
+        content, _, calls = run(ChatOutput(tools=ToolStream(PARSERS["pythonic"](FUNCTIONS))), text, how)
+        assert [(c.name, json.loads(c.arguments)) for c in calls] == [PARIS]
+        assert content == ", search(query=Rome)]"

@@ -5,11 +5,11 @@ Text passes through at once except what could be the start of a marker (``<think
 have started, each call is handed out whole once written in full (``tool_calls``: what a whole
 answer and gRPC carry), and streamed as it is written (``tool_call_parts``: what the HTTP API
 streams, as OpenAI does): its id and name as soon as the model has written the name and begun the
-arguments, then its arguments as they come: the model's own JSON text, or for ``qwen3_xml`` the
-JSON the parser writes of each parameter (a string parameter's text as it comes, other types once
-whole); ``pythonic`` calls send their arguments in one part once the call is whole. What does not parse
-as a call comes back as content at the end, never as an error; a call whose name and arguments had
-begun to stream and then did not parse leaves those parts with the client (as in vLLM).
+arguments, then its arguments as they come: the model's own JSON text, or for ``qwen3_xml`` and
+``pythonic`` the JSON the parser writes of each parameter (a string parameter's text as it comes,
+other types once whole). What does not parse as a call comes back as content at the end, never as
+an error; a call whose name and arguments had begun to stream and then did not parse leaves those
+parts with the client (as in vLLM).
 """
 from __future__ import annotations
 
@@ -18,10 +18,6 @@ from dataclasses import dataclass, field
 from splitserve.gateway.chat_output.reasoning import ReasoningStream, held_back
 from splitserve.gateway.chat_output.tool_parsers import ToolParser
 from splitserve.gateway.chat_output.tools import ToolCall, ToolCallPart, new_call_id
-
-# A call can only have been completed by text holding one of these: the parse is tried again then.
-_CLOSERS = frozenset("}])>")
-
 
 @dataclass
 class Delta:
@@ -99,7 +95,7 @@ class ToolStream:
             return content, calls, parts + self._stream()
         self.tool_text += text
         calls, parts = [], []
-        if not _CLOSERS.isdisjoint(text):
+        if any(c in text for c in self.parser.closers):  # only then can a call have been finished
             calls, parts = self._finished(self.parser.parse(self.tool_text, final=False))
         return "", calls, parts + self._stream()
 

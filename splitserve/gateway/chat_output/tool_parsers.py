@@ -8,7 +8,8 @@ parse is never an error: ``splitserve.gateway.chat_output.stream`` gives it back
 
 The JSON formats also find a call still being written (``partial``): its name, once written in
 full before its arguments, and where its arguments object begins, so that the stream can send
-the arguments as they come (vLLM streams them so too).
+the arguments as they come (vLLM streams them so too). The formats whose arguments are not JSON
+(``qwen3_xml``, ``pythonic``) write the JSON of those written so far (``partial_arguments``).
 
 * ``hermes`` (Hermes, Qwen2.5, Qwen3): ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, repeated;
 * ``qwen3_xml`` / ``qwen3_coder`` (Qwen3-Coder): ``<tool_call><function=NAME><parameter=P>value
@@ -17,19 +18,20 @@ the arguments as they come (vLLM streams them so too).
   optional ``<|python_tag|>``), several separated by ``;``;
 * ``mistral``: ``[TOOL_CALLS][{"name": ..., "arguments": {...}}, ...]``, or the newer
   ``[TOOL_CALLS]name[ARGS]{...}`` per call;
-* ``pythonic`` (Llama 3.2 / 4, ToolACE): the answer is ``[f(a=1, b="x"), g()]``, Python syntax.
+* ``pythonic`` (Llama 3.2 / 4, ToolACE): the answer is ``[f(a=1, b="x"), g()]``, Python syntax
+  (splitserve.gateway.chat_output.python_calls reads it as it is written).
 
 ``required_calls`` reads what ``tool_choice: "required"`` constrains the output to (a JSON array
 of ``{"name", "parameters"}``); it is not a ``--tool-call-parser``.
 """
 from __future__ import annotations
 
-import ast
 import json
 import re
 from dataclasses import dataclass, field
 from typing import Any, Sequence
 
+from splitserve.gateway.chat_output.python_calls import CallList
 from splitserve.gateway.chat_output.reasoning import held_back
 from splitserve.gateway.chat_output.tools import Function
 
@@ -93,6 +95,7 @@ class ToolParser:
     name = ""
     starts: tuple[str, ...] = ()
     at_start_only = False
+    closers = "}])>"  # a call can only have been finished by text holding one of these
     mistral_ids = False  # call ids in Mistral's shape (its templates check them)
 
     def __init__(self, functions: Sequence[Function] = ()):
@@ -357,47 +360,21 @@ class Pythonic(ToolParser):
     name = "pythonic"
     starts = ("<|python_start|>", "[")
     at_start_only = True
+    closers = ",]"
+    _end_marker = "<|python_end|>"
+
+    def __init__(self, functions: Sequence[Function] = ()):
+        super().__init__(functions)
+        self._list = CallList()  # its place in the text, kept between calls (one parser per stream)
 
     def parse(self, text: str, final: bool) -> Parsed:
-        begin = len(text) - len(text.removeprefix("<|python_start|>"))
-        stop = text.find("<|python_end|>")
-        body = text[begin:stop if stop >= 0 else len(text)]
-        if not body.rstrip().endswith("]"):
-            return Parsed()
-        try:
-            tree = ast.parse(body.strip(), mode="eval").body
-        except (SyntaxError, ValueError, RecursionError, MemoryError):
-            return Parsed()
-        if not isinstance(tree, ast.List) or not tree.elts:
-            return Parsed()
-        calls = []
-        for node in tree.elts:
-            call = self.call(node)
-            if call is None:
-                return Parsed()
-            calls.append(call)
-        return Parsed(calls, stop + len("<|python_end|>") if stop >= 0 else len(text))
+        calls, end = self._list.scan(text).calls(final)
+        if self._list.closed == end and text[end:].lstrip().startswith(self._end_marker):
+            end = len(text) - len(text[end:].lstrip()) + len(self._end_marker)
+        return Parsed(calls, end)
 
-    @staticmethod
-    def call(node: ast.expr) -> tuple[str, str] | None:
-        if not isinstance(node, ast.Call) or node.args or not isinstance(node.func, ast.Name):
-            return None
-        arguments = {}
-        for keyword in node.keywords:
-            if keyword.arg is None:  # **kwargs
-                return None
-            try:
-                arguments[keyword.arg] = ast.literal_eval(keyword.value)
-            except (ValueError, TypeError, SyntaxError, RecursionError, MemoryError):
-                # JSON's literals, which the models write in Python calls too.
-                if isinstance(keyword.value, ast.Name) and keyword.value.id in ("true", "false", "null"):
-                    arguments[keyword.arg] = {"true": True, "false": False, "null": None}[keyword.value.id]
-                else:
-                    return None
-        try:
-            return node.func.id, json.dumps(arguments, ensure_ascii=False)
-        except (TypeError, ValueError):  # a set or bytes literal: not JSON
-            return None
+    def partial_arguments(self, text: str, pos: int) -> tuple[str, str] | None:
+        return self._list.scan(text).being_written(pos)
 
 
 PARSERS: dict[str, type[ToolParser]] = {p.name: p for p in (Hermes, Qwen3Xml, Qwen3Coder, Llama3Json, Mistral,
