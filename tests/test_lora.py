@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from splitserve.engine import LLM, SamplingParams
+from splitserve.engine.lora.layers import GroupedRows, MaskedRows, TokenSlots
 from tests.harness.lora_adapters import ALL_PROJECTIONS, make_adapter
 from tests.harness.tiny_models import make_tiny_model
 PROMPTS = [[5, 17, 99, 3, 42, 8, 61, 7, 13, 21, 34, 55, 89, 2, 9, 4, 6, 1, 70, 71], [11, 12, 13], [200, 150, 100, 50]]
@@ -181,7 +182,7 @@ def test_the_triton_grouped_gemms_serve_each_adapter_and_mixed_batches(dirs, exp
     llm = LLM(model=str(dirs["base"]), dtype="float32", num_gpu_blocks=128, block_size=4, enable_lora=True,
               max_loras=2, max_lora_rank=8, attention_backend="triton", enforce_eager=not torch.cuda.is_available(),
               device="cuda" if torch.cuda.is_available() else "cpu")
-    assert llm.engine.runner.lora.grouped is not None
+    assert isinstance(llm.engine.runner.lora.rows, GroupedRows)
     llm.add_lora("a", dirs["a"][0])
     llm.add_lora("b", dirs["b"][0])
     short = dataclasses.replace(GREEDY, max_tokens=6)
@@ -191,30 +192,60 @@ def test_the_triton_grouped_gemms_serve_each_adapter_and_mixed_batches(dirs, exp
     llm.engine.assert_idle()
 
 
-def test_a_grouped_lora_layer_compiles_and_equals_the_masked_one():
-    """The grouped path of one LoRALinear under torch.compile (token count dynamic, the launches
-    opaque) against the masked stack, for a step mixing the base model and two slots."""
+def _rows_of(kind: str, slots: int, rank: int, dtype: torch.dtype, device: str):
+    from splitserve.engine.attention import cpu_kernels
     from splitserve.engine.attention.triton_common import _INTERPRETED, TRITON_AVAILABLE
-    from splitserve.engine.lora.layers import GroupedRows, LoRALinear
-    if not TRITON_AVAILABLE or not (_INTERPRETED or torch.cuda.is_available()):
-        pytest.skip("Triton on CPU tensors needs TRITON_INTERPRET=1")
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    from splitserve.engine.lora import manager
+    if kind == "grouped":
+        if not TRITON_AVAILABLE or not (_INTERPRETED or torch.cuda.is_available()):
+            pytest.skip("Triton on CPU tensors needs TRITON_INTERPRET=1")
+        return GroupedRows(2048, slots, rank, torch.device(device))
+    if kind == "kernel":
+        if device != "cpu" or not cpu_kernels.available():
+            pytest.skip("the C++ kernel is the CPU's, where it builds")
+        assert manager._cpu_kernel_ready()
+        return TokenSlots(2048, slots, rank, torch.device(device))
+    return MaskedRows(2048, slots, rank, dtype, torch.device(device))
+
+
+# Runs of one slot as a step has them: prefill chunks, decode tokens of alternating slots, the
+# base model's tokens between them. The C++ kernel's loops take them all; with a 1,030-token run of
+# rank 8 at the end, its GEMM path too (csrc/lora_cpu.cpp, kGemmWork).
+SLOT_RUNS = [(None, 3), (1, 20), (0, 1), (2, 1), (None, 1), (0, 1), (1, 2), (2, 17), (None, 5), (0, 16), (1, 1)]
+LONG_RUN = [(1, 1030), (0, 2)]
+
+
+@pytest.mark.parametrize("kind,dtype", [("kernel", torch.float32), ("kernel", torch.bfloat16),
+                                        ("masked", torch.float32), ("grouped", torch.float32)])
+def test_each_token_gets_its_own_adapters_update_compiled(kind, dtype):
+    """One LoRALinear under torch.compile (token count dynamic, the kernels opaque), for a step
+    mixing the base model and three slots in long and short runs: each token's output is the base
+    projection plus its own slot's x @ A.T @ B (exactly the base projection for the base model's
+    tokens), against that sum in float64; a slot's rows past an adapter's rank are zero."""
+    from splitserve.engine.lora.layers import LoRALinear
+    device = "cuda" if kind == "grouped" and torch.cuda.is_available() else "cpu"
     g = torch.Generator().manual_seed(0)
-    slots, rank, tokens = 3, 4, 23
-    mask = torch.zeros(64, slots * rank, device=device)
-    base = torch.nn.Linear(32, 48, bias=False).to(device)
-    masked = LoRALinear(base, 32, 48, mask)
-    grouped = LoRALinear(base, 32, 48, mask, GroupedRows(64, slots, torch.device(device)))
-    for layer in (masked, grouped):
-        layer.lora_a.copy_(torch.randn(slots * rank, 32, generator=g).to(device))
-        layer.lora_b.copy_(torch.randn(48, slots * rank, generator=g).to(device))
-        g.manual_seed(0)
-    slot_of_token = [None if t % 4 == 0 else t % 3 for t in range(tokens)]
-    for t, s in enumerate(slot_of_token):
-        if s is not None:
-            mask[t, s * rank:(s + 1) * rank] = 1
-    grouped.grouped.write(slot_of_token)
-    x = torch.randn(tokens, 32, generator=g).to(device)
-    compiled = torch.compile(grouped, fullgraph=True, dynamic=True)
+    slots, rank, width_in, width_out = 3, 8, 40, 56  # widths off the kernel's 16 lanes: its tails too
+    rows = _rows_of(kind, slots, rank, dtype, device)
+    base = torch.nn.Linear(width_in, width_out, bias=False).to(device, dtype)
+    layer = LoRALinear(base, width_in, width_out, rows, slots, dtype, torch.device(device))
+    a = torch.randn(slots * rank, width_in, generator=g)
+    b = torch.randn(slots * rank, width_out, generator=g)
+    a[2 * rank + 5:], b[2 * rank + 5:] = 0, 0  # slot 2: an adapter of rank 5
+    layer.lora_a.copy_(a), layer.lora_b.copy_(b)
+    slot_of_token = [s for s, count in SLOT_RUNS + (LONG_RUN if kind == "kernel" else []) for _ in range(count)]
+    rows.write(slot_of_token)
+    x = torch.randn(len(slot_of_token), width_in, generator=g).to(device, dtype)
+    compiled = torch.compile(layer, fullgraph=True, dynamic=True)
     with torch.no_grad():
-        assert torch.allclose(compiled(x), masked(x), atol=1e-4, rtol=1e-4)
+        got = compiled(x).double().cpu()
+        base_out = base(x).double().cpu()
+    x64, a64, b64 = x.double().cpu(), layer.lora_a.double().cpu(), layer.lora_b.double().cpu()
+    # bf16: the shrunk values of the GEMM path round to bf16 before the expand; ~1 % of the row
+    tolerance = 1e-4 if dtype == torch.float32 else 2e-2 * base_out.abs().max().item() + 0.5
+    for t, s in enumerate(slot_of_token):
+        want = base_out[t] if s is None else \
+            base_out[t] + x64[t] @ a64[s * rank:(s + 1) * rank].T @ b64[s * rank:(s + 1) * rank]
+        assert torch.allclose(got[t], want, atol=tolerance, rtol=1e-4 if dtype == torch.float32 else 2e-2), (t, s)
+        if s is None:
+            assert torch.equal(got[t], base_out[t])

@@ -1,5 +1,5 @@
 """``LoRAManager``: the adapters an engine knows, the ``max_loras`` slots they take turns in, and
-each step's token-to-slot mask (``splitserve.engine.lora.layers``).
+each step's tokens' slots (``splitserve.engine.lora.layers``).
 
 An adapter is read once (``add``), checked against the model, and kept on the host; a request
 naming it takes a slot (``acquire``): the one it already holds, else a free one, else the least
@@ -18,7 +18,7 @@ from typing import Sequence
 import torch
 
 from splitserve.engine.lora.adapter import LoRAAdapter, load_adapter
-from splitserve.engine.lora.layers import GroupedRows, wrap_projections
+from splitserve.engine.lora.layers import GroupedRows, MaskedRows, TokenSlots, wrap_projections
 
 log = logging.getLogger(__name__)
 
@@ -34,17 +34,21 @@ class AdapterInUse(ValueError):
 class LoRAManager:
     def __init__(self, model: torch.nn.Module, max_loras: int, max_rank: int, max_tokens: int, dtype: torch.dtype,
                  device: torch.device, grouped: bool = False):
-        """``grouped``: each token through its own adapter's matrices in grouped-GEMM launches (the
-        Triton kernels); otherwise every token through the masked stack of all slots (CPU)."""
+        """``grouped``: the step's tokens sorted by slot for grouped-GEMM launches (the Triton
+        kernels); otherwise each token's slot for the C++ kernel (a CPU where the kernels built),
+        else the masked stack of all slots."""
         self.max_loras, self.max_rank = max_loras, max_rank
-        self.mask = torch.zeros(max_tokens if not grouped else 1, max_loras * max_rank, dtype=dtype, device=device)
-        self.grouped = GroupedRows(max_tokens, max_loras, device) if grouped else None
-        self.layers = wrap_projections(model, self.mask, self.grouped)
+        if grouped:
+            self.rows = GroupedRows(max_tokens, max_loras, max_rank, device)
+        elif device.type == "cpu" and _cpu_kernel_ready():
+            self.rows = TokenSlots(max_tokens, max_loras, max_rank, device)
+        else:
+            self.rows = MaskedRows(max_tokens, max_loras, max_rank, dtype, device)
+        self.layers = wrap_projections(model, self.rows, max_loras, dtype, device)
         self.known: dict[str, LoRAAdapter] = {}
         self.slots: list[str | None] = [None] * max_loras  # the adapter in each slot
         self.recent: OrderedDict[str, int] = OrderedDict()  # resident adapter -> slot, least recently used first
         self.users: Counter[str] = Counter()  # adapter -> requests holding its slot
-        self._masked_tokens = 0  # mask rows the last step set (zeroed before the next one)
 
     # ---- adapters ------------------------------------------------------------------------
     def add(self, name: str, path: str | Path) -> LoRAAdapter:
@@ -131,38 +135,42 @@ class LoRAManager:
         rows = slice(slot * self.max_rank, (slot + 1) * self.max_rank)
         for module, layer in self.layers.items():
             layer.lora_a[rows].zero_()
-            layer.lora_b[:, rows].zero_()
+            layer.lora_b[rows].zero_()
             if adapter is not None and module in adapter.weights:
                 a, b = adapter.weights[module]
                 r = a.shape[0]
                 layer.lora_a[rows.start:rows.start + r].copy_(a)
-                layer.lora_b[:, rows.start:rows.start + r].copy_(b)
+                layer.lora_b[rows.start:rows.start + r].copy_(b.t())
 
     # ---- steps ---------------------------------------------------------------------------
     def prepare_step(self, rows: Sequence, query_start: Sequence[int]) -> None:
-        """Write the mask of a step whose rows (scheduled chunks, in input order) start at
-        ``query_start``: each token gets its request's slot columns (grouped: its place in the
-        tokens sorted by slot)."""
-        if self.grouped is not None:
-            slots: list[int | None] = []
-            for i, row in enumerate(rows):
-                self._check_slot(row)
-                slots += [row.request.lora_slot] * (query_start[i + 1] - query_start[i])
-            self.grouped.write(slots)
-            return
-        if self._masked_tokens:
-            self.mask[:self._masked_tokens].zero_()
-        self._masked_tokens = 0
-        r = self.max_rank
+        """Tell the layers the slot of each token of a step whose rows (scheduled chunks, in input
+        order) start at ``query_start``."""
+        slots: list[int | None] = []
         for i, row in enumerate(rows):
-            slot = row.request.lora_slot
             self._check_slot(row)
-            if slot is not None:
-                self.mask[query_start[i]:query_start[i + 1], slot * r:(slot + 1) * r] = 1
-                self._masked_tokens = query_start[i + 1]
+            slots += [row.request.lora_slot] * (query_start[i + 1] - query_start[i])
+        self.rows.write(slots)
 
     @staticmethod
     def _check_slot(row) -> None:
         if row.request.lora_slot is None and row.request.lora is not None and not row.request.is_finished:
             # It would run as the base model (a finished request is only a static batch's padding).
             raise RuntimeError(f"request {row.request.request_id} runs without its adapter's slot")
+
+
+def _cpu_kernel_ready() -> bool:
+    """Whether the C++ kernel of csrc/lora_cpu.cpp loaded (its shape rule registered for the
+    compiled step once)."""
+    global _fake_registered
+    from splitserve.engine.attention import cpu_kernels
+    if not cpu_kernels.available():
+        return False
+    if not _fake_registered:
+        torch.library.register_fake("splitserve_cpu::lora_update")(
+            lambda x, lora_a, lora_b, token_slot, rank: x.new_empty((x.shape[0], lora_b.shape[1])))
+        _fake_registered = True
+    return True
+
+
+_fake_registered = False
