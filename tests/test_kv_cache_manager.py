@@ -4,7 +4,8 @@ import sys
 
 import pytest
 
-from splitserve.engine.kv_cache_manager import KVCacheManager, prefix_block_hashes
+from splitserve.engine.block_pool import prefix_block_hashes
+from splitserve.engine.kv_cache_manager import KVCacheManager
 
 
 def test_imports_without_torch():

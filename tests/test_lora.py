@@ -164,10 +164,10 @@ def test_an_adapters_chain_root_is_the_same_in_every_process():
     string differs per process."""
     import subprocess
     import sys
-    code = "from splitserve.engine.kv_cache_manager import chain_root; print(chain_root('sql'))"
+    code = "from splitserve.engine.block_pool import chain_root; print(chain_root('sql'))"
     roots = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                             env={"PYTHONHASHSEED": seed}).stdout.strip() for seed in ("1", "2")}
-    from splitserve.engine.kv_cache_manager import chain_root
+    from splitserve.engine.block_pool import chain_root
     assert roots == {str(chain_root("sql"))}
 
 

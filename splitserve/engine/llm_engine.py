@@ -10,7 +10,8 @@ import time
 from typing import Callable, Sequence
 
 from splitserve.engine.config import EngineConfig
-from splitserve.engine.kv_cache_manager import KVCacheManager, chain_root
+from splitserve.engine.block_pool import chain_root
+from splitserve.engine.kv_cache_manager import KVCacheManager
 from splitserve.engine.kv_connector import KVConnector
 from splitserve.engine.lora.manager import AdapterInUse
 from splitserve.engine.model_loader import load_tokenizer, resolve_model

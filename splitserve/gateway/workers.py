@@ -12,7 +12,7 @@ from typing import Callable, Sequence
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from splitserve.engine.kv_cache_manager import prefix_block_hashes
+from splitserve.engine.block_pool import prefix_block_hashes
 from splitserve.common.grpc_server import WORKER_SERVICES
 from splitserve.common.locality import transfer_cost
 from splitserve.v1 import worker_pb2_grpc
