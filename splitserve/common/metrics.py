@@ -110,6 +110,12 @@ class EngineMetrics:
                                     "forward, sample, update (splitserve.engine.step_phases)", ["phase"],
                                     registry=registry)
         self.steps = Counter("splitserve:engine_steps", "Engine steps that ran the model", registry=registry)
+        self.offload_pages = Counter("splitserve:kv_offload_pages",
+                                     "Pages of the host KV tier (--kv-offloading-size): stored (evicted from the "
+                                     "pool), loaded (brought back for a prefix hit), dropped (its least recently "
+                                     "used, for room)", ["op"], registry=registry)
+        for op in ("stored", "loaded", "dropped"):  # at 0 from the start (and with the tier off)
+            self.offload_pages.labels(op=op)
         self.role = Gauge("splitserve:worker_info", "Constant 1, labelled with the worker's role",
                           list(labels), registry=registry)
         self.role.labels(**labels).set(1)
@@ -143,6 +149,12 @@ class EngineMetrics:
                               ("grammar_misses", self.grammar_cache_misses)):
             counter.inc(max(0, totals[name] - self._seen[name]))
             self._seen[name] = totals[name]
+        tier = engine.kv.offload
+        if tier is not None:
+            for op in ("stored", "loaded", "dropped"):
+                total = getattr(tier.stats, op)
+                self.offload_pages.labels(op=op).inc(max(0, total - self._seen.get(f"offload_{op}", 0)))
+                self._seen[f"offload_{op}"] = total
         phases = engine.runner.phases
         self.steps.inc(max(0, phases.steps - self._seen_phases.get("steps", 0)))
         self._seen_phases["steps"] = phases.steps

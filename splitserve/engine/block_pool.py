@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 from collections import OrderedDict, deque
 from dataclasses import dataclass
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 
 @dataclass
@@ -84,6 +84,9 @@ class BlockPool:
         # Free blocks still holding a cached prefix, least recently freed first (evicted first).
         self._free_cached: OrderedDict[int, None] = OrderedDict()
         self._cached: dict[int, int] = {}  # block_hash -> block_id
+        # Told (block id, hash, key) when a cached block is about to be handed out again: its KV is
+        # still intact then (the host tier copies it, splitserve/engine/kv_offload.py).
+        self.on_evict: Callable[[int, int, tuple], None] | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -153,6 +156,8 @@ class BlockPool:
     def _evict(self, block_id: int) -> None:
         block = self.blocks[block_id]
         if block.block_hash is not None:
+            if self.on_evict is not None:
+                self.on_evict(block_id, block.block_hash, block.hash_key)
             del self._cached[block.block_hash]
             block.block_hash = block.hash_key = None
 

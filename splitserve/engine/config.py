@@ -62,6 +62,10 @@ class EngineConfig:
     num_cpu_blocks: int = 256
     # Reuse the KV of full prompt blocks seen before (hash of the block chain).
     enable_prefix_caching: bool = True
+    # GiB of host memory for the KV tier below the pool (vLLM's --kv-offloading-size): prefix pages
+    # the pool evicts are kept there and brought back for a later hit (splitserve/engine/kv_offload.py).
+    # 0: off. Needs prefix caching; windowed models keep every page in the pool with it.
+    kv_offloading_size: float = 0.0
     # Chunk prompts longer than the step budget instead of refusing them.
     enable_chunked_prefill: bool = True
     # Order of waiting requests: "priority" (lower value first, aged by priority_aging_per_s;
@@ -183,6 +187,12 @@ class EngineConfig:
         self._check_speculative(positive)
         if self.enable_lora and self.tensor_parallel_size > 1:
             raise ValueError("enable_lora with tensor_parallel_size > 1 is not supported yet")
+        if self.kv_offloading_size < 0:
+            raise ValueError(f"kv_offloading_size must be >= 0 GiB, got {self.kv_offloading_size}")
+        if self.kv_offloading_size and not self.enable_prefix_caching:
+            raise ValueError("kv_offloading_size needs prefix caching: the host tier keeps evicted prefix pages")
+        if self.kv_offloading_size and self.tensor_parallel_size > 1:
+            raise ValueError("kv_offloading_size with tensor_parallel_size > 1 is not supported yet")
         if self.preemption_mode == "swap" and self.num_cpu_blocks == 0:
             raise ValueError("preemption_mode='swap' needs num_cpu_blocks > 0")
         if not self.enable_chunked_prefill and self.max_model_len is not None \

@@ -26,6 +26,7 @@ from typing import Sequence
 
 from splitserve.engine.block_pool import BlockPool, PrefixCacheStats, chain_hash, group_hash
 from splitserve.engine.kv_groups import window_pages
+from splitserve.engine.kv_offload import HostPrefixTier
 from splitserve.engine.kv_sizes import pages_for_tokens
 
 # Where a windowed group's table has given a page back: a valid page id that no kernel reads.
@@ -68,12 +69,15 @@ class KVCacheManager:
     """Block tables per request over a device pool (and a host pool for swap preemption)."""
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
-                 num_cpu_blocks: int = 0, windows: Sequence[int] = (0,), max_step_tokens: int | None = None):
+                 num_cpu_blocks: int = 0, windows: Sequence[int] = (0,), max_step_tokens: int | None = None,
+                 offload: HostPrefixTier | None = None):
         """``windows``: each group's window (``kv_groups.KVGroups.windows``; 0: full attention).
         ``max_step_tokens``: the most tokens of one request a step computes (sizes a windowed
-        group's need, ``blocks_needed``)."""
+        group's need, ``blocks_needed``). ``offload``: the host tier evicted prefix pages go to."""
         if num_cpu_blocks and len(windows) > 1:
             raise ValueError("swap preemption needs one KV group (the hybrid KV layout recomputes)")
+        if offload is not None and (len(windows) > 1 or not enable_prefix_caching):
+            raise ValueError("the host KV tier needs prefix caching and one KV group")
         self.windows = tuple(windows)
         # Whether any group gives pages back behind a window (``slide`` has work to do).
         self.frees_pages = any(self.windows)
@@ -82,6 +86,9 @@ class KVCacheManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
         self.cpu_pool = BlockPool(num_cpu_blocks, enable_caching=False) if num_cpu_blocks else None
+        self.offload = offload
+        if offload is not None:
+            self.pool.on_evict = lambda block_id, block_hash, key: offload.store(block_id, block_hash, key)
         self._owners: dict[str, _Owner] = {}
         self.prefix_stats = PrefixCacheStats()
 
@@ -125,13 +132,16 @@ class KVCacheManager:
         return max(0, (num_computed_tokens - window + 1) // self.block_size) if window else 0
 
     # ---- allocation ----------------------------------------------------------------
-    def find_cached_prefix(self, token_ids: Sequence[int], root: int | None = None) -> CachedPrefix:
+    def find_cached_prefix(self, token_ids: Sequence[int], root: int | None = None,
+                           load: bool = False) -> CachedPrefix:
         """Cached blocks matching the longest full-block prefix of ``token_ids`` that every group
         can serve (a windowed group: the blocks of the window before the prefix's end).
 
         The last token is never served from cache: its forward pass produces the logits of
         the next token, so at least one token is always computed. ``root``: where the hash chain
-        starts (``Request.cache_root``: a LoRA adapter's blocks are its own).
+        starts (``Request.cache_root``: a LoRA adapter's blocks are its own). ``load`` (a request
+        about to take its prefix): blocks of the host tier that continue the hit are brought back
+        into free pages first (``_load_from_host``), and the hit includes them.
         """
         groups = len(self.windows)
         if not self.enable_prefix_caching:
@@ -170,12 +180,54 @@ class KVCacheManager:
             if missing is None:
                 break
             hit = missing
+        if load and self.offload is not None and hit < max_blocks:
+            return CachedPrefix([self._load_from_host(token_ids, chain, [found[0][i] for i in range(hit)],
+                                                      max_blocks, root)], [0])
         tables, released = [], []
         for group in range(groups):
             first = self._first_needed(group, hit * self.block_size) if hit else 0
             tables.append([PLACEHOLDER] * first + [found[group][i] for i in range(first, hit)])
             released.append(first)
         return CachedPrefix(tables, released)
+
+    def _load_from_host(self, token_ids: Sequence[int], chain: list[tuple[int, tuple]], hit: list[int],
+                        max_blocks: int, root: int | None) -> list[int]:
+        """``hit`` (the device pages of the prefix's first blocks) continued by the blocks that
+        follow it on the device or in the host tier, as far as free pages allow; the host tier's
+        are copied into free pages and cached there. Every page of the result is left cached and
+        unreferenced (the caller's ``allocate`` takes them), as a device hit's are."""
+        more: list[tuple[int, tuple, int | None]] = []  # (hash, key, device page or None: on the host)
+        for i in range(len(hit), max_blocks):
+            if i >= len(chain):
+                chain.append(chain_hash(chain[-1][0] if chain else root,
+                                        token_ids[i * self.block_size:(i + 1) * self.block_size]))
+            block_hash, key = chain[i]
+            page = self.pool.lookup(block_hash, key)
+            if page is None and not self.offload.lookup(block_hash, key):
+                break
+            more.append((block_hash, key, page))
+        on_device = [page for _, _, page in more if page is not None]
+        self.pool.touch(hit + on_device)  # not evicted while pages are found for the others
+        wanted = sum(1 for *_, page in more if page is None)
+        # The pages' evictions store into the tier: not over the entries about to be read.
+        self.offload.pin(h for h, _, page in more if page is None)
+        pages: list[int] = []
+        try:
+            pages = self.pool.allocate(min(wanted, self.pool.num_free)) or []
+            taken = iter(pages)
+            result = list(hit)
+            for block_hash, key, page in more:
+                if page is None:
+                    page = next(taken, None)
+                    if page is None:
+                        break
+                    self.offload.load(block_hash, page)
+                    self.pool.register(page, block_hash, key)
+                result.append(page)
+        finally:
+            self.offload.pin(())
+        self.pool.release(reversed(hit + on_device + pages))  # tail first, as ``free`` does
+        return result
 
     def next_block_hash(self, token_ids: Sequence[int], cached_blocks: Sequence[int],
                         root: int | None = None) -> int | None:
@@ -358,6 +410,8 @@ class KVCacheManager:
     # ---- checks --------------------------------------------------------------------
     def check_invariants(self) -> None:
         self.pool.check_invariants()
+        if self.offload is not None:
+            self.offload.check_invariants()
         if self.cpu_pool is not None:
             self.cpu_pool.check_invariants()
         expected = [0] * self.pool.num_blocks

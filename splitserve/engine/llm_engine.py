@@ -12,6 +12,7 @@ from typing import Callable, Sequence
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.block_pool import chain_root
 from splitserve.engine.kv_cache_manager import KVCacheManager
+from splitserve.engine.kv_offload import HostPrefixTier
 from splitserve.engine.kv_connector import KVConnector
 from splitserve.engine.lora.manager import AdapterInUse
 from splitserve.engine.model_loader import load_tokenizer, resolve_model
@@ -43,7 +44,9 @@ class LLMEngine:
         self.kv = KVCacheManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching,
                                  num_cpu_blocks=config.num_cpu_blocks if config.preemption_mode == "swap" else 0,
                                  windows=self.runner.kv_groups.windows,
-                                 max_step_tokens=config.max_num_batched_tokens)
+                                 max_step_tokens=config.max_num_batched_tokens,
+                                 offload=HostPrefixTier(self.runner.host_kv.shape[2], self.runner)
+                                 if self.runner.host_kv is not None else None)
         self.scheduler = Scheduler(config, self.kv, self.max_model_len, clock=clock)
         self.scheduler.lora = self.runner.lora
         # Prefilled requests (a decode worker's) whose adapter waits for a LoRA slot to free.
@@ -246,7 +249,7 @@ class LLMEngine:
         if prompt_token_ids is not None and len(prompt_token_ids) != num_tokens:
             raise ValueError(f"prompt_token_ids has {len(prompt_token_ids)} tokens, num_prompt_tokens says "
                              f"{num_tokens}")
-        hits = self.kv.find_cached_prefix(prompt_token_ids) if prompt_token_ids else []
+        hits = self.kv.find_cached_prefix(prompt_token_ids, load=True) if prompt_token_ids else []
         if self.kv.allocate(request_id, num_tokens, cached_blocks=hits) is None:
             return None
         return self.kv.block_table(request_id), len(hits)

@@ -180,6 +180,16 @@ class ModelRunner:
         if config.preemption_mode == "swap":
             self.cpu_cache = torch.zeros((*shape[:2], config.num_cpu_blocks, *shape[3:]), dtype=self.kv_dtype,
                                          pin_memory=self.device.type == "cuda")
+        # The host KV tier's pages (splitserve/engine/kv_offload.py), laid out as the pool's.
+        self.host_kv = None
+        if config.kv_offloading_size:
+            page_bytes = self.kv_pages[:, :, 0].numel() * self.kv_pages.element_size()
+            slots = int(config.kv_offloading_size * 2**30 // page_bytes)
+            if slots < 1:
+                raise ValueError(f"kv_offloading_size {config.kv_offloading_size} GiB holds no KV page of "
+                                 f"{page_bytes} bytes")
+            self.host_kv = torch.zeros((*shape[:2], slots, *shape[3:]), dtype=self.kv_dtype,
+                                       pin_memory=self.device.type == "cuda")
         self.kv_caches = [(self.kv_cache[slot, 0], self.kv_cache[slot, 1]) for _, slot in self.kv_groups.place]
         eos = self.model.generation_config.eos_token_id
         self.eos_token_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
@@ -224,6 +234,7 @@ class ModelRunner:
         why_not = ("--disable-hybrid-kv-cache-manager" if c.disable_hybrid_kv_cache_manager else
                    "tensor parallelism" if self.tp_size > 1 else
                    "swap preemption" if c.preemption_mode == "swap" else
+                   "the host KV tier (--kv-offloading-size)" if c.kv_offloading_size else
                    "a draft model" if c.speculative_method == "draft" else
                    "CUDA graphs (--enforce-eager frees them)" if self.device.type == "cuda" and not c.enforce_eager
                    else None)
@@ -416,6 +427,13 @@ class ModelRunner:
             pos[:n].copy_(torch.arange(n, device=dev))
             self.forward(ids[:n], pos[:n])
         self.kv_cache[:, :, 0].zero_()
+
+    # ---- the host KV tier's copies (kv_offload.PageCopier) ----------------------------------
+    def store(self, page: int, slot: int) -> None:
+        self.host_kv[:, :, slot].copy_(self.kv_pages[:, :, page])
+
+    def load(self, slot: int, page: int) -> None:
+        self.kv_pages[:, :, page].copy_(self.host_kv[:, :, slot])
 
     def _swap(self, swap_out, swap_in) -> None:
         # Out before in: a block swapped out this step may be the target of a swap-in.

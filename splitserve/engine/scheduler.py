@@ -300,7 +300,7 @@ class Scheduler:
             out.swap_in.extend(self.kv.swap_in(rid))
             start = request.num_computed_tokens
         else:
-            cached = self.kv.find_cached_prefix(request.all_token_ids, request.cache_root)
+            cached = self.kv.find_cached_prefix(request.all_token_ids, request.cache_root, load=True)
             start = len(cached) * self.kv.block_size
             remaining = request.num_tokens - start
             if self.kv.allocate(rid, start + min(remaining, budget), cached) is None:

@@ -1,0 +1,144 @@
+"""The host KV tier below the pool (splitserve/engine/kv_offload.py): prefix pages the pool evicts
+are kept there and a later prefix hit brings them back.
+
+The KV manager's part without a model: pages hold, in a fake memory, the chain hash of the block
+computed into them, so every prefix hit can be checked to read its own blocks' KV, through
+hundreds of random admissions in a pool and a tier both too small for what is sent. The engine's:
+a prompt evicted from the pool comes back from the tier, and its greedy output is transformers'.
+"""
+import random
+
+import pytest
+
+from splitserve.engine import SamplingParams
+from splitserve.engine.block_pool import chain_hash
+from splitserve.engine.config import EngineConfig
+from splitserve.engine.kv_cache_manager import KVCacheManager
+from splitserve.engine.kv_offload import HostPrefixTier
+
+BLOCK = 4
+
+
+class FakeMemory:
+    """A PageCopier over pages that hold the chain hash of the block computed into them."""
+
+    def __init__(self, pages: int, slots: int):
+        self.device: list[int | None] = [None] * pages
+        self.host: list[int | None] = [None] * slots
+
+    def store(self, page: int, slot: int) -> None:
+        self.host[slot] = self.device[page]
+
+    def load(self, slot: int, page: int) -> None:
+        self.device[page] = self.host[slot]
+
+
+def block_hashes(tokens: list[int]) -> list[int]:
+    hashes, parent = [], None
+    for i in range(len(tokens) // BLOCK):
+        parent, _ = chain_hash(parent, tokens[i * BLOCK:(i + 1) * BLOCK])
+        hashes.append(parent)
+    return hashes
+
+
+def test_every_hit_reads_its_own_blocks_kv_through_pool_and_tier():
+    rng = random.Random(7)
+    pages, slots = 24, 20
+    memory = FakeMemory(pages, slots)
+    tier = HostPrefixTier(slots, memory)
+    kv = KVCacheManager(pages, BLOCK, offload=tier)
+    documents = [[rng.randrange(1, 500) for _ in range(rng.choice((8, 16, 24)))] for _ in range(8)]
+    running: list[str] = []
+    served_from_tier = 0
+    for n in range(600):
+        if running and (len(running) > 3 or rng.random() < 0.4):
+            kv.free(running.pop(rng.randrange(len(running))))
+        tokens = rng.choice(documents) + [rng.randrange(1, 500) for _ in range(rng.randrange(1, 9))]
+        loaded_before = tier.stats.loaded
+        cached = kv.find_cached_prefix(tokens, load=True)
+        want = block_hashes(tokens)
+        assert [memory.device[page] for page in cached] == want[:len(cached)], n  # each hit page: its block
+        served_from_tier += tier.stats.loaded - loaded_before
+        rid = f"r{n}"
+        if kv.allocate(rid, len(tokens), cached) is None:
+            kv.check_invariants()
+            continue
+        table = kv.block_table(rid)
+        for i in range(len(cached), len(tokens) // BLOCK):  # "compute" the rest
+            memory.device[table[i]] = want[i]
+        kv.cache_full_blocks(rid, tokens, len(tokens))
+        running.append(rid)
+        kv.check_invariants()
+    for rid in running:
+        kv.free(rid)
+    kv.assert_idle()
+    # The paths above all ran: pages stored, brought back for hits, and the tier full and dropping.
+    assert tier.stats.stored > 50 and served_from_tier > 50 and tier.stats.dropped > 0
+
+
+def test_the_tier_is_bounded_least_recently_used_first_and_keeps_what_a_load_reads():
+    memory = FakeMemory(4, 2)
+    tier = HostPrefixTier(2, memory)
+    for page, h in enumerate((11, 12)):
+        memory.device[page] = h
+        tier.store(page, h, (h,))
+    assert tier.lookup(11, (11,)) and not tier.lookup(11, (99,))  # a colliding hash is a miss
+    tier.load(11, 3)  # 11 used: 12 is the least recently used now
+    memory.device[2] = 13
+    tier.store(2, 13, (13,))
+    assert [tier.lookup(h, (h,)) for h in (11, 12, 13)] == [True, False, True]
+    assert tier.stats == type(tier.stats)(stored=3, loaded=1, dropped=1)
+    tier.pin([11, 13])  # both about to be read: nothing may go
+    memory.device[0] = 14
+    tier.store(0, 14, (14,))
+    assert not tier.lookup(14, (14,)) and tier.lookup(11, (11,)) and tier.lookup(13, (13,))
+    tier.pin(())
+    tier.check_invariants()
+
+
+def test_the_tier_needs_prefix_caching_and_one_kv_group():
+    with pytest.raises(ValueError, match="prefix caching"):
+        EngineConfig(kv_offloading_size=1.0, enable_prefix_caching=False)
+    with pytest.raises(ValueError, match=">= 0"):
+        EngineConfig(kv_offloading_size=-1.0)
+    with pytest.raises(ValueError, match="one KV group"):
+        KVCacheManager(8, BLOCK, windows=(0, 16), offload=HostPrefixTier(4, FakeMemory(8, 4)))
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_a_prompt_evicted_from_the_pool_comes_back_from_the_tier_exact(make_llm, tiny_model_dirs, llama_reference,
+                                                                      compiled):
+    """A 40-token prompt, then three others that need the whole 32-page pool: the first prompt's
+    pages are evicted into the tier, and sent again it is served from there (its 9 full blocks
+    but the last token's) with transformers' greedy tokens, as are the others."""
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, 250) for _ in range(40)] for _ in range(4)]
+    llm = make_llm(tiny_model_dirs["llama"], num_gpu_blocks=32, block_size=BLOCK, kv_offloading_size=0.001,
+                   enforce_eager=not compiled)
+    tier = llm.engine.kv.offload
+    outs = [llm.generate([p], params)[0] for p in prompts]
+    assert tier.stats.stored >= 9
+    again = llm.generate([prompts[0]], params)[0]
+    assert again.num_cached_tokens == 36 and tier.stats.loaded >= 9
+    assert [o.token_ids for o in outs] == [llama_reference.greedy(p, 6) for p in prompts]
+    assert again.token_ids == outs[0].token_ids
+    llm.engine.kv.check_invariants()
+    # What a worker exports of it (splitserve:kv_offload_pages by op).
+    from prometheus_client import CollectorRegistry
+    from splitserve.common.metrics import EngineMetrics
+    registry = CollectorRegistry()
+    EngineMetrics(registry, "both").refresh_counters(llm.engine)
+    for op in ("stored", "loaded", "dropped"):
+        assert registry.get_sample_value("splitserve:kv_offload_pages_total", {"op": op}) == getattr(tier.stats, op)
+
+
+def test_without_the_tier_the_same_prompt_is_computed_again(make_llm, tiny_model_dirs):
+    """The control: the same sequence with no tier finds nothing of the first prompt."""
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, 250) for _ in range(40)] for _ in range(4)]
+    llm = make_llm(tiny_model_dirs["llama"], num_gpu_blocks=32, block_size=BLOCK)
+    for p in prompts:
+        llm.generate([p], params)
+    assert llm.generate([prompts[0]], params)[0].num_cached_tokens == 0
