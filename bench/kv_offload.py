@@ -19,10 +19,12 @@ engine over the rounds after the first (the first finds nothing anywhere), the s
 tokens served from cache, and the bytes the tier moved.
 
     python -m bench.kv_offload --out bench/results/kv_offload.json
+    python -m bench.kv_offload --offload-gb 0.05 --offload-disk-gb 1 --out bench/results/kv_offload_disk.json
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import random
 import statistics
 import time
@@ -46,7 +48,9 @@ def main() -> None:
     parser.add_argument("--turn", type=int, default=24)
     parser.add_argument("--reply", type=int, default=16)
     parser.add_argument("--pool-tokens", type=int, default=2560)
-    parser.add_argument("--offload-gb", type=float, default=1.0)
+    parser.add_argument("--offload-gb", type=float, default=1.0, help="the host tier (--kv-offloading-size)")
+    parser.add_argument("--offload-disk-gb", type=float, default=0.0,
+                        help="a disk tier below it (--kv-offloading-disk-size; files in the temporary directory)")
     parser.add_argument("--out", default="bench/results/kv_offload.json")
     args = parser.parse_args()
 
@@ -59,7 +63,8 @@ def main() -> None:
     common = dict(dtype=args.dtype, block_size=block, num_gpu_blocks=args.pool_tokens // block,
                   max_model_len=args.system + args.history + args.rounds * (args.turn + args.reply) + 64)
     engines = {"tier off": LLM(args.model, **common),
-               "tier on": LLM(args.model, **common, kv_offloading_size=args.offload_gb),
+               "tier on": LLM(args.model, **common, kv_offloading_size=args.offload_gb,
+                              kv_offloading_disk_size=args.offload_disk_gb),
                "pool holds all": LLM(args.model, **{**common, "num_gpu_blocks": common["max_model_len"]
                                                     * args.sessions // block + 1})}
     page_bytes = engines["tier on"].engine.runner.host_kv[:, :, 0].numel() * \
@@ -100,8 +105,10 @@ def main() -> None:
                          "cached_share": sum(r["cached_tokens"] for r in later) / sum(r["prompt_tokens"] for r in later),
                          "pages_loaded": sum(r["pages_loaded"] for r in later)}
     tier = engines["tier on"].engine.kv.offload
-    results["tier on"].update(stored=tier.stats.stored, loaded=tier.stats.loaded, dropped=tier.stats.dropped,
-                              bytes_stored=tier.stats.stored * page_bytes, bytes_loaded=tier.stats.loaded * page_bytes)
+    results["tier on"].update(dataclasses.asdict(tier.stats), bytes_stored=tier.stats.stored * page_bytes,
+                              bytes_loaded=tier.stats.loaded * page_bytes,
+                              bytes_to_disk=tier.stats.disk_stored * page_bytes,
+                              bytes_from_disk=tier.stats.disk_loaded * page_bytes)
     results["ttft_p50_on_vs_off"] = results["tier on"]["ttft_p50_ms"] / results["tier off"]["ttft_p50_ms"]
     for name in timed:
         r = results[name]

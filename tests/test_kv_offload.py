@@ -32,6 +32,12 @@ class FakeMemory:
     def load(self, slot: int, page: int) -> None:
         self.device[page] = self.host[slot]
 
+    def read_slot(self, slot: int) -> bytes:
+        return str(self.host[slot]).encode()
+
+    def write_page(self, page: int, data: bytes) -> None:
+        self.device[page] = int(data)
+
 
 def block_hashes(tokens: list[int]) -> list[int]:
     hashes, parent = [], None
@@ -41,11 +47,14 @@ def block_hashes(tokens: list[int]) -> list[int]:
     return hashes
 
 
-def test_every_hit_reads_its_own_blocks_kv_through_pool_and_tier():
+@pytest.mark.parametrize("disk", [False, True])
+def test_every_hit_reads_its_own_blocks_kv_through_pool_and_tiers(disk, tmp_path):
+    """With ``disk``: a host tier of 6 pages over a disk tier of about 12, so pages go down to
+    disk and come back up from it, and the disk tier drops files too."""
     rng = random.Random(7)
-    pages, slots = 24, 20
+    pages, slots = 24, (6 if disk else 20)
     memory = FakeMemory(pages, slots)
-    tier = HostPrefixTier(slots, memory)
+    tier = HostPrefixTier(slots, memory, tmp_path / "kv" if disk else None, 12 * 80 if disk else 0)
     kv = KVCacheManager(pages, BLOCK, offload=tier)
     documents = [[rng.randrange(1, 500) for _ in range(rng.choice((8, 16, 24)))] for _ in range(8)]
     running: list[str] = []
@@ -74,6 +83,41 @@ def test_every_hit_reads_its_own_blocks_kv_through_pool_and_tier():
     kv.assert_idle()
     # The paths above all ran: pages stored, brought back for hits, and the tier full and dropping.
     assert tier.stats.stored > 50 and served_from_tier > 50 and tier.stats.dropped > 0
+    if disk:
+        assert tier.stats.disk_stored > 20 and tier.stats.disk_loaded > 10 and tier.stats.disk_dropped > 0
+        tier.close()
+        assert not (tmp_path / "kv").exists()
+
+
+def test_a_disk_page_that_does_not_check_out_is_a_miss(tmp_path):
+    """One host slot over a disk tier: a page spilled to disk and then corrupted (one byte) or cut
+    short does not load, and its file is gone; an intact one comes back with its content."""
+    memory = FakeMemory(4, 1)
+    tier = HostPrefixTier(1, memory, tmp_path, 1 << 20)
+    for page, h in enumerate((21, 22, 23)):
+        memory.device[page] = h
+        tier.store(page, h, (None, (h,)))  # 21, then 22 push the one before down to disk
+    files = {p.name: p for p in tmp_path.iterdir()}
+    assert len(files) == 2 and tier.stats.disk_stored == 2
+    first, second = sorted(files.values(), key=lambda p: p.stat().st_mtime_ns)
+    data = bytearray(first.read_bytes())
+    data[-1] ^= 1
+    first.write_bytes(bytes(data))
+    second.write_bytes(second.read_bytes()[:-3])
+    assert tier.find(21, (None, (21,))) and tier.find(22, (None, (22,)))  # there, until read
+    memory.device[0] = memory.device[1] = None
+    assert not tier.load(21, (None, (21,)), 0) and not tier.load(22, (None, (22,)), 1)
+    assert memory.device[:2] == [None, None]  # nothing written from a bad file
+    assert tier.stats.disk_corrupt == 2 and not any(tmp_path.iterdir())
+    memory.device[3] = 24
+    tier.pin(())
+    tier.store(3, 24, (None, (24,)))  # 23 goes down to disk intact
+    assert tier.find(23, (None, (23,))) and not tier.load(23, (None, (99,)), 0)  # another key: never served
+    memory.device[3] = 25
+    tier.store(3, 25, (None, (25,)))  # 24 goes down, 23's file was taken by the failed read above
+    assert tier.find(24, (None, (24,))) and tier.load(24, (None, (24,)), 0) and memory.device[0] == 24
+    assert tier.stats.disk_loaded == 1
+    tier.check_invariants()
 
 
 def test_the_tier_is_bounded_least_recently_used_first_and_keeps_what_a_load_reads():
@@ -83,7 +127,7 @@ def test_the_tier_is_bounded_least_recently_used_first_and_keeps_what_a_load_rea
         memory.device[page] = h
         tier.store(page, h, (h,))
     assert tier.lookup(11, (11,)) and not tier.lookup(11, (99,))  # a colliding hash is a miss
-    tier.load(11, 3)  # 11 used: 12 is the least recently used now
+    tier.load(11, (11,), 3)  # 11 used: 12 is the least recently used now
     memory.device[2] = 13
     tier.store(2, 13, (13,))
     assert [tier.lookup(h, (h,)) for h in (11, 12, 13)] == [True, False, True]
@@ -101,6 +145,8 @@ def test_the_tier_needs_prefix_caching_and_one_kv_group():
         EngineConfig(kv_offloading_size=1.0, enable_prefix_caching=False)
     with pytest.raises(ValueError, match=">= 0"):
         EngineConfig(kv_offloading_size=-1.0)
+    with pytest.raises(ValueError, match="needs kv_offloading_size"):
+        EngineConfig(kv_offloading_disk_size=1.0)
     with pytest.raises(ValueError, match="one KV group"):
         KVCacheManager(8, BLOCK, windows=(0, 16), offload=HostPrefixTier(4, FakeMemory(8, 4)))
 
@@ -142,3 +188,37 @@ def test_without_the_tier_the_same_prompt_is_computed_again(make_llm, tiny_model
     for p in prompts:
         llm.generate([p], params)
     assert llm.generate([prompts[0]], params)[0].num_cached_tokens == 0
+
+
+def test_a_prompt_dropped_to_the_disk_tier_comes_back_exact_and_its_files_go_with_the_engine(
+        tiny_model_dirs, llama_reference, tmp_path):
+    """A host tier of a few pages over a disk tier: the first prompt's pages go pool -> host ->
+    disk, and sent again it is served from disk with transformers' tokens. Then every file on
+    disk is corrupted: the prompt sent once more is computed again, still exact. Closing the
+    engine removes its directory."""
+    from splitserve.engine import LLM
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, 250) for _ in range(40)] for _ in range(4)]
+    llm = LLM(model=str(tiny_model_dirs["llama"]), dtype="float32", enforce_eager=True, num_gpu_blocks=32,
+              block_size=BLOCK, kv_offloading_size=8192 / 2**30, kv_offloading_disk_size=0.001,
+              kv_offloading_dir=str(tmp_path))
+    tier = llm.engine.kv.offload
+    assert tier.num_slots < 9  # the 9 full blocks of a prompt cannot all stay in host memory
+    outs = [llm.generate([p], params)[0] for p in prompts]
+    want = [llama_reference.greedy(p, 6) for p in prompts]
+    assert [o.token_ids for o in outs] == want and tier.stats.disk_stored >= 9
+    again = llm.generate([prompts[0]], params)[0]
+    assert (again.token_ids, again.num_cached_tokens) == (want[0], 36) and tier.stats.disk_loaded >= 9 - tier.num_slots
+    for p in prompts[1:]:  # push the first prompt's pages down again
+        llm.generate([p], params)
+    (directory,) = list(tmp_path.iterdir())
+    for path in directory.iterdir():
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        path.write_bytes(bytes(data))
+    last = llm.generate([prompts[0]], params)[0]
+    assert last.token_ids == want[0] and last.num_cached_tokens < 36 and tier.stats.disk_corrupt > 0
+    llm.engine.kv.check_invariants()
+    llm.engine.close()
+    assert not directory.exists()

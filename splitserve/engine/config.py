@@ -66,6 +66,12 @@ class EngineConfig:
     # the pool evicts are kept there and brought back for a later hit (splitserve/engine/kv_offload.py).
     # 0: off. Needs prefix caching; windowed models keep every page in the pool with it.
     kv_offloading_size: float = 0.0
+    # GiB of disk below the host KV tier: pages it lets go are written there (a file each, with a
+    # CRC32 checked when read back) and a later hit reads them back. 0: off. Needs kv_offloading_size.
+    kv_offloading_disk_size: float = 0.0
+    # Where the disk tier keeps its files: a fresh directory of each engine's own under it, removed
+    # when the engine closes or its process exits. "": the system's temporary directory.
+    kv_offloading_dir: str = ""
     # Chunk prompts longer than the step budget instead of refusing them.
     enable_chunked_prefill: bool = True
     # Order of waiting requests: "priority" (lower value first, aged by priority_aging_per_s;
@@ -189,6 +195,11 @@ class EngineConfig:
             raise ValueError("enable_lora with tensor_parallel_size > 1 is not supported yet")
         if self.kv_offloading_size < 0:
             raise ValueError(f"kv_offloading_size must be >= 0 GiB, got {self.kv_offloading_size}")
+        if self.kv_offloading_disk_size < 0:
+            raise ValueError(f"kv_offloading_disk_size must be >= 0 GiB, got {self.kv_offloading_disk_size}")
+        if self.kv_offloading_disk_size and not self.kv_offloading_size:
+            raise ValueError("kv_offloading_disk_size needs kv_offloading_size: the disk tier takes what the host "
+                             "tier lets go")
         if self.kv_offloading_size and not self.enable_prefix_caching:
             raise ValueError("kv_offloading_size needs prefix caching: the host tier keeps evicted prefix pages")
         if self.kv_offloading_size and self.tensor_parallel_size > 1:

@@ -197,20 +197,20 @@ class KVCacheManager:
         are copied into free pages and cached there. Every page of the result is left cached and
         unreferenced (the caller's ``allocate`` takes them), as a device hit's are."""
         more: list[tuple[int, tuple, int | None]] = []  # (hash, key, device page or None: on the host)
+        self.offload.pin(())  # ``find`` pins what it finds (a disk read may make room in the host tier)
         for i in range(len(hit), max_blocks):
             if i >= len(chain):
                 chain.append(chain_hash(chain[-1][0] if chain else root,
                                         token_ids[i * self.block_size:(i + 1) * self.block_size]))
             block_hash, key = chain[i]
             page = self.pool.lookup(block_hash, key)
-            if page is None and not self.offload.lookup(block_hash, key):
+            if page is None and not self.offload.find(block_hash, key):
                 break
             more.append((block_hash, key, page))
         on_device = [page for _, _, page in more if page is not None]
         self.pool.touch(hit + on_device)  # not evicted while pages are found for the others
         wanted = sum(1 for *_, page in more if page is None)
-        # The pages' evictions store into the tier: not over the entries about to be read.
-        self.offload.pin(h for h, _, page in more if page is None)
+        # The pages' evictions store into the tier: not over the entries about to be read (pinned).
         pages: list[int] = []
         try:
             pages = self.pool.allocate(min(wanted, self.pool.num_free)) or []
@@ -219,14 +219,14 @@ class KVCacheManager:
             for block_hash, key, page in more:
                 if page is None:
                     page = next(taken, None)
-                    if page is None:
-                        break
-                    self.offload.load(block_hash, page)
+                    if page is None or not self.offload.load(block_hash, key, page):
+                        break  # out of pages, or a disk file that did not check out: the hit ends
                     self.pool.register(page, block_hash, key)
                 result.append(page)
         finally:
             self.offload.pin(())
-        self.pool.release(reversed(hit + on_device + pages))  # tail first, as ``free`` does
+        # Tail first, as ``free`` does; pages a load did not fill go back unregistered.
+        self.pool.release(reversed(hit + on_device + pages))
         return result
 
     def next_block_hash(self, token_ids: Sequence[int], cached_blocks: Sequence[int],

@@ -3,7 +3,11 @@ by their chain hash, and a later prefix hit brings them back instead of computin
 (vLLM's CPU offloading connector, SGLang's HiCache host tier).
 
 Inclusive: a page brought back stays in the tier too, so evicting it again costs no copy. The
-tier is bounded (``--kv-offloading-size`` GiB) and lets its least recently used page go.
+tier is bounded (``--kv-offloading-size`` GiB) and lets its least recently used page go: down to
+a disk tier when there is one (``DiskPrefixTier``: a directory of files, one a page, each with a
+CRC32 of its key and bytes; ``--kv-offloading-disk-size`` GiB, LRU), else for good. A prefix hit
+on a disk page reads its file straight into the device page (a file that does not check out ends
+the hit there, and is deleted).
 
 The copies are synchronous, at the moment the pool decides: a page is stored when the pool hands
 its page out to another request (before anything can write it), and loaded when a request's
@@ -14,8 +18,15 @@ Pure Python, like the pool: the copies go through a ``PageCopier`` the model run
 """
 from __future__ import annotations
 
+import json
+import os
+import shutil
+import struct
+import weakref
+import zlib
 from collections import OrderedDict
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Iterable, Protocol
 
 
@@ -26,16 +37,100 @@ class PageCopier(Protocol):
     def load(self, slot: int, page: int) -> None:
         """Copy host slot ``slot`` into device page ``page``."""
 
+    def read_slot(self, slot: int) -> bytes:
+        """Host slot ``slot``'s bytes (for the disk tier)."""
+
+    def write_page(self, page: int, data: bytes) -> None:
+        """Fill device page ``page`` with ``data`` (as ``read_slot`` gave it)."""
+
 
 @dataclass
 class OffloadStats:
     stored: int = 0  # pages copied down into the tier
     loaded: int = 0  # pages copied back up for prefix hits
-    dropped: int = 0  # pages the tier let go to make room (least recently used)
+    dropped: int = 0  # pages the tier let go to make room (least recently used); to disk when it has one
+    disk_stored: int = 0  # pages written to the disk tier
+    disk_loaded: int = 0  # pages read back from it (checked)
+    disk_dropped: int = 0  # files it deleted to make room
+    disk_corrupt: int = 0  # files that did not check out (a miss, deleted)
+
+
+_MAGIC = b"SSKV"
+
+
+class DiskPrefixTier:
+    """Pages in files under ``directory`` (a directory of this tier's own, removed by ``close``):
+    ``<hash>.kv`` = magic, CRC32, key length, the key as JSON, the page's bytes. Bounded by
+    ``max_bytes``, least recently used file first."""
+
+    def __init__(self, directory: str | Path, max_bytes: int, stats: OffloadStats):
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        # Removed when the tier goes, or at the latest when the process exits normally.
+        self._cleanup = weakref.finalize(self, shutil.rmtree, str(self.directory), True)
+        self.max_bytes = max_bytes
+        self.stats = stats
+        self._files: OrderedDict[int, int] = OrderedDict()  # block hash -> file size, least recent first
+        self._bytes = 0
+
+    def __contains__(self, block_hash: int) -> bool:
+        return block_hash in self._files
+
+    def _path(self, block_hash: int) -> Path:
+        return self.directory / f"{block_hash & (2**64 - 1):016x}.kv"
+
+    def put(self, block_hash: int, key: tuple, data: bytes) -> None:
+        encoded = json.dumps(key).encode()
+        body = struct.pack("<I", len(encoded)) + encoded + data
+        record = _MAGIC + struct.pack("<I", zlib.crc32(body)) + body
+        if len(record) > self.max_bytes:
+            return
+        self.discard(block_hash)
+        while self._bytes + len(record) > self.max_bytes:
+            self.discard(next(iter(self._files)))
+            self.stats.disk_dropped += 1
+        path = self._path(block_hash)
+        partial = path.with_suffix(".partial")
+        partial.write_bytes(record)
+        os.replace(partial, path)  # whole or not at all
+        self._files[block_hash] = len(record)
+        self._bytes += len(record)
+        self.stats.disk_stored += 1
+
+    def take(self, block_hash: int, key: tuple) -> bytes | None:
+        """The page's bytes if its file is there and checks out (its key ``key``); the file is
+        deleted either way (the page goes back up to the host tier)."""
+        if block_hash not in self._files:
+            return None
+        try:
+            record = self._path(block_hash).read_bytes()
+        except OSError:
+            record = b""
+        self.discard(block_hash)
+        if len(record) >= 12 and record[:4] == _MAGIC and \
+                struct.unpack("<I", record[4:8])[0] == zlib.crc32(record[8:]):
+            length = struct.unpack("<I", record[8:12])[0]
+            if json.loads(record[12:12 + length]) == json.loads(json.dumps(key)):
+                self.stats.disk_loaded += 1
+                return record[12 + length:]
+        self.stats.disk_corrupt += 1
+        return None
+
+    def discard(self, block_hash: int) -> None:
+        size = self._files.pop(block_hash, None)
+        if size is not None:
+            self._bytes -= size
+            self._path(block_hash).unlink(missing_ok=True)
+
+    def close(self) -> None:
+        self._cleanup()
+        self._files.clear()
+        self._bytes = 0
 
 
 class HostPrefixTier:
-    def __init__(self, num_slots: int, copier: PageCopier):
+    def __init__(self, num_slots: int, copier: PageCopier, disk_dir: str | Path | None = None,
+                 disk_bytes: int = 0):
         if num_slots < 1:
             raise ValueError(f"the host KV tier needs at least one page, got {num_slots}")
         self.num_slots = num_slots
@@ -43,15 +138,25 @@ class HostPrefixTier:
         self._free = list(range(num_slots - 1, -1, -1))
         # block hash -> (slot, the exact key behind the hash), least recently used first.
         self._entries: OrderedDict[int, tuple[int, tuple]] = OrderedDict()
-        self._pinned: frozenset[int] = frozenset()  # hashes a load is about to read: never dropped
+        self._pinned: set[int] = set()  # hashes a load is about to read: never dropped
         self.stats = OffloadStats()
+        self.disk = DiskPrefixTier(disk_dir, disk_bytes, self.stats) if disk_dir is not None and disk_bytes else None
 
     def __len__(self) -> int:
         return len(self._entries)
 
     def lookup(self, block_hash: int, key: tuple) -> bool:
+        """Whether the host tier holds the block (not the disk tier: see ``find``)."""
         entry = self._entries.get(block_hash)
         return entry is not None and entry[1] == key
+
+    def find(self, block_hash: int, key: tuple) -> bool:
+        """Whether the block may be loaded: in the host tier (pinned until ``pin(())``), or in a
+        file of the disk tier (checked when ``load`` reads it)."""
+        if self.lookup(block_hash, key):
+            self._pinned.add(block_hash)
+            return True
+        return self.disk is not None and block_hash in self.disk and block_hash not in self._entries
 
     def store(self, page: int, block_hash: int, key: tuple) -> None:
         """The pool is giving ``page`` (holding ``block_hash``'s KV) to another request: keep it."""
@@ -64,28 +169,45 @@ class HostPrefixTier:
         self.copier.store(page, slot)
         self._entries[block_hash] = (slot, key)
         self.stats.stored += 1
+        if self.disk is not None:
+            self.disk.discard(block_hash)  # an older copy there: the host's is the one kept
 
     def _free_slot(self) -> int | None:
         if self._free:
             return self._free.pop()
         for block_hash in self._entries:  # least recently used first
             if block_hash not in self._pinned:
-                slot, _ = self._entries.pop(block_hash)
+                slot, key = self._entries.pop(block_hash)
                 self.stats.dropped += 1
+                if self.disk is not None:
+                    self.disk.put(block_hash, key, self.copier.read_slot(slot))
                 return slot
         return None
 
     def pin(self, block_hashes: Iterable[int]) -> None:
         """Keep these entries while the pool makes room for loading them (its evictions store pages
         here, and must not drop the ones about to be read); ``pin(())`` ends it."""
-        self._pinned = frozenset(block_hashes)
+        self._pinned = set(block_hashes)
 
-    def load(self, block_hash: int, page: int) -> None:
-        """Copy ``block_hash``'s KV into device page ``page`` (looked up just before)."""
-        slot, _ = self._entries[block_hash]
-        self._entries.move_to_end(block_hash)
-        self.copier.load(slot, page)
+    def close(self) -> None:
+        """Remove the disk tier's files (the worker is going away)."""
+        if self.disk is not None:
+            self.disk.close()
+
+    def load(self, block_hash: int, key: tuple, page: int) -> bool:
+        """Copy ``block_hash``'s KV into device page ``page`` (found just before); False when it
+        came from a disk file that did not check out (the page is left unwritten)."""
+        entry = self._entries.get(block_hash)
+        if entry is not None:
+            self._entries.move_to_end(block_hash)
+            self.copier.load(entry[0], page)
+        else:
+            data = self.disk.take(block_hash, key) if self.disk is not None else None
+            if data is None:
+                return False
+            self.copier.write_page(page, data)
         self.stats.loaded += 1
+        return True
 
     def check_invariants(self) -> None:
         slots = [slot for slot, _ in self._entries.values()] + self._free

@@ -6,6 +6,7 @@ requests and turning them into ``RequestOutput``.
 from __future__ import annotations
 
 import itertools
+import tempfile
 import time
 from typing import Callable, Sequence
 
@@ -45,8 +46,7 @@ class LLMEngine:
                                  num_cpu_blocks=config.num_cpu_blocks if config.preemption_mode == "swap" else 0,
                                  windows=self.runner.kv_groups.windows,
                                  max_step_tokens=config.max_num_batched_tokens,
-                                 offload=HostPrefixTier(self.runner.host_kv.shape[2], self.runner)
-                                 if self.runner.host_kv is not None else None)
+                                 offload=self._host_tier(config))
         self.scheduler = Scheduler(config, self.kv, self.max_model_len, clock=clock)
         self.scheduler.lora = self.runner.lora
         # Prefilled requests (a decode worker's) whose adapter waits for a LoRA slot to free.
@@ -59,9 +59,22 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
 
+    def _host_tier(self, config: EngineConfig) -> HostPrefixTier | None:
+        """The KV tiers below the pool (--kv-offloading-size, --kv-offloading-disk-size)."""
+        if self.runner.host_kv is None:
+            return None
+        disk_dir = None
+        if config.kv_offloading_disk_size:
+            disk_dir = tempfile.mkdtemp(prefix="splitserve-kv-", dir=config.kv_offloading_dir or None)
+        return HostPrefixTier(self.runner.host_kv.shape[2], self.runner, disk_dir,
+                              int(config.kv_offloading_disk_size * 2**30))
+
     def close(self) -> None:
-        """Stop what runs beside this process (the other ranks of a tensor-parallel engine)."""
+        """Stop what runs beside this process (the other ranks of a tensor-parallel engine); remove
+        the disk tier's files."""
         self.runner.close()
+        if self.kv.offload is not None:
+            self.kv.offload.close()
 
     # ---- requests ------------------------------------------------------------------
     def add_request(self, request_id: str | None, prompt: str | Sequence[int],

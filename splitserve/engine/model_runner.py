@@ -435,6 +435,14 @@ class ModelRunner:
     def load(self, slot: int, page: int) -> None:
         self.kv_pages[:, :, page].copy_(self.host_kv[:, :, slot])
 
+    def read_slot(self, slot: int) -> bytes:
+        return self.host_kv[:, :, slot].contiguous().view(torch.uint8).numpy().tobytes()
+
+    def write_page(self, page: int, data: bytes) -> None:
+        target = self.kv_pages[:, :, page]
+        page_bytes = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(target.dtype).view(target.shape)
+        target.copy_(page_bytes.to(target.device))
+
     def _swap(self, swap_out, swap_in) -> None:
         # Out before in: a block swapped out this step may be the target of a swap-in.
         if swap_out:
