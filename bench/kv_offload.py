@@ -84,7 +84,7 @@ def main() -> None:
                 llm = engines[name]
                 prompt = sessions[name][s] + turns[s]
                 tier = llm.engine.kv.offload
-                loaded = tier.stats.loaded if tier else 0
+                loaded = tier.stats.loaded + tier.stats.disk_loaded if tier else 0
                 start = time.perf_counter()
                 head = llm.generate([prompt], first)[0]
                 ttft = time.perf_counter() - start
@@ -92,7 +92,8 @@ def main() -> None:
                 sessions[name][s] = prompt + out.token_ids
                 records[name].append({"round": round_no, "session": s, "prompt_tokens": len(prompt),
                                       "ttft_s": ttft, "cached_tokens": head.num_cached_tokens,
-                                      "pages_loaded": (tier.stats.loaded - loaded) if tier else 0})
+                                      "pages_loaded": (tier.stats.loaded + tier.stats.disk_loaded - loaded)
+                                      if tier else 0})
                 print(f"round {round_no} session {s} {name}: TTFT {ttft * 1e3:.0f} ms, "
                       f"{head.num_cached_tokens}/{len(prompt)} cached", flush=True)
     load.stop()
@@ -106,7 +107,7 @@ def main() -> None:
                          "pages_loaded": sum(r["pages_loaded"] for r in later)}
     tier = engines["tier on"].engine.kv.offload
     results["tier on"].update(dataclasses.asdict(tier.stats), bytes_stored=tier.stats.stored * page_bytes,
-                              bytes_loaded=tier.stats.loaded * page_bytes,
+                              bytes_loaded=(tier.stats.loaded + tier.stats.disk_loaded) * page_bytes,
                               bytes_to_disk=tier.stats.disk_stored * page_bytes,
                               bytes_from_disk=tier.stats.disk_loaded * page_bytes)
     results["ttft_p50_on_vs_off"] = results["tier on"]["ttft_p50_ms"] / results["tier off"]["ttft_p50_ms"]

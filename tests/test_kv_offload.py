@@ -63,11 +63,11 @@ def test_every_hit_reads_its_own_blocks_kv_through_pool_and_tiers(disk, tmp_path
         if running and (len(running) > 3 or rng.random() < 0.4):
             kv.free(running.pop(rng.randrange(len(running))))
         tokens = rng.choice(documents) + [rng.randrange(1, 500) for _ in range(rng.randrange(1, 9))]
-        loaded_before = tier.stats.loaded
+        loaded_before = tier.stats.loaded + tier.stats.disk_loaded
         cached = kv.find_cached_prefix(tokens, load=True)
         want = block_hashes(tokens)
         assert [memory.device[page] for page in cached] == want[:len(cached)], n  # each hit page: its block
-        served_from_tier += tier.stats.loaded - loaded_before
+        served_from_tier += tier.stats.loaded + tier.stats.disk_loaded - loaded_before
         rid = f"r{n}"
         if kv.allocate(rid, len(tokens), cached) is None:
             kv.check_invariants()
@@ -131,7 +131,7 @@ def test_the_tier_is_bounded_least_recently_used_first_and_keeps_what_a_load_rea
     memory.device[2] = 13
     tier.store(2, 13, (13,))
     assert [tier.lookup(h, (h,)) for h in (11, 12, 13)] == [True, False, True]
-    assert tier.stats == type(tier.stats)(stored=3, loaded=1, dropped=1)
+    assert (tier.stats.stored, tier.stats.loaded, tier.stats.dropped) == (3, 1, 1)
     tier.pin([11, 13])  # both about to be read: nothing may go
     memory.device[0] = 14
     tier.store(0, 14, (14,))
@@ -175,8 +175,12 @@ def test_a_prompt_evicted_from_the_pool_comes_back_from_the_tier_exact(make_llm,
     from splitserve.common.metrics import EngineMetrics
     registry = CollectorRegistry()
     EngineMetrics(registry, "both").refresh_counters(llm.engine)
-    for op in ("stored", "loaded", "dropped"):
-        assert registry.get_sample_value("splitserve:kv_offload_pages_total", {"op": op}) == getattr(tier.stats, op)
+    from splitserve.common.metrics import OFFLOAD_SERIES
+    assert set(tier.stats.by_tier()) == set(OFFLOAD_SERIES)
+    for (name, op), value in tier.stats.by_tier().items():
+        assert registry.get_sample_value("splitserve:kv_offload_pages_total", {"tier": name, "op": op}) == value
+    assert value == 0 and tier.stats.loaded > 0  # no disk tier here; the host tier's loads counted
+    assert registry.get_sample_value("splitserve:kv_offload_load_seconds_total") == tier.stats.load_seconds > 0
 
 
 def test_without_the_tier_the_same_prompt_is_computed_again(make_llm, tiny_model_dirs):

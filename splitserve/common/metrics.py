@@ -63,6 +63,12 @@ class ModelRegistry(CollectorRegistry):
             yield family
 
 
+# The (tier, op) series of splitserve:kv_offload_pages: the keys of the engine's
+# ``OffloadStats.by_tier()`` (splitserve/engine/kv_offload.py).
+OFFLOAD_SERIES = (("host", "stored"), ("host", "loaded"), ("host", "dropped"), ("disk", "stored"),
+                  ("disk", "loaded"), ("disk", "dropped"), ("disk", "corrupt"))
+
+
 class EngineMetrics:
     """What a worker's engine reports (vLLM names for the engine's state, splitserve's for its
     token work: see the module docstring)."""
@@ -111,11 +117,15 @@ class EngineMetrics:
                                     registry=registry)
         self.steps = Counter("splitserve:engine_steps", "Engine steps that ran the model", registry=registry)
         self.offload_pages = Counter("splitserve:kv_offload_pages",
-                                     "Pages of the host KV tier (--kv-offloading-size): stored (evicted from the "
-                                     "pool), loaded (brought back for a prefix hit), dropped (its least recently "
-                                     "used, for room)", ["op"], registry=registry)
-        for op in ("stored", "loaded", "dropped"):  # at 0 from the start (and with the tier off)
-            self.offload_pages.labels(op=op)
+                                     "Pages of the KV tiers below the pool (--kv-offloading-size, --kv-offloading-"
+                                     "disk-size), by tier (host, disk) and op: stored (the host tier: evicted from "
+                                     "the pool; disk: let go by the host tier), loaded (brought back for a prefix "
+                                     "hit), dropped (least recently used, for room), corrupt (disk files that did not "
+                                     "check out)", ["tier", "op"], registry=registry)
+        self.offload_load_seconds = Counter("splitserve:kv_offload_load_seconds",
+                                            "Seconds spent bringing KV pages back from the tiers", registry=registry)
+        for tier, op in OFFLOAD_SERIES:  # at 0 from the start (and with the tiers off)
+            self.offload_pages.labels(tier=tier, op=op)
         self.role = Gauge("splitserve:worker_info", "Constant 1, labelled with the worker's role",
                           list(labels), registry=registry)
         self.role.labels(**labels).set(1)
@@ -151,10 +161,12 @@ class EngineMetrics:
             self._seen[name] = totals[name]
         tier = engine.kv.offload
         if tier is not None:
-            for op in ("stored", "loaded", "dropped"):
-                total = getattr(tier.stats, op)
-                self.offload_pages.labels(op=op).inc(max(0, total - self._seen.get(f"offload_{op}", 0)))
-                self._seen[f"offload_{op}"] = total
+            for (name, op), total in tier.stats.by_tier().items():
+                seen = f"offload_{name}_{op}"
+                self.offload_pages.labels(tier=name, op=op).inc(max(0, total - self._seen.get(seen, 0)))
+                self._seen[seen] = total
+            self.offload_load_seconds.inc(max(0.0, tier.stats.load_seconds - self._seen.get("offload_seconds", 0.0)))
+            self._seen["offload_seconds"] = tier.stats.load_seconds
         phases = engine.runner.phases
         self.steps.inc(max(0, phases.steps - self._seen_phases.get("steps", 0)))
         self._seen_phases["steps"] = phases.steps

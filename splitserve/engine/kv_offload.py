@@ -22,6 +22,7 @@ import json
 import os
 import shutil
 import struct
+import time
 import weakref
 import zlib
 from collections import OrderedDict
@@ -46,13 +47,20 @@ class PageCopier(Protocol):
 
 @dataclass
 class OffloadStats:
-    stored: int = 0  # pages copied down into the tier
-    loaded: int = 0  # pages copied back up for prefix hits
-    dropped: int = 0  # pages the tier let go to make room (least recently used); to disk when it has one
+    stored: int = 0  # pages copied down into the host tier
+    loaded: int = 0  # pages copied back up from it for prefix hits
+    dropped: int = 0  # pages it let go to make room (least recently used); to disk when there is one
     disk_stored: int = 0  # pages written to the disk tier
-    disk_loaded: int = 0  # pages read back from it (checked)
+    disk_loaded: int = 0  # pages read back from it (checked) for prefix hits
     disk_dropped: int = 0  # files it deleted to make room
     disk_corrupt: int = 0  # files that did not check out (a miss, deleted)
+    load_seconds: float = 0.0  # time spent bringing pages back, both tiers'
+
+    def by_tier(self) -> dict[tuple[str, str], int]:
+        """(tier, op) -> pages, as the workers export them (splitserve:kv_offload_pages)."""
+        return {("host", "stored"): self.stored, ("host", "loaded"): self.loaded, ("host", "dropped"): self.dropped,
+                ("disk", "stored"): self.disk_stored, ("disk", "loaded"): self.disk_loaded,
+                ("disk", "dropped"): self.disk_dropped, ("disk", "corrupt"): self.disk_corrupt}
 
 
 _MAGIC = b"SSKV"
@@ -197,16 +205,18 @@ class HostPrefixTier:
     def load(self, block_hash: int, key: tuple, page: int) -> bool:
         """Copy ``block_hash``'s KV into device page ``page`` (found just before); False when it
         came from a disk file that did not check out (the page is left unwritten)."""
+        start = time.perf_counter()
         entry = self._entries.get(block_hash)
         if entry is not None:
             self._entries.move_to_end(block_hash)
             self.copier.load(entry[0], page)
+            self.stats.loaded += 1
         else:
             data = self.disk.take(block_hash, key) if self.disk is not None else None
             if data is None:
                 return False
             self.copier.write_page(page, data)
-        self.stats.loaded += 1
+        self.stats.load_seconds += time.perf_counter() - start
         return True
 
     def check_invariants(self) -> None:

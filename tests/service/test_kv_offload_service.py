@@ -24,7 +24,7 @@ def stack(tiny_model_dirs, tmp_path_factory):
 
 
 def loaded_pages(stack, role: str) -> float:
-    return scrape(stack.metrics_ports[role]).get("splitserve:kv_offload_pages_total{op=loaded}", 0.0)
+    return scrape(stack.metrics_ports[role]).get("splitserve:kv_offload_pages_total{op=loaded,tier=host}", 0.0)
 
 
 def transfer_bytes(stack) -> float:
