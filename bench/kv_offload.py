@@ -67,8 +67,7 @@ def main() -> None:
                               kv_offloading_disk_size=args.offload_disk_gb),
                "pool holds all": LLM(args.model, **{**common, "num_gpu_blocks": common["max_model_len"]
                                                     * args.sessions // block + 1})}
-    page_bytes = engines["tier on"].engine.runner.host_kv[:, :, 0].numel() * \
-        engines["tier on"].engine.runner.host_kv.element_size()
+    page_bytes = engines["tier on"].engine.runner.host_kv.page_bytes
     first = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     reply = SamplingParams(temperature=0, max_tokens=args.reply, ignore_eos=True)
     # Each engine's own copy of every history: both see the same prompts (greedy replies agree).

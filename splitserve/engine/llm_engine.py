@@ -66,7 +66,7 @@ class LLMEngine:
         disk_dir = None
         if config.kv_offloading_disk_size:
             disk_dir = tempfile.mkdtemp(prefix="splitserve-kv-", dir=config.kv_offloading_dir or None)
-        return HostPrefixTier(self.runner.host_kv.shape[2], self.runner, disk_dir,
+        return HostPrefixTier(self.runner.host_kv.num_slots, self.runner.host_kv, disk_dir,
                               int(config.kv_offloading_disk_size * 2**30))
 
     def close(self) -> None:

@@ -22,6 +22,7 @@ from splitserve.engine.attention.kv_quant import kv_quant, row_width
 from splitserve.engine.attention.page_order import page_order_for, page_shape, token_view
 from splitserve.engine.attention.hf_integration import ATTN_IMPLEMENTATION, StepContext, step_context
 from splitserve.engine.compiled_forward import build_forward
+from splitserve.engine.host_kv_pages import HostKVPages
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.kv_connector import KVConnector
 from splitserve.engine.kv_groups import KVGroups, layer_windows, one_group, plan_groups
@@ -181,15 +182,7 @@ class ModelRunner:
             self.cpu_cache = torch.zeros((*shape[:2], config.num_cpu_blocks, *shape[3:]), dtype=self.kv_dtype,
                                          pin_memory=self.device.type == "cuda")
         # The host KV tier's pages (splitserve/engine/kv_offload.py), laid out as the pool's.
-        self.host_kv = None
-        if config.kv_offloading_size:
-            page_bytes = self.kv_pages[:, :, 0].numel() * self.kv_pages.element_size()
-            slots = int(config.kv_offloading_size * 2**30 // page_bytes)
-            if slots < 1:
-                raise ValueError(f"kv_offloading_size {config.kv_offloading_size} GiB holds no KV page of "
-                                 f"{page_bytes} bytes")
-            self.host_kv = torch.zeros((*shape[:2], slots, *shape[3:]), dtype=self.kv_dtype,
-                                       pin_memory=self.device.type == "cuda")
+        self.host_kv = HostKVPages(self.kv_pages, config.kv_offloading_size) if config.kv_offloading_size else None
         self.kv_caches = [(self.kv_cache[slot, 0], self.kv_cache[slot, 1]) for _, slot in self.kv_groups.place]
         eos = self.model.generation_config.eos_token_id
         self.eos_token_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
@@ -427,21 +420,6 @@ class ModelRunner:
             pos[:n].copy_(torch.arange(n, device=dev))
             self.forward(ids[:n], pos[:n])
         self.kv_cache[:, :, 0].zero_()
-
-    # ---- the host KV tier's copies (kv_offload.PageCopier) ----------------------------------
-    def store(self, page: int, slot: int) -> None:
-        self.host_kv[:, :, slot].copy_(self.kv_pages[:, :, page])
-
-    def load(self, slot: int, page: int) -> None:
-        self.kv_pages[:, :, page].copy_(self.host_kv[:, :, slot])
-
-    def read_slot(self, slot: int) -> bytes:
-        return self.host_kv[:, :, slot].contiguous().view(torch.uint8).numpy().tobytes()
-
-    def write_page(self, page: int, data: bytes) -> None:
-        target = self.kv_pages[:, :, page]
-        page_bytes = torch.frombuffer(bytearray(data), dtype=torch.uint8).view(target.dtype).view(target.shape)
-        target.copy_(page_bytes.to(target.device))
 
     def _swap(self, swap_out, swap_in) -> None:
         # Out before in: a block swapped out this step may be the target of a swap-in.
