@@ -5,7 +5,6 @@ Every affected request must either finish with exactly the tokens transformers p
 (nothing lost, nothing repeated after a retry) or end with UNAVAILABLE once its attempts are
 spent; pages on every live worker return to their baseline. Every wait is bounded.
 """
-import socket
 import time
 
 import grpc
@@ -13,6 +12,7 @@ import pytest
 
 from splitserve.gateway.attempt import SUSPECT_S
 from splitserve.client import Client
+from splitserve.common.processes import free_port
 from tests.harness.prompts import mixed_prompts
 from tests.harness.stack import (DEFAULT_WORKER_ARGS, start_process, start_stack, stop_process, wait_pages_at_baseline,
                                       worker_info)
@@ -182,9 +182,7 @@ def test_gives_up_with_unavailable_after_the_retry_limit(stack, reference, basel
 def test_an_unfilled_reservation_expires_and_is_counted(stack, tmp_path):
     """Pages reserved for a prefill that never comes back are freed at the lease's end, and the
     decode worker's splitserve:kv_lease_expiries counts it."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        metrics_port = sock.getsockname()[1]
+    metrics_port = free_port()
     proc, address = start_process(["decode", "--model", stack.model, *DEFAULT_WORKER_ARGS, "--lease-ttl-s", "1",
                                    "--metrics-port", str(metrics_port)], tmp_path / "decode-short-lease.log")
     try:

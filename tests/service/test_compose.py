@@ -16,7 +16,6 @@ import os
 import re
 import secrets
 import shlex
-import socket
 import signal
 import subprocess
 import sys
@@ -33,7 +32,7 @@ from splitserve.engine.model_loader import load_tokenizer
 from splitserve.client import Client
 from splitserve.cli.sizing import load_shape, pages_for
 from tests.harness.deploy import parse_container
-from splitserve.common.processes import die_with_parent
+from splitserve.common.processes import die_with_parent, free_port
 from tests.harness.redis_server import RedisServer
 from tests.harness.tools import scrape
 
@@ -440,12 +439,6 @@ def test_deploy_doc_sizing_numbers_are_the_commands_output():
 # ---------------------------------------------------------------------------- the cpu profile, run locally
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_order(services: dict[str, dict]) -> list[str]:
     """Dependencies first, as compose starts them."""
     order: list[str] = []
@@ -480,8 +473,10 @@ class Process:
                 self.serving.set()
 
     def wait_serving(self) -> None:
-        if not self.serving.wait(BOOT_TIMEOUT_S):
-            raise RuntimeError(f"{self.name} did not start (exit {self.proc.poll()}); see {self.log.name}")
+        deadline = time.monotonic() + BOOT_TIMEOUT_S
+        while not self.serving.wait(0.2):  # a process that exited is not waited for to the end
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"{self.name} did not start (exit {self.proc.poll()}); see {self.log.name}")
 
     def stop(self) -> None:
         if self.proc.poll() is None:
