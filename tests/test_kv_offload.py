@@ -226,3 +226,22 @@ def test_a_prompt_dropped_to_the_disk_tier_comes_back_exact_and_its_files_go_wit
     llm.engine.kv.check_invariants()
     llm.engine.close()
     assert not directory.exists()
+
+
+def test_swap_preemption_goes_through_the_host_tier(make_llm, tiny_model_dirs):
+    """With the tier, swap preemption moves requests' pages into the tier's memory (taking room
+    from its least recently used prefix pages) and back, copied at once: a pool too small for 8
+    requests swaps, and the output equals an engine with room for everyone's."""
+    from splitserve.engine.kv_offload import SwapSlots
+    from tests.harness.prompts import mixed_prompts
+    model = tiny_model_dirs["llama"]
+    prompts = mixed_prompts(8, seed=21, lo=20, hi=35)
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    roomy = make_llm(model, block_size=8, num_gpu_blocks=256).generate(prompts, params)
+    llm = make_llm(model, block_size=8, num_gpu_blocks=12, preemption_mode="swap", kv_offloading_size=24 * 2048 / 2**30)
+    swap = llm.engine.kv.cpu_pool
+    assert isinstance(swap, SwapSlots) and llm.engine.runner.cpu_cache is None  # no pool of its own
+    outputs = llm.generate(prompts, params)
+    assert llm.engine.scheduler.num_preemptions > 0 and swap.pages_out > 0 and swap.pages_in == swap.pages_out
+    assert [o.token_ids for o in outputs] == [o.token_ids for o in roomy]
+    llm.engine.kv.check_invariants()

@@ -26,7 +26,7 @@ from typing import Sequence
 
 from splitserve.engine.block_pool import BlockPool, PrefixCacheStats, chain_hash, group_hash
 from splitserve.engine.kv_groups import window_pages
-from splitserve.engine.kv_offload import HostPrefixTier
+from splitserve.engine.kv_offload import HostPrefixTier, SwapSlots
 from splitserve.engine.kv_sizes import pages_for_tokens
 
 # Where a windowed group's table has given a page back: a valid page id that no kernel reads.
@@ -85,7 +85,10 @@ class KVCacheManager:
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks, enable_prefix_caching)
-        self.cpu_pool = BlockPool(num_cpu_blocks, enable_caching=False) if num_cpu_blocks else None
+        # Swap preemption's host pages: the host tier's memory when there is one (num_cpu_blocks
+        # then only says swapping is on), else a pool of their own.
+        self.cpu_pool = (SwapSlots(offload) if offload is not None else BlockPool(num_cpu_blocks, enable_caching=False)) \
+            if num_cpu_blocks else None
         self.offload = offload
         if offload is not None:
             self.pool.on_evict = lambda block_id, block_hash, key: offload.store(block_id, block_hash, key)
@@ -375,7 +378,8 @@ class KVCacheManager:
 
     # ---- swap preemption -----------------------------------------------------------
     def swap_out(self, request_id: str) -> list[tuple[int, int]] | None:
-        """Move a request's pages to host blocks. Returns (device, host) pairs to copy, or None."""
+        """Move a request's pages to host blocks. Returns (device, host) pairs to copy, or None
+        (with the host tier, the copies are made here and there are none to return)."""
         owner = self._owners[request_id]
         if self.cpu_pool is None:
             return None
@@ -383,6 +387,9 @@ class KVCacheManager:
         if cpu_blocks is None:
             return None
         pairs = list(zip(owner.block_ids, cpu_blocks))
+        if isinstance(self.cpu_pool, SwapSlots):  # copied now, before the pages can be reused
+            self.cpu_pool.copy_out(pairs)
+            pairs = []
         self.pool.release(reversed(owner.block_ids))
         owner.tables, owner.released, owner.cpu_block_ids = [[]], [0], cpu_blocks
         owner.num_hashed_blocks, owner.last_hash = 0, None
@@ -396,6 +403,9 @@ class KVCacheManager:
         if device_blocks is None:
             return None
         pairs = list(zip(owner.cpu_block_ids, device_blocks))
+        if isinstance(self.cpu_pool, SwapSlots):  # copied now, before the slots can be reused
+            self.cpu_pool.copy_in(pairs)
+            pairs = []
         self.cpu_pool.release(owner.cpu_block_ids)
         owner.tables, owner.released, owner.cpu_block_ids = [device_blocks], [0], None
         return pairs

@@ -147,6 +147,7 @@ class HostPrefixTier:
         # block hash -> (slot, the exact key behind the hash), least recently used first.
         self._entries: OrderedDict[int, tuple[int, tuple]] = OrderedDict()
         self._pinned: set[int] = set()  # hashes a load is about to read: never dropped
+        self._reserved: set[int] = set()  # slots holding swapped-out requests' pages (``SwapSlots``)
         self.stats = OffloadStats()
         self.disk = DiskPrefixTier(disk_dir, disk_bytes, self.stats) if disk_dir is not None and disk_bytes else None
 
@@ -219,7 +220,60 @@ class HostPrefixTier:
         self.stats.load_seconds += time.perf_counter() - start
         return True
 
+    def reserve(self, n: int) -> list[int] | None:
+        """``n`` slots for a swapped-out request's pages, out of the cache (its least recently used
+        pages make room); None, taking nothing, when fewer than ``n`` can be had."""
+        if len(self._free) + sum(1 for h in self._entries if h not in self._pinned) < n:
+            return None
+        slots = [self._free_slot() for _ in range(n)]
+        self._reserved.update(slots)
+        return slots
+
+    def unreserve(self, slots: Iterable[int]) -> None:
+        for slot in slots:
+            self._reserved.remove(slot)
+            self._free.append(slot)
+
     def check_invariants(self) -> None:
-        slots = [slot for slot, _ in self._entries.values()] + self._free
+        slots = [slot for slot, _ in self._entries.values()] + self._free + sorted(self._reserved)
         if sorted(slots) != list(range(self.num_slots)):
             raise AssertionError("host KV tier: a slot is lost or held twice")
+
+
+class SwapSlots:
+    """The host tier's slots as the pool swap preemption moves requests into (``BlockPool``'s
+    interface, as ``KVCacheManager`` uses it): with a tier, swapped pages and evicted prefix pages
+    share its memory, and a swap takes room from the least recently used prefix pages. Its copies
+    are the tier's, made at once (``copy_out``, ``copy_in``), not before the next step as the
+    plain swap pool's are: a slot given back is the tier's to reuse straight away."""
+
+    def __init__(self, tier: HostPrefixTier):
+        self.tier = tier
+        self.pages_out = self.pages_in = 0  # pages swapped out and back in so far
+
+    @property
+    def num_blocks(self) -> int:
+        return self.tier.num_slots
+
+    @property
+    def num_free(self) -> int:
+        return self.tier.num_slots - len(self.tier._reserved)
+
+    def allocate(self, n: int) -> list[int] | None:
+        return self.tier.reserve(n)
+
+    def release(self, slots: Iterable[int]) -> None:
+        self.tier.unreserve(slots)
+
+    def copy_out(self, pairs: Iterable[tuple[int, int]]) -> None:
+        for page, slot in pairs:
+            self.tier.copier.store(page, slot)
+            self.pages_out += 1
+
+    def copy_in(self, pairs: Iterable[tuple[int, int]]) -> None:
+        for slot, page in pairs:
+            self.tier.copier.load(slot, page)
+            self.pages_in += 1
+
+    def check_invariants(self) -> None:
+        self.tier.check_invariants()

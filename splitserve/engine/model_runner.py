@@ -177,12 +177,13 @@ class ModelRunner:
         # (slots: the layers of one KV group, every layer unless the model mixes attention kinds):
         # what attention, checksums and tests index.
         self.kv_cache = token_view(self.kv_pages, self.page_order)
-        self.cpu_cache = None
-        if config.preemption_mode == "swap":
-            self.cpu_cache = torch.zeros((*shape[:2], config.num_cpu_blocks, *shape[3:]), dtype=self.kv_dtype,
-                                         pin_memory=self.device.type == "cuda")
         # The host KV tier's pages (splitserve/engine/kv_offload.py), laid out as the pool's.
         self.host_kv = HostKVPages(self.kv_pages, config.kv_offloading_size) if config.kv_offloading_size else None
+        # Swap preemption's host pages (with the host tier, its pages: kv_offload.SwapSlots).
+        self.cpu_cache = None
+        if config.preemption_mode == "swap" and self.host_kv is None:
+            self.cpu_cache = torch.zeros((*shape[:2], config.num_cpu_blocks, *shape[3:]), dtype=self.kv_dtype,
+                                         pin_memory=self.device.type == "cuda")
         self.kv_caches = [(self.kv_cache[slot, 0], self.kv_cache[slot, 1]) for _, slot in self.kv_groups.place]
         eos = self.model.generation_config.eos_token_id
         self.eos_token_ids = frozenset([eos] if isinstance(eos, int) else (eos or []))
