@@ -151,8 +151,10 @@ class HostPrefixTier:
         self.stats = OffloadStats()
         self.disk = DiskPrefixTier(disk_dir, disk_bytes, self.stats) if disk_dir is not None and disk_bytes else None
 
-    def __len__(self) -> int:
-        return len(self._entries)
+    @property
+    def num_reserved(self) -> int:
+        """Slots holding swapped-out requests' pages."""
+        return len(self._reserved)
 
     def lookup(self, block_hash: int, key: tuple) -> bool:
         """Whether the host tier holds the block (not the disk tier: see ``find``)."""
@@ -257,7 +259,7 @@ class SwapSlots:
 
     @property
     def num_free(self) -> int:
-        return self.tier.num_slots - len(self.tier._reserved)
+        return self.tier.num_slots - self.tier.num_reserved
 
     def allocate(self, n: int) -> list[int] | None:
         return self.tier.reserve(n)
