@@ -15,6 +15,7 @@ from splitserve.engine.block_pool import chain_hash
 from splitserve.engine.config import EngineConfig
 from splitserve.engine.kv_cache_manager import KVCacheManager
 from splitserve.engine.kv_offload import HostPrefixTier
+from splitserve.engine.prefix_holdings import DEVICE, DISK, HOST, HoldingsDelta
 
 BLOCK = 4
 
@@ -39,6 +40,16 @@ class FakeMemory:
         self.device[page] = int(data)
 
 
+def held_now(kv: KVCacheManager) -> dict[int, int]:
+    """Every block the pool and the tiers hold, at the best tier, read from their own maps."""
+    held = {}
+    if kv.offload.disk is not None:
+        held.update(dict.fromkeys(kv.offload.disk._files, DISK))
+    held.update(dict.fromkeys(kv.offload._entries, HOST))
+    held.update(dict.fromkeys(kv.pool._cached, DEVICE))
+    return held
+
+
 def block_hashes(tokens: list[int]) -> list[int]:
     hashes, parent = [], None
     for i in range(len(tokens) // BLOCK):
@@ -59,7 +70,17 @@ def test_every_hit_reads_its_own_blocks_kv_through_pool_and_tiers(disk, tmp_path
     documents = [[rng.randrange(1, 500) for _ in range(rng.choice((8, 16, 24)))] for _ in range(8)]
     running: list[str] = []
     served_from_tier = 0
+    directory: dict[int, int] = {}  # what the cluster's prefix directory learns from the deltas
+
+    def publish(n):
+        delta = kv.holdings.delta()
+        assert not set(delta.held) & set(delta.gone)
+        directory.update(delta.held)
+        for block_hash in delta.gone:
+            del directory[block_hash]
+        assert directory == held_now(kv) == kv.holdings.published, n
     for n in range(600):
+        publish(n)
         if running and (len(running) > 3 or rng.random() < 0.4):
             kv.free(running.pop(rng.randrange(len(running))))
         tokens = rng.choice(documents) + [rng.randrange(1, 500) for _ in range(rng.randrange(1, 9))]
@@ -78,9 +99,11 @@ def test_every_hit_reads_its_own_blocks_kv_through_pool_and_tiers(disk, tmp_path
         kv.cache_full_blocks(rid, tokens, len(tokens))
         running.append(rid)
         kv.check_invariants()
+    publish("end")
     for rid in running:
         kv.free(rid)
     kv.assert_idle()
+    assert kv.holdings.delta() == HoldingsDelta({}, [])  # freeing moves no block: they stay cached where they were
     # The paths above all ran: pages stored, brought back for hits, and the tier full and dropping.
     assert tier.stats.stored > 50 and served_from_tier > 50 and tier.stats.dropped > 0
     if disk:

@@ -195,6 +195,9 @@ def _flags() -> list[Flag]:
           "RESOURCE_EXHAUSTED", gw),
         f("gateway_id", s, "", "id in Redis (default: gw-<random>); every gateway needs its own", gw, up=False),
         f("max_attempts", i, 3, "tries per request when a worker dies under it; then UNAVAILABLE", gw),
+        f("prefix_routing", click.Choice(["directory", "load"]), "directory", "how a request's workers are chosen: "
+          "directory, by load less what its prompt's cached prefix saves on each worker (the prefix directory the "
+          "workers keep in Redis, the same for every gateway); load, by load alone", gw),
         f("http_port", i, -1, "port of the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
           "/v1/models, /tokenize, /detokenize, /version, /health) on --host; -1: off, 0: any free port (up: 8000)", gw),
         f("generation_config", s, "auto", "defaults for the sampling fields a request leaves unset: auto, the "

@@ -24,10 +24,18 @@ class KVBlock:
     hash_key: tuple | None = None
 
 
+# What the base model's first block is hashed with in place of a parent: ``hash(None)`` is the
+# object's address on Python 3.11, different in every process, and the hashes must be the same in
+# every worker and gateway (the cluster's prefix directory, splitserve/gateway/prefix_routing.py).
+BASE_ROOT = 0x5EED
+
+
 def chain_hash(parent_hash: int | None, tokens: Sequence[int]) -> tuple[int, tuple]:
-    """Hash of one full block given its parent's hash. Stable across processes (ints only)."""
+    """Hash of one full block given its parent's hash (None: the first block of the base model).
+    The same in every process: only ints are hashed, and ``hash`` of ints and tuples of them does
+    not depend on the process (PYTHONHASHSEED salts strings and bytes only)."""
     key = (parent_hash, tuple(tokens))
-    return hash(key), key
+    return hash((BASE_ROOT if parent_hash is None else parent_hash, key[1])), key
 
 
 def chain_root(namespace: str) -> int:
@@ -45,10 +53,12 @@ def group_hash(group: int, block_hash: int, key: tuple) -> tuple[int, tuple]:
     return hash((group, block_hash)), (group, key)
 
 
-def prefix_block_hashes(token_ids: Sequence[int], block_size: int, max_blocks: int | None = None) -> list[int]:
-    """Chain hashes of the full blocks of a token sequence (used for cache-aware routing too)."""
+def prefix_block_hashes(token_ids: Sequence[int], block_size: int, max_blocks: int | None = None,
+                        root: int | None = None) -> list[int]:
+    """Chain hashes of the full blocks of a token sequence (used for cache-aware routing too);
+    ``root``: where the chain starts (``chain_root`` of a LoRA adapter; None: the base model)."""
     hashes: list[int] = []
-    parent = None
+    parent = root
     n_full = len(token_ids) // block_size
     if max_blocks is not None:
         n_full = min(n_full, max_blocks)
@@ -99,6 +109,9 @@ class BlockPool:
     @property
     def num_cached(self) -> int:
         return len(self._cached)
+
+    def holds(self, block_hash: int) -> bool:
+        return block_hash in self._cached
 
     def lookup(self, block_hash: int, key: tuple) -> int | None:
         block_id = self._cached.get(block_hash)

@@ -27,6 +27,7 @@ from typing import Sequence
 from splitserve.engine.block_pool import BlockPool, PrefixCacheStats, chain_hash, group_hash
 from splitserve.engine.kv_groups import window_pages
 from splitserve.engine.kv_offload import HostPrefixTier, SwapSlots
+from splitserve.engine.prefix_holdings import DEVICE, PrefixHoldings
 from splitserve.engine.kv_sizes import pages_for_tokens
 
 # Where a windowed group's table has given a page back: a valid page id that no kernel reads.
@@ -90,10 +91,24 @@ class KVCacheManager:
         self.cpu_pool = (SwapSlots(offload) if offload is not None else BlockPool(num_cpu_blocks, enable_caching=False)) \
             if num_cpu_blocks else None
         self.offload = offload
+        # Where each prefix block is (group 0's: what a prompt's chain hashes name), for the
+        # cluster's prefix directory; marked on every change here and in the tiers below.
+        self.holdings = PrefixHoldings(self._tier_of)
+        self.pool.on_evict = self._evicted
         if offload is not None:
-            self.pool.on_evict = lambda block_id, block_hash, key: offload.store(block_id, block_hash, key)
+            offload.on_change = self.holdings.changed
         self._owners: dict[str, _Owner] = {}
         self.prefix_stats = PrefixCacheStats()
+
+    def _evicted(self, block_id: int, block_hash: int, key: tuple) -> None:
+        if self.offload is not None:
+            self.offload.store(block_id, block_hash, key)
+        self.holdings.changed(block_hash)
+
+    def _tier_of(self, block_hash: int) -> int | None:
+        if self.pool.holds(block_hash):
+            return DEVICE
+        return self.offload.tier_of(block_hash) if self.offload is not None else None
 
     # ---- queries -------------------------------------------------------------------
     @property
@@ -225,6 +240,7 @@ class KVCacheManager:
                     if page is None or not self.offload.load(block_hash, key, page):
                         break  # out of pages, or a disk file that did not check out: the hit ends
                     self.pool.register(page, block_hash, key)
+                    self.holdings.changed(block_hash)
                 result.append(page)
         finally:
             self.offload.pin(())
@@ -344,6 +360,7 @@ class KVCacheManager:
             for group, table in enumerate(owner.tables):
                 if i >= owner.released[group]:
                     self.pool.register(table[i], *group_hash(group, block_hash, key))
+            self.holdings.changed(block_hash)
             owner.last_hash = block_hash
             owner.num_hashed_blocks = i + 1
 

@@ -28,7 +28,9 @@ import zlib
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Protocol
+from typing import Callable, Iterable, Protocol
+
+from splitserve.engine.prefix_holdings import DISK, HOST
 
 
 class PageCopier(Protocol):
@@ -71,7 +73,10 @@ class DiskPrefixTier:
     ``<hash>.kv`` = magic, CRC32, key length, the key as JSON, the page's bytes. Bounded by
     ``max_bytes``, least recently used file first."""
 
-    def __init__(self, directory: str | Path, max_bytes: int, stats: OffloadStats):
+    def __init__(self, directory: str | Path, max_bytes: int, stats: OffloadStats,
+                 on_change: Callable[[int], None] = lambda block_hash: None):
+        """``on_change(hash)``: a file came or went (the prefix directory, splitserve/engine/prefix_holdings.py)."""
+        self.on_change = on_change
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         # Removed when the tier goes, or at the latest when the process exits normally.
@@ -104,6 +109,7 @@ class DiskPrefixTier:
         self._files[block_hash] = len(record)
         self._bytes += len(record)
         self.stats.disk_stored += 1
+        self.on_change(block_hash)
 
     def take(self, block_hash: int, key: tuple) -> bytes | None:
         """The page's bytes if its file is there and checks out (its key ``key``); the file is
@@ -129,6 +135,7 @@ class DiskPrefixTier:
         if size is not None:
             self._bytes -= size
             self._path(block_hash).unlink(missing_ok=True)
+            self.on_change(block_hash)
 
     def close(self) -> None:
         self._cleanup()
@@ -149,7 +156,16 @@ class HostPrefixTier:
         self._pinned: set[int] = set()  # hashes a load is about to read: never dropped
         self._reserved: set[int] = set()  # slots holding swapped-out requests' pages (``SwapSlots``)
         self.stats = OffloadStats()
-        self.disk = DiskPrefixTier(disk_dir, disk_bytes, self.stats) if disk_dir is not None and disk_bytes else None
+        # Told the hash of every page that comes or goes, here or on disk (``PrefixHoldings.changed``).
+        self.on_change: Callable[[int], None] = lambda block_hash: None
+        self.disk = DiskPrefixTier(disk_dir, disk_bytes, self.stats, lambda block_hash: self.on_change(block_hash)) \
+            if disk_dir is not None and disk_bytes else None
+
+    def tier_of(self, block_hash: int) -> int | None:
+        """Where the tier holds a block: ``prefix_holdings.HOST`` or ``DISK``, None when it does not."""
+        if block_hash in self._entries:
+            return HOST
+        return DISK if self.disk is not None and block_hash in self.disk else None
 
     @property
     def num_reserved(self) -> int:
@@ -180,6 +196,7 @@ class HostPrefixTier:
         self.copier.store(page, slot)
         self._entries[block_hash] = (slot, key)
         self.stats.stored += 1
+        self.on_change(block_hash)
         if self.disk is not None:
             self.disk.discard(block_hash)  # an older copy there: the host's is the one kept
 
@@ -192,6 +209,7 @@ class HostPrefixTier:
                 self.stats.dropped += 1
                 if self.disk is not None:
                     self.disk.put(block_hash, key, self.copier.read_slot(slot))
+                self.on_change(block_hash)
                 return slot
         return None
 

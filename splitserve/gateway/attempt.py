@@ -165,7 +165,7 @@ class _Attempt:
             return False
         self.prompt, params = inputs
         self.sampling = sampling_to_worker(params)
-        candidates = await self.directory.decode_candidates(params.lora)
+        candidates = await self.directory.decode_candidates(params.lora, self.prompt)
         if job.prefer_decode is not None:  # stable: the others keep their order by load
             candidates.sort(key=lambda w: w.worker_id != job.prefer_decode)
         if not job.gated:  # claimed without the gate: only a placement that takes no capacity
@@ -259,8 +259,6 @@ class _Attempt:
                     timeout=job.timeout(PREFILL_TIMEOUT_S), metadata=metadata)
         finally:
             renewer.cancel()
-        if not self.sampling.lora:  # (an adapter's blocks are not the base model's)
-            self.directory.affinity.record(self.directory.affinity.hashes(self.prompt), prefill.worker_id)
         job.timeline.setdefault("prefill_ms", first.prefill_ms)
         job.timeline.setdefault("kv_transfer_ms", first.kv_transfer_ms)
         if not job.generated:

@@ -118,7 +118,8 @@ async def _serve(args) -> int:
     registry, metrics_address = serve_metrics(args.metrics_port, args.host, model_name=info.model)
     metrics = GatewayMetrics(registry)
     directory = WorkerDirectory(state, block_size=args.block_size, channel_factory=internal.aio_channel,
-                                on_untrusted=metrics.untrusted_workers.set)
+                                on_untrusted=metrics.untrusted_workers.set,
+                                prefix_routing=args.prefix_routing == "directory")
     gateway_id = args.gateway_id or f"gw-{uuid.uuid4().hex[:8]}"
     setup_tracing("gateway", gateway_id)
     dispatcher = Dispatcher(state, directory, gateway_id,

@@ -5,64 +5,29 @@ import asyncio
 import logging
 import threading
 import time
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from splitserve.engine.block_pool import prefix_block_hashes
 from splitserve.common.grpc_server import WORKER_SERVICES
 from splitserve.common.locality import transfer_cost
+from splitserve.gateway.prefix_routing import PrefixRouter
 from splitserve.v1 import worker_pb2_grpc
 
 log = logging.getLogger(__name__)
 
 # How long a listing of the workers is reused before Redis is asked again.
 REFRESH_S = 0.5
-# A prefill worker holding a prompt's prefix is preferred while it has at most this many more
-# requests in flight than the least-loaded one: a cache hit beats a short wait, not a long one.
-AFFINITY_SLACK = 2
-# Leading blocks of a prompt that count for routing.
-AFFINITY_BLOCKS = 64
+# What a decode worker's cached prefix is worth next to a prefill worker's (a colocated worker's
+# counts in full): its cached head is not transferred, but the prefill worker computes it anyway.
+DECODE_CACHE_WEIGHT = 0.25
 # A live worker answers a health check within this; a frozen (SIGSTOPped) one never does.
 PROBE_TIMEOUT_S = 1.0
 # An untrusted registry record (not signed with the internal token) is logged once per this many
 # seconds per worker id: every listing sees it again, the log must not.
 UNTRUSTED_LOG_EVERY_S = 60.0
-
-
-class PrefixAffinity:
-    """Which prefill worker last computed each prompt prefix (chain hashes of full blocks), LRU."""
-
-    def __init__(self, block_size: int, max_entries: int = 200_000):
-        self.block_size = block_size
-        self.max_entries = max_entries
-        self._owner: OrderedDict[int, str] = OrderedDict()
-        self._lock = threading.Lock()
-
-    def hashes(self, token_ids: Sequence[int]) -> list[int]:
-        return prefix_block_hashes(token_ids, self.block_size, AFFINITY_BLOCKS)
-
-    def overlap(self, hashes: list[int]) -> dict[str, int]:
-        """Blocks of the prefix each worker holds (the longest run from the start)."""
-        matched: dict[str, int] = {}
-        with self._lock:
-            for i, h in enumerate(hashes):
-                owner = self._owner.get(h)
-                if owner is None:
-                    break
-                matched[owner] = i + 1
-        return matched
-
-    def record(self, hashes: list[int], worker_id: str) -> None:
-        with self._lock:
-            for h in hashes:
-                self._owner[h] = worker_id
-                self._owner.move_to_end(h)
-            while len(self._owner) > self.max_entries:
-                self._owner.popitem(last=False)
 
 
 @dataclass
@@ -103,15 +68,18 @@ class WorkerDirectory:
 
     def __init__(self, state, block_size: int = 16,
                  channel_factory: Callable[[str], grpc.aio.Channel] = grpc.aio.insecure_channel,
-                 on_untrusted: Callable[[int], None] = lambda count: None):
+                 on_untrusted: Callable[[int], None] = lambda count: None, prefix_routing: bool = True):
         """``channel_factory(address)`` opens a channel to a worker (``Security.aio_channel``: TLS, token);
-        ``on_untrusted(count)``: how many registry records the last listing ignored (a metric)."""
+        ``on_untrusted(count)``: how many registry records the last listing ignored (a metric);
+        ``prefix_routing``: weigh where prompts' prefixes are cached (the directory in Redis)
+        against load, else place by load alone."""
         self.state = state
         self.on_untrusted = on_untrusted
         # Untrusted worker ids -> when they may be logged again (monotonic).
         self._untrusted_logged: dict[str, float] = {}
         self.channel_factory = channel_factory
-        self.affinity = PrefixAffinity(block_size)
+        self.block_size = block_size
+        self.prefixes = PrefixRouter(state, block_size, enabled=prefix_routing)
         self._refresh = asyncio.Lock()
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._cached: list[WorkerView] = []
@@ -190,13 +158,17 @@ class WorkerDirectory:
         nothing on one host over shm or cuda_ipc, more over the network."""
         return transfer_cost(prefill.transports, prefill.host_id, decode.transports, decode.host_id)
 
-    async def decode_candidates(self, lora: str | None = None) -> list[WorkerView]:
+    async def decode_candidates(self, lora: str | None = None,
+                                prompt_token_ids: Sequence[int] = ()) -> list[WorkerView]:
         """Decode-capable workers, best first: fewest requests in flight from this gateway
         (counted from the moment a reservation is asked for, so a burst spreads out) plus how much
         worse than the best route in the stack its cheapest route from a prefill worker is (that
-        prefill worker's load plus the transfer's cost); then fewest running and waiting as last
-        heartbeated, then most free KV pages. Where every route costs the same (one host, or one
-        transport everywhere), this is the order by load alone. ``lora``: only workers serving it."""
+        prefill worker's load plus the transfer's cost), less what the prompt's prefix cached
+        there is worth (``prefix_routing``: in full on a colocated worker, which skips its
+        prefill; ``DECODE_CACHE_WEIGHT`` of it on a decode worker, which skips its transfer); then
+        fewest running and waiting as last heartbeated, then most free KV pages. Where every route
+        costs the same and nothing is cached, this is the order by load alone. ``lora``: only
+        workers serving it."""
         usable = [w for w in await self.usable() if w.serves(lora)]
         workers = [w for w in usable if w.role in ("decode", "both")]
         prefills = [w for w in usable if w.role == "prefill"]
@@ -206,29 +178,27 @@ class WorkerDirectory:
         best = min(route.values(), default=0.0)
         # A colocated worker moves no KV: its route is as good as the best one.
         extra = lambda w: route[w.worker_id] - best if w.role == "decode" else 0.0  # noqa: E731
-        return sorted(workers, key=lambda w: (self.inflight.get(w.worker_id, 0) + extra(w),
+        cached = await self.prefixes.lookup([w.worker_id for w in workers], prompt_token_ids, lora)
+        credit = {w.worker_id: cached[w.worker_id].credit(self.block_size) * (DECODE_CACHE_WEIGHT if w.role == "decode"
+                                                                              else 1.0)
+                  for w in workers if w.worker_id in cached}
+        return sorted(workers, key=lambda w: (self.inflight.get(w.worker_id, 0) + extra(w) - credit.get(w.worker_id, 0),
                                               w.num_running + w.num_waiting, -w.kv_blocks_free))
 
     async def pick_prefill(self, prompt_token_ids: Sequence[int] = (), decode: WorkerView | None = None,
                            lora: str | None = None) -> WorkerView | None:
-        """The least-loaded prefill worker serving ``lora``, unless one that holds the prompt's
-        prefix is nearly as free; with ``decode``, the transfer to it counts as load (``path_cost``)."""
+        """The prefill worker serving ``lora`` with the least load (requests this gateway has in
+        flight there; with ``decode``, plus the transfer to it, ``path_cost``) less what the prompt's
+        prefix cached there is worth (``prefix_routing``); then the fewest running and waiting as
+        last heartbeated."""
         workers = [w for w in await self.usable() if w.role == "prefill" and w.serves(lora)]
         if not workers:
             return None
         cost = (lambda w: self.path_cost(w, decode)) if decode is not None else (lambda w: 0.0)
-        load = lambda w: self.inflight.get(w.worker_id, 0) + cost(w)  # noqa: E731
-        least = min(workers, key=lambda w: (load(w), w.num_running + w.num_waiting))
-        # (Prefix affinity is the base model's: an adapter's blocks hash apart, so it guides no
-        # adapter request.)
-        overlap = self.affinity.overlap(self.affinity.hashes(prompt_token_ids)) \
-            if prompt_token_ids and lora is None else {}
-        holders = [w for w in workers if overlap.get(w.worker_id)]
-        if holders:
-            best = max(holders, key=lambda w: (overlap[w.worker_id], -load(w)))
-            if load(best) <= load(least) + AFFINITY_SLACK:
-                return best
-        return least
+        cached = await self.prefixes.lookup([w.worker_id for w in workers], prompt_token_ids, lora)
+        score = lambda w: (self.inflight.get(w.worker_id, 0) + cost(w)  # noqa: E731
+                           - (cached[w.worker_id].credit(self.block_size) if w.worker_id in cached else 0.0))
+        return min(workers, key=lambda w: (score(w), w.num_running + w.num_waiting))
 
     async def loras(self) -> dict[str, int]:
         """The adapters the usable workers serve, and how many workers serve each."""

@@ -45,6 +45,10 @@ key                            type    holds
                                        heartbeat TTLs, so it never outlives a dead worker for long.
 ``{ss}:w:<worker id>:alive``   STRING  ``1`` with PX = the heartbeat TTL: the worker is alive
                                        exactly while this key exists.
+``{ss}:w:<worker id>:prefixes`` HASH   the prefix directory (``splitserve.state.prefixes``):
+                                       block chain hash -> tier (0 device, 1 host, 2 disk) of
+                                       the blocks the worker holds; written by the worker only,
+                                       PX refreshed on each update, deleted with the record.
 =============================  ======  =====================================================
 
 Pub/sub channel ``{ss}:wake``: ``admit``, ``placed``, ``requeue`` and ``end <request id>``
@@ -354,14 +358,14 @@ for _, id in ipairs(redis.call('SMEMBERS', KEYS[1])) do
     table.insert(out, fields)
   else
     redis.call('SREM', KEYS[1], id)
-    redis.call('DEL', key, key .. ':alive')
+    redis.call('DEL', key, key .. ':alive', key .. ':prefixes')
   end
 end
 return out
 """
 
-# KEYS: w, alive, workers. ARGV: id.
+# KEYS: w, alive, workers, prefixes. ARGV: id.
 DEREGISTER = """
 redis.call('SREM', KEYS[3], ARGV[1])
-return redis.call('DEL', KEYS[1], KEYS[2])
+return redis.call('DEL', KEYS[1], KEYS[2], KEYS[4])
 """

@@ -210,6 +210,9 @@ class RedisState:
     def alive_key(self, worker_id: str) -> str:
         return self.worker_key(worker_id) + ":alive"
 
+    def prefixes_key(self, worker_id: str) -> str:
+        return self.worker_key(worker_id) + ":prefixes"
+
     def gateway_alive_key(self, gateway_id: str) -> str:
         return self._gw_prefix + _check_id(gateway_id) + ":alive"
 
@@ -417,7 +420,8 @@ class RedisState:
 
     def deregister(self, worker_id: str):
         return _then(self._deregister(keys=[self.worker_key(worker_id), self.alive_key(worker_id),
-                                            self.workers_key], args=[worker_id]), lambda _: None)
+                                            self.workers_key, self.prefixes_key(worker_id)], args=[worker_id]),
+                     lambda _: None)
 
     # ---- health
 

@@ -17,6 +17,7 @@ from splitserve.common.gc_heap import freeze_startup_heap
 from splitserve.common.grpc_server import advertised, set_dead, set_health, start_server, stop_event
 from splitserve.common.security import Security
 from splitserve.worker.heartbeat import Heartbeat, engine_stats
+from splitserve.worker.prefix_publisher import PrefixPublisher
 from splitserve.worker.servicer import WorkerServicer
 
 log = logging.getLogger(__name__)
@@ -62,7 +63,7 @@ async def _serve(servicer: WorkerServicer, add_to_server, service_name: str, arg
                                               reflection_enabled=not args.no_reflection,
                                               security=security)
     servicer.address = advertised(args.host, args.advertise_host, port)
-    heartbeat = None
+    heartbeat = publisher = None
     if args.redis_url:
         from splitserve.state.store import RedisState, make_async_client
         # Signed with the internal token's key: gateways that have the token route to no record
@@ -75,6 +76,9 @@ async def _serve(servicer: WorkerServicer, add_to_server, service_name: str, arg
                                                                     "host_id": getattr(args, "host_id", "") or default_host_id()})
         heartbeat = Heartbeat(state, servicer.worker_id, servicer.role, servicer.address, servicer.transports,
                               stats=stats).start()
+        if servicer.engine.config.enable_prefix_caching:
+            # What this worker caches, for every gateway's placement (splitserve/state/prefixes.py).
+            publisher = PrefixPublisher(state, servicer.worker_id, servicer.loop, servicer.engine.kv.holdings).start()
     freeze_startup_heap()  # the engine is built and warm: no full collection walks it again
     # The first line on stdout says where to connect (scripts, tests and `up` read it).
     print(f"{servicer.role} worker {servicer.worker_id} serving on {servicer.address}", flush=True)
@@ -95,6 +99,8 @@ async def _serve(servicer: WorkerServicer, add_to_server, service_name: str, arg
         await set_health(health, [service_name], serving=False)
     else:
         await set_dead(health)  # a dead engine: a liveness check must not call this process alive
+    if publisher is not None:
+        await publisher.stop()  # before deregistering, which deletes what it published
     if heartbeat is not None:
         await heartbeat.stop()  # out of the registry: gateways route nothing new here
     if code == 0:

@@ -1,0 +1,58 @@
+"""Which prefix blocks one engine holds, and in which tier, as the cluster's prefix directory in
+Redis shows them (workers publish, splitserve/worker/prefix_publisher.py; gateways place requests
+by it, splitserve/gateway/prefix_routing.py).
+
+The pool and the tiers below it say only *that* a block changed (``changed(hash)``: registered,
+evicted, stored, dropped); ``delta()``, called by the publisher a few times a second, asks where
+each changed block is now and returns what differs from what was last published. Changes are
+thereby coalesced (a block stored and dropped between two calls costs nothing) and bounded by the
+blocks held, however many events happen; ``published`` is the directory's content as it should be,
+which a publisher writes whole when Redis lost it.
+
+Pure Python, on the engine's thread like the pool it reads.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+# The tiers as the directory names them, best first: a block in several is published at the best.
+DEVICE, HOST, DISK = 0, 1, 2
+TIER_NAMES = {DEVICE: "device", HOST: "host", DISK: "disk"}
+
+
+@dataclass(frozen=True)
+class HoldingsDelta:
+    """What the directory must learn since the last ``delta``."""
+    # block hash -> the best tier now holding it (new blocks, and blocks that moved tier).
+    held: dict[int, int]
+    # Blocks no tier holds any more.
+    gone: list[int]
+
+
+class PrefixHoldings:
+    def __init__(self, where: Callable[[int], int | None]):
+        """``where(hash)``: the best tier holding a block of the base chain or an adapter's (group 0
+        of the pool), None when none does."""
+        self.where = where
+        self._dirty: set[int] = set()
+        # What the directory holds once the last delta is written: block hash -> tier.
+        self.published: dict[int, int] = {}
+
+    def changed(self, block_hash: int) -> None:
+        self._dirty.add(block_hash)
+
+    def delta(self) -> HoldingsDelta:
+        held: dict[int, int] = {}
+        gone: list[int] = []
+        dirty, self._dirty = self._dirty, set()
+        for block_hash in dirty:
+            tier = self.where(block_hash)
+            if tier == self.published.get(block_hash):
+                continue
+            if tier is None:
+                del self.published[block_hash]
+                gone.append(block_hash)
+            else:
+                self.published[block_hash] = held[block_hash] = tier
+        return HoldingsDelta(held, gone)

@@ -1,0 +1,79 @@
+"""Where a prompt's prefix is cached, from the cluster's prefix directory in Redis
+(splitserve/state/prefixes.py), and what that is worth against load when placing the request.
+
+Every gateway reads the same directory, which the workers themselves keep (SGLang's router and
+Dynamo's KV router route on such a view; llm-d's prefix-aware scheduler too). What counts for a
+worker is the run of the prompt's leading blocks it holds, by tier: a block on the device saves
+its prefill outright, one in host memory or on disk a copy less than that.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from splitserve.engine.block_pool import chain_root, prefix_block_hashes
+from splitserve.engine.prefix_holdings import DEVICE, DISK, HOST
+from splitserve.state import prefixes
+
+# Leading blocks of a prompt looked up (8,192 tokens at 16 a block): past that a hit is long
+# enough to decide the placement.
+MAX_BLOCKS = 512
+# Prompt tokens already cached that are worth one request of load (one request more in flight on
+# the worker): on these machines a prefill of ~512 tokens takes about as long as a queued short
+# request holds a worker up. A long resent history thus outweighs a small queue, a shared
+# 64-token system prompt breaks ties only.
+TOKENS_PER_REQUEST = 512.0
+# What a cached token saves, by tier: a host or disk page is copied back (a disk page read and
+# checked first), which is cheaper than its prefill but not free.
+TIER_WEIGHT = {DEVICE: 1.0, HOST: 0.8, DISK: 0.5}
+
+
+@dataclass(frozen=True)
+class CachedRun:
+    """The prompt's leading blocks a worker holds, counted by the tier each is in."""
+    device: int = 0
+    host: int = 0
+    disk: int = 0
+
+    @property
+    def blocks(self) -> int:
+        return self.device + self.host + self.disk
+
+    def credit(self, block_size: int) -> float:
+        """What the run is worth, in requests of load."""
+        tokens = block_size * (TIER_WEIGHT[DEVICE] * self.device + TIER_WEIGHT[HOST] * self.host
+                               + TIER_WEIGHT[DISK] * self.disk)
+        return tokens / TOKENS_PER_REQUEST
+
+
+def leading_run(tiers: Sequence[int | None]) -> CachedRun:
+    """The run from the first block up to the first one the worker lacks."""
+    counts = {DEVICE: 0, HOST: 0, DISK: 0}
+    for tier in tiers:
+        if tier not in counts:
+            break
+        counts[tier] += 1
+    return CachedRun(counts[DEVICE], counts[HOST], counts[DISK])
+
+
+class PrefixRouter:
+    def __init__(self, state, block_size: int, enabled: bool = True):
+        """``state``: a ``RedisState`` over an asyncio client; ``enabled`` False: placement by load
+        alone (``--prefix-routing load``), every lookup empty."""
+        self.state = state
+        self.block_size = block_size
+        self.enabled = enabled
+
+    async def lookup(self, worker_ids: Sequence[str], prompt_token_ids: Sequence[int],
+                     lora: str | None = None) -> dict[str, CachedRun]:
+        """The cached run of ``prompt_token_ids`` on each of ``worker_ids`` that holds any. An
+        adapter's blocks chain from its own root (``chain_root``), as its workers cache them."""
+        if not self.enabled or not worker_ids:
+            return {}
+        hashes = prefix_block_hashes(prompt_token_ids, self.block_size, MAX_BLOCKS,
+                                     root=chain_root(lora) if lora else None)
+        if not hashes:
+            return {}
+        tiers = await prefixes.lookup(self.state, list(worker_ids), hashes)
+        runs = {worker_id: leading_run(found) for worker_id, found in zip(worker_ids, tiers)}
+        return {worker_id: run for worker_id, run in runs.items() if run.blocks}
