@@ -7,6 +7,7 @@ hundreds of random admissions in a pool and a tier both too small for what is se
 a prompt evicted from the pool comes back from the tier, and its greedy output is transformers'.
 """
 import random
+import threading
 
 import pytest
 
@@ -58,15 +59,19 @@ def block_hashes(tokens: list[int]) -> list[int]:
     return hashes
 
 
+@pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.parametrize("disk", [False, True])
-def test_every_hit_reads_its_own_blocks_kv_through_pool_and_tiers(disk, tmp_path):
+def test_every_hit_reads_its_own_blocks_kv_through_pool_and_tiers(disk, overlap, tmp_path):
     """With ``disk``: a host tier of 6 pages over a disk tier of about 12, so pages go down to
-    disk and come back up from it, and the disk tier drops files too."""
+    disk and come back up from it, and the disk tier drops files too. With ``overlap``, hits in
+    the tiers come back through the loader thread (``PrefixLoader``), as the scheduler has them:
+    a request whose prefix is being loaded waits (here: it is dropped, and a later one may find
+    the blocks), and a load is left under way for a while, at random, while others are admitted."""
     rng = random.Random(7)
     pages, slots = 24, (6 if disk else 20)
     memory = FakeMemory(pages, slots)
     tier = HostPrefixTier(slots, memory, tmp_path / "kv" if disk else None, 12 * 80 if disk else 0)
-    kv = KVCacheManager(pages, BLOCK, offload=tier)
+    kv = KVCacheManager(pages, BLOCK, offload=tier, overlap_loads=overlap)
     documents = [[rng.randrange(1, 500) for _ in range(rng.choice((8, 16, 24)))] for _ in range(8)]
     running: list[str] = []
     served_from_tier = 0
@@ -85,7 +90,17 @@ def test_every_hit_reads_its_own_blocks_kv_through_pool_and_tiers(disk, tmp_path
             kv.free(running.pop(rng.randrange(len(running))))
         tokens = rng.choice(documents) + [rng.randrange(1, 500) for _ in range(rng.randrange(1, 9))]
         loaded_before = tier.stats.loaded + tier.stats.disk_loaded
-        cached = kv.find_cached_prefix(tokens, load=True)
+        if overlap:
+            kv.loader.finish()  # what ended meanwhile
+            if kv.loader.start(tokens, kv.find_cached_prefix(tokens)):
+                if rng.random() < 0.5:
+                    kv.check_invariants()  # the load's pages held by the load itself
+                    continue
+                while kv.loader.busy:
+                    kv.loader.finish(wait=True)
+                served_from_tier += tier.stats.loaded + tier.stats.disk_loaded - loaded_before
+                loaded_before = tier.stats.loaded + tier.stats.disk_loaded
+        cached = kv.find_cached_prefix(tokens, load=not overlap)
         want = block_hashes(tokens)
         assert [memory.device[page] for page in cached] == want[:len(cached)], n  # each hit page: its block
         served_from_tier += tier.stats.loaded + tier.stats.disk_loaded - loaded_before
@@ -99,6 +114,9 @@ def test_every_hit_reads_its_own_blocks_kv_through_pool_and_tiers(disk, tmp_path
         kv.cache_full_blocks(rid, tokens, len(tokens))
         running.append(rid)
         kv.check_invariants()
+    if overlap:
+        kv.loader.close()
+        assert kv.loader.num_loads > 30
     publish("end")
     for rid in running:
         kv.free(rid)
@@ -268,3 +286,68 @@ def test_swap_preemption_goes_through_the_host_tier(make_llm, tiny_model_dirs):
     assert llm.engine.scheduler.num_preemptions > 0 and swap.pages_out > 0 and swap.pages_in == swap.pages_out
     assert [o.token_ids for o in outputs] == [o.token_ids for o in roomy]
     llm.engine.kv.check_invariants()
+
+
+def test_a_tier_hit_loads_while_other_requests_step(make_llm, tiny_model_dirs, llama_reference):
+    """The loader's copies held back (a gate on the host pages' copy in its thread): a request
+    whose prefix is in the tier waits while a running one keeps decoding, step after step; let go,
+    it is served from the tier with transformers' tokens, as the other is."""
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    rng = random.Random(3)
+    prompts = [[rng.randrange(3, 250) for _ in range(40)] for _ in range(4)]
+    llm = make_llm(tiny_model_dirs["llama"], num_gpu_blocks=32, block_size=BLOCK, kv_offloading_size=0.001)
+    engine = llm.engine
+    for p in prompts:  # the first prompt's pages go to the tier
+        llm.generate([p], params)
+    gate = threading.Event()
+    copier = engine.kv.offload.copier
+    load = copier.load
+
+    def gated_load(slot, page):
+        if threading.current_thread().name.startswith("kv-load"):
+            assert gate.wait(60)
+        load(slot, page)
+    copier.load = gated_load
+    running = [7, 8, 9, 10]
+    engine.add_request("running", running, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    outputs = {}
+
+    def step():
+        for out in engine.step():
+            outputs[out.request_id] = out
+    step()
+    engine.add_request("again", prompts[0], params)
+    for _ in range(8):
+        step()
+    assert len(outputs["running"].token_ids) >= 9  # it went on, a token a step
+    assert "again" not in outputs and engine.scheduler.num_deferred_for_load >= 8
+    gate.set()
+    while engine.has_unfinished_requests():
+        step()
+    assert outputs["again"].num_cached_tokens == 36 and engine.kv.offload.stats.loaded >= 9
+    assert outputs["again"].token_ids == llama_reference.greedy(prompts[0], 6)
+    assert outputs["running"].token_ids == llama_reference.greedy(running, 24)
+
+
+def test_a_load_keeps_the_prefix_head_it_continues():
+    """Making room for a load must not evict the pool's pages of the same prefix (they are the
+    least recently freed here): the load holds them until it ends, and the whole prefix is a
+    device hit after it."""
+    memory = FakeMemory(9, 8)
+    kv = KVCacheManager(9, BLOCK, offload=HostPrefixTier(8, memory), overlap_loads=True)
+    first, other = list(range(1, 26)), list(range(100, 125))  # 6 full blocks each, and a token
+    for rid, tokens in (("a", first), ("b", other)):  # b pushes a's last 4 blocks into the tier
+        kv.allocate(rid, len(tokens), kv.find_cached_prefix(tokens))
+        for i, h in enumerate(block_hashes(tokens)):
+            memory.device[kv.block_table(rid)[i]] = h
+        kv.cache_full_blocks(rid, tokens, len(tokens))
+        kv.free(rid)
+    head = kv.find_cached_prefix(first)
+    assert len(head) == 2
+    assert kv.loader.start(first, head)
+    kv.check_invariants()
+    while kv.loader.busy:
+        kv.loader.finish(wait=True)
+    hit = kv.find_cached_prefix(first)
+    assert hit[:2] == head and [memory.device[p] for p in hit] == block_hashes(first)
+    kv.assert_idle()

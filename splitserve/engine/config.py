@@ -72,6 +72,10 @@ class EngineConfig:
     # Where the disk tier keeps its files: a fresh directory of each engine's own under it, removed
     # when the engine closes or its process exits. "": the system's temporary directory.
     kv_offloading_dir: str = ""
+    # Bring the KV tiers' prefix hits back on a thread of their own while steps go on for others,
+    # the request waiting meanwhile (splitserve/engine/prefix_loads.py); else in its admission,
+    # the step waiting for the copies.
+    kv_offloading_overlap: bool = True
     # Chunk prompts longer than the step budget instead of refusing them.
     enable_chunked_prefill: bool = True
     # Order of waiting requests: "priority" (lower value first, aged by priority_aging_per_s;

@@ -28,6 +28,7 @@ from splitserve.engine.block_pool import BlockPool, PrefixCacheStats, chain_hash
 from splitserve.engine.kv_groups import window_pages
 from splitserve.engine.kv_offload import HostPrefixTier, SwapSlots
 from splitserve.engine.prefix_holdings import DEVICE, PrefixHoldings
+from splitserve.engine.prefix_loads import PrefixLoader
 from splitserve.engine.kv_sizes import pages_for_tokens
 
 # Where a windowed group's table has given a page back: a valid page id that no kernel reads.
@@ -71,10 +72,11 @@ class KVCacheManager:
 
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
                  num_cpu_blocks: int = 0, windows: Sequence[int] = (0,), max_step_tokens: int | None = None,
-                 offload: HostPrefixTier | None = None):
+                 offload: HostPrefixTier | None = None, overlap_loads: bool = False):
         """``windows``: each group's window (``kv_groups.KVGroups.windows``; 0: full attention).
         ``max_step_tokens``: the most tokens of one request a step computes (sizes a windowed
-        group's need, ``blocks_needed``). ``offload``: the host tier evicted prefix pages go to."""
+        group's need, ``blocks_needed``). ``offload``: the host tier evicted prefix pages go to;
+        ``overlap_loads``: its hits are brought back by ``loader`` while steps go on."""
         if num_cpu_blocks and len(windows) > 1:
             raise ValueError("swap preemption needs one KV group (the hybrid KV layout recomputes)")
         if offload is not None and (len(windows) > 1 or not enable_prefix_caching):
@@ -97,6 +99,9 @@ class KVCacheManager:
         self.pool.on_evict = self._evicted
         if offload is not None:
             offload.on_change = self.holdings.changed
+        # Tier hits copied back on a thread of their own (the scheduler starts and ends the loads).
+        self.loader = PrefixLoader(self.pool, offload, self.holdings, block_size) \
+            if offload is not None and overlap_loads else None
         self._owners: dict[str, _Owner] = {}
         self.prefix_stats = PrefixCacheStats()
 
@@ -442,6 +447,8 @@ class KVCacheManager:
         if self.cpu_pool is not None:
             self.cpu_pool.check_invariants()
         expected = [0] * self.pool.num_blocks
+        for page in self.loader.pages() if self.loader is not None else ():
+            expected[page] += 1
         for owner in self._owners.values():
             for group in range(len(owner.tables)):
                 for block_id in owner.held(group):
@@ -452,6 +459,8 @@ class KVCacheManager:
 
     def assert_idle(self) -> None:
         """No request holds a page: every block is free (plain or cached)."""
+        if self.loader is not None and self.loader.busy:
+            raise AssertionError("prefix loads still under way")
         self.check_invariants()
         if self._owners:
             raise AssertionError(f"requests still own pages: {sorted(self._owners)}")

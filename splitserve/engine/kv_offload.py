@@ -18,6 +18,7 @@ Pure Python, like the pool: the copies go through a ``PageCopier`` the model run
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -25,7 +26,7 @@ import struct
 import time
 import weakref
 import zlib
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Protocol
@@ -113,22 +114,36 @@ class DiskPrefixTier:
 
     def take(self, block_hash: int, key: tuple) -> bytes | None:
         """The page's bytes if its file is there and checks out (its key ``key``); the file is
-        deleted either way (the page goes back up to the host tier)."""
+        deleted either way (the page goes up into the pool, and from there to the host tier)."""
         if block_hash not in self._files:
             return None
+        data = self.read(block_hash, key)
+        self.taken(block_hash, data is not None)
+        return data
+
+    def read(self, block_hash: int, key: tuple) -> bytes | None:
+        """The page's bytes if its file checks out, else None; touches no bookkeeping, so the
+        loader thread may call it (a file discarded meanwhile reads as missing)."""
         try:
             record = self._path(block_hash).read_bytes()
         except OSError:
-            record = b""
-        self.discard(block_hash)
+            return None
         if len(record) >= 12 and record[:4] == _MAGIC and \
                 struct.unpack("<I", record[4:8])[0] == zlib.crc32(record[8:]):
             length = struct.unpack("<I", record[8:12])[0]
             if json.loads(record[12:12 + length]) == json.loads(json.dumps(key)):
-                self.stats.disk_loaded += 1
                 return record[12 + length:]
-        self.stats.disk_corrupt += 1
         return None
+
+    def taken(self, block_hash: int, ok: bool) -> None:
+        """A read of ``block_hash``'s file is over (``ok``: it checked out): the file goes."""
+        if block_hash not in self._files:
+            return  # dropped meanwhile, for room: a miss, not a corrupt file
+        self.discard(block_hash)
+        if ok:
+            self.stats.disk_loaded += 1
+        else:
+            self.stats.disk_corrupt += 1
 
     def discard(self, block_hash: int) -> None:
         size = self._files.pop(block_hash, None)
@@ -154,6 +169,8 @@ class HostPrefixTier:
         # block hash -> (slot, the exact key behind the hash), least recently used first.
         self._entries: OrderedDict[int, tuple[int, tuple]] = OrderedDict()
         self._pinned: set[int] = set()  # hashes a load is about to read: never dropped
+        # Hashes the loader thread is reading (``begin_load``), with how many loads read each.
+        self._load_pins: Counter[int] = Counter()
         self._reserved: set[int] = set()  # slots holding swapped-out requests' pages (``SwapSlots``)
         self.stats = OffloadStats()
         # Told the hash of every page that comes or goes, here or on disk (``PrefixHoldings.changed``).
@@ -204,7 +221,7 @@ class HostPrefixTier:
         if self._free:
             return self._free.pop()
         for block_hash in self._entries:  # least recently used first
-            if block_hash not in self._pinned:
+            if block_hash not in self._pinned and block_hash not in self._load_pins:
                 slot, key = self._entries.pop(block_hash)
                 self.stats.dropped += 1
                 if self.disk is not None:
@@ -240,10 +257,56 @@ class HostPrefixTier:
         self.stats.load_seconds += time.perf_counter() - start
         return True
 
+    # ---- loads overlapped with steps (splitserve/engine/prefix_loads.py) ----------------------
+    def begin_load(self, blocks: list[tuple[int, tuple, int]]) -> list[int | None]:
+        """On the engine thread, for blocks ``find`` just found, each to go into a device page
+        (hash, key, page): where each is read from (its host slot, None: its disk file). The host
+        entries stay put until ``end_load``."""
+        sources = []
+        for block_hash, key, _ in blocks:
+            entry = self._entries.get(block_hash)
+            if entry is not None and entry[1] == key:
+                self._load_pins[block_hash] += 1
+                sources.append(entry[0])
+            else:
+                sources.append(None)
+        return sources
+
+    def copy_in(self, blocks: list[tuple[int, tuple, int]], sources: list[int | None]) -> int:
+        """On the loader thread: copy the blocks into their pages, in order, up to the first whose
+        disk file does not check out (or went meanwhile); returns how many were written."""
+        with getattr(self.copier, "side_stream", contextlib.nullcontext)():
+            for n, ((block_hash, key, page), slot) in enumerate(zip(blocks, sources)):
+                if slot is not None:
+                    self.copier.load(slot, page)
+                    continue
+                data = self.disk.read(block_hash, key) if self.disk is not None else None
+                if data is None:
+                    return n
+                self.copier.write_page(page, data)
+        return len(blocks)
+
+    def end_load(self, blocks: list[tuple[int, tuple, int]], sources: list[int | None], written: int,
+                 seconds: float) -> None:
+        """On the engine thread, once ``copy_in`` returned ``written``: the host entries are free to
+        go again (and were just used), the disk files read are gone, and it is all counted."""
+        for n, ((block_hash, _, _), slot) in enumerate(zip(blocks, sources)):
+            if slot is not None:
+                self._load_pins[block_hash] -= 1
+                if not self._load_pins[block_hash]:
+                    del self._load_pins[block_hash]
+                if n < written:
+                    self.stats.loaded += 1
+                    if block_hash in self._entries:
+                        self._entries.move_to_end(block_hash)
+            elif n <= written and self.disk is not None:
+                self.disk.taken(block_hash, n < written)
+        self.stats.load_seconds += seconds
+
     def reserve(self, n: int) -> list[int] | None:
         """``n`` slots for a swapped-out request's pages, out of the cache (its least recently used
         pages make room); None, taking nothing, when fewer than ``n`` can be had."""
-        if len(self._free) + sum(1 for h in self._entries if h not in self._pinned) < n:
+        if len(self._free) + sum(1 for h in self._entries if h not in self._pinned and h not in self._load_pins) < n:
             return None
         slots = [self._free_slot() for _ in range(n)]
         self._reserved.update(slots)

@@ -46,7 +46,7 @@ class LLMEngine:
                                  num_cpu_blocks=config.num_cpu_blocks if config.preemption_mode == "swap" else 0,
                                  windows=self.runner.kv_groups.windows,
                                  max_step_tokens=config.max_num_batched_tokens,
-                                 offload=self._host_tier(config))
+                                 offload=self._host_tier(config), overlap_loads=config.kv_offloading_overlap)
         self.scheduler = Scheduler(config, self.kv, self.max_model_len, clock=clock)
         self.scheduler.lora = self.runner.lora
         # Prefilled requests (a decode worker's) whose adapter waits for a LoRA slot to free.
@@ -72,6 +72,8 @@ class LLMEngine:
     def close(self) -> None:
         """Stop what runs beside this process (the other ranks of a tensor-parallel engine); remove
         the disk tier's files."""
+        if self.kv.loader is not None:
+            self.kv.loader.close()  # its copies write into the pool
         self.runner.close()
         if self.kv.offload is not None:
             self.kv.offload.close()

@@ -111,6 +111,8 @@ class Scheduler:
         self.lora = None
         # Times a waiting request was passed over because no LoRA slot was free for its adapter.
         self.num_deferred_for_lora = 0
+        # Times a waiting request was passed over while its prefix came back from a KV tier.
+        self.num_deferred_for_load = 0
 
     # ---- queue management ------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -149,6 +151,8 @@ class Scheduler:
         budget = self.token_budget
         if self.config.batching == "static" and all(r.is_finished for r in self.running):
             self._release_static_batch()
+        if self.kv.loader is not None:  # tier loads that ended: their blocks are device hits now
+            self.kv.loader.finish(wait=not any(not r.is_finished for r in self.running))
         self.running.sort(key=lambda r: self._rank(r, now))
         scheduled: set[str] = set()
 
@@ -237,6 +241,10 @@ class Scheduler:
                 self.num_deferred_for_lora += 1
                 i += 1
                 continue
+            if self._loading(request):
+                self.num_deferred_for_load += 1
+                i += 1
+                continue
             if not self.config.enable_chunked_prefill and request.status is RequestStatus.WAITING \
                     and request.num_tokens > budget:
                 return
@@ -289,6 +297,14 @@ class Scheduler:
             return False
         cached = self.kv.find_cached_prefix(request.all_token_ids, request.cache_root)
         return self.kv.next_block_hash(request.all_token_ids, cached, request.cache_root) in in_flight
+
+    def _loading(self, request: Request) -> bool:
+        """A waiting request's cached prefix continues in a KV tier and is being brought back
+        (started now, or by an earlier request's load): it waits, the step goes on for others."""
+        if self.kv.loader is None or request.status is not RequestStatus.WAITING:
+            return False
+        device_hit = self.kv.find_cached_prefix(request.all_token_ids, request.cache_root)
+        return self.kv.loader.start(request.all_token_ids, device_hit, request.cache_root)
 
     def _admit(self, request: Request, out: SchedulerOutput, budget: int) -> ScheduledChunk | None:
         """Give a waiting request its pages; None when the pool is short."""
