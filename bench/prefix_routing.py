@@ -119,9 +119,10 @@ def run_stack(args, tiers_on: bool, work: Path) -> dict:
         finally:
             clients["load"].close()
             stop_process(load_gateway, stack.log_dir / "gateway-load.log")
+    first = [row["ttft_ms"] for row in rows if row["round"] == 0]  # every history computed: the miss
     return {"summary": {arm: summarize([row for row in rows if row["arm"] == arm and row["round"] > 0],
                                        loaded[arm], page_bytes) for arm in ARMS},
-            "requests": rows}
+            "first_round_ttft_ms_p50": statistics.median(first), "requests": rows}
 
 
 def _workers(stack) -> list[dict]:
