@@ -20,6 +20,7 @@ tokens served from cache, and the bytes the tier moved.
 
     python -m bench.kv_offload --out bench/results/kv_offload.json
     python -m bench.kv_offload --offload-gb 0.05 --offload-disk-gb 1 --out bench/results/kv_offload_disk.json
+    python -m bench.kv_offload --shared --out bench/results/kv_offload_shared.json
 """
 from __future__ import annotations
 
@@ -51,6 +52,8 @@ def main() -> None:
     parser.add_argument("--offload-gb", type=float, default=1.0, help="the host tier (--kv-offloading-size)")
     parser.add_argument("--offload-disk-gb", type=float, default=0.0,
                         help="a disk tier below it (--kv-offloading-disk-size; files in the temporary directory)")
+    parser.add_argument("--shared", action="store_true",
+                        help="a fourth engine whose host tier is the shared one (--kv-offloading-shared), timed too")
     parser.add_argument("--out", default="bench/results/kv_offload.json")
     args = parser.parse_args()
 
@@ -67,6 +70,8 @@ def main() -> None:
                               kv_offloading_disk_size=args.offload_disk_gb),
                "pool holds all": LLM(args.model, **{**common, "num_gpu_blocks": common["max_model_len"]
                                                     * args.sessions // block + 1})}
+    if args.shared:
+        engines["shared tier"] = LLM(args.model, **common, kv_offloading_size=args.offload_gb, kv_offloading_shared=True)
     page_bytes = engines["tier on"].engine.runner.host_kv.page_bytes
     first = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     reply = SamplingParams(temperature=0, max_tokens=args.reply, ignore_eos=True)
@@ -76,7 +81,7 @@ def main() -> None:
     load = LoadSampler().start()
     for round_no in range(args.rounds):
         turns = [[rng.randrange(1000, 40000) for _ in range(args.turn)] for _ in range(args.sessions)]
-        timed = ["tier off", "tier on"]
+        timed = ["tier off", "tier on"] + (["shared tier"] if args.shared else [])
         order = (timed if round_no % 2 == 0 else timed[::-1]) + ["pool holds all"]
         for s in range(args.sessions):
             for name in order:
@@ -97,6 +102,8 @@ def main() -> None:
                       f"{head.num_cached_tokens}/{len(prompt)} cached", flush=True)
     load.stop()
     assert sessions["tier on"] == sessions["pool holds all"], "the tier served other KV than the pool would have"
+    if args.shared:
+        assert sessions["shared tier"] == sessions["pool holds all"], "the shared tier served other KV"
     results = {"tier off replies agree": sessions["tier off"] == sessions["tier on"]}
     for name, rows in records.items():
         later = [r for r in rows if r["round"] > 0]

@@ -42,12 +42,12 @@ class FakeMemory:
 
 
 def held_now(kv: KVCacheManager) -> dict[int, int]:
-    """Every block the pool and the tiers hold, at the best tier, read from their own maps."""
-    held = {}
-    if kv.offload.disk is not None:
-        held.update(dict.fromkeys(kv.offload.disk._files, DISK))
-    held.update(dict.fromkeys(kv.offload._entries, HOST))
-    held.update(dict.fromkeys(kv.pool._cached, DEVICE))
+    """Every block the pool and the tiers hold, with the tiers holding it, read from their own maps."""
+    held: dict[int, int] = {}
+    for tier, hashes in ((DISK, kv.offload.disk._files if kv.offload.disk is not None else ()),
+                         (HOST, kv.offload._entries), (DEVICE, kv.pool._cached)):
+        for block_hash in hashes:
+            held[block_hash] = held.get(block_hash, 0) | tier
     return held
 
 

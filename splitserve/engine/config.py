@@ -76,6 +76,10 @@ class EngineConfig:
     # the request waiting meanwhile (splitserve/engine/prefix_loads.py); else in its admission,
     # the step waiting for the copies.
     kv_offloading_overlap: bool = True
+    # The host KV tier in shared memory, one for every worker of this host serving the same model
+    # with the same KV layout: each loads what the others stored (splitserve/engine/shared_kv_tier.py).
+    # The first worker sizes it (kv_offloading_size); no disk tier below it, no swap into it.
+    kv_offloading_shared: bool = False
     # Chunk prompts longer than the step budget instead of refusing them.
     enable_chunked_prefill: bool = True
     # Order of waiting requests: "priority" (lower value first, aged by priority_aging_per_s;
@@ -206,6 +210,12 @@ class EngineConfig:
                              "tier lets go")
         if self.kv_offloading_size and not self.enable_prefix_caching:
             raise ValueError("kv_offloading_size needs prefix caching: the host tier keeps evicted prefix pages")
+        if self.kv_offloading_shared and not self.kv_offloading_size:
+            raise ValueError("kv_offloading_shared needs kv_offloading_size: the size of the shared tier")
+        if self.kv_offloading_shared and self.kv_offloading_disk_size:
+            raise ValueError("kv_offloading_disk_size with kv_offloading_shared is not supported yet")
+        if self.kv_offloading_shared and self.preemption_mode == "swap":
+            raise ValueError("preemption_mode='swap' with kv_offloading_shared is not supported yet (recompute is)")
         if self.kv_offloading_size and self.tensor_parallel_size > 1:
             raise ValueError("kv_offloading_size with tensor_parallel_size > 1 is not supported yet")
         if self.preemption_mode == "swap" and self.num_cpu_blocks == 0:

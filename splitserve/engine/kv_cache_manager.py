@@ -110,10 +110,10 @@ class KVCacheManager:
             self.offload.store(block_id, block_hash, key)
         self.holdings.changed(block_hash)
 
-    def _tier_of(self, block_hash: int) -> int | None:
-        if self.pool.holds(block_hash):
-            return DEVICE
-        return self.offload.tier_of(block_hash) if self.offload is not None else None
+    def _tier_of(self, block_hash: int) -> int:
+        """The tiers holding a block (``prefix_holdings`` bits)."""
+        tiers = DEVICE if self.pool.holds(block_hash) else 0
+        return tiers | (self.offload.tier_of(block_hash) if self.offload is not None else 0)
 
     # ---- queries -------------------------------------------------------------------
     @property

@@ -179,10 +179,9 @@ class HostPrefixTier:
             if disk_dir is not None and disk_bytes else None
 
     def tier_of(self, block_hash: int) -> int | None:
-        """Where the tier holds a block: ``prefix_holdings.HOST`` or ``DISK``, None when it does not."""
-        if block_hash in self._entries:
-            return HOST
-        return DISK if self.disk is not None and block_hash in self.disk else None
+        """Where the tier holds a block: ``prefix_holdings.HOST`` and/or ``DISK``, 0 when nowhere."""
+        return (HOST if block_hash in self._entries else 0) | \
+            (DISK if self.disk is not None and block_hash in self.disk else 0)
 
     @property
     def num_reserved(self) -> int:

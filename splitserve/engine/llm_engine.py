@@ -14,6 +14,7 @@ from splitserve.engine.config import EngineConfig
 from splitserve.engine.block_pool import chain_root
 from splitserve.engine.kv_cache_manager import KVCacheManager
 from splitserve.engine.kv_offload import HostPrefixTier
+from splitserve.engine.shared_kv_tier import SharedPrefixTier, layout_digest, sweep_dead_tiers
 from splitserve.engine.kv_connector import KVConnector
 from splitserve.engine.lora.manager import AdapterInUse
 from splitserve.engine.model_loader import load_tokenizer, resolve_model
@@ -60,7 +61,13 @@ class LLMEngine:
         self._ids = itertools.count()
 
     def _host_tier(self, config: EngineConfig) -> HostPrefixTier | None:
-        """The KV tiers below the pool (--kv-offloading-size, --kv-offloading-disk-size)."""
+        """The KV tiers below the pool (--kv-offloading-size, --kv-offloading-disk-size,
+        --kv-offloading-shared)."""
+        if config.kv_offloading_shared:
+            sweep_dead_tiers()  # what killed workers left: no one holds it
+            pool = self.runner.kv_pages
+            return SharedPrefixTier(pool, config.kv_offloading_size, config.block_size,
+                                    layout_digest(str(resolve_model(config.model)), pool, config.block_size))
         if self.runner.host_kv is None:
             return None
         disk_dir = None
@@ -71,9 +78,11 @@ class LLMEngine:
 
     def close(self) -> None:
         """Stop what runs beside this process (the other ranks of a tensor-parallel engine); remove
-        the disk tier's files."""
+        the disk tier's files; leave the prefix cache to a shared tier."""
         if self.kv.loader is not None:
             self.kv.loader.close()  # its copies write into the pool
+        if isinstance(self.kv.offload, SharedPrefixTier):
+            self.kv.offload.keep(self.kv.pool)
         self.runner.close()
         if self.kv.offload is not None:
             self.kv.offload.close()
@@ -359,6 +368,8 @@ class LLMEngine:
             "grammar_cache_hits": self.grammars.hits,
             "grammar_cache_misses": self.grammars.misses,
             "loras": self.list_loras(),
+            # Which shared host KV tier this engine maps: the gateway credits its peers' pages there.
+            "kv_tier_shared": self.kv.offload.path.name if isinstance(self.kv.offload, SharedPrefixTier) else "",
         }
 
     def assert_idle(self) -> None:

@@ -178,7 +178,8 @@ class ModelRunner:
         # what attention, checksums and tests index.
         self.kv_cache = token_view(self.kv_pages, self.page_order)
         # The host KV tier's pages (splitserve/engine/kv_offload.py), laid out as the pool's.
-        self.host_kv = HostKVPages(self.kv_pages, config.kv_offloading_size) if config.kv_offloading_size else None
+        self.host_kv = HostKVPages(self.kv_pages, config.kv_offloading_size) \
+            if config.kv_offloading_size and not config.kv_offloading_shared else None
         # Swap preemption's host pages (with the host tier, its pages: kv_offload.SwapSlots).
         self.cpu_cache = None
         if config.preemption_mode == "swap" and self.host_kv is None:

@@ -16,15 +16,21 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-# The tiers as the directory names them, best first: a block in several is published at the best.
-DEVICE, HOST, DISK = 0, 1, 2
-TIER_NAMES = {DEVICE: "device", HOST: "host", DISK: "disk"}
+# The tiers as bits, best first: a block's entry is the set of tiers holding it (a block brought
+# back from the host tier is in the pool and still in the tier; a worker sharing that tier can
+# load it even while the pool holding it is another worker's).
+DEVICE, HOST, DISK = 1, 2, 4
+
+
+def best_tier(tiers: int) -> int:
+    """The best tier of a set of them (its lowest bit)."""
+    return tiers & -tiers
 
 
 @dataclass(frozen=True)
 class HoldingsDelta:
     """What the directory must learn since the last ``delta``."""
-    # block hash -> the best tier now holding it (new blocks, and blocks that moved tier).
+    # block hash -> the tiers now holding it (new blocks, and blocks that moved tier).
     held: dict[int, int]
     # Blocks no tier holds any more.
     gone: list[int]
@@ -32,11 +38,11 @@ class HoldingsDelta:
 
 class PrefixHoldings:
     def __init__(self, where: Callable[[int], int | None]):
-        """``where(hash)``: the best tier holding a block of the base chain or an adapter's (group 0
-        of the pool), None when none does."""
+        """``where(hash)``: the tiers holding a block of the base chain or an adapter's (group 0 of
+        the pool, bits), 0 when none does."""
         self.where = where
         self._dirty: set[int] = set()
-        # What the directory holds once the last delta is written: block hash -> tier.
+        # What the directory holds once the last delta is written: block hash -> tiers.
         self.published: dict[int, int] = {}
 
     def changed(self, block_hash: int) -> None:
@@ -47,7 +53,7 @@ class PrefixHoldings:
         gone: list[int] = []
         dirty, self._dirty = self._dirty, set()
         for block_hash in dirty:
-            tier = self.where(block_hash)
+            tier = self.where(block_hash) or None
             if tier == self.published.get(block_hash):
                 continue
             if tier is None:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from splitserve.engine.block_pool import chain_root, prefix_block_hashes
-from splitserve.engine.prefix_holdings import DEVICE, DISK, HOST
+from splitserve.engine.prefix_holdings import DEVICE, DISK, HOST, best_tier
 from splitserve.state import prefixes
 
 # Leading blocks of a prompt looked up (8,192 tokens at 16 a block): past that a hit is long
@@ -47,13 +47,30 @@ class CachedRun:
 
 
 def leading_run(tiers: Sequence[int | None]) -> CachedRun:
-    """The run from the first block up to the first one the worker lacks."""
+    """The run from the first block up to the first one the worker lacks, each block counted in
+    the best tier holding it."""
     counts = {DEVICE: 0, HOST: 0, DISK: 0}
     for tier in tiers:
-        if tier not in counts:
+        best = best_tier(tier or 0)
+        if best not in counts:
             break
-        counts[tier] += 1
+        counts[best] += 1
     return CachedRun(counts[DEVICE], counts[HOST], counts[DISK])
+
+
+def with_shared_tiers(tiers: dict[str, list[int | None]], shared: dict[str, str]) -> dict[str, list[int | None]]:
+    """Each worker's tiers, with the host tier added for the blocks that a worker sharing its host
+    tier (same ``shared`` value) has there."""
+    in_tier: dict[str, list[int]] = {}
+    for worker_id, found in tiers.items():
+        if worker_id in shared:
+            mine = [(tier or 0) & HOST for tier in found]
+            seen = in_tier.setdefault(shared[worker_id], mine)
+            if seen is not mine:
+                in_tier[shared[worker_id]] = [a | b for a, b in zip(seen, mine)]
+    return {worker_id: [(tier or 0) | in_tier[shared[worker_id]][i] if worker_id in shared else tier
+                        for i, tier in enumerate(found)]
+            for worker_id, found in tiers.items()}
 
 
 class PrefixRouter:
@@ -65,15 +82,19 @@ class PrefixRouter:
         self.enabled = enabled
 
     async def lookup(self, worker_ids: Sequence[str], prompt_token_ids: Sequence[int],
-                     lora: str | None = None) -> dict[str, CachedRun]:
+                     lora: str | None = None, shared: dict[str, str] | None = None) -> dict[str, CachedRun]:
         """The cached run of ``prompt_token_ids`` on each of ``worker_ids`` that holds any. An
-        adapter's blocks chain from its own root (``chain_root``), as its workers cache them."""
+        adapter's blocks chain from its own root (``chain_root``), as its workers cache them.
+        ``shared``: worker id -> the host tier it shares (``--kv-offloading-shared``: its host and
+        the tier's file); a block one of them stored in their tier counts for each of them."""
         if not self.enabled or not worker_ids:
             return {}
         hashes = prefix_block_hashes(prompt_token_ids, self.block_size, MAX_BLOCKS,
                                      root=chain_root(lora) if lora else None)
         if not hashes:
             return {}
-        tiers = await prefixes.lookup(self.state, list(worker_ids), hashes)
-        runs = {worker_id: leading_run(found) for worker_id, found in zip(worker_ids, tiers)}
+        tiers = dict(zip(worker_ids, await prefixes.lookup(self.state, list(worker_ids), hashes)))
+        if shared:
+            tiers = with_shared_tiers(tiers, shared)
+        runs = {worker_id: leading_run(found) for worker_id, found in tiers.items()}
         return {worker_id: run for worker_id, run in runs.items() if run.blocks}

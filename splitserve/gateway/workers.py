@@ -44,6 +44,7 @@ class WorkerView:
     metrics_address: str = ""
     host_id: str = ""  # its shared-memory domain (splitserve/common/locality.py); "" when it does not say
     loras: frozenset[str] = frozenset()  # the LoRA adapters it serves
+    kv_tier_shared: str = ""  # the shared host KV tier it maps (--kv-offloading-shared), "" none
 
     @classmethod
     def from_registry(cls, entry: dict) -> "WorkerView":
@@ -55,7 +56,8 @@ class WorkerView:
                    kv_blocks_cached=int(stats.get("kv_blocks_cached", 0)),
                    num_running=int(stats.get("num_running", 0)), num_waiting=int(stats.get("num_waiting", 0)),
                    metrics_address=str(stats.get("metrics_address", "")), host_id=str(stats.get("host_id", "")),
-                   loras=frozenset(str(name) for name in stats.get("loras") or ()))
+                   loras=frozenset(str(name) for name in stats.get("loras") or ()),
+                   kv_tier_shared=str(stats.get("kv_tier_shared", "")))
 
     def serves(self, lora: str | None) -> bool:
         """It can run a request under ``lora`` (None: the base model, which every worker serves)."""
@@ -178,7 +180,7 @@ class WorkerDirectory:
         best = min(route.values(), default=0.0)
         # A colocated worker moves no KV: its route is as good as the best one.
         extra = lambda w: route[w.worker_id] - best if w.role == "decode" else 0.0  # noqa: E731
-        cached = await self.prefixes.lookup([w.worker_id for w in workers], prompt_token_ids, lora)
+        cached = await self.prefixes.lookup([w.worker_id for w in workers], prompt_token_ids, lora, _shared(workers))
         credit = {w.worker_id: cached[w.worker_id].credit(self.block_size) * (DECODE_CACHE_WEIGHT if w.role == "decode"
                                                                               else 1.0)
                   for w in workers if w.worker_id in cached}
@@ -195,7 +197,7 @@ class WorkerDirectory:
         if not workers:
             return None
         cost = (lambda w: self.path_cost(w, decode)) if decode is not None else (lambda w: 0.0)
-        cached = await self.prefixes.lookup([w.worker_id for w in workers], prompt_token_ids, lora)
+        cached = await self.prefixes.lookup([w.worker_id for w in workers], prompt_token_ids, lora, _shared(workers))
         score = lambda w: (self.inflight.get(w.worker_id, 0) + cost(w)  # noqa: E731
                            - (cached[w.worker_id].credit(self.block_size) if w.worker_id in cached else 0.0))
         return min(workers, key=lambda w: (score(w), w.num_running + w.num_waiting))
@@ -220,3 +222,8 @@ class WorkerDirectory:
         for channel in self._channels.values():
             await channel.close()
         self._channels.clear()
+
+
+def _shared(workers: Sequence[WorkerView]) -> dict[str, str]:
+    """Worker id -> the shared host KV tier it maps (its host and the tier's file), for those that map one."""
+    return {w.worker_id: f"{w.host_id}/{w.kv_tier_shared}" for w in workers if w.kv_tier_shared and w.host_id}

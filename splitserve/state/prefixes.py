@@ -1,8 +1,8 @@
 """The cluster's prefix directory in Redis: which prefix blocks each worker holds, in which tier.
 
 One HASH per worker, ``{ss}:w:<worker id>:prefixes``: field = a block's chain hash (decimal,
-``splitserve.engine.block_pool.chain_hash``, the same in every process), value = the best tier
-holding it (``splitserve.engine.prefix_holdings``: 0 device, 1 host memory, 2 disk). The worker
+``splitserve.engine.block_pool.chain_hash``, the same in every process), value = the tiers
+holding it, as bits (``splitserve.engine.prefix_holdings``: 1 device, 2 host memory, 4 disk). The worker
 alone writes it (``PrefixPublisher``: batched updates a few times a second, each refreshing a TTL),
 gateways read it (``splitserve.gateway.prefix_routing``); it goes with the worker's registry record
 (``DEREGISTER``, and ``WORKERS``' pruning of dead workers), and expires if its worker stops
@@ -23,7 +23,7 @@ CHUNK = 4096
 
 def publish(state: RedisState, worker_id: str, held: dict[int, int], gone: Sequence[int], ttl_s: float,
             replace: bool = False):
-    """Tell the directory which prefix blocks ``worker_id`` now holds (block hash -> tier) and
+    """Tell the directory which prefix blocks ``worker_id`` now holds (block hash -> tiers) and
     which it no longer holds; ``replace``: ``held`` is all it holds (what was there goes). One
     transaction. Returns False when the directory had nothing of the worker before and this was
     not a ``replace`` (the hash expired, or was pruned with a worker presumed dead): the caller
@@ -44,8 +44,8 @@ def publish(state: RedisState, worker_id: str, held: dict[int, int], gone: Seque
 
 
 def lookup(state: RedisState, worker_ids: Sequence[str], hashes: Sequence[int]):
-    """Per worker of ``worker_ids``, the tier each of ``hashes`` is held in there (None where it is
-    not): one round trip however many workers. Both must be non-empty."""
+    """Per worker of ``worker_ids``, the tiers (bits) holding each of ``hashes`` there (None where
+    none does): one round trip however many workers. Both must be non-empty."""
     if not worker_ids or not hashes:
         raise ValueError("a prefix lookup needs workers and block hashes")
     fields = [str(h) for h in hashes]

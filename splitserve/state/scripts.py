@@ -46,7 +46,7 @@ key                            type    holds
 ``{ss}:w:<worker id>:alive``   STRING  ``1`` with PX = the heartbeat TTL: the worker is alive
                                        exactly while this key exists.
 ``{ss}:w:<worker id>:prefixes`` HASH   the prefix directory (``splitserve.state.prefixes``):
-                                       block chain hash -> tier (0 device, 1 host, 2 disk) of
+                                       block chain hash -> tiers (bits: 1 device, 2 host, 4 disk) of
                                        the blocks the worker holds; written by the worker only,
                                        PX refreshed on each update, deleted with the record.
 =============================  ======  =====================================================

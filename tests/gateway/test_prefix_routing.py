@@ -63,6 +63,7 @@ def test_a_workers_updates_are_what_every_gateway_reads(redis_url):
         assert tiers[0] == [DEVICE] * 3 + [HOST, DISK, DEVICE, None] + [DEVICE] * 3
         assert tiers[1] == [None] * 10
         assert leading_run(tiers[0]) == CachedRun(device=4, host=1, disk=1)
+        assert leading_run([DEVICE | HOST, HOST | DISK, DISK, 0]) == CachedRun(device=1, host=1, disk=1)
         # A second gateway (its own client) reads the same.
         other = RedisState(make_async_client(redis_url))
         assert await prefixes.lookup(other, ["w1"], hashes) == tiers[:1]
@@ -181,3 +182,25 @@ def test_chain_hashes_are_the_same_in_every_process():
     outputs = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                               env={"PYTHONHASHSEED": seed}).stdout.strip() for seed in ("1", "2", "random")}
     assert outputs == {str(prefix_block_hashes(list(range(12)), 4))}
+
+
+def test_a_block_in_a_shared_host_tier_counts_for_every_worker_that_maps_it(redis_url):
+    async def body(state, directory):
+        await register(state, "p1", "p2", "p3")
+        for worker, host in (("p1", "A"), ("p2", "A"), ("p3", "B")):
+            await state.heartbeat(worker, {"num_running": 0, "host_id": host, "kv_tier_shared": "tier-x"}, ttl_s=30)
+        # p1 holds the first half on its device, and the whole prompt is in the shared tier.
+        hashes = prefix_block_hashes(SYSTEM, BLOCK)
+        await prefixes.publish(state, "p1", {**held(SYSTEM, HOST), **held(SYSTEM[:512], DEVICE | HOST)}, [],
+                               ttl_s=30, replace=True)
+        directory.invalidate()
+        cached = await directory.prefixes.lookup(["p1", "p2", "p3"], SYSTEM, shared={
+            "p1": "A/tier-x", "p2": "A/tier-x", "p3": "B/tier-x"})
+        assert cached["p1"] == CachedRun(device=128, host=128)
+        assert cached["p2"] == CachedRun(host=256)  # its host's tier: loadable there too
+        assert "p3" not in cached  # another host's tier of the same name is another tier
+        # Placement: p2 is as good a place as any for the host tier's half of it, when p1 is busy.
+        directory.track("p1", 2)
+        assert await pick(directory, SYSTEM) == "p2"
+        assert len(hashes) == 256
+    run(redis_url, body)
