@@ -2,7 +2,11 @@
 prefill step slowed so that a request's prefill is still running while the next one is placed):
 each worker publishes what it caches, and a prompt that continues one goes to the worker holding
 it from this gateway and from a second one, is served from its cache and gives transformers'
-tokens; a worker that leaves takes its entries with it."""
+tokens; a worker that leaves takes its entries with it.
+
+The workers share one host KV tier (``--kv-offloading-shared``): the prefill worker that leaves
+(SIGTERM: it drains and stores its prefix cache there) has its prompt served by the other one from
+the tier, with transformers' tokens; the tier stays while a worker maps it and goes with the last."""
 import signal
 import threading
 
@@ -14,19 +18,31 @@ from splitserve.state import prefixes
 from splitserve.state.store import RedisState
 from tests.harness.stack import start_process, start_stack, stop_process, wait_pages_at_baseline
 from tests.harness.streams import wait_until
+from tests.harness.tools import scrape
 
 BLOCK = 8  # the test stacks' --block-size
 STEP_DELAY_S = 1.0  # every prefill step's: a placement while one runs sees it in flight
 
 
 @pytest.fixture(scope="module")
-def stack(tiny_model_dirs, tmp_path_factory):
+def shm_dir(tmp_path_factory):
+    """The workers' shared-memory directory (their shared tier's file), this module's own."""
+    return tmp_path_factory.mktemp("shm")
+
+
+@pytest.fixture(scope="module")
+def stack(tiny_model_dirs, tmp_path_factory, shm_dir):
+    shm = {"SPLITSERVE_SHM_DIR": str(shm_dir)}
     running = start_stack(tiny_model_dirs["llama"], tmp_path_factory, prefill=2, decode=1,
-                          role_env={"prefill": {"SPLITSERVE_FAULT_STEP_DELAY_S": str(STEP_DELAY_S)}})
+                          worker_args=["--num-gpu-blocks", "64", "--kv-offloading-size", "0.002",
+                                       "--kv-offloading-shared"],
+                          role_env={"prefill": {"SPLITSERVE_FAULT_STEP_DELAY_S": str(STEP_DELAY_S), **shm},
+                                    "decode": shm})
     try:
         yield running
     finally:
         running.close()
+    assert not list(shm_dir.glob("splitserve-kvtier-*"))  # the last worker out removed the tier
 
 
 def prompt_of(first: int, n: int = 81) -> list[int]:
@@ -84,11 +100,26 @@ def test_prompts_go_where_their_prefix_is_cached_from_every_gateway(stack, llama
     wait_pages_at_baseline(stack, baseline)
 
 
-def test_a_worker_that_leaves_takes_its_entries(stack):
+def loaded_pages(stack, name: str) -> float:
+    return scrape(stack.metrics_ports[name]).get("splitserve:kv_offload_pages_total{op=loaded,tier=host}", 0.0)
+
+
+def test_a_worker_that_leaves_takes_its_entries_and_leaves_its_cache_to_the_host(stack, shm_dir, llama_reference):
+    assert len(list(shm_dir.glob("splitserve-kvtier-*"))) == 1  # one tier for the three workers
     state = RedisState(stack.redis.client())
-    _, final = generate(stack.client, prompt_of(9))
+    prompt = prompt_of(9)
+    tokens, final = generate(stack.client, prompt)
     worker_id = final.timeline.prefill_worker
     wait_until(lambda: state.client.hlen(state.prefixes_key(worker_id)) >= 10, 10, "its entries")
     name = next(n for n in stack.names("prefill") if stack.argv[n][stack.argv[n].index("--worker-id") + 1] == worker_id)
-    assert stack.kill(name, sig=signal.SIGTERM) == 0  # drains, leaves the registry
+    other = next(n for n in stack.names("prefill") if n != name)
+    assert stack.kill(name, sig=signal.SIGTERM) == 0  # drains, stores its prefix cache, leaves the registry
     assert not state.client.exists(state.prefixes_key(worker_id))
+    before = loaded_pages(stack, other)
+    again, final = generate(stack.client, prompt)
+    assert again == tokens == llama_reference.greedy(prompt, 4)
+    assert final.timeline.prefill_worker != worker_id and final.usage.cached_prompt_tokens == 80
+    # Its 10 full blocks of 8 (the last token is always computed) from the tier; the counter is
+    # exported between steps.
+    wait_until(lambda: loaded_pages(stack, other) - before >= 10, 10, "the loads to be counted")
+    assert loaded_pages(stack, other) - before == 10
