@@ -8,12 +8,16 @@ its prefill outright, one in host memory or on disk a copy less than that.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Sequence
 
 from splitserve.engine.block_pool import chain_root, prefix_block_hashes
 from splitserve.engine.prefix_holdings import DEVICE, DISK, HOST, best_tier
+from splitserve.gateway.ledger import OUTAGE
 from splitserve.state import prefixes
+
+log = logging.getLogger(__name__)
 
 # Leading blocks of a prompt looked up (8,192 tokens at 16 a block): past that a hit is long
 # enough to decide the placement.
@@ -93,7 +97,11 @@ class PrefixRouter:
                                      root=chain_root(lora) if lora else None)
         if not hashes:
             return {}
-        tiers = dict(zip(worker_ids, await prefixes.lookup(self.state, list(worker_ids), hashes)))
+        try:
+            tiers = dict(zip(worker_ids, await prefixes.lookup(self.state, list(worker_ids), hashes)))
+        except OUTAGE as e:  # a hint only: the request is placed by load (other errors are bugs)
+            log.warning("prefix directory lookup failed (%s); placing by load", e)
+            return {}
         if shared:
             tiers = with_shared_tiers(tiers, shared)
         runs = {worker_id: leading_run(found) for worker_id, found in tiers.items()}

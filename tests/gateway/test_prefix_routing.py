@@ -5,6 +5,7 @@ its length and tier against load, an adapter's prompts by its own chain, and a w
 go with it."""
 import asyncio
 import subprocess
+import time
 import sys
 
 import pytest
@@ -204,3 +205,20 @@ def test_a_block_in_a_shared_host_tier_counts_for_every_worker_that_maps_it(redi
         assert await pick(directory, SYSTEM) == "p2"
         assert len(hashes) == 256
     run(redis_url, body)
+
+
+def test_redis_away_places_by_load():
+    """The directory is a hint: a lookup that finds Redis away places the request by load."""
+    async def main(server):
+        state = RedisState(make_async_client(server.url))
+        directory = WorkerDirectory(state, block_size=BLOCK)
+        await register(state, "p1", "p2")
+        await prefixes.publish(state, "p2", held(SYSTEM), [], ttl_s=30, replace=True)
+        directory.track("p1", -1)
+        assert await pick(directory, SYSTEM) == "p2"
+        directory._cached_at = time.monotonic() + 3600  # the listing of the workers stays as it is
+        server.kill()
+        assert await pick(directory, SYSTEM) == "p1"
+        await state.client.aclose()
+    with RedisServer() as server:
+        asyncio.run(main(server))
