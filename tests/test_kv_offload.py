@@ -351,3 +351,18 @@ def test_a_load_keeps_the_prefix_head_it_continues():
     hit = kv.find_cached_prefix(first)
     assert hit[:2] == head and [memory.device[p] for p in hit] == block_hashes(first)
     kv.assert_idle()
+
+
+def test_nothing_is_tracked_for_the_directory_until_someone_publishes():
+    """An engine nobody publishes for (offline, no Redis) keeps no record of the blocks it cached."""
+    kv = KVCacheManager(8, BLOCK)
+    tokens = list(range(1, 26))
+    kv.allocate("a", len(tokens))
+    kv.cache_full_blocks("a", tokens, len(tokens))
+    kv.free("a")
+    assert not kv.holdings._dirty and kv.holdings.delta() == HoldingsDelta({}, [])
+    more = tokens[:8] + [99, 98, 97, 96, 95]  # two cached blocks, a new one, a token
+    kv.allocate("b", len(more), kv.find_cached_prefix(more))
+    kv.cache_full_blocks("b", more, len(more))  # now tracked: the new block is told, not the others
+    assert kv.holdings.delta().held == {block_hashes(more)[2]: DEVICE}
+    kv.free("b")

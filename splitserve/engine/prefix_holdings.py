@@ -41,14 +41,21 @@ class PrefixHoldings:
         """``where(hash)``: the tiers holding a block of the base chain or an adapter's (group 0 of
         the pool, bits), 0 when none does."""
         self.where = where
+        # Off until the first ``delta``: an engine nobody publishes for (offline, or a worker
+        # without Redis) must not collect the hash of every block it ever cached.
+        self.tracking = False
         self._dirty: set[int] = set()
         # What the directory holds once the last delta is written: block hash -> tiers.
         self.published: dict[int, int] = {}
 
     def changed(self, block_hash: int) -> None:
-        self._dirty.add(block_hash)
+        if self.tracking:
+            self._dirty.add(block_hash)
 
     def delta(self) -> HoldingsDelta:
+        """What changed since the last call (the first call starts the tracking: what was cached
+        before it is published once it changes again)."""
+        self.tracking = True
         held: dict[int, int] = {}
         gone: list[int] = []
         dirty, self._dirty = self._dirty, set()
