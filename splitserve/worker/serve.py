@@ -78,7 +78,8 @@ async def _serve(servicer: WorkerServicer, add_to_server, service_name: str, arg
                               stats=stats).start()
         if servicer.engine.config.enable_prefix_caching:
             # What this worker caches, for every gateway's placement (splitserve/state/prefixes.py).
-            publisher = PrefixPublisher(state, servicer.worker_id, servicer.loop, servicer.engine.kv.holdings).start()
+            publisher = PrefixPublisher(state, servicer.worker_id, servicer.loop,
+                                        servicer.engine.kv.holdings).start()
     freeze_startup_heap()  # the engine is built and warm: no full collection walks it again
     # The first line on stdout says where to connect (scripts, tests and `up` read it).
     print(f"{servicer.role} worker {servicer.worker_id} serving on {servicer.address}", flush=True)
