@@ -92,7 +92,7 @@ def test_every_hit_reads_its_own_blocks_kv_through_pool_and_tiers(disk, overlap,
         loaded_before = tier.stats.loaded + tier.stats.disk_loaded
         if overlap:
             kv.loader.finish()  # what ended meanwhile
-            if kv.loader.start(tokens, kv.find_cached_prefix(tokens)):
+            if kv.loader.start(tokens, kv.find_cached_prefix(tokens), inline_below_s=0):
                 if rng.random() < 0.5:
                     kv.check_invariants()  # the load's pages held by the load itself
                     continue
@@ -344,7 +344,7 @@ def test_a_load_keeps_the_prefix_head_it_continues():
         kv.free(rid)
     head = kv.find_cached_prefix(first)
     assert len(head) == 2
-    assert kv.loader.start(first, head)
+    assert kv.loader.start(first, head, inline_below_s=0)
     kv.check_invariants()
     while kv.loader.busy:
         kv.loader.finish(wait=True)
@@ -366,3 +366,40 @@ def test_nothing_is_tracked_for_the_directory_until_someone_publishes():
     kv.cache_full_blocks("b", more, len(more))  # now tracked: the new block is told, not the others
     assert kv.holdings.delta().held == {block_hashes(more)[2]: DEVICE}
     kv.free("b")
+
+
+def test_a_load_expected_to_be_quick_is_made_in_the_admission():
+    """Until the tier has brought enough pages back to know what one costs, a hit in it loads
+    beside the step; once a load is expected to take less than INLINE_LOAD_S (here: copies in a
+    list), the admission makes it at once; a tier whose pages cost more goes beside the step."""
+    memory = FakeMemory(40, 40)
+    kv = KVCacheManager(40, BLOCK, offload=HostPrefixTier(40, memory), overlap_loads=True)
+    fresh = iter(range(1, 100))
+
+    def cache(tokens):
+        rid = f"r{next(fresh)}"
+        kv.allocate(rid, len(tokens), kv.find_cached_prefix(tokens, load=True))
+        for i, h in enumerate(block_hashes(tokens)):
+            memory.device[kv.block_table(rid)[i]] = h
+        kv.cache_full_blocks(rid, tokens, len(tokens))
+        kv.free(rid)
+
+    def push_out(tokens):
+        """Other prompts until ``tokens`` lost most blocks from the pool (to the tier); its head left."""
+        cache(tokens)
+        while len(kv.find_cached_prefix(tokens)) > 2:
+            n = next(fresh)
+            cache(list(range(1000 * n, 1000 * n + 41)))
+        return kv.find_cached_prefix(tokens)
+    prompts = [list(range(100 * n, 100 * n + 41)) for n in range(1, 4)]  # 10 full blocks each, a token
+    assert kv.loader.start(prompts[0], push_out(prompts[0]))  # nothing measured yet: beside the step
+    while kv.loader.busy:
+        kv.loader.finish(wait=True)
+    assert kv.offload.stats.page_seconds(disk=False) is not None  # enough pages measured
+    head = push_out(prompts[1])
+    assert not kv.loader.start(prompts[1], head)  # microseconds a page: in the admission
+    assert [memory.device[p] for p in kv.find_cached_prefix(prompts[1], load=True)] == block_hashes(prompts[1])[:10]
+    kv.offload.stats.host_copy_seconds = 0.01 * kv.offload.stats.loaded  # as if pages cost 10 ms each
+    assert kv.loader.start(prompts[2], push_out(prompts[2]))  # beside the step
+    kv.loader.close()
+    kv.assert_idle()

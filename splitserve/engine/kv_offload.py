@@ -58,6 +58,16 @@ class OffloadStats:
     disk_dropped: int = 0  # files it deleted to make room
     disk_corrupt: int = 0  # files that did not check out (a miss, deleted)
     load_seconds: float = 0.0  # time spent bringing pages back, both tiers'
+    # Of which copying pages from host memory and reading (and checking) disk files: what a page
+    # costs from each, which decides whether a load is worth moving beside the step.
+    host_copy_seconds: float = 0.0
+    disk_read_seconds: float = 0.0
+
+    def page_seconds(self, disk: bool) -> float | None:
+        """What a page has cost to bring back from disk (else from host memory), on average;
+        None before enough pages came back to say."""
+        pages, seconds = (self.disk_loaded, self.disk_read_seconds) if disk else (self.loaded, self.host_copy_seconds)
+        return seconds / pages if pages >= MEASURED_PAGES else None
 
     def by_tier(self) -> dict[tuple[str, str], int]:
         """(tier, op) -> pages, as the workers export them (splitserve:kv_offload_pages)."""
@@ -65,6 +75,9 @@ class OffloadStats:
                 ("disk", "stored"): self.disk_stored, ("disk", "loaded"): self.disk_loaded,
                 ("disk", "dropped"): self.disk_dropped, ("disk", "corrupt"): self.disk_corrupt}
 
+
+# Pages a tier must have brought back before its cost per page is trusted.
+MEASURED_PAGES = 8
 
 _MAGIC = b"SSKV"
 
@@ -248,11 +261,13 @@ class HostPrefixTier:
             self._entries.move_to_end(block_hash)
             self.copier.load(entry[0], page)
             self.stats.loaded += 1
+            self.stats.host_copy_seconds += time.perf_counter() - start
         else:
             data = self.disk.take(block_hash, key) if self.disk is not None else None
             if data is None:
                 return False
             self.copier.write_page(page, data)
+            self.stats.disk_read_seconds += time.perf_counter() - start
         self.stats.load_seconds += time.perf_counter() - start
         return True
 
@@ -276,13 +291,16 @@ class HostPrefixTier:
         disk file does not check out (or went meanwhile); returns how many were written."""
         with getattr(self.copier, "side_stream", contextlib.nullcontext)():
             for n, ((block_hash, key, page), slot) in enumerate(zip(blocks, sources)):
+                start = time.perf_counter()
                 if slot is not None:
                     self.copier.load(slot, page)
+                    self.stats.host_copy_seconds += time.perf_counter() - start
                     continue
                 data = self.disk.read(block_hash, key) if self.disk is not None else None
                 if data is None:
                     return n
                 self.copier.write_page(page, data)
+                self.stats.disk_read_seconds += time.perf_counter() - start
         return len(blocks)
 
     def end_load(self, blocks: list[tuple[int, tuple, int]], sources: list[int | None], written: int,

@@ -233,6 +233,7 @@ class SharedPrefixTier:
         self.pool[:, :, page].copy_(staging)
         self.stats.loaded += 1
         self.stats.load_seconds += time.perf_counter() - start
+        self.stats.host_copy_seconds += time.perf_counter() - start
         return True
 
     def _copy_out(self, block_hash: int, key: tuple, staging: torch.Tensor) -> bool:
@@ -252,9 +253,11 @@ class SharedPrefixTier:
 
     def copy_in(self, blocks: list[tuple[int, tuple, int]], sources: list[int | None]) -> int:
         for n, (block_hash, key, page) in enumerate(blocks):
+            start = time.perf_counter()
             if not self._copy_out(block_hash, key, self._staging):
                 return n
             self.pool[:, :, page].copy_(self._staging)
+            self.stats.host_copy_seconds += time.perf_counter() - start
         return len(blocks)
 
     def end_load(self, blocks: list[tuple[int, tuple, int]], sources: list[int | None], written: int,
