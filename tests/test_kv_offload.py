@@ -354,18 +354,23 @@ def test_a_load_keeps_the_prefix_head_it_continues():
 
 
 def test_nothing_is_tracked_for_the_directory_until_someone_publishes():
-    """An engine nobody publishes for (offline, no Redis) keeps no record of the blocks it cached."""
-    kv = KVCacheManager(8, BLOCK)
+    """An engine nobody publishes for (offline, no Redis) keeps no record of the blocks it cached;
+    the first delta starts from everything held then."""
+    memory = FakeMemory(8, 8)
+    kv = KVCacheManager(8, BLOCK, offload=HostPrefixTier(8, memory))
     tokens = list(range(1, 26))
-    kv.allocate("a", len(tokens))
-    kv.cache_full_blocks("a", tokens, len(tokens))
-    kv.free("a")
-    assert not kv.holdings._dirty and kv.holdings.delta() == HoldingsDelta({}, [])
+    for rid, prompt in (("a", tokens), ("b", list(range(100, 125)))):  # b pushes some of a's into the tier
+        kv.allocate(rid, len(prompt), kv.find_cached_prefix(prompt))
+        kv.cache_full_blocks(rid, prompt, len(prompt))
+        kv.free(rid)
+    assert not kv.holdings._dirty
+    first = kv.holdings.delta()
+    assert first.held == held_now(kv) and first.gone == [] and HOST in first.held.values()
     more = tokens[:8] + [99, 98, 97, 96, 95]  # two cached blocks, a new one, a token
-    kv.allocate("b", len(more), kv.find_cached_prefix(more))
-    kv.cache_full_blocks("b", more, len(more))  # now tracked: the new block is told, not the others
-    assert kv.holdings.delta().held == {block_hashes(more)[2]: DEVICE}
-    kv.free("b")
+    kv.allocate("c", len(more), kv.find_cached_prefix(more))
+    kv.cache_full_blocks("c", more, len(more))  # now tracked: the new block is told
+    assert block_hashes(more)[2] in kv.holdings.delta().held
+    kv.free("c")
 
 
 def test_a_load_expected_to_be_quick_is_made_in_the_admission():

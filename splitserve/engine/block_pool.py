@@ -113,6 +113,9 @@ class BlockPool:
     def holds(self, block_hash: int) -> bool:
         return block_hash in self._cached
 
+    def cached_hashes(self) -> list[int]:
+        return list(self._cached)
+
     def lookup(self, block_hash: int, key: tuple) -> int | None:
         block_id = self._cached.get(block_hash)
         if block_id is None or self.blocks[block_id].hash_key != key:

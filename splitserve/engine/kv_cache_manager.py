@@ -95,7 +95,7 @@ class KVCacheManager:
         self.offload = offload
         # Where each prefix block is (group 0's: what a prompt's chain hashes name), for the
         # cluster's prefix directory; marked on every change here and in the tiers below.
-        self.holdings = PrefixHoldings(self._tier_of)
+        self.holdings = PrefixHoldings(self._tier_of, self._held)
         self.pool.on_evict = self._evicted
         if offload is not None:
             offload.on_change = self.holdings.changed
@@ -109,6 +109,11 @@ class KVCacheManager:
         if self.offload is not None:
             self.offload.store(block_id, block_hash, key)
         self.holdings.changed(block_hash)
+
+    def _held(self) -> list[int]:
+        """Every block hash the pool and the tiers hold (a windowed model's other groups' too:
+        they match no prompt)."""
+        return [*self.pool.cached_hashes(), *(self.offload.hashes() if self.offload is not None else ())]
 
     def _tier_of(self, block_hash: int) -> int:
         """The tiers holding a block (``prefix_holdings`` bits)."""

@@ -191,6 +191,10 @@ class HostPrefixTier:
         self.disk = DiskPrefixTier(disk_dir, disk_bytes, self.stats, lambda block_hash: self.on_change(block_hash)) \
             if disk_dir is not None and disk_bytes else None
 
+    def hashes(self) -> list[int]:
+        """Every block hash held here or on disk."""
+        return [*self._entries, *(self.disk._files if self.disk is not None else ())]
+
     def tier_of(self, block_hash: int) -> int | None:
         """Where the tier holds a block: ``prefix_holdings.HOST`` and/or ``DISK``, 0 when nowhere."""
         return (HOST if block_hash in self._entries else 0) | \

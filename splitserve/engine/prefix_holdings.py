@@ -14,7 +14,7 @@ Pure Python, on the engine's thread like the pool it reads.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Iterable
 
 # The tiers as bits, best first: a block's entry is the set of tiers holding it (a block brought
 # back from the host tier is in the pool and still in the tier; a worker sharing that tier can
@@ -37,12 +37,14 @@ class HoldingsDelta:
 
 
 class PrefixHoldings:
-    def __init__(self, where: Callable[[int], int | None]):
+    def __init__(self, where: Callable[[int], int | None], held: Callable[[], Iterable[int]]):
         """``where(hash)``: the tiers holding a block of the base chain or an adapter's (group 0 of
-        the pool, bits), 0 when none does."""
+        the pool, bits), 0 when none does; ``held()``: every block hash held now, in any tier."""
         self.where = where
-        # Off until the first ``delta``: an engine nobody publishes for (offline, or a worker
-        # without Redis) must not collect the hash of every block it ever cached.
+        self.held = held
+        # Off until the first ``delta``, which starts from everything held then: an engine nobody
+        # publishes for (offline, or a worker without Redis) must not collect the hash of every
+        # block it ever cached.
         self.tracking = False
         self._dirty: set[int] = set()
         # What the directory holds once the last delta is written: block hash -> tiers.
@@ -53,9 +55,10 @@ class PrefixHoldings:
             self._dirty.add(block_hash)
 
     def delta(self) -> HoldingsDelta:
-        """What changed since the last call (the first call starts the tracking: what was cached
-        before it is published once it changes again)."""
-        self.tracking = True
+        """What changed since the last call (the first: everything held)."""
+        if not self.tracking:
+            self.tracking = True
+            self._dirty.update(self.held())
         held: dict[int, int] = {}
         gone: list[int] = []
         dirty, self._dirty = self._dirty, set()

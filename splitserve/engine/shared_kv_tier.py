@@ -189,6 +189,11 @@ class SharedPrefixTier:
     def pin(self, block_hashes: Iterable[int]) -> None:
         pass
 
+    def hashes(self) -> list[int]:
+        """Every block hash a valid slot holds (any worker's: each of them can load it)."""
+        slots = self._slots
+        return [int(h) for h in slots["hash"][slots["state"] == _VALID]]
+
     def tier_of(self, block_hash: int) -> int | None:
         slots = self._slots
         return HOST if any(slots[s]["state"] == _VALID and slots[s]["hash"] == block_hash
