@@ -28,7 +28,7 @@ from splitserve.engine.block_pool import BlockPool, PrefixCacheStats, chain_hash
 from splitserve.engine.kv_groups import window_pages
 from splitserve.engine.kv_offload import HostPrefixTier, SwapSlots
 from splitserve.engine.prefix_holdings import DEVICE, PrefixHoldings
-from splitserve.engine.prefix_loads import PrefixLoader
+from splitserve.engine.prefix_loads import PrefixLoader, load_in_place
 from splitserve.engine.kv_sizes import pages_for_tokens
 
 # Where a windowed group's table has given a page back: a valid page id that no kernel reads.
@@ -169,7 +169,7 @@ class KVCacheManager:
         the next token, so at least one token is always computed. ``root``: where the hash chain
         starts (``Request.cache_root``: a LoRA adapter's blocks are its own). ``load`` (a request
         about to take its prefix): blocks of the host tier that continue the hit are brought back
-        into free pages first (``_load_from_host``), and the hit includes them.
+        into free pages first (``prefix_loads.load_in_place``), and the hit includes them.
         """
         groups = len(self.windows)
         if not self.enable_prefix_caching:
@@ -209,54 +209,14 @@ class KVCacheManager:
                 break
             hit = missing
         if load and self.offload is not None and hit < max_blocks:
-            return CachedPrefix([self._load_from_host(token_ids, chain, [found[0][i] for i in range(hit)],
-                                                      max_blocks, root)], [0])
+            return CachedPrefix([load_in_place(self.pool, self.offload, self.holdings, self.block_size, token_ids,
+                                               chain, [found[0][i] for i in range(hit)], max_blocks, root)], [0])
         tables, released = [], []
         for group in range(groups):
             first = self._first_needed(group, hit * self.block_size) if hit else 0
             tables.append([PLACEHOLDER] * first + [found[group][i] for i in range(first, hit)])
             released.append(first)
         return CachedPrefix(tables, released)
-
-    def _load_from_host(self, token_ids: Sequence[int], chain: list[tuple[int, tuple]], hit: list[int],
-                        max_blocks: int, root: int | None) -> list[int]:
-        """``hit`` (the device pages of the prefix's first blocks) continued by the blocks that
-        follow it on the device or in the host tier, as far as free pages allow; the host tier's
-        are copied into free pages and cached there. Every page of the result is left cached and
-        unreferenced (the caller's ``allocate`` takes them), as a device hit's are."""
-        more: list[tuple[int, tuple, int | None]] = []  # (hash, key, device page or None: on the host)
-        self.offload.pin(())  # ``find`` pins what it finds (a disk read may make room in the host tier)
-        for i in range(len(hit), max_blocks):
-            if i >= len(chain):
-                chain.append(chain_hash(chain[-1][0] if chain else root,
-                                        token_ids[i * self.block_size:(i + 1) * self.block_size]))
-            block_hash, key = chain[i]
-            page = self.pool.lookup(block_hash, key)
-            if page is None and not self.offload.find(block_hash, key):
-                break
-            more.append((block_hash, key, page))
-        on_device = [page for _, _, page in more if page is not None]
-        self.pool.touch(hit + on_device)  # not evicted while pages are found for the others
-        wanted = sum(1 for *_, page in more if page is None)
-        # The pages' evictions store into the tier: not over the entries about to be read (pinned).
-        pages: list[int] = []
-        try:
-            pages = self.pool.allocate(min(wanted, self.pool.num_free)) or []
-            taken = iter(pages)
-            result = list(hit)
-            for block_hash, key, page in more:
-                if page is None:
-                    page = next(taken, None)
-                    if page is None or not self.offload.load(block_hash, key, page):
-                        break  # out of pages, or a disk file that did not check out: the hit ends
-                    self.pool.register(page, block_hash, key)
-                    self.holdings.changed(block_hash)
-                result.append(page)
-        finally:
-            self.offload.pin(())
-        # Tail first, as ``free`` does; pages a load did not fill go back unregistered.
-        self.pool.release(reversed(hit + on_device + pages))
-        return result
 
     def next_block_hash(self, token_ids: Sequence[int], cached_blocks: Sequence[int],
                         root: int | None = None) -> int | None:

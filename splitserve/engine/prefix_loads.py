@@ -12,7 +12,9 @@ a second request that needs them waits for the same load. A disk file that does 
 what is registered there, so its block and the ones after it are computed, never read wrong.
 
 The copies go page by page, as the pool decides them; on CUDA on a stream of the loader's own
-(``HostKVPages``), so they overlap the step's kernels as well as its host work.
+(``HostKVPages``), so they overlap the step's kernels as well as its host work. ``load_in_place``
+makes the same copies inside an admission instead: a load expected to be quick, a decode worker's
+reservation, or every load with ``--no-kv-offloading-overlap``.
 """
 from __future__ import annotations
 
@@ -48,6 +50,48 @@ class PendingLoad:
     # How many blocks (from the first) the loader wrote.
     future: concurrent.futures.Future = field(default_factory=concurrent.futures.Future)
     started: float = field(default_factory=time.perf_counter)
+
+
+def load_in_place(pool: BlockPool, tier: HostPrefixTier, holdings: PrefixHoldings, block_size: int,
+                  token_ids: Sequence[int], chain: list[tuple[int, tuple]], hit: list[int], max_blocks: int,
+                  root: int | None) -> list[int]:
+    """In a request's admission (``KVCacheManager.find_cached_prefix(load=True)``): ``hit`` (the
+    device pages of the prefix's first blocks) continued by the blocks that follow it on the
+    device or in the tier, as far as free pages allow; the tier's are copied into free pages and
+    cached there. Every page of the result is left cached and
+    unreferenced (the caller's ``allocate`` takes them), as a device hit's are."""
+    more: list[tuple[int, tuple, int | None]] = []  # (hash, key, device page or None: on the host)
+    tier.pin(())  # ``find`` pins what it finds (a disk read may make room in the host tier)
+    for i in range(len(hit), max_blocks):
+        if i >= len(chain):
+            chain.append(chain_hash(chain[-1][0] if chain else root, token_ids[i * block_size:(i + 1) * block_size]))
+        block_hash, key = chain[i]
+        page = pool.lookup(block_hash, key)
+        if page is None and not tier.find(block_hash, key):
+            break
+        more.append((block_hash, key, page))
+    on_device = [page for _, _, page in more if page is not None]
+    pool.touch(hit + on_device)  # not evicted while pages are found for the others
+    wanted = sum(1 for *_, page in more if page is None)
+    # The pages' evictions store into the tier: not over the entries about to be read (pinned).
+    pages: list[int] = []
+    try:
+        pages = pool.allocate(min(wanted, pool.num_free)) or []
+        taken = iter(pages)
+        result = list(hit)
+        for block_hash, key, page in more:
+            if page is None:
+                    page = next(taken, None)
+                    if page is None or not tier.load(block_hash, key, page):
+                        break  # out of pages, or a disk file that did not check out: the hit ends
+                    pool.register(page, block_hash, key)
+                    holdings.changed(block_hash)
+            result.append(page)
+    finally:
+        tier.pin(())
+    # Tail first, as ``free`` does; pages a load did not fill go back unregistered.
+    pool.release(reversed(hit + on_device + pages))
+    return result
 
 
 class PrefixLoader:
