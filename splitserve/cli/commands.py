@@ -50,6 +50,11 @@ def _output_limits():
     return OutputLimits
 
 
+def _disaggregation_policy():
+    from splitserve.gateway.prefill_placement import DisaggregationPolicy
+    return DisaggregationPolicy
+
+
 def _command(name: str, help: str, params: list[click.Option], run: Callable[[argparse.Namespace], int],
              configs: tuple[Callable[[], type], ...] = ()) -> click.Command:
     def callback(**values):
@@ -195,10 +200,10 @@ def build() -> click.Group:
     group.add_command(_command("prefill", "Run a prefill worker.", options("prefill"), _serve_prefill,
                                configs=(_engine_config,)))
     group.add_command(_command("gateway", "Run the public gRPC gateway.", options("gateway"), _serve_gateway,
-                               configs=(_request_limits, _output_limits)))
+                               configs=(_request_limits, _output_limits, _disaggregation_policy)))
     group.add_command(_command("up", "Start Redis, a gateway, prefill and decode workers on this machine, and "
                                      "supervise them.", _up_params(), _up,
-                               configs=(_engine_config, _request_limits, _output_limits)))
+                               configs=(_engine_config, _request_limits, _output_limits, _disaggregation_policy)))
     group.add_command(_command("tune", "Find the configuration with the highest goodput within an SLO: start a "
                                        "stack per point of a grid, search its highest request rate, write the "
                                        "best as a --config file.", _tune_params(), _tune))

@@ -198,6 +198,17 @@ def _flags() -> list[Flag]:
         f("prefix_routing", click.Choice(["directory", "load"]), "directory", "how a request's workers are chosen: "
           "directory, by load less what its prompt's cached prefix saves on each worker (the prefix directory the "
           "workers keep in Redis, the same for every gateway); load, by load alone", gw),
+        f("disaggregation", click.Choice(["always", "never", "auto"]), "always", "where a prompt placed on a decode "
+          "worker is prefilled: always on a prefill worker (its KV handed off), never (on the decode worker itself; "
+          "no prefill worker needed), or auto: per request, on the decode worker when what it would compute (the "
+          "prompt less its cached head) is at most --local-prefill-tokens or the prefill workers are backed up "
+          "(--prefill-queue-limit), else on a prefill worker", gw),
+        f("local_prefill_tokens", i, 256, "with --disaggregation auto: prompts with at most this many tokens left "
+          "to compute on their decode worker are prefilled there (lowered to the prompt tokens one of its steps "
+          "takes under --target-tpot-ms)", gw),
+        f("prefill_queue_limit", fl, 2.0, "with --disaggregation auto: when the least busy prefill worker has this "
+          "many requests ahead, a decode worker prefilling none of this gateway's prompts prefills the next itself",
+          gw),
         f("http_port", i, -1, "port of the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
           "/v1/models, /tokenize, /detokenize, /version, /health) on --host; -1: off, 0: any free port (up: 8000)", gw),
         f("generation_config", s, "auto", "defaults for the sampling fields a request leaves unset: auto, the "

@@ -229,6 +229,10 @@ class GatewayMetrics:
         self.retries = Counter("splitserve:request_retries", "Attempts that failed because a worker died, froze "
                                "or voided its handoff (the request went back to the queue or gave up)",
                                registry=registry)
+        self.prefill_placements = Counter("splitserve:prefill_placements", "Where prompts placed on a decode worker "
+                                          "were prefilled (remote: a prefill worker; local: the decode worker) and "
+                                          "the rule that chose it (--disaggregation)", ["where", "reason"],
+                                          registry=registry)
         self.unread_output = Gauge("splitserve:unread_output_bytes", "Generated output waiting at the gateway for "
                                    "clients that have not taken it (estimated bytes; --max-buffered-bytes)",
                                    registry=registry)

@@ -254,6 +254,11 @@ class RequestTrace:
             self._queue.end()
             self._queue = None
 
+    def annotate(self, attributes: dict) -> None:
+        """Attributes of the request (the root span), e.g. where its prompt was prefilled and why."""
+        if not self._ended:
+            self.root.set_attributes(attributes)
+
     @contextlib.contextmanager
     def call(self, name: str, worker_id: str, attempt: int) -> Iterator[tuple | None]:
         """A client span around a worker call; yields the gRPC metadata that carries it."""

@@ -324,9 +324,18 @@ class LLMEngine:
         # A speculative decode's positions run as decode rows (splitserve.engine.step_inputs.VerifyRow).
         decodes = sum(c.num_tokens for c in plan.chunks if c.is_decode or c.spec_token_ids)
         self.step_budget.observe(decodes, plan.num_batched_tokens - decodes, seconds)
-        decoding = sum(1 for r in self.scheduler.running
-                       if not r.is_finished and r.num_computed_tokens >= r.num_tokens - 1)
-        self.scheduler.token_budget = self.step_budget.budget(decoding)
+        self.scheduler.token_budget = self.step_budget.budget(self._num_decoding())
+
+    def _num_decoding(self) -> int:
+        return sum(1 for r in self.scheduler.running if not r.is_finished and r.num_computed_tokens >= r.num_tokens - 1)
+
+    def step_prompt_budget(self) -> int:
+        """Prompt tokens the next step takes beside its decodes under ``target_tpot_ms``; -1 without
+        a target (a gateway deciding where to prefill a prompt reads it, splitserve/gateway/prefill_placement.py)."""
+        if self.step_budget is None:
+            return -1
+        decoding = self._num_decoding()
+        return max(self.step_budget.budget(decoding) - decoding, 0)
 
     def _output(self, request: Request) -> RequestOutput:
         finished = request.is_finished
@@ -361,6 +370,7 @@ class LLMEngine:
             "num_running": sum(1 for r in self.scheduler.running if not r.is_finished),
             "num_waiting": len(self.scheduler.waiting) + len(self._waiting_for_lora),
             "num_preemptions": self.scheduler.num_preemptions,
+            "step_prompt_budget": self.step_prompt_budget(),
             "spec_decode_num_drafts": self.scheduler.spec_stats.num_drafts,
             "spec_decode_num_draft_tokens": self.scheduler.spec_stats.num_draft_tokens,
             "spec_decode_num_accepted_tokens": self.scheduler.spec_stats.num_accepted_tokens,

@@ -2,9 +2,10 @@
 
 **Placing** chooses a decode worker with room and reserves pages for the prompt on it
 (``DecodeWorker.Reserve``); a colocated (``both``) worker needs no reservation, its engine
-queues the request. **Running** sends the prompt and the pages' descriptor to a prefill worker,
-which writes the KV straight into them and returns the first token (streamed to the client at
-once); the decode worker then completes the handoff with the epoch and streams the rest. While
+queues the request, and neither does a decode worker that prefills the prompt itself
+(``--disaggregation``, splitserve/gateway/prefill_placement.py). **Running** sends the prompt
+and the pages' descriptor to a prefill worker, which writes the KV straight into them and
+returns the first token (streamed to the client at once); the decode worker then completes the handoff with the epoch and streams the rest. While
 the prefill is under way the attempt renews the reservation's lease, so a prompt that waits or
 computes longer than one lease keeps its pages; the lease only frees pages nobody drives.
 
@@ -24,6 +25,8 @@ import grpc
 
 from splitserve.gateway.job import Finished, Job, JobState, deadline_exceeded, unavailable
 from splitserve.gateway.ledger import Ledger
+from splitserve.gateway.prefill_placement import PlacementInputs, PrefillPlacement
+from splitserve.gateway.prefix_routing import CachedRun
 from splitserve.gateway.workers import WorkerDirectory, WorkerView
 from splitserve.common.aio import spawn
 from splitserve.wire import sampling_to_worker
@@ -152,6 +155,7 @@ class _Attempt:
         self.lease_ttl_s = 0.0  # of the reservation (0: the worker does not say; nothing to renew)
         self.prompt: list[int] = []
         self.sampling = None
+        self.local_prefill: WorkerView | None = None  # the decode worker prefilling the prompt itself, until its first token
 
     # ---- placing ------------------------------------------------------------------------
     async def place(self) -> bool:
@@ -165,21 +169,30 @@ class _Attempt:
             return False
         self.prompt, params = inputs
         self.sampling = sampling_to_worker(params)
-        candidates = await self.directory.decode_candidates(params.lora, self.prompt)
+        candidates, cached = await self.directory.placement_candidates(params.lora, self.prompt)
         if job.prefer_decode is not None:  # stable: the others keep their order by load
             candidates.sort(key=lambda w: w.worker_id != job.prefer_decode)
         if not job.gated:  # claimed without the gate: only a placement that takes no capacity
             candidates = [w for w in candidates if w.role == "both"]
-        has_prefill = await self.directory.pick_prefill(lora=params.lora) is not None
-        if not any(w.role == "both" for w in candidates) and not (candidates and has_prefill):
+        # A decode-only worker needs a prefill worker beside it, unless it may prefill itself.
+        decode_alone = (await self.directory.pick_prefill(lora=params.lora) is not None
+                        or not self.directory.prefill_policy.needs_prefill_workers)
+        if not any(w.role == "both" for w in candidates) and not (candidates and decode_alone):
             raise _NoWorkers()
         job.timeline.pop("no_worker_since", None)
         for worker in candidates:
-            if worker.role != "both" and not has_prefill:
-                continue  # a decode-only worker needs a prefill worker beside it
+            if worker.role != "both" and not decode_alone:
+                continue
             self._track(worker)  # counted before the call: concurrent picks spread out
             if worker.role == "both":
                 job.decode_worker = worker
+                return True
+            placement = await self._where_to_prefill(worker, cached.get(worker.worker_id), params.lora)
+            if placement.local:
+                job.decode_worker = self.local_prefill = worker
+                self.directory.local_prefills[worker.worker_id] = self.directory.local_prefills.get(worker.worker_id,
+                                                                                                    0) + 1
+                self._placed(placement)
                 return True
             try:
                 with job.trace.call("reserve", worker.worker_id, job.attempt) as metadata:
@@ -196,8 +209,25 @@ class _Attempt:
             job.decode_worker = worker
             self.descriptor = response.descriptor
             self.lease_ttl_s = response.lease_ttl_s
+            self._placed(placement)
             return True
         raise _NoRoom()
+
+    async def _where_to_prefill(self, decode: WorkerView, cached: CachedRun | None, lora: str | None
+                                ) -> PrefillPlacement:
+        policy = self.directory.prefill_policy
+        queue = await self.directory.prefill_queue(decode, lora) if policy.disaggregation == "auto" else None
+        return policy.decide(PlacementInputs(
+            prompt_tokens=len(self.prompt), cached_tokens=cached.blocks * self.directory.block_size if cached else 0,
+            step_prompt_budget=decode.step_prompt_budget, prefill_queue=queue,
+            local_prefills=self.directory.local_prefills.get(decode.worker_id, 0)))
+
+    def _placed(self, placement: PrefillPlacement) -> None:
+        """The decision this attempt goes with: its metric and its trace attributes."""
+        self.directory.on_prefill_placement(placement)
+        self.job.trace.annotate({"splitserve.prefill_placement": placement.where,
+                                 "splitserve.prefill_placement_reason": placement.reason,
+                                 "splitserve.uncached_prompt_tokens": placement.uncached_tokens})
 
     def _reserve_request(self) -> worker_pb2.ReserveRequest:
         # With the prompt, the worker serves its head from its prefix cache: a shared prefix (the
@@ -233,7 +263,7 @@ class _Attempt:
         job = self.job
         job.timeline.setdefault("dispatched", time.monotonic())
         decode = job.decode_worker
-        colocated = decode.role == "both"
+        colocated = decode.role == "both" or self.local_prefill is not None  # the whole request there
         # Progress for GetRequest, beside the worker call (not a Redis round trip before it).
         self.ledger.note_soon(job.request_id, job.epoch, state="decoding" if colocated else "prefilling",
                               decode_worker=decode.worker_id)
@@ -297,6 +327,7 @@ class _Attempt:
         try:
             async for chunk in call:
                 self.job.decoding = True
+                self._local_prefill_over()
                 if chunk.cached_prompt_tokens and not self.job.generated:
                     self.job.cached_prompt_tokens = chunk.cached_prompt_tokens
                 if chunk.token_ids:
@@ -343,8 +374,15 @@ class _Attempt:
 
     def release_load(self) -> None:
         """The attempt is over: its workers no longer count it (they stay listed for aborts)."""
+        self._local_prefill_over()
         for worker in self.workers:
             self.directory.track(worker.worker_id, -1)
+
+    def _local_prefill_over(self) -> None:
+        """The decode worker prefilling the prompt is done with it (first token, or the attempt's end)."""
+        if self.local_prefill is not None:
+            self.directory.local_prefills[self.local_prefill.worker_id] -= 1
+            self.local_prefill = None
 
     async def abort_on_workers(self, timeout_s: float | None = None, then_s: float | None = None) -> None:
         """Free whatever the request holds on the attempt's workers, waiting ``timeout_s`` at most

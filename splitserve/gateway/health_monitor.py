@@ -17,7 +17,8 @@ from splitserve.common.grpc_server import set_health
 
 log = logging.getLogger(__name__)
 
-NO_WORKERS = "no usable workers: a prefill and a decode worker, or a colocated one, must be registered"
+NO_WORKERS = ("no usable workers: a prefill and a decode worker, or a colocated one, must be registered (or a "
+              "decode worker alone, under --disaggregation never or auto)")
 STORE_DOWN = "request store (Redis) unreachable"
 
 
@@ -67,10 +68,10 @@ class GatewayHealth:
         try:
             await self.state.ping()
             roles = {w.role for w in await self.directory.usable()}
+            if await self.directory.can_serve():
+                return ""
         except Exception as e:  # Redis down or unreachable
             return f"{STORE_DOWN}: {e}"
-        if "both" in roles or {"prefill", "decode"} <= roles:
-            return ""
         return f"{NO_WORKERS} (registered: {', '.join(sorted(roles)) or 'none'})"
 
     async def refresh(self) -> None:

@@ -98,6 +98,7 @@ async def _serve(args) -> int:
     from splitserve.common.locality import is_loopback
     from splitserve.v1 import generation_pb2_grpc
     from splitserve.gateway.memory import return_big_buffers
+    from splitserve.gateway.prefill_placement import DisaggregationPolicy
     from splitserve.common.gc_heap import freeze_startup_heap
     return_big_buffers()
     # Checked before anything starts: the client and admin tokens of the public port, the
@@ -119,7 +120,11 @@ async def _serve(args) -> int:
     metrics = GatewayMetrics(registry)
     directory = WorkerDirectory(state, block_size=args.block_size, channel_factory=internal.aio_channel,
                                 on_untrusted=metrics.untrusted_workers.set,
-                                prefix_routing=args.prefix_routing == "directory")
+                                prefix_routing=args.prefix_routing == "directory",
+                                disaggregation=DisaggregationPolicy(args.disaggregation, args.local_prefill_tokens,
+                                                                    args.prefill_queue_limit),
+                                on_prefill_placement=lambda p: metrics.prefill_placements.labels(p.where,
+                                                                                                 p.reason).inc())
     gateway_id = args.gateway_id or f"gw-{uuid.uuid4().hex[:8]}"
     setup_tracing("gateway", gateway_id)
     dispatcher = Dispatcher(state, directory, gateway_id,

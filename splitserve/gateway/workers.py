@@ -13,7 +13,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from splitserve.common.grpc_server import WORKER_SERVICES
 from splitserve.common.locality import transfer_cost
-from splitserve.gateway.prefix_routing import PrefixRouter
+from splitserve.gateway.prefill_placement import DisaggregationPolicy, PrefillPlacement
+from splitserve.gateway.prefix_routing import CachedRun, PrefixRouter
 from splitserve.v1 import worker_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -22,6 +23,7 @@ log = logging.getLogger(__name__)
 REFRESH_S = 0.5
 # What a decode worker's cached prefix is worth next to a prefill worker's (a colocated worker's
 # counts in full): its cached head is not transferred, but the prefill worker computes it anyway.
+# Under --disaggregation never it counts in full (the decode worker prefills its prompts).
 DECODE_CACHE_WEIGHT = 0.25
 # A live worker answers a health check within this; a frozen (SIGSTOPped) one never does.
 PROBE_TIMEOUT_S = 1.0
@@ -45,6 +47,7 @@ class WorkerView:
     host_id: str = ""  # its shared-memory domain (splitserve/common/locality.py); "" when it does not say
     loras: frozenset[str] = frozenset()  # the LoRA adapters it serves
     kv_tier_shared: str = ""  # the shared host KV tier it maps (--kv-offloading-shared), "" none
+    step_prompt_budget: int | None = None  # prompt tokens a step takes beside its decodes (--target-tpot-ms)
 
     @classmethod
     def from_registry(cls, entry: dict) -> "WorkerView":
@@ -57,7 +60,8 @@ class WorkerView:
                    num_running=int(stats.get("num_running", 0)), num_waiting=int(stats.get("num_waiting", 0)),
                    metrics_address=str(stats.get("metrics_address", "")), host_id=str(stats.get("host_id", "")),
                    loras=frozenset(str(name) for name in stats.get("loras") or ()),
-                   kv_tier_shared=str(stats.get("kv_tier_shared", "")))
+                   kv_tier_shared=str(stats.get("kv_tier_shared", "")),
+                   step_prompt_budget=_budget(stats.get("step_prompt_budget")))
 
     def serves(self, lora: str | None) -> bool:
         """It can run a request under ``lora`` (None: the base model, which every worker serves)."""
@@ -70,11 +74,17 @@ class WorkerDirectory:
 
     def __init__(self, state, block_size: int = 16,
                  channel_factory: Callable[[str], grpc.aio.Channel] = grpc.aio.insecure_channel,
-                 on_untrusted: Callable[[int], None] = lambda count: None, prefix_routing: bool = True):
+                 on_untrusted: Callable[[int], None] = lambda count: None, prefix_routing: bool = True,
+                 disaggregation: DisaggregationPolicy = DisaggregationPolicy(),
+                 on_prefill_placement: Callable[[PrefillPlacement], None] = lambda placement: None):
         """``channel_factory(address)`` opens a channel to a worker (``Security.aio_channel``: TLS, token);
         ``on_untrusted(count)``: how many registry records the last listing ignored (a metric);
         ``prefix_routing``: weigh where prompts' prefixes are cached (the directory in Redis)
-        against load, else place by load alone."""
+        against load, else place by load alone; ``disaggregation``: where prompts placed on a
+        decode worker are prefilled (splitserve/gateway/prefill_placement.py), each decision
+        told to ``on_prefill_placement`` (a metric)."""
+        self.prefill_policy = disaggregation
+        self.on_prefill_placement = on_prefill_placement
         self.state = state
         self.on_untrusted = on_untrusted
         # Untrusted worker ids -> when they may be logged again (monotonic).
@@ -88,6 +98,8 @@ class WorkerDirectory:
         self._cached_at = -REFRESH_S
         # Requests this gateway has in flight per worker: fresher than heartbeats.
         self.inflight: dict[str, int] = {}
+        # Prompts of this gateway prefilling on each decode worker (local prefills, before their first token).
+        self.local_prefills: dict[str, int] = {}
         # Workers that just failed a request, skipped until the given monotonic time.
         self._suspects: dict[str, float] = {}
 
@@ -162,7 +174,13 @@ class WorkerDirectory:
 
     async def decode_candidates(self, lora: str | None = None,
                                 prompt_token_ids: Sequence[int] = ()) -> list[WorkerView]:
-        """Decode-capable workers, best first: fewest requests in flight from this gateway
+        """``placement_candidates`` without the cached runs."""
+        return (await self.placement_candidates(lora, prompt_token_ids))[0]
+
+    async def placement_candidates(self, lora: str | None = None, prompt_token_ids: Sequence[int] = ()
+                                   ) -> tuple[list[WorkerView], dict[str, CachedRun]]:
+        """Decode-capable workers, best first, and the prompt's leading run on each that caches
+        any: fewest requests in flight from this gateway
         (counted from the moment a reservation is asked for, so a burst spreads out) plus how much
         worse than the best route in the stack its cheapest route from a prefill worker is (that
         prefill worker's load plus the transfer's cost), less what the prompt's prefix cached
@@ -181,11 +199,23 @@ class WorkerDirectory:
         # A colocated worker moves no KV: its route is as good as the best one.
         extra = lambda w: route[w.worker_id] - best if w.role == "decode" else 0.0  # noqa: E731
         cached = await self.prefixes.lookup([w.worker_id for w in workers], prompt_token_ids, lora, _shared(workers))
-        credit = {w.worker_id: cached[w.worker_id].credit(self.block_size) * (DECODE_CACHE_WEIGHT if w.role == "decode"
+        decode_weight = 1.0 if self.prefill_policy.disaggregation == "never" else DECODE_CACHE_WEIGHT
+        credit = {w.worker_id: cached[w.worker_id].credit(self.block_size) * (decode_weight if w.role == "decode"
                                                                               else 1.0)
                   for w in workers if w.worker_id in cached}
-        return sorted(workers, key=lambda w: (self.inflight.get(w.worker_id, 0) + extra(w) - credit.get(w.worker_id, 0),
-                                              w.num_running + w.num_waiting, -w.kv_blocks_free))
+        ordered = sorted(workers, key=lambda w: (self.inflight.get(w.worker_id, 0) + extra(w)
+                                                 - credit.get(w.worker_id, 0), w.num_running + w.num_waiting,
+                                                 -w.kv_blocks_free))
+        return ordered, cached
+
+    async def prefill_queue(self, decode: WorkerView, lora: str | None = None) -> float | None:
+        """Requests ahead on the cheapest route from a prefill worker to ``decode``: what the
+        worker has in flight (this gateway's count, or its last heartbeat's running and waiting
+        when that says more: other gateways' requests) plus the transfer's cost; None when no
+        prefill worker serves ``lora``."""
+        prefills = [w for w in await self.usable() if w.role == "prefill" and w.serves(lora)]
+        return min((max(self.inflight.get(p.worker_id, 0), p.num_running + p.num_waiting) + self.path_cost(p, decode)
+                    for p in prefills), default=None)
 
     async def pick_prefill(self, prompt_token_ids: Sequence[int] = (), decode: WorkerView | None = None,
                            lora: str | None = None) -> WorkerView | None:
@@ -213,6 +243,8 @@ class WorkerDirectory:
     async def can_serve(self) -> bool:
         """A usable set of workers is registered: a prefill and a decode worker, or a colocated one."""
         roles = {w.role for w in await self.usable()}
+        if not self.prefill_policy.needs_prefill_workers and "decode" in roles:
+            return True  # it prefills its prompts itself
         return "both" in roles or {"prefill", "decode"} <= roles
 
     def track(self, worker_id: str, delta: int) -> None:
@@ -222,6 +254,11 @@ class WorkerDirectory:
         for channel in self._channels.values():
             await channel.close()
         self._channels.clear()
+
+
+def _budget(value) -> int | None:
+    """A heartbeat's ``step_prompt_budget``: None where the worker has no TPOT target (-1) or does not say."""
+    return None if value is None or int(value) < 0 else int(value)
 
 
 def _shared(workers: Sequence[WorkerView]) -> dict[str, str]:

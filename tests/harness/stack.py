@@ -368,7 +368,8 @@ def _wait_registered(stack: Stack, metrics: bool) -> None:
     process's metrics port."""
     info = _wait_listed(stack, set(stack.addresses.values()))
     roles = set(stack.roles.values())
-    if "both" in roles or {"prefill", "decode"} <= roles:
+    decode_alone = _flag_value(stack.argv["gateway"], "--disaggregation", "always") != "always"
+    if "both" in roles or {"prefill", "decode"} <= roles or ("decode" in roles and decode_alone):
         deadline = time.monotonic() + REGISTER_TIMEOUT_S
         while (status := gateway_health(stack)) != health_pb2.HealthCheckResponse.SERVING:
             if time.monotonic() > deadline:

@@ -135,6 +135,9 @@ def test_one_request_is_one_trace_across_gateway_prefill_and_decode(traced):
     root = gw["generate"]
     assert root["parent_id"] == "0x" + client_span and root["kind"] == "SpanKind.SERVER"
     assert root["attributes"][ATTR_REQUEST_ID] == "traced-1"
+    # Where its prompt was prefilled, and why (conditional disaggregation; the default sends it remote).
+    assert (root["attributes"]["splitserve.prefill_placement"],
+            root["attributes"]["splitserve.prefill_placement_reason"]) == ("remote", "always")
     for name in ("admit", "queue", "reserve", "prefill", "decode"):
         assert gw[name]["parent_id"] == span_id(root) and within(gw[name], root), name
     assert [gw[n]["kind"] for n in ("reserve", "prefill", "decode")] == ["SpanKind.CLIENT"] * 3

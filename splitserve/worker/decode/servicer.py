@@ -3,8 +3,10 @@
 Protocol (the gateway orchestrates): ``Reserve`` returns a transfer descriptor; the prefill
 worker writes the prompt's KV into those pages and returns the first token (the gateway calls
 ``RenewLease`` meanwhile, so a long or queued prefill keeps its pages); ``Decode`` then
-completes the handoff with the epoch and streams every later token. On a ``both`` worker,
-``Decode`` with epoch 0 runs the whole request here, first token included.
+completes the handoff with the epoch and streams every later token. ``Decode`` with epoch 0
+runs the whole request here, first token included: always on a ``both`` worker, and on a
+decode worker for the prompts the gateway does not send to a prefill worker (conditional
+disaggregation, splitserve/gateway/prefill_placement.py).
 """
 from __future__ import annotations
 
@@ -139,10 +141,8 @@ class DecodeWorkerServicer(WorkerServicer, worker_pb2_grpc.DecodeWorkerServicer)
         events = self.loop.subscribe(rid)
         finished = False
         try:
-            if request.epoch == 0:
-                if self.role != "both":
-                    raise InvalidArgument("epoch is required: this decode worker only continues prefilled requests")
-                self.refuse_if_draining()
+            if request.epoch == 0:  # prefilled here: a colocated worker, or a decode worker the
+                self.refuse_if_draining()  # gateway chose to prefill it (--disaggregation)
                 await self.loop.run(lambda: self.engine.add_request(rid, prompt, params, priority=request.priority,
                                                                     arrival_time=arrival))
                 if self.metrics is not None:
