@@ -48,6 +48,12 @@ def median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
 
+def percentile(values: list[float], q: float) -> float:
+    """The nearest-rank ``q`` quantile (0.99: p99) of ``values``."""
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
 def write_json(path: str | Path, payload: dict) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -30,12 +30,7 @@ import random
 import statistics
 import time
 
-from bench.common import LoadSampler, write_json
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+from bench.common import LoadSampler, percentile, write_json
 
 
 def main() -> None:

@@ -29,17 +29,12 @@ import threading
 import time
 from pathlib import Path
 
-from bench.common import write_json
+from bench.common import percentile, write_json
 from splitserve.client import Client
 from tests.harness.stack import start_process, start_stack, stop_process
 from tests.harness.tools import scrape
 
 ARMS = ("directory", "load")
-
-
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
 def turn(client: Client, prompt: list[int], reply: int) -> dict:

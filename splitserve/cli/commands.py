@@ -50,6 +50,11 @@ def _output_limits():
     return OutputLimits
 
 
+def _role_control():
+    from splitserve.cli.role_controller import RoleControl
+    return RoleControl
+
+
 def _disaggregation_policy():
     from splitserve.gateway.prefill_placement import DisaggregationPolicy
     return DisaggregationPolicy
@@ -129,6 +134,37 @@ def _up_params() -> list[click.Option]:
                      help="ask one question through the stack, print the answer, then shut down"),
         click.Option(["--child-log-level"], default="WARNING", show_default=True,
                      help="log level of the processes it starts"),
+        *_role_control_params(),
+    ]
+
+
+def _role_control_params() -> list[click.Option]:
+    """``up --role-controller`` and its settings (splitserve/cli/role_controller.py)."""
+    from splitserve.cli.role_controller import RoleControl
+    d = RoleControl()
+    env = dict(show_envvar=True, show_default=True)
+    return [
+        click.Option(["--role-controller/--no-role-controller"], default=d.role_controller,
+                     envvar="SPLITSERVE_ROLE_CONTROLLER", **env,
+                     help="move workers between prefill and decode as the load changes: a decode worker becomes "
+                          "a prefill worker when first tokens are late and later tokens have room, and the "
+                          "reverse (drained, restarted in the new role; nothing lost)"),
+        click.Option(["--min-prefill-workers"], type=int, default=d.min_prefill_workers,
+                     envvar="SPLITSERVE_MIN_PREFILL_WORKERS", **env,
+                     help="the controller keeps at least this many (0 needs --disaggregation never or auto)"),
+        click.Option(["--min-decode-workers"], type=int, default=d.min_decode_workers,
+                     envvar="SPLITSERVE_MIN_DECODE_WORKERS", **env, help="the controller keeps at least this many"),
+        click.Option(["--role-ttft-target-ms"], type=float, default=d.role_ttft_target_ms,
+                     envvar="SPLITSERVE_ROLE_TTFT_TARGET_MS", **env,
+                     help="the controller's first-token target (p90 over each check)"),
+        click.Option(["--role-tpot-target-ms"], type=float, default=d.role_tpot_target_ms,
+                     envvar="SPLITSERVE_ROLE_TPOT_TARGET_MS", **env,
+                     help="the controller's per-token target (p90 over each check)"),
+        click.Option(["--role-check-interval-s"], type=float, default=d.role_check_interval_s,
+                     envvar="SPLITSERVE_ROLE_CHECK_INTERVAL_S", **env,
+                     help="how often the controller reads the latencies (a move needs 3 checks in a row)"),
+        click.Option(["--role-change-interval-s"], type=float, default=d.role_change_interval_s,
+                     envvar="SPLITSERVE_ROLE_CHANGE_INTERVAL_S", **env, help="the least time between two moves"),
     ]
 
 
@@ -203,7 +239,8 @@ def build() -> click.Group:
                                configs=(_request_limits, _output_limits, _disaggregation_policy)))
     group.add_command(_command("up", "Start Redis, a gateway, prefill and decode workers on this machine, and "
                                      "supervise them.", _up_params(), _up,
-                               configs=(_engine_config, _request_limits, _output_limits, _disaggregation_policy)))
+                               configs=(_engine_config, _request_limits, _output_limits, _disaggregation_policy,
+                                        _role_control)))
     group.add_command(_command("tune", "Find the configuration with the highest goodput within an SLO: start a "
                                        "stack per point of a grid, search its highest request rate, write the "
                                        "best as a --config file.", _tune_params(), _tune))

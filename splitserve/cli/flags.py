@@ -206,9 +206,9 @@ def _flags() -> list[Flag]:
         f("local_prefill_tokens", i, 256, "with --disaggregation auto: prompts with at most this many tokens left "
           "to compute on their decode worker are prefilled there (lowered to the prompt tokens one of its steps "
           "takes under --target-tpot-ms)", gw),
-        f("prefill_queue_limit", fl, 2.0, "with --disaggregation auto: when the least busy prefill worker has this "
-          "many requests ahead, a decode worker prefilling none of this gateway's prompts prefills the next itself",
-          gw),
+        f("prefill_queue_limit", fl, 0.0, "with --disaggregation auto: when the least busy prefill worker has this "
+          "many requests ahead, a decode worker prefilling none of this gateway's prompts prefills the next itself, "
+          "however long (TTFT for TPOT, when the prefill workers are overloaded); 0: off", gw),
         f("http_port", i, -1, "port of the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, "
           "/v1/models, /tokenize, /detokenize, /version, /health) on --host; -1: off, 0: any free port (up: 8000)", gw),
         f("generation_config", s, "auto", "defaults for the sampling fields a request leaves unset: auto, the "

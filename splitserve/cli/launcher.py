@@ -149,6 +149,7 @@ class ChildSpec:
     argv: list[str]
     ready: str
     env: dict[str, str] = field(default_factory=dict)
+    slot: int = 0  # a worker's place among up's workers (its metrics port after the gateway's); 0: not a worker
 
 
 @dataclass
@@ -160,6 +161,7 @@ class Child:
     backoff_s: float = BACKOFF_MIN_S
     due: float | None = None  # when a dead child is started again
     announced: bool = False  # its being back was said
+    retiring: bool = False  # asked to stop for good (a role change): not started again when it exits
 
     @property
     def proc(self) -> subprocess.Popen | None:
@@ -198,15 +200,18 @@ class Supervisor:
                                    f"(exit code {child.proc.poll()})")
             print(f"{child.spec.name} (pid {child.proc.pid}): {child.line}", flush=True)
 
-    def watch(self, stop: threading.Event, poll_s: float = 0.2) -> None:
-        """Until ``stop`` is set: restart every child that dies, with its backoff."""
+    def watch(self, stop: threading.Event, poll_s: float = 0.2, tick=None) -> None:
+        """Until ``stop`` is set: restart every child that dies, with its backoff; ``tick(now)``,
+        if given, runs after each round (the role controller)."""
         while not stop.wait(poll_s):
             self.step()
+            if tick is not None:
+                tick(time.monotonic())
 
     def step(self) -> None:
         now = time.monotonic()
         for child in self.children:
-            if child.proc is None:
+            if child.proc is None or child.retiring:
                 continue
             if child.due is None and child.proc.poll() is not None:
                 remove_pools_of(child.proc.pid)  # a killed decode worker's KV pool, before its successor makes one
@@ -223,6 +228,22 @@ class Supervisor:
             elif child.due is None and child.restarts and child.line and not child.announced:
                 child.announced = True
                 self.say(f"{child.spec.name} is back (pid {child.proc.pid}, restart {child.restarts}): {child.line}")
+
+    def retire(self, child: Child) -> None:
+        """SIGTERM ``child`` (it drains) and let it go: ``step`` does not start it again."""
+        child.retiring = True
+        if child.proc is not None and child.proc.poll() is None:
+            child.proc.terminate()
+
+    def respawn(self, child: Child, spec: ChildSpec) -> None:
+        """Start a retired ``child`` (exited) again as ``spec``: the same place, another process."""
+        remove_pools_of(child.proc.pid)
+        child.spec, child.retiring, child.restarts, child.due = spec, False, 0, None
+        child.backoff_s = BACKOFF_MIN_S
+        self._spawn(child)
+
+    def names(self, exclude: tuple[str, ...] = ()) -> list[str]:
+        return [c.spec.name for c in self.children if c.spec.name not in exclude]
 
     def stop(self, stages: list[list[str]]) -> None:
         """Stage by stage: SIGTERM the children of a stage together (each drains), SIGKILL whatever

@@ -10,6 +10,7 @@ then Redis, each with its drain.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import secrets
 import shutil
@@ -21,7 +22,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from splitserve.cli.launcher import BOOT_TIMEOUT_S, CLI, ChildSpec, Supervisor
+from splitserve.cli.launcher import BOOT_TIMEOUT_S, CLI, STOP_TIMEOUT_S, ChildSpec, Supervisor
+from splitserve.cli.role_controller import LatencyWindow, RoleControl, RoleController, worker_role
 from splitserve.common.processes import free_port
 
 
@@ -93,6 +95,46 @@ def with_redis_password(args):
     return argparse.Namespace(**{**vars(args), "redis_password": secrets.token_urlsafe(32)})
 
 
+# Set per child: the Redis URL, the metrics port, the engine threads, the GPU memory share.
+OWN = frozenset({"redis_url", "metrics_port", "num_threads", "gpu_memory_utilization"})
+
+
+class WorkerSpecs:
+    """The command line of each of ``up``'s workers: ``plan``'s, and a moved worker's
+    (``--role-controller``) in its new role, on the same cores and ports."""
+
+    def __init__(self, args, redis_url: str, shape: Topology, workers: int):
+        self.args, self.redis_url = args, redis_url
+        # Every worker runs on the one --device (rank r of a tensor-parallel worker on the r-th GPU
+        # after it): --gpu-memory-utilization is split between them.
+        self.shares = memory_shares(args.gpu_memory_utilization, shape.prefill, shape.decode) \
+            if args.gpu_memory_utilization else {}
+        # Worker processes share the cores: with more threads than cores they only contend
+        # (measured: 1 thread each for prefill + decode on 2 cores halved TTFT at 2 req/s).
+        # A tensor-parallel worker's ranks are processes too, each with the worker's thread count.
+        even = args.num_threads or max(1, (os.cpu_count() or 1) // (workers * args.tensor_parallel_size))
+        self.threads = {"prefill": args.prefill_threads or even, "decode": args.decode_threads or even,
+                        "both": args.decode_threads or even}
+        self._slot_share: dict[int, float] = {}
+
+    def spec(self, role: str, name: str, slot: int) -> ChildSpec:
+        """Worker ``name`` of ``role`` in place ``slot`` (1, 2...: its metrics port after the gateway's)."""
+        from splitserve.cli.flags import forward
+        args = self.args
+        flags, env = forward(args, "prefill" if role == "prefill" else "decode", skip=OWN)
+        argv = ["decode", "--role", "both"] if role == "both" else [role]
+        argv += [*flags, "--redis-url", self.redis_url, "--num-threads", str(self.threads[role])]
+        if self.shares:
+            # A moved worker keeps its place's share: the shares of the places add up to the flag's.
+            share = self._slot_share.setdefault(slot, self.shares[role])
+            argv += ["--gpu-memory-utilization", f"{share:.4f}"]
+        if args.metrics_port > 0:  # the gateway on the port given, workers on the ports after it
+            argv += ["--metrics-port", str(args.metrics_port + slot)]
+        elif args.metrics_port == 0:
+            argv += ["--metrics-port", "0"]
+        return ChildSpec(name, [*CLI, "--log-level", args.child_log_level, *argv], "serving on", env, slot)
+
+
 def plan(args, redis_url: str, workdir: str) -> list[ChildSpec]:
     """The processes of ``splitserve up <args>``: every flag reaches each child that takes it."""
     from splitserve.cli.flags import forward
@@ -111,44 +153,41 @@ def plan(args, redis_url: str, workdir: str) -> list[ChildSpec]:
         argv = [binary, str(config), "--port", str(port), "--bind", "127.0.0.1", "--dir", workdir, "--save", "",
                 "--appendonly", "yes"]
         specs.append(ChildSpec("redis", argv, "Ready to accept connections"))
-    # Set per child below: the Redis URL, the metrics port, the engine threads, the GPU memory share.
-    own = frozenset({"redis_url", "metrics_port", "num_threads", "gpu_memory_utilization"})
     shape = topology(args)
     roles = [("decode", i) for i in range(shape.decode)] + [("prefill", i) for i in range(shape.prefill)]
     if not roles:
         roles = [("both", None)]
-    # Every worker runs on the one --device (rank r of a tensor-parallel worker on the r-th GPU
-    # after it): --gpu-memory-utilization is split between them.
-    shares = memory_shares(args.gpu_memory_utilization, shape.prefill, shape.decode) \
-        if args.gpu_memory_utilization else {}
-    # Worker processes share the cores: with more threads than cores they only contend
-    # (measured: 1 thread each for prefill + decode on 2 cores halved TTFT at 2 req/s).
-    # A tensor-parallel worker's ranks are processes too, each with the worker's thread count.
-    even = args.num_threads or max(1, (os.cpu_count() or 1) // (len(roles) * args.tensor_parallel_size))
-    threads = {"prefill": args.prefill_threads or even, "decode": args.decode_threads or even,
-               "both": args.decode_threads or even}
+    worker = WorkerSpecs(args, redis_url, shape, len(roles))
     for k, (role, i) in enumerate(roles, start=1):
-        flags, env = forward(args, "prefill" if role == "prefill" else "decode", skip=own)
-        argv = ["decode", "--role", "both"] if role == "both" else [role]
-        argv += [*flags, "--redis-url", redis_url, "--num-threads", str(threads[role])]
-        if shares:
-            argv += ["--gpu-memory-utilization", f"{shares[role]:.4f}"]
-        if args.metrics_port > 0:  # the gateway on the port given, workers on the ports after it
-            argv += ["--metrics-port", str(args.metrics_port + k)]
-        elif args.metrics_port == 0:
-            argv += ["--metrics-port", "0"]
-        specs.append(ChildSpec(role if i is None else f"{role}{i}", cli + argv, "serving on", env))
-    flags, env = forward(args, "gateway", skip=own)
+        specs.append(worker.spec(role, role if i is None else f"{role}{i}", k))
+    flags, env = forward(args, "gateway", skip=OWN)
     specs.append(ChildSpec("gateway", cli + ["gateway", *flags, "--redis-url", redis_url,
                                              "--metrics-port", str(args.metrics_port)], "serving on", env))
     return specs
+
+
+def role_control(args) -> RoleControl:
+    """``up``'s role controller settings; a fleet its minimums cannot hold is refused here."""
+    control = RoleControl(**{f.name: getattr(args, f.name) for f in dataclasses.fields(RoleControl)})
+    if control.role_controller:
+        shape = topology(args)
+        try:
+            control.check_fleet(shape.prefill, shape.decode, args.disaggregation)
+        except ValueError as e:
+            raise SystemExit(str(e)) from None
+    return control
 
 
 def cmd_up(args) -> int:
     if args.gpu_memory_utilization and args.device.startswith("cpu"):
         raise SystemExit("--gpu-memory-utilization shares a GPU; on CPU size the KV pools with --kv-cache-memory-gb")
     from splitserve.common.authz import gateway_credentials
-    gateway_credentials(with_internal_token(args))  # a bad security flag stops here, before anything starts
+    control = role_control(args)
+    if control.role_controller and args.metrics_port <= 0:  # the controller reads the gateway's latencies
+        args = argparse.Namespace(**{**vars(args), "metrics_port": free_port()})
+    # Once: a worker the controller moves starts with the same secrets as the others.
+    args = with_redis_password(with_internal_token(args))
+    gateway_credentials(args)  # a bad security flag stops here, before anything starts
     print(f"splitserve up: {topology(args).why}", flush=True)
     workdir = tempfile.mkdtemp(prefix="splitserve-up-")
     redis_url = args.redis_url or f"redis://127.0.0.1:{free_port()}/0"
@@ -169,11 +208,32 @@ def cmd_up(args) -> int:
         print(f"splitserve is up: gRPC {address}{http} (Redis {redis_url})", flush=True)
         if args.demo:
             return _demo(address, args.demo, args)
-        supervisor.watch(stop)
+        controller = _controller(control, args, supervisor, redis_url, len(workers))
+        supervisor.watch(stop, tick=controller.tick if controller else None)
         return 0
     finally:
+        workers = supervisor.names(exclude=("redis", "gateway"))  # as they are now (roles may have moved)
         supervisor.stop([["gateway"], workers, ["redis"] if "redis" in names else []])
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _controller(control: RoleControl, args, supervisor: Supervisor, redis_url: str, workers: int):
+    if not control.role_controller:
+        return None
+    from splitserve.state.connect import make_client
+    from splitserve.state.store import RedisState
+    specs = WorkerSpecs(args, redis_url, topology(args), workers)
+    for child in supervisor.children:  # the places' GPU memory shares, as plan gave them
+        if child.spec.slot:
+            specs.spec(worker_role(child.spec.name), child.spec.name, child.spec.slot)
+    registry = RedisState(make_client(redis_url, password=args.redis_password or None))
+    host = "127.0.0.1" if args.host in ("0.0.0.0", "::", "") else args.host
+    print(f"splitserve up: role controller on: TTFT p90 target {control.role_ttft_target_ms:.0f} ms, TPOT p90 "
+          f"target {control.role_tpot_target_ms:.0f} ms, at least {control.min_prefill_workers} prefill and "
+          f"{control.min_decode_workers} decode workers", flush=True)
+    return RoleController(control, supervisor, lambda role, name, old: specs.spec(role, name, old.slot),
+                          LatencyWindow(f"{host}:{args.metrics_port}"), registry.workers, supervisor.say,
+                          drain_s=args.drain_timeout_s + STOP_TIMEOUT_S)
 
 
 def _wait_serving(address: str, args) -> None:

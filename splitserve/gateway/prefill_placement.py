@@ -56,15 +56,15 @@ class PrefillPlacement:
 class DisaggregationPolicy:
     disaggregation: str = "always"  # always | never | auto (the flag of the same name)
     local_prefill_tokens: int = 256  # auto: a prompt this short (after the decode worker's cache) stays there
-    prefill_queue_limit: float = 2.0  # auto: a prefill route this busy sends a prompt to its decode worker
+    prefill_queue_limit: float = 0.0  # auto: a prefill route this busy sends a prompt to its decode worker (0: off)
 
     def __post_init__(self):
         if self.disaggregation not in POLICIES:
             raise ValueError(f"--disaggregation must be one of {', '.join(POLICIES)}, not {self.disaggregation!r}")
         if self.local_prefill_tokens < 0:
             raise ValueError(f"--local-prefill-tokens must be >= 0, got {self.local_prefill_tokens}")
-        if not self.prefill_queue_limit > 0:
-            raise ValueError(f"--prefill-queue-limit must be > 0, got {self.prefill_queue_limit}")
+        if self.prefill_queue_limit < 0:
+            raise ValueError(f"--prefill-queue-limit must be >= 0 (0: off), got {self.prefill_queue_limit}")
 
     @property
     def needs_prefill_workers(self) -> bool:
@@ -85,10 +85,12 @@ class DisaggregationPolicy:
 
         1. ``short_prompt``: what it would compute there (the prompt less its cached head) is
            at most ``local_limit``: less than a transfer and a second worker call cost; or
-        2. ``prefill_queue``: the cheapest prefill route has ``prefill_queue_limit`` requests or
-           more ahead, and the decode worker prefills none of this gateway's prompts now: the
-           remote prompt would wait longer than a local one takes. One at a time per decode
-           worker, so a backed-up prefill pool is not paid for with every decode's TPOT; or
+        2. ``prefill_queue`` (when ``prefill_queue_limit`` is set): the cheapest prefill route has
+           that many requests or more ahead, and the decode worker prefills none of this
+           gateway's prompts now: the remote prompt would wait longer than a local one takes. One
+           at a time per decode worker; still, a long prompt computed there stalls its decodes
+           (TPOT p99 1.6-1.9x on a 1-thread decode worker, docs/performance.md), hence off by
+           default: it trades TPOT for TTFT when the prefill pool is overloaded; or
         3. ``no_prefill_worker``: there is none to send it to;
 
         else (``long_prompt``) on a prefill worker."""
@@ -99,6 +101,7 @@ class DisaggregationPolicy:
             return PrefillPlacement(True, "no_prefill_worker", uncached)
         if uncached <= self.local_limit(inputs):
             return PrefillPlacement(True, "short_prompt", uncached)
-        if inputs.prefill_queue >= self.prefill_queue_limit and inputs.local_prefills == 0:
+        if self.prefill_queue_limit and inputs.prefill_queue >= self.prefill_queue_limit \
+                and inputs.local_prefills == 0:
             return PrefillPlacement(True, "prefill_queue", uncached)
         return PrefillPlacement(False, "long_prompt", uncached)

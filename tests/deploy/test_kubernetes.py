@@ -33,7 +33,7 @@ from tests.harness.deploy import parse_container
 
 ROOT = Path(__file__).resolve().parents[2]
 KUBE = ROOT / "deploy" / "kubernetes"
-VARIANTS = ("base", "tls")
+VARIANTS = ("base", "tls", "autoscaling")
 NAMESPACE = "splitserve"
 SPLITSERVE_IMAGES = {"splitserve:cpu", "splitserve:cuda"}
 WORKLOAD_KINDS = ("Deployment", "StatefulSet")
@@ -360,7 +360,7 @@ def test_probes_ask_liveness_and_readiness(variant):
         for kind in ("startupProbe", "livenessProbe", "readinessProbe"):
             probe = container[kind]
             if "grpc" in probe:
-                assert variant == "base", "the kubelet's gRPC probe cannot speak TLS"
+                assert variant != "tls", "the kubelet's gRPC probe cannot speak TLS"
                 assert probe["grpc"]["port"] == args.port
             else:
                 assert variant == "tls" and probe["timeoutSeconds"] >= 5  # the script's own timeout is 4 s
@@ -541,3 +541,47 @@ def test_deploy_doc_kubernetes_section_names_the_manifests():
     for needed in ("kubectl apply -k deploy/kubernetes/base", "kubectl apply -k deploy/kubernetes/tls",
                    "nvidia.com/gpu", "kubectl -n splitserve scale", "rollout status"):
         assert needed in section, needed
+
+
+# ---------------------------------------------------------------------------- autoscaling
+
+ADAPTER_VALUES = ROOT / "deploy" / "prometheus" / "adapter-values.yaml"
+
+
+def exported_metric_names() -> set[str]:
+    """Every Prometheus metric name splitserve's processes declare (histograms and counters by
+    their family name; a histogram's series add _bucket, a counter's _total)."""
+    text = (ROOT / "splitserve" / "common" / "metrics.py").read_text()
+    return set(re.findall(r'(?:Counter|Gauge|Histogram)\(\s*"([^"]+)"', text))
+
+
+def test_autoscalers_scale_each_phase_on_metrics_the_adapter_makes_from_ours():
+    docs = RENDERED["autoscaling"]
+    scalers = objects(docs, "HorizontalPodAutoscaler")
+    assert set(scalers) == {"prefill", "decode"}
+    rules = yaml.safe_load(ADAPTER_VALUES.read_text())["rules"]
+    made = {"Pods": {r["name"]["as"]: r for r in rules["custom"]},
+            "External": {r["name"]["as"]: r for r in rules["external"]}}
+    exported = exported_metric_names()
+    for name, scaler in scalers.items():
+        spec = scaler["spec"]
+        target = spec["scaleTargetRef"]
+        assert (target["kind"], target["name"]) == ("StatefulSet", name)
+        assert name in objects(docs, "StatefulSet")
+        assert 1 <= spec["minReplicas"] < spec["maxReplicas"]
+        for metric in spec["metrics"]:
+            kind = metric["type"]
+            metric_name = metric[kind.lower()]["metric"]["name"]
+            rule = made[kind][metric_name]  # the adapter serves every metric an autoscaler reads
+            series = rule["name"]["matches"]
+            family = re.sub(r"_bucket$", "", series)
+            assert family in exported, f"{metric_name}: {series} is no series splitserve exports"
+            if kind == "Pods":  # a worker's own series, of its own role
+                assert f'pod=~"{name}-.*"' in rule["metricsQuery"], metric_name
+        # Hysteresis and a bounded rate: down waits longer than up, one pod per period each way.
+        behavior = spec["behavior"]
+        assert behavior["scaleDown"]["stabilizationWindowSeconds"] > behavior["scaleUp"]["stabilizationWindowSeconds"]
+        for direction in ("scaleUp", "scaleDown"):
+            assert all(p["type"] == "Pods" and p["value"] == 1 for p in behavior[direction]["policies"])
+    # The workers drain on scale-down: their grace outlasts the drain (test_termination_grace_outlasts_the_drain).
+    assert {"prefill", "decode"} <= set(workloads(docs))

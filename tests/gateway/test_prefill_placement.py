@@ -53,6 +53,9 @@ def test_auto_limit_lowered_to_the_decode_workers_step_budget():
 
 
 def test_auto_backed_up_prefill_pool_one_local_prompt_at_a_time():
+    # Off by default: a long prompt stays remote however busy the prefill workers are.
+    assert decision(DisaggregationPolicy("auto", local_prefill_tokens=64), prompt=500, queue=50.0) == \
+        ("remote", "long_prompt")
     assert decision(AUTO, prompt=500, queue=1.5) == ("remote", "long_prompt")
     assert decision(AUTO, prompt=500, queue=2.0) == ("local", "prefill_queue")
     # The decode worker already prefills one of ours: its decodes are not slowed by a second.
@@ -67,7 +70,7 @@ def test_auto_without_a_prefill_worker_prefills_locally():
 
 @pytest.mark.parametrize("kw, flag", [({"disaggregation": "sometimes"}, "--disaggregation"),
                                       ({"local_prefill_tokens": -1}, "--local-prefill-tokens"),
-                                      ({"prefill_queue_limit": 0}, "--prefill-queue-limit")])
+                                      ({"prefill_queue_limit": -1}, "--prefill-queue-limit")])
 def test_bad_settings_are_refused_naming_the_flag(kw, flag):
     with pytest.raises(ValueError, match=flag):
         DisaggregationPolicy(**kw)
