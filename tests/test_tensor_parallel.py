@@ -2,8 +2,8 @@
 
 Colocated (eager and compiled, Llama and Qwen2 with its q/k/v biases, swap preemption) and
 disaggregated (a TP=2 prefill engine writing into a TP=2 decode engine over shm and tcp: rank r
-into rank r); a split that does not divide the heads, and a prefill/decode pair split
-differently (either way round), are refused before anything runs or moves; a rank that dies fails
+into rank r; pairs split differently: tests/test_kv_reshard.py); a split that does not divide the
+heads is refused before anything runs; a rank that dies fails
 the engine's next step at once instead of hanging it, and the step it dies in; a worker (rank 0)
 that is killed takes its other ranks with it, in a step or between steps. The served path
 (workers, gateway retry) is in tests/faults/test_tensor_parallel_service.py.
@@ -20,7 +20,6 @@ import torch
 
 from splitserve.engine import EngineConfig, SamplingParams
 from splitserve.engine.tensor_parallel.ranks import RankDied
-from splitserve.kvtransfer import LayoutMismatchError
 from splitserve.worker.wiring import build_decode, build_prefill
 from tests.harness.tiny_models import make_tiny_model
 from tests.test_engine_correctness import mixed_prompts
@@ -162,27 +161,6 @@ def test_a_tp2_prefill_engine_hands_off_to_a_tp2_decode_engine(transport, tiny_m
         decode.engine.assert_idle()
         assert len(decode.leases) == 0
     assert not list(private_shm.iterdir())  # every rank's shared pool (and the page owners) removed
-
-
-@pytest.mark.parametrize("prefill_tp, decode_tp", [(1, 2), (2, 1)])
-def test_prefill_and_decode_split_differently_are_refused_before_a_byte_moves(prefill_tp, decode_tp, tiny_model_dirs):
-    """Both ways round: a TP=1 prefill worker facing a TP=2 decode worker, and a TP=2 prefill
-    worker (whose rank 1 would ship a slice the decode side has no rank for) facing a TP=1 one.
-    The refusal comes from the descriptor's layout, and later prefill steps ship nothing either."""
-    model = tiny_model_dirs["llama"]
-    with connected(config(model, tensor_parallel_size=decode_tp), "shm",
-                   config(model, tensor_parallel_size=prefill_tp)) as (prefill, decode):
-        desc = decode.reserve("r0", 10)
-        before = decode.engine.runner.kv_cache.clone()
-        with pytest.raises(LayoutMismatchError,
-                           match=f"tensor_parallel_size: {prefill_tp} here vs {decode_tp} on the peer"):
-            prefill.start("r0", list(range(10)), GREEDY, desc)
-        for _ in range(3):
-            assert prefill.step() == []
-        assert torch.equal(decode.engine.runner.kv_cache, before)
-        prefill.engine.assert_idle()
-        assert decode.abort("r0")
-        decode.engine.assert_idle()
 
 
 def test_a_rank_that_dies_fails_the_next_step_at_once_and_the_engine_reports_it(tiny_model_dirs, engines):

@@ -95,8 +95,29 @@ def with_redis_password(args):
     return argparse.Namespace(**{**vars(args), "redis_password": secrets.token_urlsafe(32)})
 
 
-# Set per child: the Redis URL, the metrics port, the engine threads, the GPU memory share.
-OWN = frozenset({"redis_url", "metrics_port", "num_threads", "gpu_memory_utilization"})
+# Set per child: the Redis URL, the metrics port, the engine threads, the GPU memory share, the ranks.
+OWN = frozenset({"redis_url", "metrics_port", "num_threads", "gpu_memory_utilization", "tensor_parallel_size"})
+
+
+def tensor_parallel_size(args, role: str) -> int:
+    """A worker's ranks: --prefill-tensor-parallel-size / --decode-tensor-parallel-size for its
+    role when given, else --tensor-parallel-size (a colocated worker takes the decode side's)."""
+    own = args.prefill_tensor_parallel_size if role == "prefill" else args.decode_tensor_parallel_size
+    return own or args.tensor_parallel_size
+
+
+def check_split(args) -> None:
+    """Prefill and decode workers split over different numbers of ranks re-shard KV by head,
+    which only shm and cuda_ipc can do: refuse, naming the flags, a transport list without them."""
+    prefill, decode = tensor_parallel_size(args, "prefill"), tensor_parallel_size(args, "decode")
+    if prefill == decode:
+        return
+    from splitserve.kvtransfer.head_map import RESHARD_TRANSPORTS
+    named = [t.strip() for t in args.kv_transport.split(",")] if args.kv_transport != "auto" else list(RESHARD_TRANSPORTS)
+    if not set(named) & set(RESHARD_TRANSPORTS):
+        raise SystemExit(f"--prefill-tensor-parallel-size {prefill} and --decode-tensor-parallel-size {decode} differ: "
+                         f"KV is re-sharded by head over {' or '.join(RESHARD_TRANSPORTS)} only, and --kv-transport "
+                         f"is {args.kv_transport}")
 
 
 class WorkerSpecs:
@@ -112,7 +133,9 @@ class WorkerSpecs:
         # Worker processes share the cores: with more threads than cores they only contend
         # (measured: 1 thread each for prefill + decode on 2 cores halved TTFT at 2 req/s).
         # A tensor-parallel worker's ranks are processes too, each with the worker's thread count.
-        even = args.num_threads or max(1, (os.cpu_count() or 1) // (workers * args.tensor_parallel_size))
+        ranks = (shape.prefill * tensor_parallel_size(args, "prefill") + shape.decode * tensor_parallel_size(args, "decode")
+                 if shape.prefill or shape.decode else tensor_parallel_size(args, "both"))
+        even = args.num_threads or max(1, (os.cpu_count() or 1) // max(1, ranks))
         self.threads = {"prefill": args.prefill_threads or even, "decode": args.decode_threads or even,
                         "both": args.decode_threads or even}
         self._slot_share: dict[int, float] = {}
@@ -123,7 +146,8 @@ class WorkerSpecs:
         args = self.args
         flags, env = forward(args, "prefill" if role == "prefill" else "decode", skip=OWN)
         argv = ["decode", "--role", "both"] if role == "both" else [role]
-        argv += [*flags, "--redis-url", self.redis_url, "--num-threads", str(self.threads[role])]
+        argv += [*flags, "--redis-url", self.redis_url, "--num-threads", str(self.threads[role]),
+                 "--tensor-parallel-size", str(tensor_parallel_size(args, role))]
         if self.shares:
             # A moved worker keeps its place's share: the shares of the places add up to the flag's.
             share = self._slot_share.setdefault(slot, self.shares[role])
@@ -183,6 +207,7 @@ def cmd_up(args) -> int:
         raise SystemExit("--gpu-memory-utilization shares a GPU; on CPU size the KV pools with --kv-cache-memory-gb")
     from splitserve.common.authz import gateway_credentials
     control = role_control(args)
+    check_split(args)
     if control.role_controller and args.metrics_port <= 0:  # the controller reads the gateway's latencies
         args = argparse.Namespace(**{**vars(args), "metrics_port": free_port()})
     # Once: a worker the controller moves starts with the same secrets as the others.

@@ -151,5 +151,6 @@ def open_prefill(engine: KVHandoffEngine, transports: Iterable[str] = TRANSPORTS
         from splitserve.kvtransfer.tensor_parallel import TP_TRANSPORTS, KVSetup
         # Tensor-parallel ranks send over shm, cuda_ipc and tcp (not nccl): only those are used here.
         transports = tuple(t for t in transports if t in TP_TRANSPORTS)
-        engine.configure_follower_kv(KVSetup("send", transports, kv_key=kv_key))
+        engine.configure_follower_kv(KVSetup("send", transports, kv_key=kv_key,
+                                             tensor_parallel_size=engine.tensor_parallel_size))
     return PrefillConnector(engine, sender_factories(engine.kv_cache, transports, kv_key), verify_checksum)

@@ -69,8 +69,9 @@ class KVLayout:
     kv_cache_dtype: str = "auto"
     # Where a quantized page keeps its scales ("" when unquantized): kv_quant.SCALE_LAYOUT.
     kv_scales: str = ""
-    # Ranks the pool is split over (num_kv_heads is one rank's share): rank r of the prefill worker
-    # writes into rank r of the decode worker, so both must be split alike. Not re-sharded.
+    # Ranks the pool is split over (num_kv_heads is one rank's share, rank r holding heads
+    # [r * num_kv_heads, (r + 1) * num_kv_heads)): split alike, rank r of the prefill worker writes
+    # into rank r of the decode worker; split otherwise, KV is re-sharded by head (head_map.py).
     tensor_parallel_size: int = 1
     # How a page lies in memory (splitserve/engine/attention/page_order.py): pages move as raw bytes, so a
     # head-major CPU pool and a token-major GPU pool cannot exchange them.
@@ -84,6 +85,23 @@ class KVLayout:
                                       "model, block size, dtype, kv-cache-dtype and tensor-parallel-size on the same kind "
                                       "of device ("
                                       + "; ".join(diffs) + ")")
+
+    @property
+    def total_kv_heads(self) -> int:
+        return self.num_kv_heads * self.tensor_parallel_size
+
+    def check_reshardable(self, other: "KVLayout") -> None:
+        """Raise LayoutMismatchError unless pages of this pool can be re-sharded by head into
+        ``other``'s (split over another number of ranks): the same model, pages and dtype, and the
+        same KV heads in all. Each side's page order may differ (it is read per pool)."""
+        loose = ("num_kv_heads", "tensor_parallel_size", "page_order")
+        diffs = [f"{f.name}: {getattr(self, f.name)!r} here vs {getattr(other, f.name)!r} on the peer"
+                 for f in fields(self) if f.name not in loose and getattr(self, f.name) != getattr(other, f.name)]
+        if self.total_kv_heads != other.total_kv_heads:
+            diffs.append(f"KV heads in all: {self.total_kv_heads} here vs {other.total_kv_heads} on the peer")
+        if diffs:
+            raise LayoutMismatchError("KV layout mismatch, no bytes moved; run both workers with the same model, "
+                                      "block size, dtype and kv-cache-dtype (" + "; ".join(diffs) + ")")
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from splitserve.engine.attention.kv_quant import as_bytes
+from splitserve.engine.attention.page_order import token_view
 
 Run = tuple[int, int, int]  # (src_block, dst_block, num_blocks)
 
@@ -77,3 +78,26 @@ def copy_runs(src: torch.Tensor, dst: torch.Tensor, runs: Sequence[Run]) -> int:
         pages = pages.to(dst.device, non_blocking=True)
     dst.index_copy_(1, page_ids(runs, str(dst.device))[1], pages)
     return 1
+
+
+def copy_head_runs(src: torch.Tensor, dst: torch.Tensor, runs: Sequence[Run], heads, src_order: str,
+                   dst_order: str) -> int:
+    """``copy_runs`` of part of each page: ``heads.count`` KV heads from ``heads.src_start`` of the
+    source pages to ``heads.dst_start`` of the destination's (``splitserve.kvtransfer.head_map``:
+    pools split over different numbers of ranks). src/dst are one layer as they lie in memory,
+    each in its own page order; a head range is strided in a token-major page, so this is a
+    strided copy per run (K and V together).
+    """
+    if not runs:
+        return 0
+    src = _logical(as_bytes(src), src_order).narrow(3, heads.src_start, heads.count)
+    dst = _logical(as_bytes(dst), dst_order).narrow(3, heads.dst_start, heads.count)
+    blocking = src.device == dst.device
+    for s, d, n in runs:
+        dst[:, d:d + n].copy_(src[:, s:s + n], non_blocking=not blocking)
+    return len(runs)
+
+
+def _logical(layer: torch.Tensor, order: str) -> torch.Tensor:
+    """One layer's pages ``[2, blocks, ...page]`` seen as ``[2, blocks, block_size, kv_heads, row]``."""
+    return token_view(layer.unsqueeze(0), order)[0]

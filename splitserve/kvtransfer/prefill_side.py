@@ -30,8 +30,9 @@ from splitserve.engine.kv_connector import KVConnector, KVHandoffEngine
 from splitserve.engine.request import Request
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.scheduler import SchedulerOutput
-from splitserve.kvtransfer.base import (KVLayout, TransferDescriptor, TransferError, TransportUnavailableError, coalesce,
-                             kv_checksum)
+from splitserve.kvtransfer.base import (KVLayout, LayoutMismatchError, TransferDescriptor, TransferError,
+                                       TransportUnavailableError, coalesce, kv_checksum)
+from splitserve.kvtransfer.head_map import RESHARD_TRANSPORTS, HeadSlice, check_pair, rank_descriptor, routes
 from splitserve.kvtransfer.transports.base import KVSender
 
 log = logging.getLogger(__name__)
@@ -72,16 +73,35 @@ class PrefillResult:
 @dataclass
 class _Transfer:
     desc: TransferDescriptor
-    sender: KVSender
+    # Where this rank's pages go: (sender, the decode rank's descriptor, the heads or None for
+    # whole pages); one entry unless the decode worker is split otherwise (head_map.routes).
+    targets: list[tuple[KVSender, TransferDescriptor, HeadSlice | None]]
     prompt_token_ids: list[int]
     copies_at_start: int
     bytes_at_start: int
     request: Request
+    # The heads of this pool that decode rank 0 holds, which its checksum covers (None: all of
+    # them); no checksum when decode rank 0 holds heads of other prefill ranks too.
+    checksum_heads: HeadSlice | None = None
+    checksummed: bool = True
     first_chunk: bool = True
     checksum: int | None = None
     error: TransferError | None = field(default=None)
     transfer_s: float = 0.0
     first_write_ns: int = 0
+
+    @property
+    def sender(self) -> KVSender:
+        """The sender to decode rank 0 (or to the first decode rank this rank writes): its transport is the transfer's."""
+        return self.targets[0][0]
+
+    @property
+    def num_copies(self) -> int:
+        return sum(sender.num_copies for sender, _, _ in self.targets)
+
+    @property
+    def bytes_sent(self) -> int:
+        return sum(sender.bytes_sent for sender, _, _ in self.targets)
 
 
 class PrefillConnector(KVConnector):
@@ -112,17 +132,46 @@ class PrefillConnector(KVConnector):
         ``min_tokens`` >= 1 it cannot be EOS or a stop token, as on a colocated engine.
         ``arrival_time`` (this engine's clock) keeps the request's place in the priority order.
         """
-        self.layout.check_compatible(desc.layout)
+        reshard = check_pair(self.layout, desc.layout)
         blocks_needed = self.engine.blocks_needed(len(prompt_token_ids))
         if len(desc.block_ids) < blocks_needed:
             raise TransferError(f"request {request_id!r}: {len(desc.block_ids)} reserved pages for a prompt "
                                 f"needing {blocks_needed}")
-        sender = self._sender(desc)
+        targets = self._targets(desc, reshard)
+        transfer = _Transfer(desc, targets, list(prompt_token_ids), 0, 0, None)
+        transfer.copies_at_start, transfer.bytes_at_start = transfer.num_copies, transfer.bytes_sent
+        if reshard:
+            # Decode rank 0 checks a checksum of its own heads; this rank's first route goes to it
+            # from head 0. Computable only when it holds no heads of another prefill rank.
+            heads = targets[0][2]
+            transfer.checksum_heads = heads
+            transfer.checksummed = heads.count == desc.layout.num_kv_heads
         one_token = dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
-        request = self.engine.add_request(request_id, list(prompt_token_ids), one_token, priority=priority,
-                                          arrival_time=arrival_time)
-        self._transfers[request_id] = _Transfer(desc, sender, list(prompt_token_ids), sender.num_copies,
-                                                sender.bytes_sent, request)
+        transfer.request = self.engine.add_request(request_id, list(prompt_token_ids), one_token, priority=priority,
+                                                   arrival_time=arrival_time)
+        self._transfers[request_id] = transfer
+
+    def _targets(self, desc: TransferDescriptor, reshard: bool) -> list[tuple[KVSender, TransferDescriptor,
+                                                                            HeadSlice | None]]:
+        """Rank 0's destinations: decode rank 0's pages whole, or, re-sharding, the slices of
+        every decode rank whose heads meet this rank's (over shm or cuda_ipc, refused otherwise)."""
+        if not reshard:
+            return [(self._sender(desc), desc, None)]
+        ours, theirs = self.layout, desc.layout
+        usable = tuple((t, a) for t, a in desc.offers if t in RESHARD_TRANSPORTS)
+        if not usable:
+            raise LayoutMismatchError(
+                f"request {desc.request_id!r}: this prefill worker has {ours.tensor_parallel_size} tensor-parallel "
+                f"rank(s) and the decode worker {theirs.tensor_parallel_size}: KV is re-sharded by head over "
+                f"{' or '.join(RESHARD_TRANSPORTS)} only (one host), and the decode worker offers "
+                f"{', '.join(t for t, _ in desc.offers)}; no bytes moved")
+        first = self._sender(dataclasses.replace(desc, transport=usable[0][0], address=usable[0][1],
+                                                 alternatives=usable[1:]))
+        out = []
+        for route in routes(theirs.total_kv_heads, ours.tensor_parallel_size, 0, theirs.tensor_parallel_size):
+            rank_desc = rank_descriptor(desc, route.dst_rank, first.name)
+            out.append((self._sender(rank_desc), rank_desc, route.heads))
+        return out
 
     def abort(self, request_id: str) -> bool:
         """Stop a request's prefill and transfer; True if it was here."""
@@ -145,7 +194,8 @@ class PrefillConnector(KVConnector):
                 if transfer.error is not None:
                     raise transfer.error
                 flush_start = time.perf_counter()
-                transfer.sender.flush(transfer.desc)
+                for sender, desc, _ in transfer.targets:
+                    sender.flush(desc)
                 transfer.transfer_s += time.perf_counter() - flush_start
                 result.first_token = out.token_ids[0]
                 result.first_logprobs = out.logprobs[0] if out.logprobs else None
@@ -154,8 +204,8 @@ class PrefillConnector(KVConnector):
                 result.num_cached_tokens = out.num_cached_tokens
             except TransferError as e:
                 result.error = e
-            result.num_copies = transfer.sender.num_copies - transfer.copies_at_start
-            result.bytes_sent = transfer.sender.bytes_sent - transfer.bytes_at_start
+            result.num_copies = transfer.num_copies - transfer.copies_at_start
+            result.bytes_sent = transfer.bytes_sent - transfer.bytes_at_start
             result.transport = transfer.sender.name
             result.transfer_s = transfer.transfer_s
             result.transfer_start_ns, result.transfer_end_ns = transfer.first_write_ns, time.time_ns()
@@ -199,7 +249,7 @@ class PrefillConnector(KVConnector):
             self._retire(next(iter(self._senders)))
 
     def _close_retired(self) -> None:
-        in_use = {id(transfer.sender) for transfer in self._transfers.values()}
+        in_use = {id(sender) for transfer in self._transfers.values() for sender, _, _ in transfer.targets}
         for sender in [s for s in self._retired if id(s) not in in_use]:
             sender.close()  # (a mapped decode pool is unmapped once its last reference goes)
             self._retired.remove(sender)
@@ -240,11 +290,13 @@ class PrefillConnector(KVConnector):
             self._copies.put((transfer, layer, runs, ready))
             if last_layer:
                 transfer.first_chunk = False
-                if chunk.samples and self.verify_checksum:
+                if chunk.samples and self.verify_checksum and transfer.checksummed:
                     self._copies.join()
                     skipped = transfer.desc.num_cached_blocks
-                    transfer.checksum = kv_checksum(self.engine.kv_cache,
-                                                    plan.block_tables[chunk.request.request_id][skipped:],
+                    pool, heads = self.engine.kv_cache, transfer.checksum_heads
+                    if heads is not None:  # re-sharded: the heads decode rank 0 holds
+                        pool = pool.narrow(4, heads.src_start, heads.count)
+                    transfer.checksum = kv_checksum(pool, plan.block_tables[chunk.request.request_id][skipped:],
                                                     len(transfer.prompt_token_ids) - skipped * self.layout.block_size)
 
     def _shipments(self, plan: SchedulerOutput) -> list[tuple]:
@@ -300,7 +352,11 @@ class PrefillConnector(KVConnector):
                     start = time.perf_counter()
                     transfer.first_write_ns = transfer.first_write_ns or time.time_ns()
                     with self._after(ready):
-                        transfer.sender.write(transfer.desc, layer, runs)
+                        for sender, desc, heads in transfer.targets:
+                            if heads is None:
+                                sender.write(desc, layer, runs)
+                            else:
+                                sender.write(desc, layer, runs, heads)
                     transfer.transfer_s += time.perf_counter() - start
             except TransferError as e:
                 # A fenced page (stale epoch, expired lease) says this worker fell behind: loud.

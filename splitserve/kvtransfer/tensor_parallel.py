@@ -17,7 +17,6 @@ not nccl.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from dataclasses import dataclass
 import logging
 import os
@@ -28,7 +27,8 @@ import torch
 
 from splitserve.engine.kv_connector import FollowerKVConnector
 from splitserve.engine.tensor_parallel import messages
-from splitserve.kvtransfer.base import TransferDescriptor, TransportUnavailableError
+from splitserve.kvtransfer.base import TransferDescriptor
+from splitserve.kvtransfer.head_map import HeadSlice, rank_descriptor, routes
 from splitserve.kvtransfer.lease import Lease
 from splitserve.kvtransfer.transports.base import KVReceiver, KVSender
 
@@ -65,6 +65,9 @@ class KVSetup:
     host: str = "127.0.0.1"
     advertise_host: str | None = None
     kv_key: bytes | None = None
+    # Send: the prefill worker's ranks, which with the decode worker's say which heads go where
+    # (head_map.routes; the decode worker may be split otherwise).
+    tensor_parallel_size: int = 0
 
     @classmethod
     def from_wire(cls, values: dict) -> "KVSetup":
@@ -138,15 +141,6 @@ def _link_owners(owners_path: Path, directory: Path) -> None:
     os.link(owners_path, link)
 
 
-def _rank_descriptor(order: CopyOrder, rank: int) -> TransferDescriptor:
-    offers = dict(order.desc.rank_offers[rank - 1])
-    if order.transport not in offers:
-        raise TransportUnavailableError(f"decode rank {rank} offers no {order.transport} for request "
-                                        f"{order.desc.request_id!r}")
-    return dataclasses.replace(order.desc, transport=order.transport, address=offers[order.transport],
-                               alternatives=(), rank_offers=())
-
-
 class FollowerKV(FollowerKVConnector):
     """kvtransfer on a rank r > 0: its receivers (decode) or its senders (prefill), moving this
     rank's slice of every page as rank 0's orders say."""
@@ -159,6 +153,7 @@ class FollowerKV(FollowerKVConnector):
         self.factories: dict = {}
         self._senders: dict[tuple[str, str], KVSender] = {}
         self._errors: dict[str, str] = {}
+        self.tensor_parallel_size = 0  # this worker's ranks (send: KVSetup says)
 
     def setup(self, setup: KVSetup) -> list[tuple[str, str]]:
         """Open receivers (``serve``; returns their offers, in ``setup.transports`` order) or get
@@ -166,6 +161,7 @@ class FollowerKV(FollowerKVConnector):
         if setup.role == "send":
             from splitserve.kvtransfer import sender_factories
             self.factories = sender_factories(self.pool, setup.transports, setup.kv_key)
+            self.tensor_parallel_size = setup.tensor_parallel_size
             return []
         from splitserve.kvtransfer.transports.shm import _map
         owners_path = Path(setup.owners_path)
@@ -189,22 +185,34 @@ class FollowerKV(FollowerKVConnector):
                 raise ValueError(f"transport {name!r} is not supported between tensor-parallel ranks")
         return [(r.name, r.address) for r in self.receivers]
 
-    def _sender(self, order: CopyOrder) -> tuple[KVSender, TransferDescriptor]:
-        desc = _rank_descriptor(order, self.rank)
-        key = (desc.transport, desc.address)
-        if key in self._senders and not self._senders[key].usable():  # broken, or its pool is gone
-            with contextlib.suppress(Exception):
-                self._senders.pop(key).close()
-        if key not in self._senders:
-            self._senders[key] = self.factories[desc.transport](desc.address)
-        return self._senders[key], desc
+    def _targets(self, order: CopyOrder) -> list[tuple[KVSender, TransferDescriptor, HeadSlice | None]]:
+        """This rank's destinations for ``order``: decode rank r's pages whole when both workers
+        are split alike, else the slices of the decode ranks its heads go to (head_map)."""
+        layout = order.desc.layout
+        mine = self.tensor_parallel_size or layout.tensor_parallel_size
+        out = []
+        for route in routes(layout.total_kv_heads, mine, self.rank, layout.tensor_parallel_size):
+            desc = rank_descriptor(order.desc, route.dst_rank, order.transport)
+            key = (desc.transport, desc.address)
+            if key in self._senders and not self._senders[key].usable():  # broken, or its pool is gone
+                with contextlib.suppress(Exception):
+                    self._senders.pop(key).close()
+            if key not in self._senders:
+                self._senders[key] = self.factories[desc.transport](desc.address)
+            out.append((self._senders[key], desc, route.heads))
+        return out
 
     def save_layer(self, orders: Sequence[CopyOrder], layer: int) -> None:
-        self._each(orders, lambda sender, desc, order: sender.write(desc, layer, order.runs))
+        def write(sender, desc, heads, order):
+            if heads is None:
+                sender.write(desc, layer, order.runs)
+            else:
+                sender.write(desc, layer, order.runs, heads)
+        self._each(orders, write)
 
     def finish_step(self, orders: Sequence[CopyOrder]) -> dict[str, str]:
         """Flush this step's transfers; returns {request id: why it failed} and forgets them."""
-        self._each(orders, lambda sender, desc, order: sender.flush(desc))
+        self._each(orders, lambda sender, desc, heads, order: sender.flush(desc))
         errors, self._errors = self._errors, {}
         return errors
 
@@ -216,8 +224,8 @@ class FollowerKV(FollowerKVConnector):
             if rid in self._errors:
                 continue
             try:
-                sender, desc = self._sender(order)
-                action(sender, desc, order)
+                for sender, desc, heads in self._targets(order):
+                    action(sender, desc, heads, order)
             except Exception as e:
                 self._errors[rid] = f"tensor-parallel rank {self.rank}: {e}"
 

@@ -52,6 +52,24 @@ def test_a_colocated_worker_runs_two_ranks_and_the_output_is_exact(tiny_model_di
         assert_all_match(streams, reference)
 
 
+def test_a_one_rank_prefill_worker_hands_off_to_a_two_rank_decode_worker(tiny_model_dirs, tmp_path_factory,
+                                                                         reference):
+    """`up --prefill-tensor-parallel-size 1 --decode-tensor-parallel-size 2` as up runs it (each
+    worker's own --tensor-parallel-size): the prefill worker's KV is re-sharded by head into the
+    decode worker's two ranks over shm; transformers' tokens, and every page back."""
+    with start_stack(tiny_model_dirs["llama"], tmp_path_factory, prefill=1, decode=1,
+                     worker_args=["--max-num-batched-tokens", "32"],
+                     role_args={"prefill": ["--tensor-parallel-size", "1"],
+                                "decode": ["--tensor-parallel-size", "2"]}) as st:
+        assert len(ranks_of(st.procs[st.names("decode")[0]].pid)) == 1
+        assert not ranks_of(st.procs[st.names("prefill")[0]].pid)
+        baseline = st.free_pages()
+        streams = run_streams(st, "tp-1to2", mixed_prompts(6, seed=24, lo=5, hi=90), max_tokens=12)
+        join_all(streams)
+        assert_all_match(streams, reference)
+        wait_pages_at_baseline(st, baseline)
+
+
 def test_every_worker_runs_two_ranks_and_the_output_is_exact(stack, reference):
     for name in stack.roles:
         assert len(ranks_of(stack.procs[name].pid)) == 1, f"{name} should have started rank 1"

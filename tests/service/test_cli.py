@@ -197,6 +197,26 @@ def test_up_gives_each_rank_of_a_tensor_parallel_worker_its_share_of_the_cores(t
                 assert child[child.index("--tensor-parallel-size") + 1] == "2", name
 
 
+def test_up_splits_prefill_and_decode_workers_over_their_own_ranks(tmp_path, monkeypatch):
+    """--prefill-tensor-parallel-size 1 --decode-tensor-parallel-size 2 on 6 cores: the prefill
+    worker one rank, the decode worker two, 2 threads per rank; a transport list that cannot
+    re-shard KV by head is refused at start naming the flags."""
+    from splitserve.cli import up
+    monkeypatch.setattr(up.os, "cpu_count", lambda: 6)
+    argv = ["up", "--prefill", "1", "--decode", "1", "--prefill-tensor-parallel-size", "1",
+            "--decode-tensor-parallel-size", "2"]
+    specs = {spec.name: spec.argv for spec in up.plan(parse(argv), "redis://127.0.0.1:1/0", str(tmp_path))}
+    for name, ranks in (("prefill0", "1"), ("decode0", "2")):
+        child = specs[name]
+        assert child.count("--tensor-parallel-size") == 1, name
+        assert child[child.index("--tensor-parallel-size") + 1] == ranks, name
+        assert child[child.index("--num-threads") + 1] == "2", name
+    up.check_split(parse(argv))  # auto: shm on CPU
+    with pytest.raises(SystemExit, match="--prefill-tensor-parallel-size 1 and --decode-tensor-parallel-size 2 "
+                                         "differ: KV is re-sharded by head over shm or cuda_ipc only"):
+        up.check_split(parse([*argv, "--kv-transport", "tcp"]))
+
+
 def test_up_gives_its_own_redis_a_password_only_its_children_learn(tmp_path):
     """Issue 36, point 10: a Redis without a password is open to every local user (a fake worker
     could register and be sent prompts). up's own Redis gets a fresh random one, in a config file

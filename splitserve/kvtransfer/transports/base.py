@@ -55,9 +55,14 @@ class KVSender(abc.ABC):
                                    tensor_parallel_size=desc.layout.tensor_parallel_size)
         mine.check_compatible(desc.layout)
 
+    # Whether ``write`` takes a head slice (pools split over different numbers of ranks,
+    # splitserve/kvtransfer/head_map.py): transports that copy into a mapped pool.
+    reshards = False
+
     @abc.abstractmethod
-    def write(self, desc: TransferDescriptor, layer: int, runs: Sequence[Run]) -> None:
-        """Copy ``runs`` of layer ``layer`` (K and V) from the source pool into the descriptor's pages."""
+    def write(self, desc: TransferDescriptor, layer: int, runs: Sequence[Run], heads=None) -> None:
+        """Copy ``runs`` of layer ``layer`` (K and V) from the source pool into the descriptor's pages;
+        with ``heads`` (a ``head_map.HeadSlice``), only those KV heads of each page."""
 
     @abc.abstractmethod
     def flush(self, desc: TransferDescriptor) -> None:

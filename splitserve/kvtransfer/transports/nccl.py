@@ -53,8 +53,9 @@ import torch.distributed as dist
 
 from splitserve.engine.attention.kv_quant import as_bytes
 from splitserve.engine.tensor_parallel.ranks import listening_store
-from splitserve.kvtransfer.base import (KVLayout, LeaseExpiredError, StaleEpochError, TransferAbortedError,
-                             TransferDescriptor, TransferError, TransportUnavailableError)
+from splitserve.kvtransfer.base import (KVLayout, LayoutMismatchError, LeaseExpiredError, StaleEpochError,
+                                       TransferAbortedError, TransferDescriptor, TransferError,
+                                       TransportUnavailableError)
 from splitserve.kvtransfer.lease import LeaseTable
 from splitserve.kvtransfer.transports.base import KVReceiver, KVSender, Run
 
@@ -356,7 +357,9 @@ class NcclSender(KVSender):
     def _send(self, works: list, header: list[int]) -> None:
         works.append(self._ctl.send([torch.tensor(header, dtype=torch.int64)], 0, TAG_CTL))
 
-    def write(self, desc: TransferDescriptor, layer: int, runs: Sequence[Run]) -> None:
+    def write(self, desc: TransferDescriptor, layer: int, runs: Sequence[Run], heads=None) -> None:
+        if heads is not None:  # whole pages only (the connector picks shm or cuda_ipc to re-shard)
+            raise LayoutMismatchError("nccl moves whole pages: it cannot re-shard KV between differently split workers")
         if desc.layout not in self._layouts:
             self.check_layout(desc)
             self._layouts.add(desc.layout)

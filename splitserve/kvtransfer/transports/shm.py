@@ -24,7 +24,7 @@ from splitserve.common.locality import POOL_PREFIX, pid_namespace, pool_root, sw
 from splitserve.kvtransfer.base import StaleEpochError, TransferDescriptor, TransportUnavailableError
 from splitserve.kvtransfer.lease import LeaseTable
 from splitserve.kvtransfer.page_locks import PageLocks, destination_ranges
-from splitserve.kvtransfer.page_copy import copy_runs, page_ids
+from splitserve.kvtransfer.page_copy import copy_head_runs, copy_runs, page_ids
 from splitserve.kvtransfer.transports.base import KVReceiver, KVSender, Run
 
 log = logging.getLogger(__name__)
@@ -175,6 +175,7 @@ class PoolDirectory:
 
 class ShmSender(KVSender):
     name = "shm"
+    reshards = True
 
     def __init__(self, address: str, src_pool: torch.Tensor):
         super().__init__(address, src_pool)
@@ -202,17 +203,22 @@ class ShmSender(KVSender):
             raise StaleEpochError(f"request {desc.request_id!r}: destination pages no longer belong to epoch "
                                   f"{desc.epoch} {when}; the decode side released them")
 
-    def write(self, desc: TransferDescriptor, layer: int, runs: Sequence[Run]) -> None:
+    def write(self, desc: TransferDescriptor, layer: int, runs: Sequence[Run], heads=None) -> None:
         runs = tuple(runs)
         dst_blocks = page_ids(runs)[1]
         held = self.locks.hold_shared(destination_ranges(runs))
         try:
             self._check_owned(desc, dst_blocks, "before the copy")
-            self.num_copies += copy_runs(self.src_pool[layer], self.dst_pool[layer], runs)
+            if heads is None:
+                self.num_copies += copy_runs(self.src_pool[layer], self.dst_pool[layer], runs)
+            else:  # another split of the heads (head_map): the page's share of this rank
+                self.num_copies += copy_head_runs(self.src_pool[layer], self.dst_pool[layer], runs, heads,
+                                                  self.src_layout.page_order, desc.layout.page_order)
             self._landed()
         finally:
             self.locks.release(held)
-        self.bytes_sent += len(dst_blocks) * self._bytes_per_block
+        share = 1.0 if heads is None else heads.count / desc.layout.num_kv_heads
+        self.bytes_sent += int(len(dst_blocks) * self._bytes_per_block * share)
 
     def _landed(self) -> None:
         """Return once the copies just issued are in the decode pool (shm: they are synchronous stores)."""

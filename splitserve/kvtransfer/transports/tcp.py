@@ -54,8 +54,9 @@ import torch
 
 from splitserve.common.locality import is_loopback
 from splitserve.engine.attention.kv_quant import as_bytes
-from splitserve.kvtransfer.base import (KVLayout, LeaseExpiredError, StaleEpochError, TransferAbortedError,
-                             TransferDescriptor, TransferError, TransportUnavailableError)
+from splitserve.kvtransfer.base import (KVLayout, LayoutMismatchError, LeaseExpiredError, StaleEpochError,
+                                       TransferAbortedError, TransferDescriptor, TransferError,
+                                       TransportUnavailableError)
 from splitserve.kvtransfer.lease import LeaseTable
 from splitserve.kvtransfer.transports import tcp_auth
 from splitserve.kvtransfer.transports.base import KVReceiver, KVSender, Run
@@ -345,8 +346,10 @@ class TcpSender(KVSender):
                 raise TransportUnavailableError(f"tcp KV receiver at {address!r} refused authentication or "
                                                 f"failed to authenticate itself: {e}") from e
 
-    def write(self, desc: TransferDescriptor, layer: int, runs: Sequence[Run]) -> None:
+    def write(self, desc: TransferDescriptor, layer: int, runs: Sequence[Run], heads=None) -> None:
         # The pages themselves must match; the split (tensor_parallel_size) was checked by the connector.
+        if heads is not None:  # whole pages only (the connector picks shm or cuda_ipc to re-shard)
+            raise LayoutMismatchError("tcp moves whole pages: it cannot re-shard KV between differently split workers")
         self.check_layout(desc)
         rid, page_bytes = desc.request_id.encode(), self._page_bytes
         src = self.src_pool[layer]  # [2, blocks, bs, H, D]
