@@ -51,7 +51,9 @@ def run_arm(args, arm: str, work: Path, seed: int) -> dict:
     rows: list[dict] = []
     lock = threading.Lock()
     rng = random.Random(seed)
-    with start_up(up_args(args, arm), work / f"{arm}-{seed}") as up:
+    log_dir = work / f"{arm}-{seed}"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    with start_up(up_args(args, arm), log_dir) as up:
         start = time.perf_counter()
 
         def one(phase: str, prompt: list[int], max_tokens: int) -> None:

@@ -4,8 +4,9 @@ tensor-parallel ranks (splitserve/kvtransfer/head_map.py), on CPU (gloo ranks, s
 1 -> 2, 2 -> 1 and 2 -> 4: the decode side's greedy output equals transformers only if every
 decode rank got every head it owns from the right prefill rank (a rank attends over its own heads
 only); chunked prefill ships pages over several steps; the decode rank 0 checksum is checked where
-it can be computed (decode rank 0's heads all on prefill rank 0). A pair that can only talk tcp is
-refused before a byte moves; so is one whose heads differ in all. The served path, with ``up``'s
+it can be computed (decode rank 0's heads all on prefill rank 0); over shm (a head range copied
+into the mapped pool) and tcp (HEADS frames). A pair that can only talk nccl is refused before a
+byte moves; so is one whose heads differ in all. The served path, with ``up``'s
 per-role flags: tests/faults/test_tensor_parallel_service.py.
 """
 import pytest
@@ -58,9 +59,11 @@ def four_kv_heads(tmp_path_factory):
                            head_dim=8)
 
 
+@pytest.mark.parametrize("transport", ["shm", "tcp"])
 @pytest.mark.parametrize("prefill_tp, decode_tp", [(1, 2), (2, 1), (2, 4)])
-def test_differently_split_workers_hand_off_exactly(prefill_tp, decode_tp, four_kv_heads, hf_reference, private_shm):
-    with connected(config(four_kv_heads, tensor_parallel_size=decode_tp), "shm",
+def test_differently_split_workers_hand_off_exactly(prefill_tp, decode_tp, transport, four_kv_heads, hf_reference,
+                                                    private_shm):
+    with connected(config(four_kv_heads, tensor_parallel_size=decode_tp), transport,
                    config(four_kv_heads, tensor_parallel_size=prefill_tp, max_num_batched_tokens=24),
                    verify_checksum=True) as (prefill, decode):
         prompts = mixed_prompts(4, seed=prefill_tp * 10 + decode_tp, lo=3, hi=45)
@@ -91,12 +94,14 @@ def test_a_checksum_is_sent_where_decode_rank_0_holds_only_prefill_rank_0s_heads
             assert decode.abort("c0")
 
 
-def test_resharding_over_tcp_is_refused_before_a_byte_moves(four_kv_heads):
-    with connected(config(four_kv_heads, tensor_parallel_size=2), "tcp",
-                   config(four_kv_heads, tensor_parallel_size=1)) as (prefill, decode):
+def test_resharding_over_nccl_is_refused_before_a_byte_moves(four_kv_heads):
+    """nccl moves whole pages (and tensor-parallel workers never use it for KV)."""
+    with connected(config(four_kv_heads), "nccl",
+                   config(four_kv_heads, tensor_parallel_size=2)) as (prefill, decode):
         desc = decode.reserve("r0", 10)
         before = decode.engine.runner.kv_cache.clone()
-        with pytest.raises(LayoutMismatchError, match="re-sharded by head over shm or cuda_ipc only"):
+        with pytest.raises(LayoutMismatchError, match="re-sharded by head over shm, cuda_ipc, tcp only, and the "
+                                                      "decode worker offers nccl"):
             prefill.start("r0", list(range(10)), GREEDY, desc)
         for _ in range(3):
             assert prefill.step() == []

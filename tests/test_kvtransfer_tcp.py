@@ -389,6 +389,10 @@ def test_malformed_frames_close_only_their_connection(cleanup):
         "flush payload": tcp.frame(tcp.FLUSH, rid, ep, payload_len=5) + b"hello",
         "truncated": tcp.frame(tcp.WRITE, rid, ep, 0, 4, 2, page2)[:20],
         "cut payload": tcp.frame(tcp.WRITE, rid, ep, 0, 4, 2, page2) + b"\0" * 10,
+        # HEADS (a head range of a run, head_map): heads past the pool's, a payload of the wrong size.
+        "heads range": tcp.frame(tcp.HEADS, rid, ep, 0, 4, 2, 8 + page2) + struct.pack("!II", 1, 2) + b"\0" * page2,
+        "heads length": tcp.frame(tcp.HEADS, rid, ep, 0, 4, 2, 8 + page2 // 2 + 1) + struct.pack("!II", 0, 1)
+        + b"\0" * (page2 // 2 + 1),
     }
     before = dst.clone()
     for name, data in bad_frames.items():

@@ -132,7 +132,7 @@ def _up_params() -> list[click.Option]:
                      help="torch threads of each decode (or colocated) worker (0: as --prefill-threads)"),
         click.Option(["--prefill-tensor-parallel-size"], type=click.IntRange(min=0), default=0, show_default=True,
                      help="ranks of each prefill worker (0: --tensor-parallel-size); may differ from the decode "
-                          "workers': KV is then re-sharded by head (over shm or cuda_ipc)"),
+                          "workers': KV is then re-sharded by head (over shm, cuda_ipc or tcp)"),
         click.Option(["--decode-tensor-parallel-size"], type=click.IntRange(min=0), default=0, show_default=True,
                      help="ranks of each decode (or colocated) worker (0: --tensor-parallel-size)"),
         click.Option(["--demo"], metavar="QUESTION", default="",

@@ -215,8 +215,8 @@ def windowed_lines(shape: KVShape, dtype: str, block_size: int, budget_gib: floa
 # ---- tensor-parallel sizes compared for a box of GPUs (--gpus) ----------------------------
 #
 # A layout is pairs of one prefill and one decode worker with the same ``--tensor-parallel-size N``
-# (a prefill and a decode worker of different sizes refuse each other: each rank hands its own
-# slice of the KV heads to the rank of the same number). A pair takes 2N GPUs, numbered as the
+# (sides split differently re-shard KV by head, splitserve/kvtransfer/head_map.py; this sizing
+# compares one N for both). A pair takes 2N GPUs, numbered as the
 # workers number them: rank r of a worker on ``--device cuda:K`` runs on cuda:K+r. Each GPU holds
 # its 1/N of the attention and MLP weights and a whole copy of the embeddings and norms
 # (``weight_bytes_per_gpu``), keeps ``--overhead-gb`` for activations and the CUDA context,

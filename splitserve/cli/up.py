@@ -116,7 +116,7 @@ def check_split(args) -> None:
     named = [t.strip() for t in args.kv_transport.split(",")] if args.kv_transport != "auto" else list(RESHARD_TRANSPORTS)
     if not set(named) & set(RESHARD_TRANSPORTS):
         raise SystemExit(f"--prefill-tensor-parallel-size {prefill} and --decode-tensor-parallel-size {decode} differ: "
-                         f"KV is re-sharded by head over {' or '.join(RESHARD_TRANSPORTS)} only, and --kv-transport "
+                         f"KV is re-sharded by head over {', '.join(RESHARD_TRANSPORTS)} only, and --kv-transport "
                          f"is {args.kv_transport}")
 
 

@@ -8,9 +8,9 @@ range meets its own, the heads they share (1 -> 2: rank 0 sends its first half t
 and its second to rank 1; 2 -> 1: both ranks send to decode rank 0, each to its place). Same A
 and B: rank r to rank r, whole pages (``routes`` gives one route without a slice).
 
-Only transports that copy into a mapped pool can write part of a page (``RESHARD_TRANSPORTS``:
-shm and cuda_ipc, both on one host); a pair that would need tcp or nccl is refused before any
-byte moves.
+The transports that write part of a page (``RESHARD_TRANSPORTS``): shm and cuda_ipc copy a head
+range into the mapped pool; tcp sends it in HEADS frames (``transports/tcp.py``). nccl, which
+tensor-parallel workers do not use for KV at all, is refused before any byte moves.
 """
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from splitserve.kvtransfer.base import KVLayout, LayoutMismatchError, TransferDescriptor
 
-RESHARD_TRANSPORTS = ("shm", "cuda_ipc")
+RESHARD_TRANSPORTS = ("shm", "cuda_ipc", "tcp")
 
 
 @dataclass(frozen=True)

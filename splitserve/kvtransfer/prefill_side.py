@@ -154,7 +154,7 @@ class PrefillConnector(KVConnector):
     def _targets(self, desc: TransferDescriptor, reshard: bool) -> list[tuple[KVSender, TransferDescriptor,
                                                                             HeadSlice | None]]:
         """Rank 0's destinations: decode rank 0's pages whole, or, re-sharding, the slices of
-        every decode rank whose heads meet this rank's (over shm or cuda_ipc, refused otherwise)."""
+        every decode rank whose heads meet this rank's (over shm, cuda_ipc or tcp; refused otherwise)."""
         if not reshard:
             return [(self._sender(desc), desc, None)]
         ours, theirs = self.layout, desc.layout
@@ -163,7 +163,7 @@ class PrefillConnector(KVConnector):
             raise LayoutMismatchError(
                 f"request {desc.request_id!r}: this prefill worker has {ours.tensor_parallel_size} tensor-parallel "
                 f"rank(s) and the decode worker {theirs.tensor_parallel_size}: KV is re-sharded by head over "
-                f"{' or '.join(RESHARD_TRANSPORTS)} only (one host), and the decode worker offers "
+                f"{', '.join(RESHARD_TRANSPORTS)} only, and the decode worker offers "
                 f"{', '.join(t for t, _ in desc.offers)}; no bytes moved")
         first = self._sender(dataclasses.replace(desc, transport=usable[0][0], address=usable[0][1],
                                                  alternatives=usable[1:]))

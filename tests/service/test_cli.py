@@ -212,9 +212,10 @@ def test_up_splits_prefill_and_decode_workers_over_their_own_ranks(tmp_path, mon
         assert child[child.index("--tensor-parallel-size") + 1] == ranks, name
         assert child[child.index("--num-threads") + 1] == "2", name
     up.check_split(parse(argv))  # auto: shm on CPU
+    up.check_split(parse([*argv, "--kv-transport", "tcp"]))
     with pytest.raises(SystemExit, match="--prefill-tensor-parallel-size 1 and --decode-tensor-parallel-size 2 "
-                                         "differ: KV is re-sharded by head over shm or cuda_ipc only"):
-        up.check_split(parse([*argv, "--kv-transport", "tcp"]))
+                                         "differ: KV is re-sharded by head over shm, cuda_ipc, tcp only"):
+        up.check_split(parse([*argv, "--kv-transport", "nccl"]))
 
 
 def test_up_gives_its_own_redis_a_password_only_its_children_learn(tmp_path):

@@ -358,7 +358,7 @@ class NcclSender(KVSender):
         works.append(self._ctl.send([torch.tensor(header, dtype=torch.int64)], 0, TAG_CTL))
 
     def write(self, desc: TransferDescriptor, layer: int, runs: Sequence[Run], heads=None) -> None:
-        if heads is not None:  # whole pages only (the connector picks shm or cuda_ipc to re-shard)
+        if heads is not None:  # whole pages only (the connector re-shards over shm, cuda_ipc or tcp)
             raise LayoutMismatchError("nccl moves whole pages: it cannot re-shard KV between differently split workers")
         if desc.layout not in self._layouts:
             self.check_layout(desc)

@@ -5,14 +5,14 @@ Wire format (network byte order; never pickle). Every frame is a fixed 37-byte h
 
     magic        4s  b"SSKV"
     version      B   2 (1 had no PACKED)
-    type         B   WRITE=1, FLUSH=2, PACKED=5 (sender -> receiver); ACK=3, ERROR=4 (receiver -> sender);
+    type         B   WRITE=1, FLUSH=2, PACKED=5, HEADS=9 (sender -> receiver); ACK=3, ERROR=4 (receiver -> sender);
                      HELLO=6, CHALLENGE=7, AUTH=8: the handshake of a receiver with a key (``tcp_auth``)
     error kind   B   ERROR only: STALE=1, EXPIRED=2, ABORTED=3 (else 0)
     rid length   H   bytes of the UTF-8 request id that follows the header (<= 1024)
     epoch        q   the lease's fencing token
     layer        I   WRITE, PACKED: layer of the pages
-    dst_block    I   WRITE: first destination page; PACKED: runs in the frame's table (>= 1)
-    num_blocks   I   WRITE: pages in the run (>= 1); PACKED: pages in the frame (>= runs)
+    dst_block    I   WRITE, HEADS: first destination page; PACKED: runs in the frame's table (>= 1)
+    num_blocks   I   WRITE, HEADS: pages in the run (>= 1); PACKED: pages in the frame (>= runs)
     payload len  Q   bytes after the request id
 
 A WRITE payload is the run's K pages then its V pages, raw bytes in the pool's dtype: exactly
@@ -21,7 +21,10 @@ length is ``2 * n * page_bytes``. A PACKED payload is a table of uint32 pairs (d
 num_blocks), one per run, then the K pages then the V pages of every run in table order (the
 gather ``src_pool[layer][:, idx]``): ``8 * runs + 2 * pages * page_bytes`` bytes. A ``write()``
 of ``PACK_MIN_RUNS`` runs or more (fragmented pages) is sent as PACKED frames, each with its own
-table, one per layer within ``max_frame_bytes``; fewer runs go as a WRITE per run. FLUSH has no
+table, one per layer within ``max_frame_bytes``; fewer runs go as a WRITE per run. A HEADS
+payload carries some KV heads of a run (the two workers split over different numbers of ranks,
+``splitserve/kvtransfer/head_map.py``): uint32 (first destination head, heads), then the run's K
+then V pages of those heads only, ``[2, n, block_size, heads, head_dim]``. FLUSH has no
 payload; the receiver answers it with ACK (every earlier write of that request and epoch is in
 the pool) or ERROR, whose payload is a UTF-8 message. Replies echo the request id and epoch. A
 frame that fails validation (magic, version, type, ranges, lengths, runs that leave the pool,
@@ -54,15 +57,15 @@ import torch
 
 from splitserve.common.locality import is_loopback
 from splitserve.engine.attention.kv_quant import as_bytes
-from splitserve.kvtransfer.base import (KVLayout, LayoutMismatchError, LeaseExpiredError, StaleEpochError,
-                                       TransferAbortedError, TransferDescriptor, TransferError,
-                                       TransportUnavailableError)
+from splitserve.kvtransfer.base import (KVLayout, LeaseExpiredError, StaleEpochError, TransferAbortedError,
+                                       TransferDescriptor, TransferError, TransportUnavailableError)
 from splitserve.kvtransfer.lease import LeaseTable
 from splitserve.kvtransfer.transports import tcp_auth
 from splitserve.kvtransfer.transports.base import KVReceiver, KVSender, Run
-from splitserve.kvtransfer.transports.tcp_wire import (ABORTED, ACK, ERROR, EXPIRED, FLUSH, HEADER, MAGIC, MAX_MESSAGE_BYTES,
-                                            MAX_RID_BYTES, PACKED, STALE, VERSION, WRITE, HELLO, PeerGone, PeerTimeout,
-                                            ProtocolError, frame, recv_exact)
+from splitserve.kvtransfer.transports.tcp_wire import (ABORTED, ACK, ERROR, EXPIRED, FLUSH, HEADER, HEADS, MAGIC,
+                                            MAX_MESSAGE_BYTES, MAX_RID_BYTES, PACKED, STALE, VERSION, WRITE, HELLO,
+                                            PeerGone, PeerTimeout, ProtocolError, frame, recv_exact)
+from splitserve.engine.attention.page_order import token_view
 
 log = logging.getLogger(__name__)
 
@@ -224,6 +227,8 @@ class TcpReceiver(KVReceiver):
             return self._flush(conn, rid_buf, rid, epoch, nbytes, errors)
         if ftype == HELLO:  # a sender with a key: both sides must have one, and the same
             raise ProtocolError(f"this receiver has no KV secret and does not authenticate; {tcp_auth.HINT}")
+        if ftype == HEADS:
+            return self._heads(conn, rid, epoch, layer, dst, num, nbytes, errors, scratch)
         if ftype not in (WRITE, PACKED):
             raise ProtocolError(f"unexpected frame type {ftype}")
         layers, _, blocks = self.pool.shape[:3]
@@ -276,6 +281,40 @@ class TcpReceiver(KVReceiver):
         if refused and not packed:  # drain the payload so the stream stays in step
             recv_exact(conn, _byte_view(_scratch(scratch, nbytes)))
 
+    def _heads(self, conn: socket.socket, rid: str, epoch: int, layer: int, dst: int, num: int, nbytes: int,
+               errors: dict, scratch: list) -> None:
+        """A HEADS frame: some KV heads of a run, received whole, then copied under the fence."""
+        layers, _, blocks = self.pool.shape[:3]
+        prefix = bytearray(8)
+        recv_exact(conn, memoryview(prefix))
+        first, count = struct.unpack("!II", prefix)
+        heads = self.layout.num_kv_heads
+        head_bytes = self.layout.page_bytes // heads
+        if layer >= layers or num < 1 or dst + num > blocks or count < 1 or first + count > heads:
+            raise ProtocolError(f"heads {first}..{first + count} of pages {dst}..{dst + num} of layer {layer} do "
+                                f"not fit the pool ({layers} layers, {blocks} pages, {heads} KV heads)")
+        if nbytes != 8 + 2 * num * count * head_bytes or nbytes > self.max_frame_bytes:
+            raise ProtocolError(f"payload of {nbytes} bytes; {count} heads of {num} pages of K and V are "
+                                f"{8 + 2 * num * count * head_bytes} (at most {self.max_frame_bytes} per frame)")
+        buf = _scratch(scratch, nbytes - 8)
+        recv_exact(conn, _byte_view(buf))
+        if (rid, epoch) in errors:
+            return
+        try:
+            with self.leases.writing(rid, epoch):
+                if not self.leases.fence.owned_by(range(dst, dst + num), epoch):
+                    raise StaleEpochError(f"request {rid!r}: pages {dst}..{dst + num - 1} do not belong to epoch "
+                                          f"{epoch}; they were released or were never reserved for it")
+                pages = token_view(self.pool[layer].view(torch.uint8).unsqueeze(0), self.layout.page_order)[0]
+                target = pages[:, dst:dst + num].narrow(3, first, count)  # [2, n, bs, count, row bytes]
+                target.copy_(buf.view(2, num, target.shape[2], count, -1).to(self.pool.device))
+                if self.pool.is_cuda:
+                    torch.cuda.synchronize(self.pool.device)
+        except (StaleEpochError, LeaseExpiredError) as e:
+            if len(errors) >= 1024:
+                errors.pop(next(iter(errors)))
+            errors[(rid, epoch)] = e
+
     def _flush(self, conn: socket.socket, rid_buf: bytearray, rid: str, epoch: int, nbytes: int, errors: dict) -> None:
         if nbytes:
             raise ProtocolError(f"FLUSH with a {nbytes}-byte payload")
@@ -319,6 +358,7 @@ class TcpReceiver(KVReceiver):
 
 class TcpSender(KVSender):
     name = "tcp"
+    reshards = True
 
     def __init__(self, address: str, src_pool: torch.Tensor, timeout_s: float = 10.0,
                  max_frame_bytes: int = 4 << 20, key: bytes | None = None):
@@ -348,8 +388,8 @@ class TcpSender(KVSender):
 
     def write(self, desc: TransferDescriptor, layer: int, runs: Sequence[Run], heads=None) -> None:
         # The pages themselves must match; the split (tensor_parallel_size) was checked by the connector.
-        if heads is not None:  # whole pages only (the connector picks shm or cuda_ipc to re-shard)
-            raise LayoutMismatchError("tcp moves whole pages: it cannot re-shard KV between differently split workers")
+        if heads is not None:  # the connector checked the two workers' layouts (head_map.check_pair)
+            return self._write_heads(desc, layer, runs, heads)
         self.check_layout(desc)
         rid, page_bytes = desc.request_id.encode(), self._page_bytes
         src = self.src_pool[layer]  # [2, blocks, bs, H, D]
@@ -387,6 +427,32 @@ class TcpSender(KVSender):
                 self.num_copies += len(pieces)  # page runs, as in every transport; frames are counted apart
                 self.num_frames += 1
                 self.bytes_sent += 2 * k * page_bytes
+
+    def _write_heads(self, desc: TransferDescriptor, layer: int, runs: Sequence[Run], heads) -> None:
+        """HEADS frames: ``heads.count`` KV heads of each run, gathered here (strided in a page)."""
+        rid = desc.request_id.encode()
+        src = token_view(self.src_pool[layer].view(torch.uint8).unsqueeze(0), self.src_layout.page_order)[0]
+        src = src.narrow(3, heads.src_start, heads.count)  # [2, blocks, bs, count, row bytes]
+        page = src[0, 0].numel()  # bytes of one page's share
+        per_frame = max(1, (self.max_frame_bytes - 8) // (2 * page))
+        with self._lock:
+            self._check_usable()
+            for s, d, n in runs:
+                if s < 0 or d < 0 or n < 1 or s + n > src.shape[1]:
+                    raise ValueError(f"run {(s, d, n)} is outside the source pool ({src.shape[1]} pages)")
+                while n:
+                    k = min(n, per_frame)
+                    payload = src[:, s:s + k].contiguous().cpu()
+                    bufs = [frame(HEADS, rid, desc.epoch, layer, d, k, 8 + payload.numel()),
+                            struct.pack("!II", heads.dst_start, heads.count), _byte_view(payload)]
+                    try:
+                        self._send(bufs)
+                    except OSError as e:
+                        self._raise_broken(f"sending heads of {k} pages of layer {layer} failed ({e})")
+                    self.num_copies += 1
+                    self.num_frames += 1
+                    self.bytes_sent += payload.numel()
+                    s, d, n = s + k, d + k, n - k
 
     def flush(self, desc: TransferDescriptor) -> None:
         rid = desc.request_id.encode()

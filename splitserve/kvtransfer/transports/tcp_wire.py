@@ -12,6 +12,8 @@ MAGIC = b"SSKV"
 VERSION = 2
 HEADER = struct.Struct("!4sBBBHqIIIQ")
 WRITE, FLUSH, ACK, ERROR, PACKED = 1, 2, 3, 4, 5
+# A run of pages, some of their KV heads only (workers split over different numbers of ranks).
+HEADS = 9
 # The handshake of a receiver with a secret (``tcp_auth``): sender HELLO, receiver CHALLENGE, sender AUTH.
 HELLO, CHALLENGE, AUTH = 6, 7, 8
 STALE, EXPIRED, ABORTED = 1, 2, 3
