@@ -1,8 +1,9 @@
 """Conditional disaggregation under a mixed load: every prompt prefilled remotely (``--disaggregation
-always``) vs decided per request (``auto``), on one stack, same run.
+always``) vs decided per request (``auto``, and ``auto`` with its prefill-queue rule on,
+``--prefill-queue-limit``), on one stack, same run.
 
-A stack of one prefill and one decode worker (``--num-threads`` each) is fronted by two gateways,
-one per arm; the arms take turns, round by round, alternating which goes first. Each turn sends
+A stack of one prefill and one decode worker (``--num-threads`` each) is fronted by one gateway
+per arm; the arms take turns, round by round, the order turning each round. Each turn sends
 ``--requests`` requests at ``--rate`` per second (Poisson arrivals; the same arrival times and mix
 for both arms of a round), drawn from three kinds, as a chat service sees them:
 
@@ -34,7 +35,7 @@ from bench.common import percentile, write_json
 from splitserve.client import Client
 from tests.harness.stack import start_process, start_stack, stop_process
 
-ARMS = ("always", "auto")
+ARMS = ("always", "auto", "auto_queue")
 KINDS = ("short", "turn", "long")
 
 
@@ -142,7 +143,8 @@ def main() -> None:
     parser.add_argument("--long", default="500-900")
     parser.add_argument("--output", default="16-48", help="tokens generated per request (a range)")
     parser.add_argument("--local-prefill-tokens", type=int, default=256)
-    parser.add_argument("--prefill-queue-limit", type=float, default=0.0, help="auto's (0: off, the default)")
+    parser.add_argument("--prefill-queue-limit", type=float, default=2.0,
+                        help="the auto_queue arm's (the auto arm keeps the default, off)")
     parser.add_argument("--decode-target-tpot-ms", type=float, default=0.0,
                         help="the decode worker's --target-tpot-ms (0: none); it bounds the prompt share of its "
                              "steps, so what auto prefills there, and lowers auto's local limit")
@@ -152,25 +154,30 @@ def main() -> None:
     worker_args = ["--dtype", args.dtype, "--block-size", "16", "--num-gpu-blocks", "4096",
                    "--max-num-batched-tokens", "512", "--num-threads", str(args.num_threads)]
     gateway = ["--disaggregation", "always"]
-    auto = ["--disaggregation", "auto", "--local-prefill-tokens", str(args.local_prefill_tokens),
-            "--prefill-queue-limit", str(args.prefill_queue_limit), "--gateway-id", "gw-auto"]
+    auto = {"auto": ["--disaggregation", "auto", "--local-prefill-tokens", str(args.local_prefill_tokens),
+                     "--gateway-id", "gw-auto"],
+            "auto_queue": ["--disaggregation", "auto", "--local-prefill-tokens", str(args.local_prefill_tokens),
+                           "--prefill-queue-limit", str(args.prefill_queue_limit), "--gateway-id", "gw-auto-queue"]}
     rows: list[dict] = []
     decode_args = ["--target-tpot-ms", str(args.decode_target_tpot_ms)] if args.decode_target_tpot_ms else []
     with start_stack(args.model, work, prefill=1, decode=1, worker_defaults=worker_args, gateway_args=gateway,
                      role_args={"decode": decode_args}, metrics=False) as stack:
-        auto_gateway, address = start_process([*stack.argv["gateway"], *auto], stack.log_dir / "gateway-auto.log")
-        clients = {"always": stack.client, "auto": Client(address)}
+        gateways, clients = {}, {"always": stack.client}
+        for arm, flags in auto.items():
+            gateways[arm], address = start_process([*stack.argv["gateway"], *flags], stack.log_dir / f"gateway-{arm}.log")
+            clients[arm] = Client(address)
         workloads = {arm: Workload(args, i) for i, arm in enumerate(ARMS)}
         try:
             for r in range(args.rounds):
                 plan = plan_round(args, r)
-                for arm in (ARMS if r % 2 == 0 else ARMS[::-1]):
+                for arm in ARMS[r % len(ARMS):] + ARMS[:r % len(ARMS)]:
                     turn_rows = run_turn(clients[arm], workloads[arm], plan, args)
                     rows += [{**row, "arm": arm, "round": r} for row in turn_rows]
                     print(f"round {r} {arm}:", json.dumps(summarize(turn_rows)["all"]), flush=True)
         finally:
-            clients["auto"].close()
-            stop_process(auto_gateway, stack.log_dir / "gateway-auto.log")
+            for arm, gateway in gateways.items():
+                clients[arm].close()
+                stop_process(gateway, stack.log_dir / f"gateway-{arm}.log")
     result = {"args": vars(args),
               "summary": {arm: summarize([row for row in rows if row["arm"] == arm and row["round"] > 0])
                           for arm in ARMS},
