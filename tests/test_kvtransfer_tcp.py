@@ -19,8 +19,9 @@ from splitserve.kvtransfer.base import (KVLayout, LayoutMismatchError, LeaseExpi
                              TransferAbortedError, TransferDescriptor, TransferError,
                              TransportUnavailableError, coalesce)
 from splitserve.kvtransfer.lease import LeaseTable, PageFence
-from splitserve.kvtransfer.transports import tcp
-from splitserve.kvtransfer.transports.tcp import TcpReceiver, TcpSender
+from splitserve.kvtransfer.transports import tcp, tcp_sender
+from splitserve.kvtransfer.transports.tcp import TcpReceiver
+from splitserve.kvtransfer.transports.tcp_sender import TcpSender
 from tests.kv_pools import QUANTIZED, random_pool
 
 REPO = Path(__file__).resolve().parents[1]
@@ -91,7 +92,7 @@ def test_pages_arrive_byte_exact(cleanup, dtype, bs, layers, fragmented):
     assert same_bytes(dst[:, :, dst_blocks], src[:, :, src_blocks])
     others = [b for b in range(blocks) if b not in dst_blocks]
     assert same_bytes(dst[:, :, others], before[:, :, others])  # nothing else touched
-    assert len(runs) == 1 if not fragmented else len(runs) >= tcp.PACK_MIN_RUNS
+    assert len(runs) == 1 if not fragmented else len(runs) >= tcp_sender.PACK_MIN_RUNS
     assert sender.num_copies == len(runs) * layers
     assert sender.num_frames == (layers if fragmented else len(runs) * layers)  # fragmented: one PACKED per layer
     assert sender.bytes_sent == 2 * n * layers * KVLayout.of_pool("m", src).page_bytes
@@ -164,7 +165,7 @@ def test_packed_pages_of_odd_sizes(cleanup, page_shape, dtype):
     receiver = receiver_for(cleanup, dst, leases)
     src_blocks, dst_blocks = [3, 4, 9, 1, 20, 21, 22], [0, 1, 5, 7, 10, 11, 23]
     sender, runs, _ = transfer(receiver, src, dst, leases, "odd", src_blocks, dst_blocks, cleanup)
-    assert len(runs) >= tcp.PACK_MIN_RUNS and sender.num_frames == 2
+    assert len(runs) >= tcp_sender.PACK_MIN_RUNS and sender.num_frames == 2
     assert same_bytes(dst[:, :, dst_blocks], src[:, :, src_blocks])
 
 
@@ -491,9 +492,10 @@ CHILD = """
 import sys, time, torch
 from splitserve.kvtransfer.base import KVLayout, TransferDescriptor
 from splitserve.kvtransfer.transports import tcp
+from splitserve.kvtransfer.transports.tcp_sender import TcpSender
 address, epoch = sys.argv[1], int(sys.argv[2])
 pool = torch.randn(2, 2, 16, 8, 2, 8)
-sender = tcp.TcpSender(address, pool)
+sender = TcpSender(address, pool)
 desc = TransferDescriptor("child", "tcp", address, (4, 5, 6), KVLayout.of_pool("m", pool), epoch, 0.0)
 sender.write(desc, 0, [(0, 4, 3)])
 sender.flush(desc)

@@ -10,7 +10,8 @@ from splitserve.engine.attention.page_order import (HEAD_MAJOR, TOKEN_MAJOR, ord
 from splitserve.kvtransfer.base import KVLayout, LayoutMismatchError, TransferDescriptor, coalesce
 from splitserve.kvtransfer.lease import LeaseTable, PageFence
 from splitserve.kvtransfer.transports.shm import ShmReceiver, ShmSender, create_shared_pool
-from splitserve.kvtransfer.transports.tcp import TcpReceiver, TcpSender
+from splitserve.kvtransfer.transports.tcp import TcpReceiver
+from splitserve.kvtransfer.transports.tcp_sender import TcpSender
 from tests.kv_pools import random_pool
 
 LAYERS, BLOCKS, BS, HEADS, ROW = 2, 6, 4, 3, 8

@@ -132,7 +132,7 @@ def sender_factories(pool: torch.Tensor, transports: Iterable[str], kv_key: byte
                 from splitserve.kvtransfer.transports.cuda_ipc import CudaIpcSender
                 return CudaIpcSender(address, pool)
             if name == "tcp":
-                from splitserve.kvtransfer.transports.tcp import TcpSender
+                from splitserve.kvtransfer.transports.tcp_sender import TcpSender
                 return TcpSender(address, pool, key=kv_key)
             from splitserve.kvtransfer.transports.nccl import NcclSender
             return NcclSender(address, pool, key=kv_key)

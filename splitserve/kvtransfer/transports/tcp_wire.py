@@ -1,4 +1,5 @@
-"""The tcp KV transport's frames: header layout, frame types, and reading exactly N bytes.
+"""The tcp KV transport's frames: header layout, frame types, reading exactly N bytes, and the byte
+views of pages both ends send and receive.
 
 Shared by the data path (``tcp``) and the connection handshake (``tcp_auth``); the format
 itself is described in ``splitserve/kvtransfer/transports/tcp.py``.
@@ -7,6 +8,10 @@ from __future__ import annotations
 
 import socket
 import struct
+
+import torch
+
+from splitserve.engine.attention.kv_quant import as_bytes
 
 MAGIC = b"SSKV"
 VERSION = 2
@@ -55,3 +60,22 @@ def recv_exact(sock: socket.socket, view: memoryview, idle_ok: bool = False) -> 
             raise PeerGone("connection closed by the peer" + (" in the middle of a frame" if got else ""))
         got += n
     return True
+
+
+def byte_view(t: torch.Tensor) -> memoryview:
+    """Writable bytes of a contiguous CPU tensor, no copy."""
+    return memoryview(t.reshape(-1).view(torch.uint8).numpy())
+
+
+def page_rows(t: torch.Tensor) -> torch.Tensor:
+    """[..., pages, bs, H, D] as one row of 16-byte elements per page where the strides allow (else ``t``):
+    index_select / index_copy_ move those bit for bit, several times faster than 2-byte elements."""
+    try:
+        return t.view(*t.shape[:-3], -1).view(torch.uint8).view(torch.complex128)
+    except RuntimeError:
+        return as_bytes(t)  # fp8 pages as bytes: CPU index_copy_ takes no fp8
+
+
+def flat_view(pool: torch.Tensor) -> memoryview | None:
+    """All bytes of a contiguous CPU pool (pages are sliced out by offset), else None."""
+    return byte_view(pool) if pool.is_contiguous() and pool.device.type == "cpu" else None
