@@ -164,7 +164,8 @@ def main() -> None:
                      role_args={"decode": decode_args}, metrics=False) as stack:
         gateways, clients = {}, {"always": stack.client}
         for arm, flags in auto.items():
-            gateways[arm], address = start_process([*stack.argv["gateway"], *flags], stack.log_dir / f"gateway-{arm}.log")
+            log = stack.log_dir / f"gateway-{arm}.log"
+            gateways[arm], address = start_process([*stack.argv["gateway"], *flags], log)
             clients[arm] = Client(address)
         workloads = {arm: Workload(args, i) for i, arm in enumerate(ARMS)}
         try:

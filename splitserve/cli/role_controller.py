@@ -260,7 +260,8 @@ class RoleController:
         if stage == "draining":
             if child.proc.poll() is None:
                 if now_s - since_s > self.drain_s:
-                    self.say(f"role controller: {child.spec.name} did not drain within {self.drain_s:.0f} s; killing it")
+                    self.say(f"role controller: {child.spec.name} did not drain within {self.drain_s:.0f} s; "
+                             "killing it")
                     child.process.kill()
                 return
             old = child.spec

@@ -113,7 +113,7 @@ def check_split(args) -> None:
     if prefill == decode:
         return
     from splitserve.kvtransfer.head_map import RESHARD_TRANSPORTS
-    named = [t.strip() for t in args.kv_transport.split(",")] if args.kv_transport != "auto" else list(RESHARD_TRANSPORTS)
+    named = RESHARD_TRANSPORTS if args.kv_transport == "auto" else [t.strip() for t in args.kv_transport.split(",")]
     if not set(named) & set(RESHARD_TRANSPORTS):
         raise SystemExit(f"--prefill-tensor-parallel-size {prefill} and --decode-tensor-parallel-size {decode} differ: "
                          f"KV is re-sharded by head over {', '.join(RESHARD_TRANSPORTS)} only, and --kv-transport "
@@ -133,8 +133,8 @@ class WorkerSpecs:
         # Worker processes share the cores: with more threads than cores they only contend
         # (measured: 1 thread each for prefill + decode on 2 cores halved TTFT at 2 req/s).
         # A tensor-parallel worker's ranks are processes too, each with the worker's thread count.
-        ranks = (shape.prefill * tensor_parallel_size(args, "prefill") + shape.decode * tensor_parallel_size(args, "decode")
-                 if shape.prefill or shape.decode else tensor_parallel_size(args, "both"))
+        ranks = (shape.prefill * tensor_parallel_size(args, "prefill")
+                 + shape.decode * tensor_parallel_size(args, "decode")) or tensor_parallel_size(args, "both")
         even = args.num_threads or max(1, (os.cpu_count() or 1) // max(1, ranks))
         self.threads = {"prefill": args.prefill_threads or even, "decode": args.decode_threads or even,
                         "both": args.decode_threads or even}

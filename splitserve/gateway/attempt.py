@@ -5,9 +5,10 @@
 queues the request, and neither does a decode worker that prefills the prompt itself
 (``--disaggregation``, splitserve/gateway/prefill_placement.py). **Running** sends the prompt
 and the pages' descriptor to a prefill worker, which writes the KV straight into them and
-returns the first token (streamed to the client at once); the decode worker then completes the handoff with the epoch and streams the rest. While
-the prefill is under way the attempt renews the reservation's lease, so a prompt that waits or
-computes longer than one lease keeps its pages; the lease only frees pages nobody drives.
+returns the first token (streamed to the client at once); the decode worker then completes the
+handoff with the epoch and streams the rest. While the prefill is under way the attempt renews
+the reservation's lease, so a prompt that waits or computes longer than one lease keeps its
+pages; the lease only frees pages nobody drives.
 
 ``run_attempt`` returns what the dispatcher has to do next: nothing (``None``: the request
 ended, its job is finished), ``Requeue`` (no room, or no usable workers yet: back in the
@@ -155,7 +156,8 @@ class _Attempt:
         self.lease_ttl_s = 0.0  # of the reservation (0: the worker does not say; nothing to renew)
         self.prompt: list[int] = []
         self.sampling = None
-        self.local_prefill: WorkerView | None = None  # the decode worker prefilling the prompt itself, until its first token
+        # The decode worker prefilling the prompt itself, until its first token (its local prefills' count).
+        self.local_prefill: WorkerView | None = None
 
     # ---- placing ------------------------------------------------------------------------
     async def place(self) -> bool:
@@ -190,8 +192,8 @@ class _Attempt:
             placement = await self._where_to_prefill(worker, cached.get(worker.worker_id), params.lora)
             if placement.local:
                 job.decode_worker = self.local_prefill = worker
-                self.directory.local_prefills[worker.worker_id] = self.directory.local_prefills.get(worker.worker_id,
-                                                                                                    0) + 1
+                prefills = self.directory.local_prefills
+                prefills[worker.worker_id] = prefills.get(worker.worker_id, 0) + 1
                 self._placed(placement)
                 return True
             try:
