@@ -89,8 +89,9 @@ class DisaggregationPolicy:
            that many requests or more ahead, and the decode worker prefills none of this
            gateway's prompts now: the remote prompt would wait longer than a local one takes. One
            at a time per decode worker; still, a long prompt computed there stalls its decodes
-           (TPOT p99 1.6-1.9x on a 1-thread decode worker, docs/performance.md), hence off by
-           default: it trades TPOT for TTFT when the prefill pool is overloaded; or
+           (TPOT p99 1.3-1.9x in the rounds where it fired, on a 1-thread decode worker:
+           docs/performance.md), hence off by default: it trades TPOT for TTFT when the
+           prefill pool is overloaded; or
         3. ``no_prefill_worker``: there is none to send it to;
 
         else (``long_prompt``) on a prefill worker."""
