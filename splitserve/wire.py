@@ -345,17 +345,20 @@ def prompt_from_request(req, vocab_size: int | None = None) -> tuple[str, object
 
 def struct_to_python(struct) -> dict:
     """A ``google.protobuf.Struct`` as the JSON object it was sent as: whole numbers come back
-    as ints (a Struct holds every number as a double; a chat template may ``range`` over one)."""
-    return _whole_numbers(json_format.MessageToDict(struct))
+    as ints (a Struct holds every number as a double; a chat template may ``range`` over one), and
+    every object's keys in sorted order. A Struct is a map: it keeps no order, and protobuf's map
+    iterates in an order of its own that changes from process to process, so the same tools sent
+    over gRPC rendered a different prompt in each gateway (and gave different greedy tokens)."""
+    return _canonical(json_format.MessageToDict(struct))
 
 
-def _whole_numbers(value):
+def _canonical(value):
     if isinstance(value, float) and value.is_integer():
         return int(value)
     if isinstance(value, dict):
-        return {k: _whole_numbers(v) for k, v in value.items()}
+        return {k: _canonical(value[k]) for k in sorted(value)}
     if isinstance(value, list):
-        return [_whole_numbers(v) for v in value]
+        return [_canonical(v) for v in value]
     return value
 
 

@@ -18,7 +18,8 @@ from splitserve.kvtransfer.base import (KVLayout, TransferAbortedError, Transfer
                              coalesce)
 from splitserve.kvtransfer.lease import LeaseTable, PageFence
 from splitserve.kvtransfer.transports import tcp, tcp_auth
-from splitserve.kvtransfer.transports.tcp import TcpReceiver, TcpSender
+from splitserve.kvtransfer.transports.tcp import TcpReceiver
+from splitserve.kvtransfer.transports.tcp_sender import TcpSender
 from splitserve.common.security import Security
 
 KEY = Security(token="the-internal-token").kv_key

@@ -442,3 +442,19 @@ def test_interceptor_maps_stream_after_messages(channel):
     with pytest.raises(grpc.RpcError) as info:
         list(channel.unary_stream("/test.Errors/StreamNotFound")(b"x", timeout=10))
     assert (info.value.code(), info.value.details()) == (grpc.StatusCode.NOT_FOUND, "no request r1")
+
+
+def test_a_struct_comes_back_with_sorted_keys_and_whole_numbers():
+    """A protobuf Struct keeps no key order and iterates its map in an order that changes from
+    process to process: tools sent over gRPC rendered a different chat prompt in each gateway.
+    They come back sorted at every level (26 keys: an unsorted order passing by chance is out of
+    the question), whole numbers as ints."""
+    from google.protobuf import struct_pb2
+    letters = [chr(c) for c in range(ord("z"), ord("a") - 1, -1)]
+    sent = {k: {"inner": {j: 1.0 for j in letters}, "n": 3.0, "x": 0.5} for k in letters}
+    struct = struct_pb2.Struct()
+    struct.update(sent)
+    back = wire.struct_to_python(struct)
+    assert list(back) == sorted(letters)
+    assert all(list(v) == ["inner", "n", "x"] and list(v["inner"]) == sorted(letters) for v in back.values())
+    assert back["q"]["n"] == 3 and type(back["q"]["n"]) is int and back["q"]["x"] == 0.5
