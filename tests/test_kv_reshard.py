@@ -59,14 +59,16 @@ def four_kv_heads(tmp_path_factory):
                            head_dim=8)
 
 
-@pytest.mark.parametrize("transport", ["shm", "tcp"])
-@pytest.mark.parametrize("prefill_tp, decode_tp", [(1, 2), (2, 1), (2, 4)])
+# 2 -> 4 over shm only: six rank processes on two cores are the suite's slowest handoff, and tcp's
+# head ranges (a destination head offset included) are covered by 2 -> 1.
+@pytest.mark.parametrize("prefill_tp, decode_tp, transport", [(1, 2, "shm"), (1, 2, "tcp"), (2, 1, "shm"),
+                                                              (2, 1, "tcp"), (2, 4, "shm")])
 def test_differently_split_workers_hand_off_exactly(prefill_tp, decode_tp, transport, four_kv_heads, hf_reference,
                                                     private_shm):
     with connected(config(four_kv_heads, tensor_parallel_size=decode_tp), transport,
                    config(four_kv_heads, tensor_parallel_size=prefill_tp, max_num_batched_tokens=24),
                    verify_checksum=True) as (prefill, decode):
-        prompts = mixed_prompts(4, seed=prefill_tp * 10 + decode_tp, lo=3, hi=45)
+        prompts = mixed_prompts(3, seed=prefill_tp * 10 + decode_tp, lo=3, hi=45)
         outputs, _ = handoff(prefill, decode, prompts)
         ref = hf_reference(four_kv_heads)
         assert [o.token_ids for o in outputs] == [ref.greedy(p, 8) for p in prompts]
@@ -78,20 +80,19 @@ def test_differently_split_workers_hand_off_exactly(prefill_tp, decode_tp, trans
 
 def test_a_checksum_is_sent_where_decode_rank_0_holds_only_prefill_rank_0s_heads(four_kv_heads, private_shm):
     """1 -> 2: decode rank 0's heads are all on prefill rank 0, so its checksum goes with the first
-    token (and ``complete`` checks it). 2 -> 1: decode rank 0 holds both prefill ranks' heads: none."""
-    for prefill_tp, decode_tp, expect in [(1, 2, True), (2, 1, False)]:
-        with connected(config(four_kv_heads, tensor_parallel_size=decode_tp), "shm",
-                       config(four_kv_heads, tensor_parallel_size=prefill_tp), verify_checksum=True) as (prefill, decode):
-            prompt = list(range(3, 30))
-            desc = decode.reserve("c0", len(prompt))
-            prefill.start("c0", prompt, GREEDY, desc)
-            results = []
-            while not results:
-                results = prefill.step()
-            assert results[0].error is None and (results[0].checksum is not None) == expect
-            decode.complete("c0", results[0].epoch, prompt, GREEDY, results[0].first_token,
-                            checksum=results[0].checksum)
-            assert decode.abort("c0")
+    token and ``complete`` checks it. (2 -> 1, where decode rank 0 also holds prefill rank 1's heads,
+    sends none: a checksum there would fail ``complete`` in the hand-off test above.)"""
+    with connected(config(four_kv_heads, tensor_parallel_size=2), "shm",
+                   config(four_kv_heads), verify_checksum=True) as (prefill, decode):
+        prompt = list(range(3, 30))
+        desc = decode.reserve("c0", len(prompt))
+        prefill.start("c0", prompt, GREEDY, desc)
+        results = []
+        while not results:
+            results = prefill.step()
+        assert results[0].error is None and results[0].checksum is not None
+        decode.complete("c0", results[0].epoch, prompt, GREEDY, results[0].first_token, checksum=results[0].checksum)
+        assert decode.abort("c0")
 
 
 def test_resharding_over_nccl_is_refused_before_a_byte_moves(four_kv_heads):

@@ -64,7 +64,7 @@ def test_a_one_rank_prefill_worker_hands_off_to_a_two_rank_decode_worker(tiny_mo
         assert len(ranks_of(st.procs[st.names("decode")[0]].pid)) == 1
         assert not ranks_of(st.procs[st.names("prefill")[0]].pid)
         baseline = st.free_pages()
-        streams = run_streams(st, "tp-1to2", mixed_prompts(6, seed=24, lo=5, hi=90), max_tokens=12)
+        streams = run_streams(st, "tp-1to2", mixed_prompts(4, seed=24, lo=5, hi=90), max_tokens=8)
         join_all(streams)
         assert_all_match(streams, reference)
         wait_pages_at_baseline(st, baseline)
