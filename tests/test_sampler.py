@@ -15,8 +15,10 @@ from splitserve.engine.sampler import (
     SamplingRow,
     apply_min_tokens,
     apply_penalties,
+
 )
 from splitserve.engine.sampling_params import SamplingParams
+from splitserve.engine.token_draw import inverse_cdf
 
 EOS = 0
 
@@ -401,6 +403,33 @@ def test_empirical_distribution_matches(kw, keep):
     assert torch.allclose(freq, probs, atol=0.03), (freq, probs)
     assert freq[probs == 0].sum() == 0
 
+
+def test_inverse_cdf_picks_the_slice_holding_u_and_never_an_empty_one():
+    # Masses 0, 0.25, 0, 0.5, 0.25, 0 (unnormalised x4): slices [0, .25) -> 1, [.25, .75) -> 3, [.75, 1) -> 4.
+    probs = torch.tensor([[0.0, 1.0, 0.0, 2.0, 1.0, 0.0]]).expand(7, -1)
+    u = torch.tensor([0.0, 0.2499, 0.25, 0.7499, 0.75, 0.9999, 1.0 - 2.0 ** -24])
+    assert inverse_cdf(probs, u).tolist() == [1, 1, 3, 3, 4, 4, 4]
+    # A row whose mass is all on its last token, and one whose mass is all on its first.
+    edge = torch.tensor([[0.0, 0.0, 3.0], [3.0, 0.0, 0.0]])
+    for value in (0.0, 0.5, 1.0 - 2.0 ** -24):
+        assert inverse_cdf(edge, torch.full((2,), value)).tolist() == [2, 0]
+
+
+
+def test_inverse_cdf_across_blocks_matches_the_distribution():
+    # 1,000 tokens: four blocks of 256, the last one padded; mass on both sides of a block
+    # boundary (255, 256), deep inside blocks and on the very last token. Uniforms on an even grid
+    # give each token a count within one of its share.
+    vocab, masses = 1000, {3: 0.1, 255: 0.2, 256: 0.15, 600: 0.05, 700: 0.3, 999: 0.2}
+    probs = torch.zeros(vocab)
+    for token, mass in masses.items():
+        probs[token] = mass
+    grid = 20_000
+    u = (torch.arange(grid, dtype=torch.float64) + 0.5) / grid
+    counts = torch.bincount(inverse_cdf(probs.expand(grid, -1), u.float()), minlength=vocab)
+    assert set(counts.nonzero().flatten().tolist()) == set(masses)
+    for token, mass in masses.items():
+        assert abs(int(counts[token]) - mass * grid) <= 1, (token, int(counts[token]))
 
 # ----------------------------------------------------------------------------------------
 # Penalties and min_tokens

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from splitserve.engine.sampler import Sampler, SamplingRow, logprob_entries
+from splitserve.engine.sampler import Sampler, SamplingRow, logprob_entries, row_uniforms
 from splitserve.engine.scheduler import SampledToken, ScheduledChunk
 
 
@@ -87,8 +87,8 @@ def _verify_random(sampler, logits, rows, chunks, spans, result) -> None:
     empty = residual.sum(dim=-1, keepdim=True) <= 0
     residual = torch.where(empty, p, residual)
     generators = [r.generator for r in sub_rows]
-    u = _uniforms(generators, has.tolist(), sampler.generator, dev)
-    fallback = sampler.race(residual, generators)
+    u = row_uniforms(generators, has.tolist(), sampler.generator, dev)
+    fallback = sampler.draw(residual, generators)
     keep = (u < accept).tolist()
     proposal_l = proposal.tolist()
     tokens_per_chunk = []
@@ -122,22 +122,6 @@ def _draft_rows(chunks, spans, p: torch.Tensor) -> torch.Tensor | None:
         parts.append(q.to(p.device, torch.float32))
         parts.append(torch.zeros(1, p.shape[1], device=p.device))
     return torch.cat(parts)
-
-
-def _uniforms(generators: list, wanted: list[bool], shared: torch.Generator | None, dev) -> torch.Tensor:
-    """One U[0, 1) per row that verifies a proposal (1.0 elsewhere: never compared): from the
-    row's own generator when it has one (a seeded request stays reproducible), else from the
-    sampler's shared one. A row without a proposal draws nothing here, so a request's random
-    stream does not depend on whether other requests speculated in the same step."""
-    u = torch.ones(len(generators))
-    shared_rows = [i for i, (g, w) in enumerate(zip(generators, wanted)) if w and g is None]
-    if shared_rows:
-        u[shared_rows] = torch.rand(len(shared_rows), generator=shared,
-                                    device="cpu" if shared is None else shared.device).cpu()
-    for i, (g, w) in enumerate(zip(generators, wanted)):
-        if w and g is not None:
-            u[i] = torch.rand(1, generator=g, device=g.device).item()
-    return u.to(dev)
 
 
 def _emit(work, rows, chunks, spans, tokens_per_chunk, result) -> None:

@@ -23,13 +23,14 @@ Processing order for every row (as vLLM):
    not the truncated sampling distribution; a token masked in step 2 has logprob ``-inf``);
 4. greedy rows (``params.is_greedy``): ``argmax`` of those logits (torch's tie breaking, so
    greedy output matches transformers' greedy ``generate``);
-5. random rows: divide by temperature, then top-k, top-p, min-p filtering, then sample with
-   the exponential race ``argmax(probs / q)``, ``q ~ Exp(1)`` i.i.d. per vocabulary entry.
+5. random rows: divide by temperature, then top-k, top-p, min-p filtering, then draw by the
+   inverse of the row's cumulative distribution, one uniform per row
+   (``splitserve.engine.token_draw``, which says why not vLLM's exponential race).
 
-Reproducibility: the noise ``q`` of a row whose ``generator`` is set is drawn from that
-generator alone ([vocab] values per random step), and all other operations are row-local, so
-a seeded request produces the same tokens whatever else is in the batch and wherever it sits.
-Rows without a generator share the sampler's ``generator`` (torch's default RNG if None).
+Reproducibility: the uniform of a row whose ``generator`` is set is drawn from that generator
+alone (one value per random step), and all other operations are row-local, so a seeded request
+produces the same tokens whatever else is in the batch and wherever it sits. Rows without a
+generator share the sampler's ``generator`` (torch's default RNG if None).
 
 Top-k keeps every token whose logit is >= the k-th largest logit (ties at the boundary are
 all kept); top-p keeps the smallest set of highest-probability tokens whose mass is >= top_p
@@ -47,6 +48,7 @@ import torch
 
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.grammar import Grammar, apply_grammar_bitmask
+from splitserve.engine.token_draw import inverse_cdf, row_uniforms
 
 __all__ = [
     "SamplingRow",
@@ -345,11 +347,10 @@ class Sampler:
         probs = self._filtered_probs(work, rows, list(range(len(rows))))
         return probs.div_(probs.sum(dim=-1, keepdim=True))
 
-    def race(self, probs: torch.Tensor, generators: list) -> list[int]:
+    def draw(self, probs: torch.Tensor, generators: list) -> list[int]:
         """One token per row of ``probs`` (need not be normalised), drawn as ``_sample`` draws."""
-        n, vocab = probs.shape
-        neg_q = self._neg_exp_noise(n, vocab, probs.device, generators)
-        return (probs / neg_q).argmin(dim=-1).tolist()
+        u = row_uniforms(generators, [True] * len(generators), self.generator, probs.device)
+        return inverse_cdf(probs, u).tolist()
 
     def _sample(
         self, logits: torch.Tensor, rows: list[SamplingRow], row_ids: list[int]
@@ -360,12 +361,9 @@ class Sampler:
         Every filter reduces to a per-row threshold, and each row's threshold depends only on
         that row's own logits and parameters, never on the other rows in the batch.
         """
-        n, vocab = logits.shape
         probs = self._filtered_probs(logits, rows, row_ids)
-        # Exponential race: argmax(probs / q), q ~ Exp(1) i.i.d.  (probs need not sum to 1.)
-        # _neg_exp_noise returns -q (<= -tiny), so the winner is argmin(probs / -q).
-        neg_q = self._neg_exp_noise(n, vocab, logits.device, [rows[i].generator for i in row_ids])
-        return probs.div_(neg_q).argmin(dim=-1)
+        generators = [rows[i].generator for i in row_ids]
+        return inverse_cdf(probs, row_uniforms(generators, [True] * len(row_ids), self.generator, logits.device))
 
     def _filtered_probs(
         self, logits: torch.Tensor, rows: list[SamplingRow], row_ids: list[int]
@@ -440,28 +438,3 @@ class Sampler:
             mp_t = torch.tensor(mps, dtype=torch.float32, device=dev).unsqueeze(1)
             probs.masked_fill_(probs < mp_t * probs.amax(dim=-1, keepdim=True), 0.0)
         return probs
-
-    def _neg_exp_noise(self, n: int, vocab: int, dev, generators: list) -> torch.Tensor:
-        """[n, vocab] tensor of -q, q ~ Exp(1) i.i.d.; row j uses ``generators[j]`` when set.
-
-        q = -log(u), u ~ U[0, 1) (cheaper than ``exponential_`` on CPU).  The value is
-        clamped to <= -tiny so it is never 0 (no 0/0).  Each seeded row draws exactly
-        ``vocab`` uniforms from its own generator per random step.
-        """
-        u = torch.empty(n, vocab, dtype=torch.float32, device=dev)
-        unseeded = [j for j, g in enumerate(generators) if g is None]
-        if len(unseeded) == n:
-            u.uniform_(generator=self.generator)
-        else:
-            for j, g in enumerate(generators):
-                if g is None:
-                    continue
-                if g.device == u.device:
-                    u[j].uniform_(generator=g)
-                else:  # e.g. a CPU generator with CUDA logits
-                    u[j].copy_(torch.empty(vocab, device=g.device).uniform_(generator=g))
-            if unseeded:
-                u_idx = _ids_tensor(unseeded, dev)
-                draw = torch.empty(len(unseeded), vocab, device=dev)
-                u[u_idx] = draw.uniform_(generator=self.generator)
-        return u.log_().clamp_(max=-torch.finfo(torch.float32).tiny)

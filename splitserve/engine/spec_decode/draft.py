@@ -117,6 +117,6 @@ class DraftProposer(Proposer):
         if random:
             rows = [SamplingRow(chunks[i].request.sampling_params, [], [], chunks[i].request.generator) for i in random]
             q = self.sampler.sampling_probs(stacked[random], rows)
-            for j, (i, t) in enumerate(zip(random, self.sampler.race(q, [r.generator for r in rows]))):
+            for j, (i, t) in enumerate(zip(random, self.sampler.draw(q, [r.generator for r in rows]))):
                 tokens[i], qs[i] = t, q[j]
         return tokens, qs
