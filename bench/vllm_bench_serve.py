@@ -55,7 +55,17 @@ FIGURES = ("completed", "failed", "duration", "total_output_tokens", "output_thr
 
 # The stack issue's aims: (system, figure) -> the most splitserve / vLLM may be.
 AIMS = {("colocated", "median_ttft_ms"): 1.0, ("colocated", "p99_ttft_ms"): 1.0, ("colocated", "median_tpot_ms"): 1.0,
-        ("disaggregated", "p99_tpot_ms"): 1.0, ("disaggregated", "p99_ttft_ms"): 1.5}
+        ("disaggregated", "p99_tpot_ms"): 1.0, ("disaggregated", "p99_ttft_ms"): 1.5,
+        ("disaggregated-auto", "p99_tpot_ms"): 1.0, ("disaggregated-auto", "p99_ttft_ms"): 1.5}
+
+# splitserve's stacks by name (``--systems``; ``--stack NAME=FLAGS`` adds one). ``disaggregated-auto``
+# is a disaggregated stack whose gateway prefills on the decode worker when that is cheaper
+# (splitserve/gateway/prefill_placement.py): a prompt of at most 64 tokens, or any prompt while the
+# prefill worker has one ahead (one such prompt at a time), so on a small box the second core
+# takes a prompt that would queue behind another.
+STACKS = {"colocated": COLOCATED, "disaggregated": DISAGG,
+          "disaggregated-auto": [*DISAGG, "--disaggregation", "auto", "--local-prefill-tokens", "64",
+                                 "--prefill-queue-limit", "1"]}
 
 
 def cpu_flags() -> list[str]:
@@ -214,7 +224,10 @@ def main(argv=None) -> int:
     parser.add_argument("--kv-cache-memory-gb", type=float, default=1.0)
     parser.add_argument("--num-gpu-blocks", type=int, default=0)
     parser.add_argument("--max-model-len", type=int, default=4096, help="vLLM's limit (capped at the model's)")
-    parser.add_argument("--systems", default="vllm,colocated,disaggregated")
+    parser.add_argument("--systems", default="vllm,colocated,disaggregated",
+                        help=f"vllm and any of: {', '.join(STACKS)} (and those --stack names)")
+    parser.add_argument("--stack", action="append", default=[], metavar="NAME=FLAGS",
+                        help="another splitserve stack: `up` with these flags (repeatable)")
     parser.add_argument("--result-dir", default="", help="where the client's own result files go (default: a temp dir)")
     parser.add_argument("--out", default="bench/results/vllm_bench_serve.json")
     args = parser.parse_args(argv)
@@ -228,8 +241,16 @@ def main(argv=None) -> int:
     names = args.systems.split(",")
     result_dir = args.result_dir or tempfile.mkdtemp(prefix="vllm-bench-serve-")
 
-    stacks = [UpProcess(name, [*engine_args(args), *flags, "--metrics-port", "0"])
-              for name, flags in (("colocated", COLOCATED), ("disaggregated", DISAGG)) if name in names]
+    known = dict(STACKS)
+    for spec in args.stack:
+        name, _, flags = spec.partition("=")
+        if not name or not flags:
+            parser.error(f"--stack wants NAME=FLAGS, got {spec!r}")
+        known[name] = flags.split()
+    unknown = [name for name in names if name != "vllm" and name not in known]
+    if unknown:
+        parser.error(f"unknown systems {unknown}: vllm, {', '.join(known)}")
+    stacks = [UpProcess(name, [*engine_args(args), *known[name], "--metrics-port", "0"]) for name in names if name != "vllm"]
     server = VllmServer(args.peer_python, model_dir, args.dtype, min(args.max_model_len, model_max_len)) \
         if "vllm" in names else None
     load = LoadSampler().start()
