@@ -37,10 +37,12 @@ def build(model: str, dtype: str, mode: str, batches: list[int], contexts: list[
     return llm, time.perf_counter() - start
 
 
-def measure(llm, batch: int, context: int, steps: int) -> float:
+def measure(llm, batch: int, context: int, steps: int, temperature: float = 0.0) -> tuple[float, dict[str, float]]:
+    """The median step time (s) and the mean time per step of each phase (ms; the engine's own
+    timers, splitserve/engine/step_phases.py) over the timed steps."""
     from splitserve.engine import SamplingParams
     engine = llm.engine
-    params = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True)
+    params = SamplingParams(temperature=temperature, max_tokens=steps + 8, ignore_eos=True)
     vocab = llm.engine.vocab_size
     ids = []
     for i in range(batch):
@@ -53,15 +55,18 @@ def measure(llm, batch: int, context: int, steps: int) -> float:
     try:
         for _ in range(2):
             engine.step()
+        phases = engine.runner.phases
+        before = phases.seconds()
         times = []
         for _ in range(steps):
             start = time.perf_counter()
             engine.step()
             times.append(time.perf_counter() - start)
+        after = phases.seconds()
     finally:
         for rid in ids:
             engine.abort_request(rid)
-    return median(times)
+    return median(times), {phase: 1000 * (after[phase] - before[phase]) / steps for phase in after}
 
 
 def main(argv=None) -> int:
@@ -73,6 +78,7 @@ def main(argv=None) -> int:
     parser.add_argument("--contexts", default="200,1000")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--modes", default="compiled", help="compiled, eager or both (comma-separated)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy; above 0: random sampling")
     args = parser.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
     contexts = [int(c) for c in args.contexts.split(",")]
@@ -88,19 +94,24 @@ def main(argv=None) -> int:
         for batch in batches:
             cell = {"batch": batch, "context": context}
             for mode, (llm, _) in engines.items():
-                step_s = measure(llm, batch, context, args.steps)
+                step_s, phase_ms = measure(llm, batch, context, args.steps, args.temperature)
                 cell[f"{mode}_ms"] = 1000 * step_s
                 cell[f"{mode}_us_per_seq"] = 1e6 * step_s / batch
-            print("  ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in cell.items()),
+                # Host work: everything but the forward (schedule, inputs, sampling, update).
+                cell[f"{mode}_host_ms"] = sum(ms for phase, ms in phase_ms.items() if phase != "forward")
+                cell[f"{mode}_phase_ms"] = phase_ms
+            print("  ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in cell.items()
+                            if not isinstance(v, dict)),
                   flush=True)
             cells.append(cell)
     write_json(args.out, {
         "benchmark": "step_time",
         "config": {"model": args.model, "dtype": str(engines[modes[0]][0].engine.runner.dtype), "modes": modes,
-                   "steps": args.steps, "batches": batches, "contexts": contexts,
+                   "steps": args.steps, "batches": batches, "contexts": contexts, "temperature": args.temperature,
                    "startup_s": {m: e[1] for m, e in engines.items()},
                    "compile_s": {m: e[0].engine.runner.forward.warmup_s for m, e in engines.items()}},
-        "method": "decode steps over pages already holding `context` tokens; median engine.step() time",
+        "method": "decode steps over pages already holding `context` tokens; median engine.step() time; "
+                  "host_ms: the mean of every phase but the forward, by the engine's phase timers",
         "cells": cells,
     })
     return 0
