@@ -79,8 +79,11 @@ def test_a_spec_past_the_time_limit_is_refused_and_its_compile_still_kept(tokeni
         assert "sampling.structured_output.regex" in str(refused.value)
         assert "--grammar-compile-timeout-s" in str(refused.value)
         # The thread cannot be stopped: its compile ends and is cached, so a retry is quick.
+        # Wait for the preparer to see it end too: the thread caches the grammar before its
+        # future's completion reaches this loop, and a retry in between joins that finished
+        # compile (quick as well, but not a cache hit: the count below would be 0).
         for _ in range(1200):
-            if spec.key in recorder.compiler._cache:
+            if spec.key in recorder.compiler._cache and spec.key not in preparer._compiling:
                 break
             await asyncio.sleep(0.1)
         assert spec.key in recorder.compiler._cache
