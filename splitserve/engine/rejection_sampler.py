@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import torch
 
-from splitserve.engine.sampler import Sampler, SamplingRow, logprob_entries, row_uniforms
+from splitserve.engine.sampler import Sampler, SamplingRow, logprob_entries
 from splitserve.engine.scheduler import SampledToken, ScheduledChunk
+from splitserve.engine.token_draw import row_uniforms
 
 
 def verify(sampler: Sampler, logits: torch.Tensor, chunks: list[ScheduledChunk]) -> dict[str, list[SampledToken]]:
@@ -87,7 +88,7 @@ def _verify_random(sampler, logits, rows, chunks, spans, result) -> None:
     empty = residual.sum(dim=-1, keepdim=True) <= 0
     residual = torch.where(empty, p, residual)
     generators = [r.generator for r in sub_rows]
-    u = row_uniforms(generators, has.tolist(), sampler.generator, dev)
+    u = row_uniforms(generators, sampler.generator, dev, wanted=has.tolist())
     fallback = sampler.draw(residual, generators)
     keep = (u < accept).tolist()
     proposal_l = proposal.tolist()

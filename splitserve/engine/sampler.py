@@ -349,8 +349,7 @@ class Sampler:
 
     def draw(self, probs: torch.Tensor, generators: list) -> list[int]:
         """One token per row of ``probs`` (need not be normalised), drawn as ``_sample`` draws."""
-        u = row_uniforms(generators, [True] * len(generators), self.generator, probs.device)
-        return inverse_cdf(probs, u).tolist()
+        return inverse_cdf(probs, row_uniforms(generators, self.generator, probs.device)).tolist()
 
     def _sample(
         self, logits: torch.Tensor, rows: list[SamplingRow], row_ids: list[int]
@@ -363,7 +362,7 @@ class Sampler:
         """
         probs = self._filtered_probs(logits, rows, row_ids)
         generators = [rows[i].generator for i in row_ids]
-        return inverse_cdf(probs, row_uniforms(generators, [True] * len(row_ids), self.generator, logits.device))
+        return inverse_cdf(probs, row_uniforms(generators, self.generator, logits.device))
 
     def _filtered_probs(
         self, logits: torch.Tensor, rows: list[SamplingRow], row_ids: list[int]

@@ -4,7 +4,7 @@ cumulative distribution (``inverse_cdf``).
 
 Why not vLLM's exponential race (``argmax(probs / q)``, ``q ~ Exp(1)`` for every vocabulary
 entry): on a CPU torch draws random numbers one at a time (mt19937, ~3 ns each), so a
-[32, 49152] race spent ~12 ms a step on its noise (docs/performance.md, "Random sampling").
+[32, 49152] race spent ~12 ms a step on its noise (docs/performance.md, "Host work in a step, and random sampling").
 The race exists to spare a GPU a device-to-host sync; the sampled ids go to the host anyway.
 """
 from __future__ import annotations
@@ -12,11 +12,13 @@ from __future__ import annotations
 import torch
 
 
-def row_uniforms(generators: list, wanted: list[bool], shared: torch.Generator | None, dev) -> torch.Tensor:
-    """One U[0, 1) per row where ``wanted`` (1.0 elsewhere): from the row's own generator when it
+def row_uniforms(generators: list, shared: torch.Generator | None, dev, wanted: list[bool] | None = None) -> torch.Tensor:
+    """One U[0, 1) per row where ``wanted`` (every row if None; 1.0 elsewhere): from the row's own generator when it
     has one (a seeded request stays reproducible), else from the sampler's shared one (torch's
     default RNG if None). A row not wanted draws nothing, so a request's random stream does not
     depend on what the other rows of the step did."""
+    if wanted is None:
+        wanted = [True] * len(generators)
     u = torch.ones(len(generators))
     shared_rows = [i for i, (g, w) in enumerate(zip(generators, wanted)) if w and g is None]
     if shared_rows:
