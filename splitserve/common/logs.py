@@ -7,8 +7,10 @@ with the others on ``request_id``.
 from __future__ import annotations
 
 import contextvars
+import faulthandler
 import json
 import logging
+import signal
 import sys
 import time
 
@@ -47,3 +49,6 @@ def configure(level: str, fmt: str, process_name: str) -> None:
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
+    # `kill -USR1 <pid>` writes every thread's Python stack to stderr: what a process that does
+    # not stop (or answers nothing) is waiting on, without a debugger in the container.
+    faulthandler.register(signal.SIGUSR1, all_threads=True)

@@ -24,7 +24,7 @@ import time
 from typing import Awaitable, Callable
 
 from splitserve.gateway.ledger import OUTAGE
-from splitserve.common.aio import cancel_and_wait
+from splitserve.common.aio import cancel_and_wait, wait_for
 
 log = logging.getLogger(__name__)
 
@@ -162,11 +162,8 @@ class ClaimLoop:
 
 
 async def _wait(event: asyncio.Event, timeout_s: float) -> None:
-    # Not asyncio.wait_for: on Python 3.11 it swallows a cancel that arrives as the event is set
-    # (it returns the result instead), and the loop's stop() then waited forever.
     try:
-        async with asyncio.timeout(timeout_s):
-            await event.wait()
+        await wait_for(event.wait(), timeout_s)  # not asyncio's (splitserve.common.aio.wait_for says why)
     except TimeoutError:
         pass
 

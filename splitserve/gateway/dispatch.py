@@ -28,7 +28,7 @@ from splitserve.gateway.job import Finished, Job, JobState, cancelled, unavailab
 from splitserve.gateway.ledger import Ledger
 from splitserve.gateway.watchdog import Watchdog, end_if_ended_elsewhere
 from splitserve.gateway.workers import WorkerDirectory
-from splitserve.common.aio import spawn
+from splitserve.common.aio import spawn, wait_for
 from splitserve.common.errors import Unavailable
 
 log = logging.getLogger(__name__)
@@ -216,6 +216,6 @@ class Dispatcher:
         await self.claims.stop()
         await self.watchdog.stop()
         try:
-            await asyncio.wait_for(self.state.gateway_leave(self.gateway_id), 2)
+            await wait_for(self.state.gateway_leave(self.gateway_id), 2)
         except Exception as e:
             log.warning("could not leave the gateway registry: %s", e)

@@ -19,6 +19,7 @@ import json
 import logging
 import sys
 
+from splitserve.common.aio import wait_for
 from splitserve.common.errors import InvalidArgument, Unavailable
 from splitserve.common.processes import die_with_parent
 from splitserve.engine.structured_output import StructuredOutput
@@ -67,7 +68,7 @@ class GrammarChecker:
             try:
                 proc.stdin.write(line.encode())
                 await proc.stdin.drain()
-                answer = await asyncio.wait_for(proc.stdout.readline(), self.timeout_s)
+                answer = await wait_for(proc.stdout.readline(), self.timeout_s)
             except asyncio.TimeoutError:
                 log.warning("a structured_output.%s took over %.0f s to compile; refused, checker restarted",
                             kind, self.timeout_s)
@@ -87,7 +88,7 @@ class GrammarChecker:
                 sys.executable, "-m", "splitserve.engine.grammar_server", stdin=asyncio.subprocess.PIPE,
                 stdout=asyncio.subprocess.PIPE, limit=2**20, preexec_fn=die_with_parent())
             try:
-                ready = await asyncio.wait_for(self._proc.stdout.readline(), START_TIMEOUT_S)
+                ready = await wait_for(self._proc.stdout.readline(), START_TIMEOUT_S)
             except asyncio.TimeoutError:
                 ready = b""
             if not ready:

@@ -14,6 +14,8 @@ import time
 import uuid
 from pathlib import Path
 
+from splitserve.common.aio import wait_for
+
 log = logging.getLogger(__name__)
 
 SERVICE = "splitserve.v1.Generation"  # also its readiness name (splitserve.common.grpc_server)
@@ -184,7 +186,7 @@ async def _shutdown(args, monitor, servicer, dispatcher, http, server, backpress
             continue
         step_started = time.monotonic()
         try:
-            await asyncio.wait_for(step, STOP_STEP_LIMIT_S)
+            await wait_for(step, STOP_STEP_LIMIT_S)
         except asyncio.TimeoutError:
             log.error("shutdown: stopping the %s took over %g s; going on without it", name, STOP_STEP_LIMIT_S)
         else:

@@ -19,6 +19,7 @@ from concurrent.futures import Future
 from typing import Any, Callable
 
 from splitserve.engine.openmp import ComputeHandover
+from splitserve.common.aio import wait_for
 from splitserve.common.errors import Unavailable
 
 log = logging.getLogger(__name__)
@@ -87,7 +88,7 @@ class EngineLoop:
         if must_run:
             future.add_done_callback(_retrieved)  # nobody may be left to read its error
             future = asyncio.shield(future)
-        return await asyncio.wait_for(future, timeout)
+        return await wait_for(future, timeout)
 
     def subscribe(self, request_id: str) -> asyncio.Queue:
         """Events for ``request_id`` from now on, on the calling event loop; call before the
@@ -215,7 +216,7 @@ async def next_event(events: asyncio.Queue, timeout: float | None = None) -> Any
     """The next event of a subscription; an exception published by the loop (the engine died)
     is raised here. ``asyncio.TimeoutError`` after ``timeout`` seconds. No polling: a caller
     that goes away cancels the awaiting handler task."""
-    event = await asyncio.wait_for(events.get(), timeout)
+    event = await wait_for(events.get(), timeout)
     if isinstance(event, BaseException):
         raise event
     return event

@@ -11,7 +11,7 @@ import asyncio
 import logging
 from typing import Awaitable, Callable
 
-from splitserve.common.aio import cancel_and_wait
+from splitserve.common.aio import cancel_and_wait, wait_for
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +61,7 @@ class Heartbeat:
         """Stop beating and leave the registry at once (graceful shutdown)."""
         await cancel_and_wait(self._task)
         try:
-            await asyncio.wait_for(self.state.deregister(self.worker_id), 5)
+            await wait_for(self.state.deregister(self.worker_id), 5)
         except Exception as e:
             log.warning("deregister failed: %s", e)
 

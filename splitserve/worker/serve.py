@@ -13,6 +13,7 @@ import asyncio
 import logging
 import time
 
+from splitserve.common.aio import wait_for
 from splitserve.common.gc_heap import freeze_startup_heap
 from splitserve.common.grpc_server import advertised, set_dead, set_health, start_server, stop_event
 from splitserve.common.security import Security
@@ -87,7 +88,7 @@ async def _serve(servicer: WorkerServicer, add_to_server, service_name: str, arg
     code = 0
     while not stop.is_set():
         try:
-            await asyncio.wait_for(stop.wait(), WATCH_S)
+            await wait_for(stop.wait(), WATCH_S)
         except asyncio.TimeoutError:
             pass
         if not servicer.loop.alive:  # a dead engine must not keep answering SERVING

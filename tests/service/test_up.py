@@ -3,6 +3,7 @@ import json
 import os
 import signal
 import subprocess
+import time
 
 import psutil
 import pytest
@@ -14,7 +15,8 @@ from tests.harness.up import start_up
 @pytest.fixture(scope="module")
 def up(tiny_model_dirs, tmp_path_factory):
     with start_up(["--model", str(tiny_model_dirs["llama"]), "--dtype", "float32", "--block-size", "8",
-                   "--num-gpu-blocks", "128", "--prefill", "1", "--decode", "1"],
+                   "--num-gpu-blocks", "128", "--prefill", "1", "--decode", "1",
+                   "--child-log-level", "INFO"],  # each child's shutdown in up.log, for a failure's message
                   tmp_path_factory.mktemp("up")) as running:
         yield running
 
@@ -63,4 +65,10 @@ def test_kill_9_of_up_leaves_no_orphan(up):
     os.kill(up.proc.pid, signal.SIGKILL)
     up.proc.wait(timeout=10)
     gone, alive = psutil.wait_procs(children, timeout=30)
-    assert not alive, [p.cmdline()[:4] for p in alive]
+    if alive:  # what each survivor is doing: its stacks (SIGUSR1, splitserve/common/logs.py) and its log
+        names = {pid: name for name, pid in up.pids.items()}
+        for proc in alive:
+            os.kill(proc.pid, signal.SIGUSR1)
+        time.sleep(2)
+        pytest.fail(f"still running 30 s after up's kill -9: {[names.get(p.pid, p.cmdline()[:4]) for p in alive]}\n"
+                    f"{up.log()[-12000:]}")

@@ -11,6 +11,8 @@ import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from splitserve.common.aio import wait_for
+
 
 # Kernel send buffer of each HTTP connection: SSE events are small; this is many of them.
 SEND_BUFFER_BYTES = 64 * 1024
@@ -60,7 +62,7 @@ class BodyLimits:
         deadline = loop.time() + self.timeout_s
         while True:
             try:
-                message = await asyncio.wait_for(receive(), max(0.0, deadline - loop.time()))
+                message = await wait_for(receive(), max(0.0, deadline - loop.time()))
             except asyncio.TimeoutError:
                 return await _answer(send, 408, f"the request body did not arrive within {self.timeout_s:g} s "
                                                 "(--http-body-timeout-s)")
