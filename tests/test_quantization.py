@@ -116,6 +116,9 @@ def test_the_engine_matches_transformers_on_the_dequantized_weights(arch, method
     llm = make_llm(model, quantization=method, block_size=8, num_gpu_blocks=256, max_num_batched_tokens=32)
     quantized = llm.engine.runner.quantized_weights
     assert quantized is not None and quantized.bytes_after * 3.5 < quantized.bytes_before
+    # fp8 leaves the output projection float (as vLLM does); int8 quantizes it as well.
+    head = llm.engine.runner.model.get_output_embeddings()
+    assert isinstance(head, QuantizedLinear) == (method == "int8"), type(head)
     reference = hf_reference(dequantized_checkpoint(model, llm.engine.runner.model, tmp_path / "dequantized"))
     first = mixed_prompts(8, seed=34, lo=5, hi=60)
     again = [p[:24] + q for p, q in zip(first, mixed_prompts(8, seed=35, lo=1, hi=20)) if len(p) >= 24]

@@ -51,12 +51,14 @@ def llm(model, engines, **kw):
     return made
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_two_ranks_give_the_tokens_of_one_rank_and_of_transformers(arch, tiny_model_dirs, hf_reference, engines,
-                                                                   step_mode):
+# The compiled step once (its sharded graph is the same code for every family; each rank compiles
+# its own, the suite's costliest few seconds of this module), eager for both families.
+@pytest.mark.parametrize("arch,mode", [("llama", "eager"), ("llama", "compiled"), ("qwen2", "eager")])
+def test_two_ranks_give_the_tokens_of_one_rank_and_of_transformers(arch, mode, tiny_model_dirs, hf_reference, engines):
     """A mixed batch (1-60-token prompts, decoding together) on TP=2 and TP=1; the tiny models
     have 4 attention heads over 2 KV heads (GQA): one KV head per rank."""
     model = tiny_model_dirs[arch]
+    step_mode = {"enforce_eager": mode == "eager"}
     prompts = mixed_prompts(6, seed=5)
     two = llm(model, engines, tensor_parallel_size=2, **step_mode)
     assert two.engine.runner.num_kv_heads == 1 and two.engine.runner.kv_cache.shape[4] == 1

@@ -72,9 +72,9 @@ def test_two_point_sweep_writes_a_config_that_up_starts_from(tiny_model_dirs, tm
             assert roles == ["both"]  # the file's colocated split
         # Pointed at a running stack, with an SLO no request can meet: goodput 0, no config file.
         out = tune(*common, "--address", stack.address, "--slo-ttft-p99-ms", "0.001", "--slo-tpot-p50-ms", "60000",
-                   "--start-rate", "16", "--search-steps", "0", "--out", str(tmp_path / "running"))
+                   "--start-rate", "64", "--search-steps", "0", "--out", str(tmp_path / "running"))
     assert out.returncode == 1 and "no point met the SLO" in out.stdout, out.stdout[-3000:] + out.stderr[-3000:]
     report = json.loads((tmp_path / "running" / "tune.json").read_text())
-    assert [p["rate"] for p in report["points"][0]["probes"]] == [16, 8, 4, 2, 1]  # halved, never met
+    assert [p["rate"] for p in report["points"][0]["probes"]] == [64, 32, 16, 8, 4]  # halved four times, never met
     assert not any(p["meets"] for p in report["points"][0]["probes"])
     assert not (tmp_path / "running" / "tuned.yaml").exists()

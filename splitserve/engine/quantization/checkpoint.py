@@ -14,7 +14,7 @@ import torch
 
 from splitserve.engine.config import CHECKPOINT_QUANTIZATIONS
 from splitserve.engine.quantization.grouped import GroupQuantizedEmbedding, GroupQuantizedLinear, QuantizedTensor
-from splitserve.engine.quantization.per_channel import QuantizedLinear, QuantizedWeights
+from splitserve.engine.quantization.per_channel import QUANTIZES_OUTPUT_PROJECTION, QuantizedLinear, QuantizedWeights
 
 log = logging.getLogger(__name__)
 
@@ -187,9 +187,12 @@ def _iter_safetensors(model_dir: Path, name=lambda key: key):
 def load_quantizing(model_dir: Path, method: str, dtype: torch.dtype, device: torch.device,
                     attn_implementation: str) -> tuple[torch.nn.Module, QuantizedWeights]:
     """A float checkpoint with every linear layer quantized (``int8``/``fp8``, per channel) as its
-    weight is read, in ``dtype`` first (what quantizing the loaded model would see)."""
+    weight is read, in ``dtype`` first (what quantizing the loaded model would see); the output
+    projection as well where ``QUANTIZES_OUTPUT_PROJECTION`` says so."""
     model = empty_model(model_dir, dtype, attn_implementation)
-    linears = {name for name, module in model.named_modules() if type(module) is torch.nn.Linear}
+    head = model.get_output_embeddings()
+    linears = {name for name, module in model.named_modules()
+               if type(module) is torch.nn.Linear and (module is not head or QUANTIZES_OUTPUT_PROJECTION[method])}
     floats: dict[str, torch.Tensor] = {}
     quantized: dict[str, QuantizedLinear] = {}
     before = 0
@@ -211,7 +214,7 @@ def load_quantizing(model_dir: Path, method: str, dtype: torch.dtype, device: to
     install(model, [], floats, dtype)
     # A tied output projection, absent from the checkpoint, is quantized from the embedding's table.
     head = model.get_output_embeddings()
-    if type(head) is torch.nn.Linear:
+    if type(head) is torch.nn.Linear and QUANTIZES_OUTPUT_PROJECTION[method]:
         before += head.weight.numel() * head.weight.element_size()
         quantized["lm_head"] = _quantized(head, head.weight, method)
         model.set_output_embeddings(quantized["lm_head"])
