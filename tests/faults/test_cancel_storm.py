@@ -25,6 +25,7 @@ import pytest
 from splitserve.v1 import generation_pb2
 from tests.harness.stack import live_request_keys, queued_request_ids, start_stack, wait_pages_at_baseline
 from tests.harness.prompts import mixed_prompts
+from tests.harness.streams import wait_until
 
 SEED = 20240611
 NUM_REQUESTS = 100
@@ -236,9 +237,13 @@ def test_a_request_the_prefill_worker_refuses_frees_its_decode_pages(tiny_model_
             wait_pages_at_baseline(refusing, baseline, timeout_s=10)
         except AssertionError as e:
             raise AssertionError(f"after the client got {answer!r}: {e}") from None
-        info = refusing.stub.GetRequest(generation_pb2.GetRequestRequest(request_id="too-big-for-prefill"),
-                                        timeout=10)
-        assert info.state == "failed", info
+        # The gateway records a request's end in the background, after the client has its answer
+        # (splitserve/gateway/ledger.py, record_end): under load it lands a moment later.
+        def state() -> str:
+            return refusing.stub.GetRequest(generation_pb2.GetRequestRequest(request_id="too-big-for-prefill"),
+                                            timeout=10).state
+        wait_until(lambda: state() != "prefilling", 30, "the request's end to be recorded")
+        assert state() == "failed"
         assert live_request_keys(refusing.redis) == []
     finally:
         refusing.close()
