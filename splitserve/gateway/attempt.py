@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import grpc
 
 from splitserve.gateway.job import Finished, Job, JobState, deadline_exceeded, unavailable
-from splitserve.gateway.ledger import Ledger
+from splitserve.gateway.ledger import OUTAGE, Ledger
 from splitserve.gateway.prefill_placement import PlacementInputs, PrefillPlacement
 from splitserve.gateway.prefix_routing import CachedRun
 from splitserve.gateway.workers import WorkerDirectory, WorkerView
@@ -357,6 +357,10 @@ class _Attempt:
             return deadline_exceeded()
         if isinstance(exc, WorkerLost):
             return Retry(str(exc))
+        if isinstance(exc, OUTAGE):
+            # Redis went away under the placement (the registry's read): no fault of the request.
+            # Another attempt starts once the requeue, which waits for Redis, has put it back.
+            return Retry(f"request store (Redis) unreachable: {exc}")
         if code in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED):
             # The worker went away, shut down under the call, voided the handoff or timed out.
             return Retry(f"{code.name}: {exc.details()}")

@@ -5,6 +5,7 @@ a call the gateway capped itself, is a retry; a server's own wait that runs out 
 import time
 
 import grpc
+import redis
 
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.gateway.attempt import Retry, WorkerLost, _Attempt
@@ -50,3 +51,12 @@ def test_a_wait_inside_a_server_that_runs_out_is_unavailable_not_the_callers_dea
     for exc in (TimeoutError(), TimeoutError("engine loop busy")):
         code, message = errors.status_for(exc)
         assert code == grpc.StatusCode.UNAVAILABLE and "timed out" in message
+
+
+def test_redis_unreachable_under_the_placement_is_a_retry_not_an_internal_error():
+    """A claimed request whose placement reads the registry as Redis goes away (CI saw INTERNAL
+    "gateway error: Error 111 connecting to ..." in test_queued_requests_survive_a_redis_restart)."""
+    for exc in (redis.exceptions.ConnectionError("Error 111 connecting to 127.0.0.1:6379."),
+                redis.exceptions.TimeoutError("Timeout reading from socket")):
+        got = outcome(time.monotonic() + 60, exc)
+        assert isinstance(got, Retry) and "Redis" in got.reason and str(exc) in got.reason

@@ -40,7 +40,6 @@ def test_a_prefill_worker_becomes_a_decode_worker_under_load(tiny_model_dirs, tm
                     results.append((p, [t for e in events for t in e.token_ids], events[-1].timeline.prefill_worker))
                 except Exception as e:  # noqa: BLE001 - any failure is the test's finding
                     errors.append(e)
-                stop.wait(0.1)  # a steady load, not a flood: each request is checked against transformers
         threads = [threading.Thread(target=load, args=(seed,), daemon=True) for seed in range(3)]
         for t in threads:
             t.start()
