@@ -14,7 +14,8 @@ import torch
 
 from splitserve.engine.config import CHECKPOINT_QUANTIZATIONS
 from splitserve.engine.quantization.grouped import GroupQuantizedEmbedding, GroupQuantizedLinear, QuantizedTensor
-from splitserve.engine.quantization.per_channel import QUANTIZES_OUTPUT_PROJECTION, QuantizedLinear, QuantizedWeights
+from splitserve.engine.quantization.per_channel import (QUANTIZES_OUTPUT_PROJECTION, QuantizedLinear, QuantizedWeights,
+                                                        linears_to_quantize)
 
 log = logging.getLogger(__name__)
 
@@ -190,9 +191,7 @@ def load_quantizing(model_dir: Path, method: str, dtype: torch.dtype, device: to
     weight is read, in ``dtype`` first (what quantizing the loaded model would see); the output
     projection as well where ``QUANTIZES_OUTPUT_PROJECTION`` says so."""
     model = empty_model(model_dir, dtype, attn_implementation)
-    head = model.get_output_embeddings()
-    linears = {name for name, module in model.named_modules()
-               if type(module) is torch.nn.Linear and (module is not head or QUANTIZES_OUTPUT_PROJECTION[method])}
+    linears = {name for name, _ in linears_to_quantize(model, method)}
     floats: dict[str, torch.Tensor] = {}
     quantized: dict[str, QuantizedLinear] = {}
     before = 0

@@ -106,13 +106,18 @@ class QuantizedWeights:
 QUANTIZES_OUTPUT_PROJECTION = {"int8": True, "fp8": False}
 
 
-def quantize_model(model: torch.nn.Module, method: str) -> QuantizedWeights:
-    """Replace the linear layers of ``model`` (decoder layers, and the output projection where
-    ``QUANTIZES_OUTPUT_PROJECTION`` says so) in place."""
-    check_quantization(method)
+def linears_to_quantize(model: torch.nn.Module, method: str) -> list[tuple[str, torch.nn.Linear]]:
+    """The linear layers ``method`` quantizes: every one, the output projection only where
+    ``QUANTIZES_OUTPUT_PROJECTION`` says so."""
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
-    targets = [(name, module) for name, module in model.named_modules()
-               if type(module) is torch.nn.Linear and (module is not head or QUANTIZES_OUTPUT_PROJECTION[method])]
+    return [(name, module) for name, module in model.named_modules()
+            if type(module) is torch.nn.Linear and (module is not head or QUANTIZES_OUTPUT_PROJECTION[method])]
+
+
+def quantize_model(model: torch.nn.Module, method: str) -> QuantizedWeights:
+    """Replace the linear layers of ``model`` that ``linears_to_quantize`` names, in place."""
+    check_quantization(method)
+    targets = linears_to_quantize(model, method)
     before = after = 0
     for name, module in targets:
         parent_name, _, child = name.rpartition(".")
