@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import sys
 import time
 
 from splitserve.common.aio import wait_for
@@ -30,7 +32,26 @@ WATCH_S = 0.5
 def run_worker(servicer: WorkerServicer, add_to_server, service_name: str, args) -> int:
     """Serve until SIGTERM/SIGINT (exit 0 after a drain) or until the engine dies (exit 1, so a
     supervisor restarts the worker)."""
-    return asyncio.run(_serve(servicer, add_to_server, service_name, args))
+    code = asyncio.run(_serve(servicer, add_to_server, service_name, args))
+    if code != 0:
+        _exit_without_native_teardown(code)
+    return code
+
+
+def _exit_without_native_teardown(code: int) -> None:
+    """End a worker whose engine died, skipping the C++ side of interpreter shutdown.
+
+    What killed the engine is often still in native code: a tensor-parallel process group whose
+    peer is gone, a step thread still inside a collective. Tearing those down at exit can abort
+    the process (SIGABRT: a rank killed with -9 once left its worker exiting -6, not 1), and a
+    supervisor must see the exit code this function is given. Python's own exit work (atexit
+    handlers, weakref finalizers: temporary directories) still runs, and logs are flushed."""
+    import atexit
+    atexit._run_exitfuncs()
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def lora_modules(value: str) -> list[tuple[str, str]]:
