@@ -75,6 +75,45 @@ def test_cuda_ipc_pages_land_byte_for_byte(layout, src_device):
         receiver.close()
 
 
+IN_FLIGHT_SENDER = textwrap.dedent("""
+    import json, sys, torch
+    from splitserve.kvtransfer.base import TransferDescriptor, coalesce
+    from splitserve.kvtransfer.page_locks import PageLocks
+    from splitserve.kvtransfer.transports.cuda_ipc import CudaIpcSender
+    desc = TransferDescriptor.from_dict(json.loads(sys.argv[1]))
+    src = torch.ones(*json.loads(sys.argv[2]), dtype=torch.bfloat16, device="cuda")
+    sender = CudaIpcSender(desc.address, src)
+    decode_side = PageLocks(desc.address + "/owners")  # another open file: excluded as a process is
+    torch.cuda._sleep(2_000_000_000)  # ~1 s of GPU time queued ahead of the copies
+    for layer in range(src.shape[0]):
+        sender.write(desc, layer, coalesce(list(range(len(desc.block_ids))), list(desc.block_ids)))
+    quiet_in_flight = decode_side.quiet(list(desc.block_ids))
+    sender.flush(desc)
+    print(json.dumps({"in_flight": quiet_in_flight, "after_flush": decode_side.quiet(list(desc.block_ids))}))
+""")
+
+
+def test_page_locks_stay_held_until_the_copies_land_on_the_device():
+    """A write returns before its copies run (no synchronization per layer); until they land the
+    decode side cannot take its pages back (page_locks), after the flush it can."""
+    from splitserve.kvtransfer.transports.cuda_ipc import CudaIpcReceiver
+    pool = torch.zeros(SHAPE, dtype=torch.bfloat16, device="cuda:0")
+    receiver = CudaIpcReceiver.create(pool, lease_ttl_s=60, clock=time.time)
+    try:
+        dst = list(range(8, 28))
+        lease = receiver.leases.grant("g", dst)
+        desc = TransferDescriptor("g", "cuda_ipc", receiver.address, tuple(dst), KVLayout.of_pool("m", pool),
+                                  lease.epoch, lease.deadline)
+        out = subprocess.run([sys.executable, "-c", IN_FLIGHT_SENDER, json.dumps(desc.to_dict()),
+                              json.dumps(list(SHAPE))], check=True, timeout=120, env=_child_env(),
+                             capture_output=True, text=True)
+        assert json.loads(out.stdout.strip().splitlines()[-1]) == {"in_flight": False, "after_flush": True}
+        torch.cuda.synchronize()
+        assert bool((pool[:, :, dst] == 1).all())
+    finally:
+        receiver.close()
+
+
 def test_engine_handoff_over_cuda_ipc_equals_transformers(tiny_model_dirs, hf_reference):
     """Prefill engine in a child process, decode engine here, one GPU, KV through CUDA IPC on the
     connector's copy stream: greedy output equals transformers."""

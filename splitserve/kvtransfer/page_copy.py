@@ -7,8 +7,11 @@ directly; this is that copy.
   layer whatever the page table: a streaming copy per page, which beat torch's own copy of one
   contiguous run too (0.76-0.83 vs 1.06 of a 2-thread memcpy, ``bench.kvtransfer``, 4,096 tokens).
   Without the kernel (no compiler): as on a GPU, below.
-* A few runs: slice copies (one per run, K and V together).
-* Many short runs (a fragmented page table) on one GPU: a gather and a scatter on that device.
+* One GPU (the single-GPU disaggregated mode, or ranks' pools on one device): one Triton kernel
+  per layer (``splitserve.kvtransfer.triton_page_copy``), whatever the page table: each byte is
+  read once and written once.
+* Otherwise, a few runs: slice copies (one per run, K and V together).
+* Many short runs (a fragmented page table) on one device without Triton: a gather and a scatter.
 * GPU -> another GPU (compose's pairs put prefill on cuda:0 and decode on cuda:1): ``index_copy_``
   cannot take a source on another device, so the pages are gathered on the source device,
   moved in one peer copy, and scattered on the destination device.
@@ -26,6 +29,7 @@ import torch
 
 from splitserve.engine.attention.kv_quant import as_bytes
 from splitserve.engine.attention.page_order import token_view
+from splitserve.kvtransfer import triton_page_copy
 
 Run = tuple[int, int, int]  # (src_block, dst_block, num_blocks)
 
@@ -65,6 +69,9 @@ def copy_runs(src: torch.Tensor, dst: torch.Tensor, runs: Sequence[Run]) -> int:
         torch.ops.splitserve_cpu.copy_pages(src, dst, *page_ids(runs))
         return 1
     same_device = src.device == dst.device
+    if same_device and src.device.type == "cuda" and triton_page_copy.supports(src, dst):
+        triton_page_copy.copy_pages(src, dst, *page_ids(runs, str(src.device)))
+        return 1
     if len(runs) <= MAX_RUNS_FOR_SLICE_COPIES:
         pairs = [(dst[:, d:d + n], src[:, s:s + n]) for s, d, n in runs]
         if same_device:  # one call for every run: per-run copy_ calls cost more in Python than in memory

@@ -6,10 +6,12 @@ page-owner table and the pool's IPC handle, produced by torch's own CUDA tensor 
 (`torch.multiprocessing.reductions`) and written as JSON (never pickle): only the classes
 torch puts in such a handle are accepted back. The prefill side opens the handle, checks page
 ownership before each layer like the shm sender, and copies between the two device pools
-(``splitserve.kvtransfer.page_copy``; the prefill connector issues them on its own copy stream, so they
-overlap the next layer's compute). Each write waits until its copies are done on the device
-before it returns, so a writer whose lease was released stops at its next layer exactly as on
-shm, and ``flush`` (hence "complete") comes only after every byte landed.
+(``splitserve.kvtransfer.page_copy``: on one GPU one Triton kernel per layer, whatever the page
+table; the prefill connector issues them on its own copy stream, so they overlap the next
+layer's compute). A write does not wait for its copies: it records an event, and the pages'
+locks are held until the device has passed it, so a writer whose lease was released stops at
+its next layer exactly as on shm, no late copy lands in a page given to another request, and
+``flush`` (hence "complete") comes only after every byte landed.
 
 A handle that cannot be opened here (another host, another container's IPC/PID namespace, a GPU
 this process does not see, a CPU-only process) raises ``TransportUnavailableError``, so the prefill
@@ -20,6 +22,7 @@ this needs shared IPC and PID namespaces (compose: ``ipc: service:...``, ``pid: 
 from __future__ import annotations
 
 import base64
+import threading
 from pathlib import Path
 from typing import Sequence
 
@@ -118,10 +121,13 @@ class CudaIpcSender(ShmSender):
     name = "cuda_ipc"
 
     def __init__(self, address: str, src_pool: torch.Tensor):
-        super().__init__(address, src_pool)
         if not src_pool.is_cuda:
             raise TransportUnavailableError("cuda_ipc copies from a CUDA pool; this worker's pool is on "
                                             f"{src_pool.device}")
+        super().__init__(address, src_pool)
+        self._in_flight_lock = threading.Lock()
+        self._events: list[torch.cuda.Event] = []  # recorded after each write not yet known to have landed
+        self._held: list[tuple[int, int]] = []  # the page ranges those writes locked
 
     def _map_pool(self, directory: PoolDirectory, meta: dict) -> torch.Tensor:
         try:
@@ -135,10 +141,39 @@ class CudaIpcSender(ShmSender):
                                             f"{pool.dtype} tensor, the directory says {meta['shape']} {meta['dtype']}")
         return pool
 
-    def _landed(self) -> None:
-        # The copies are queued on this thread's current streams (the connector's copy stream).
-        # Wait for them here, off the engine's thread and before the page locks are dropped: the
-        # bytes are in the decode pool before the decode side may reuse the pages, and nothing is
-        # in flight at the flush.
-        for device in {self.src_pool.device, self.dst_pool.device}:
-            torch.cuda.current_stream(device).synchronize()
+    def _release_when_landed(self, held: list[tuple[int, int]], failed: bool = False) -> None:
+        # The copies are queued on this thread's current streams (the connector's copy stream):
+        # an event marks where each write ends, and its page locks stay held until the device has
+        # passed it, so the decode side cannot reuse a page a late copy may still write (page_locks).
+        # Waiting for each write here instead (a synchronization per layer) cost ~1-2 ms per transfer
+        # and held the copy thread. The locks are not counted per write (one lock file
+        # description: a range is held or not), so they are all dropped together, once nothing
+        # issued is still in flight; ``flush`` waits for the rest.
+        with self._in_flight_lock:
+            self._held.extend(held)
+            for device in {self.src_pool.device, self.dst_pool.device}:
+                event = torch.cuda.Event()
+                event.record(torch.cuda.current_stream(device))
+                self._events.append(event)
+            self._release_landed(wait=failed)
+
+    def _release_landed(self, wait: bool) -> None:
+        """Drop every held page lock if every write issued has landed (``wait``: once it has)."""
+        if wait:
+            for event in self._events:
+                event.synchronize()
+        elif not all(event.query() for event in self._events):
+            return
+        self._events.clear()
+        held, self._held = self._held, []
+        self.locks.release(held)
+
+    def flush(self, desc: TransferDescriptor) -> None:
+        with self._in_flight_lock:
+            self._release_landed(wait=True)  # every byte written is in the decode pool...
+        super().flush(desc)  # ...and its pages still belong to this transfer
+
+    def close(self) -> None:
+        with self._in_flight_lock:
+            self._release_landed(wait=True)
+        super().close()

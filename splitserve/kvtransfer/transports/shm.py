@@ -214,14 +214,18 @@ class ShmSender(KVSender):
             else:  # another split of the heads (head_map): the page's share of this rank
                 self.num_copies += copy_head_runs(self.src_pool[layer], self.dst_pool[layer], runs, heads,
                                                   self.src_layout.page_order, desc.layout.page_order)
-            self._landed()
-        finally:
-            self.locks.release(held)
+        except BaseException:
+            self._release_when_landed(held, failed=True)
+            raise
+        self._release_when_landed(held)
         share = 1.0 if heads is None else heads.count / desc.layout.num_kv_heads
         self.bytes_sent += int(len(dst_blocks) * self._bytes_per_block * share)
 
-    def _landed(self) -> None:
-        """Return once the copies just issued are in the decode pool (shm: they are synchronous stores)."""
+    def _release_when_landed(self, held: list[tuple[int, int]], failed: bool = False) -> None:
+        """Drop a write's page locks once its bytes are in the decode pool (``failed``: the write
+        stopped part way, and whatever it issued must land first). shm: the copies are synchronous
+        stores, so now."""
+        self.locks.release(held)
 
     def usable(self) -> bool:
         # The decode worker removes its pool directory when it stops (its supervisor, when it is
