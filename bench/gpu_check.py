@@ -9,16 +9,20 @@ under 8 minutes) could not finish it:
 1. ``pytest_gpu`` -- the ``gpu``-marked tests, Triton compiled (TRITON_INTERPRET=0): kernels vs
    their torch reference, the engine on CUDA vs transformers (CUDA graphs included), cuda_ipc
    between processes, checksums, page copies, memory shares; two-GPU tests skip on one GPU.
-2. ``kvtransfer_cuda_ipc`` -- ``bench.kvtransfer`` with both pools on the GPU: a prefill process
+2. ``roofline`` -- ``bench.roofline``: a Llama-3.1-8B-shaped model (random bf16 weights, built from
+   its config on the GPU), decode step time at batch 1/16/64/256 x context 1,024/4,096 and prefill
+   at 512/4,096 tokens, each as a fraction of the roofline from this GPU's measured copy bandwidth
+   and bf16 matmul rate.
+3. ``kvtransfer_cuda_ipc`` -- ``bench.kvtransfer`` with both pools on the GPU: a prefill process
    writing SmolLM2-shaped KV pages into a decode pool through CUDA IPC vs a device-to-device copy.
-3. ``engine_exact`` -- a SmolLM2-shaped random model, fp32, compiled step with CUDA graphs for
+4. ``engine_exact`` -- a SmolLM2-shaped random model, fp32, compiled step with CUDA graphs for
    decode, greedy output token for token against transformers on the same GPU.
-4. ``triton_decode_bandwidth`` -- KV bytes/s of the Triton decode kernels vs a device copy.
-5. ``stack`` -- ``splitserve up --device cuda``: Redis, gateway, a prefill and a decode worker
+5. ``triton_decode_bandwidth`` -- KV bytes/s of the Triton decode kernels vs a device copy.
+6. ``stack`` -- ``splitserve up --device cuda``: Redis, gateway, a prefill and a decode worker
    sharing the GPU (``--gpu-memory-utilization``), one streamed request; the prefill worker's
    metrics say which transport carried the KV.
-6. ``decode_throughput`` -- engine decode tokens/s at batch 1/16/64/256 (bf16, CUDA graphs).
-7. ``engine_tp1`` -- ``engine_exact``'s check (fewer prompts) with ``tensor_parallel_size=1`` passed
+7. ``decode_throughput`` -- engine decode tokens/s at batch 1/16/64/256 (bf16, CUDA graphs).
+8. ``engine_tp1`` -- ``engine_exact``'s check (fewer prompts) with ``tensor_parallel_size=1`` passed
    explicitly: the one-GPU path of a tensor-parallel engine stays exact; the JSON records the size
    the engine ran with and how many GPUs were visible.
 
@@ -58,7 +62,7 @@ CARRY = ROOT / ".gpu-carry"
 GPU_TESTS = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").rglob("test_*.py")
                    if "mark.gpu" in p.read_text())
 # Seconds each step is allowed (and, before it starts, needs to be left of the budget).
-STEP_LIMITS = {"pytest_gpu": 180, "kvtransfer_cuda_ipc": 60, "engine_exact": 100, "triton_decode_bandwidth": 30,
+STEP_LIMITS = {"pytest_gpu": 180, "roofline": 200, "kvtransfer_cuda_ipc": 60, "engine_exact": 100, "triton_decode_bandwidth": 30,
                "stack": 120, "decode_throughput": 90, "engine_tp1": 100}
 
 
@@ -90,6 +94,18 @@ def pytest_gpu(limit_s: float) -> dict:
     counts = {k: int(n) for n, k in re.findall(r"(\d+) (passed|failed|skipped|error|errors|deselected)", summary)}
     return {"ok": proc.returncode == 0, "summary": summary, "counts": counts,
             "output_tail": (proc.stdout + proc.stderr)[-6000:]}
+
+
+def roofline(device: str) -> dict:
+    """``bench.roofline`` on the 8B shape (on a CPU rehearsal: its tiny shape, eager)."""
+    from bench import roofline as bench_roofline
+    if device == "cuda":
+        argv = ["--shape", "llama-3.1-8b", "--device", "cuda"]
+    else:
+        argv = ["--shape", "tiny", "--device", "cpu", "--dtype", "float32", "--mode", "eager", "--batches", "1,2",
+                "--contexts", "32,64", "--prefill", "32,64", "--steps", "3", "--prefill-iters", "1",
+                "--copy-mib", "16", "--matmul-n", "128", "--kv-gb-cpu", "0.05"]
+    return bench_roofline.run(bench_roofline.parser().parse_args(argv))
 
 
 def kvtransfer_cuda_ipc(device: str) -> dict:
@@ -170,7 +186,7 @@ def engine_tp1(model_dir: Path, device: str) -> dict:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=str(ROOT / "bench" / "results" / "gpu_check.json"))
-    parser.add_argument("--budget-s", type=float, default=450, help="the whole run (steps that would not fit skip)")
+    parser.add_argument("--budget-s", type=float, default=480, help="the whole run (steps that would not fit skip)")
     parser.add_argument("--steps", default=",".join(STEP_LIMITS))
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"],
                         help="cpu: a rehearsal of the script itself on a machine without a GPU (shm instead of "
@@ -187,6 +203,7 @@ def main(argv=None) -> int:
     result["model"] = {"shape": "SmolLM2-135M, random weights", "built_s": time.monotonic() - start}
     steps = {
         "pytest_gpu": lambda limit: pytest_gpu(limit),
+        "roofline": lambda limit: roofline(args.device),
         "kvtransfer_cuda_ipc": lambda limit: kvtransfer_cuda_ipc(args.device),
         "engine_exact": lambda limit: gpu_probes.engine_exact(model_dir, device=args.device),
         "triton_decode_bandwidth": lambda limit: gpu_probes.triton_decode_bandwidth(),
