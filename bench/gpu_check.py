@@ -15,6 +15,9 @@ under 8 minutes) could not finish it:
    and bf16 matmul rate.
 3. ``kvtransfer_cuda_ipc`` -- ``bench.kvtransfer`` with both pools on the GPU: a prefill process
    writing SmolLM2-shaped KV pages into a decode pool through CUDA IPC vs a device-to-device copy.
+3b. ``stack_8b`` -- ``bench.gpu_stack``: ``splitserve up`` on the 8B shape (random weights), a
+   prefill and a decode worker sharing the GPU, the ``mixed`` workload at 1, 4 and 16 requests/s
+   over gRPC: TTFT p50/p99, TPOT p50, KV transfer ms per request.
 4. ``engine_exact`` -- a SmolLM2-shaped random model, fp32, compiled step with CUDA graphs for
    decode, greedy output token for token against transformers on the same GPU.
 5. ``triton_decode_bandwidth`` -- KV bytes/s of the Triton decode kernels vs a device copy.
@@ -44,7 +47,6 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import signal
 import subprocess
 import sys
 import tempfile
@@ -62,8 +64,8 @@ CARRY = ROOT / ".gpu-carry"
 GPU_TESTS = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").rglob("test_*.py")
                    if "mark.gpu" in p.read_text())
 # Seconds each step is allowed (and, before it starts, needs to be left of the budget).
-STEP_LIMITS = {"pytest_gpu": 180, "roofline": 200, "kvtransfer_cuda_ipc": 60, "engine_exact": 100, "triton_decode_bandwidth": 30,
-               "stack": 120, "decode_throughput": 90, "engine_tp1": 100}
+STEP_LIMITS = {"pytest_gpu": 180, "roofline": 200, "kvtransfer_cuda_ipc": 60, "stack_8b": 220, "engine_exact": 100,
+               "triton_decode_bandwidth": 30, "stack": 120, "decode_throughput": 90, "engine_tp1": 100}
 
 
 def versions() -> dict:
@@ -118,27 +120,12 @@ def kvtransfer_cuda_ipc(device: str) -> dict:
 
 def stack(model_dir: Path, limit_s: float, device: str = "cuda") -> dict:
     """``splitserve up --device cuda`` with a prefill and a decode worker on this GPU, one streamed request."""
+    from bench.gpu_stack import running_up
     from splitserve.client import Client
-    from splitserve.common.processes import free_port
-    port = free_port()
-    env = {**os.environ, "SPLITSERVE_ENFORCE_EAGER": "1",  # the compiled step is engine_exact's
-           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    cmd = [sys.executable, "-m", "splitserve.cli", "up", "--model", str(model_dir), "--device", device,
-           "--dtype", "bfloat16", "--port", str(port), "--metrics-port", "0",
-           "--http-port", "-1"]  # the HTTP API's packages are not carried (gRPC is what is checked)
-    cmd += ["--gpu-memory-utilization", "0.3"] if device == "cuda" else ["--num-gpu-blocks", "256"]
+    args = ["--model", str(model_dir), "--device", device, "--dtype", "bfloat16", "--prefill", "1", "--decode", "1"]
+    args += ["--gpu-memory-utilization", "0.3"] if device == "cuda" else ["--num-gpu-blocks", "256"]
     expected = "cuda_ipc" if device == "cuda" else "shm"
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    lines: list[str] = []
-    try:
-        deadline = time.monotonic() + limit_s - 30
-        for line in proc.stdout:
-            lines.append(line.rstrip())
-            if "splitserve is up" in line or time.monotonic() > deadline:
-                break
-        if not any("splitserve is up" in line for line in lines):
-            return {"ok": False, "error": "the stack did not come up", "log_tail": lines[-40:]}
-        address = f"127.0.0.1:{port}"
+    with running_up(args, limit_s - 30, env={"SPLITSERVE_ENFORCE_EAGER": "1"}) as (address, _):  # compiled: engine_exact
         with Client(address) as client:
             sent = time.perf_counter()
             events, first = [], None
@@ -163,12 +150,18 @@ def stack(model_dir: Path, limit_s: float, device: str = "cuda") -> dict:
                 "timeline": {"first_token_ms": final.timeline.first_token_ms, "prefill_ms": final.timeline.prefill_ms,
                              "kv_transfer_ms": final.timeline.kv_transfer_ms, "decode_ms": final.timeline.decode_ms},
                 "kv_transfer_bytes_by_transport": transports, "text": "".join(e.text for e in events)}
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
+
+
+def stack_8b(workdir: Path, limit_s: float, device: str) -> dict:
+    """The stack under load on the 8B shape (a CPU rehearsal: the tiny shape, two low rates)."""
+    from bench import gpu_stack, roofline
+    if device == "cuda":
+        model = roofline.model_dir("llama-3.1-8b", workdir)
+        return gpu_stack.serving_under_load(model, "cuda", [1.0, 4.0, 16.0], 32, 256, limit_s - 70,
+                                            ["--dtype", "bfloat16", "--gpu-memory-utilization", "0.42"])
+    model = roofline.model_dir("tiny", workdir)
+    return gpu_stack.serving_under_load(model, "cpu", [1.0, 4.0], 6, 256, limit_s - 30,
+                                        ["--dtype", "float32", "--num-gpu-blocks", "256"])
 
 
 def engine_tp1(model_dir: Path, device: str) -> dict:
@@ -208,6 +201,7 @@ def main(argv=None) -> int:
         "engine_exact": lambda limit: gpu_probes.engine_exact(model_dir, device=args.device),
         "triton_decode_bandwidth": lambda limit: gpu_probes.triton_decode_bandwidth(),
         "stack": lambda limit: stack(model_dir, limit, args.device),
+        "stack_8b": lambda limit: stack_8b(workdir, limit, args.device),
         "decode_throughput": lambda limit: (gpu_probes.decode_throughput(model_dir) if args.device == "cuda" else
                                             gpu_probes.decode_throughput(model_dir, (1, 4), 64, 3, "eager")),
         "engine_tp1": lambda limit: engine_tp1(model_dir, args.device),
