@@ -20,7 +20,9 @@ under 8 minutes) could not finish it:
    over gRPC: TTFT p50/p99, TPOT p50, KV transfer ms per request.
 4. ``engine_exact`` -- a SmolLM2-shaped random model, fp32, compiled step with CUDA graphs for
    decode, greedy output token for token against transformers on the same GPU.
-5. ``triton_decode_bandwidth`` -- KV bytes/s of the Triton decode kernels vs a device copy.
+5. ``triton_decode_bandwidth`` -- KV bytes/s of the Triton decode kernels vs a device copy;
+   ``triton_prefill_attention`` -- TFLOP/s of the Triton prefill kernel over paged KV at 4,096
+   tokens on the 8B attention shape (whole, and after a 2,048-token cached prefix).
 6. ``stack`` -- ``splitserve up --device cuda``: Redis, gateway, a prefill and a decode worker
    sharing the GPU (``--gpu-memory-utilization``), one streamed request; the prefill worker's
    metrics say which transport carried the KV.
@@ -65,7 +67,7 @@ GPU_TESTS = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").rglob("tes
                    if "mark.gpu" in p.read_text())
 # Seconds each step is allowed (and, before it starts, needs to be left of the budget).
 STEP_LIMITS = {"pytest_gpu": 180, "roofline": 200, "kvtransfer_cuda_ipc": 60, "stack_8b": 220, "engine_exact": 100,
-               "triton_decode_bandwidth": 30, "stack": 120, "decode_throughput": 90, "engine_tp1": 100}
+               "triton_decode_bandwidth": 30, "triton_prefill_attention": 30, "stack": 120, "decode_throughput": 90, "engine_tp1": 100}
 
 
 def versions() -> dict:
@@ -200,6 +202,7 @@ def main(argv=None) -> int:
         "kvtransfer_cuda_ipc": lambda limit: kvtransfer_cuda_ipc(args.device),
         "engine_exact": lambda limit: gpu_probes.engine_exact(model_dir, device=args.device),
         "triton_decode_bandwidth": lambda limit: gpu_probes.triton_decode_bandwidth(),
+        "triton_prefill_attention": lambda limit: gpu_probes.triton_prefill_attention(),
         "stack": lambda limit: stack(model_dir, limit, args.device),
         "stack_8b": lambda limit: stack_8b(workdir, limit, args.device),
         "decode_throughput": lambda limit: (gpu_probes.decode_throughput(model_dir) if args.device == "cuda" else
@@ -208,7 +211,7 @@ def main(argv=None) -> int:
     }
     for name in args.steps.split(","):
         left = args.budget_s - (time.monotonic() - start)
-        if name == "triton_decode_bandwidth" and args.device != "cuda":
+        if name.startswith("triton_") and args.device != "cuda":
             result["steps"][name] = {"ok": None, "skipped": "compiled Triton needs CUDA"}
             continue
         if left < STEP_LIMITS[name]:

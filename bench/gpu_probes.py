@@ -147,6 +147,36 @@ def triton_decode_bandwidth(cases=((64, 2048), (256, 1024), (4, 8192)), iters: i
     return {"cases": rows, "note": "the kernel reads kv_bytes; the copy reads and writes kv_bytes"}
 
 
+def triton_prefill_attention(cases=((0, 4096), (2048, 2048)), iters: int = 10) -> dict:
+    """TFLOP/s of the Triton prefill kernel over paged KV on Llama-3.1-8B's attention shape (32
+    query / 8 KV heads of 128, bf16, pages in random order): one sequence of ``new`` tokens after a
+    cached prefix of ``cached`` (chunked prefill), causal. FLOPs: 4 x heads x head_dim x the
+    (query, key) pairs the causal mask keeps; against a bf16 matmul's rate on the same GPU."""
+    from bench.roofline import matmul_rate
+    from splitserve.engine.attention import triton_kernels
+    heads, kv_heads, head_dim, block = 32, 8, 128, 16
+    rate = matmul_rate(torch.device("cuda"), torch.bfloat16, 8192)
+    rows = []
+    for cached, new in cases:
+        context = cached + new
+        num_blocks = -(-context // block)
+        k_cache = torch.randn(num_blocks, block, kv_heads, head_dim, device="cuda").to(torch.bfloat16)
+        v_cache = torch.randn_like(k_cache)
+        tables = torch.randperm(num_blocks, device="cuda").view(1, num_blocks).to(torch.int32)
+        query = torch.randn(new, heads, head_dim, device="cuda").to(torch.bfloat16)
+        qsl = torch.tensor([0, new], dtype=torch.int32, device="cuda")
+        lens = torch.tensor([context], dtype=torch.int32, device="cuda")
+        def kernel():
+            triton_kernels.paged_attention(query, k_cache, v_cache, tables, qsl, lens, head_dim ** -0.5, max_q_len=new)
+        seconds = _cuda_time(kernel, iters)
+        pairs = new * cached + new * (new + 1) // 2
+        flops = 4 * heads * head_dim * pairs
+        rows.append({"cached_tokens": cached, "new_tokens": new, "kernel_ms": 1000 * seconds,
+                     "tflops": flops / seconds / 1e12, "fraction_of_matmul": flops / seconds / rate})
+        del k_cache, v_cache
+    return {"ok": bool(rows), "cases": rows, "matmul_tflops": rate / 1e12}
+
+
 def decode_throughput(model_dir: Path, batches=(1, 16, 64, 256), context: int = 512, steps: int = 10,
                       mode: str = "compiled") -> dict:
     """Decode tokens/s of the engine (bf16, compiled step, CUDA graphs) at each batch size, every
@@ -155,8 +185,9 @@ def decode_throughput(model_dir: Path, batches=(1, 16, 64, 256), context: int = 
     llm, startup_s = build(str(model_dir), "bfloat16", mode, list(batches), [context])
     rows = []
     for batch in batches:
-        step_s = measure(llm, batch, context, steps)
-        rows.append({"batch": batch, "context": context, "step_ms": 1000 * step_s, "tokens_per_s": batch / step_s})
+        step_s, phases = measure(llm, batch, context, steps)
+        rows.append({"batch": batch, "context": context, "step_ms": 1000 * step_s, "tokens_per_s": batch / step_s,
+                     "phases_ms": phases})
     graphs = llm.engine.runner.graphs
     result = {"ok": bool(rows), "rows": rows, "mode": mode, "startup_s": startup_s, "compile_s": llm.engine.runner.forward.warmup_s,
               "graph_capture_s": graphs.capture_s if graphs else None, "graph_sizes": graphs.sizes if graphs else None}
