@@ -26,13 +26,13 @@ import inspect
 import json
 import time
 import uuid
-from dataclasses import dataclass
-from typing import Any, Callable, Literal
-
+from typing import Any, Callable
 
 from splitserve.engine.priority import priority_key
 from splitserve.state import scripts
 from splitserve.state.connect import make_async_client, make_client  # noqa: F401  (the clients this class takes)
+from splitserve.state.records import (AdmitResult, Claimed, check_id, claimed_ids, encode_field, field_pairs,
+                                      float_arg, request_fields, text, ttl_pair, worker_entries)
 
 __all__ = [
     "AdmitResult", "Claimed", "RedisState", "make_client", "make_async_client", "queue_score",
@@ -55,11 +55,6 @@ EPOCH_2020_S = 1577836800
 PRIORITY_MIN = -(1 << (53 - ARRIVAL_BITS - 1))  # -2048
 PRIORITY_MAX = (1 << (53 - ARRIVAL_BITS - 1)) - 1  # 2047
 
-# Fields owned by the scripts; update()/finish() may not write them.
-_RESERVED_FIELDS = frozenset({"epoch", "attempt", "gateway", "priority", "arrival", "score",
-                              "payload", "admit_token", "owner"})
-_INT_FIELDS = ("attempt", "epoch", "priority")
-_FLOAT_FIELDS = ("arrival", "score")
 
 def _then(reply: Any, decode: Callable[[Any], Any]) -> Any:
     """``decode(reply)``, or an awaitable of it when ``reply`` is one (an asyncio client)."""
@@ -86,58 +81,8 @@ def queue_score(priority: int, arrival_s: float, aging_per_s: float = DEFAULT_AG
     return float((p << ARRIVAL_BITS) + arrival_ms)
 
 
-@dataclass(frozen=True)
-class AdmitResult:
-    """``status``: "admitted", "duplicate" (the id exists: nothing was written) or "full".
-    ``depth``: the pending-queue depth after the call. ``state``: the request's state
-    ("queued" when admitted, the existing request's state when a duplicate, None when full)."""
-    status: Literal["admitted", "duplicate", "full"]
-    depth: int
-    state: str | None = None
-    # Claimed in the same call (``admit(claim_lease_s=...)``): the claim, as ``claim`` returns it.
-    claimed: "Claimed | None" = None
-
-    @property
-    def admitted(self) -> bool:
-        return self.status == "admitted"
-
-    @property
-    def detail(self) -> str | int | None:
-        """The existing request's state for a duplicate, else the queue depth."""
-        return self.state if self.status == "duplicate" else self.depth
-
-
 # The queue limit of an admission whose place was counted before (2**53: exact in Lua's doubles).
 _NO_LIMIT = 2 ** 53
-
-
-class Claimed(str):
-    """A claimed request id (a plain ``str``) that also carries the claim's ``epoch`` (the
-    fencing token for ``update``/``extend_lease``/``finish``) and ``attempt``."""
-    epoch: int
-    attempt: int
-
-    def __new__(cls, request_id: str, epoch: int, attempt: int) -> "Claimed":
-        obj = super().__new__(cls, request_id)
-        obj.epoch = epoch
-        obj.attempt = attempt
-        return obj
-
-
-def _s(value: Any) -> Any:
-    return value.decode() if isinstance(value, bytes) else value
-
-
-def _encode(value: Any) -> Any:
-    if isinstance(value, (dict, list, tuple)):
-        return json.dumps(value, separators=(",", ":"))
-    if isinstance(value, (bool, type(None))):
-        raise TypeError(f"cannot store {value!r} in a Redis hash field")
-    return value
-
-
-def _float_arg(value: float) -> str:
-    return repr(float(value))
 
 
 class RedisState:
@@ -202,10 +147,10 @@ class RedisState:
     # ---- keys
 
     def request_key(self, request_id: str) -> str:
-        return self._req_prefix + _check_id(request_id)
+        return self._req_prefix + check_id(request_id)
 
     def worker_key(self, worker_id: str) -> str:
-        return self._w_prefix + _check_id(worker_id)
+        return self._w_prefix + check_id(worker_id)
 
     def alive_key(self, worker_id: str) -> str:
         return self.worker_key(worker_id) + ":alive"
@@ -214,7 +159,7 @@ class RedisState:
         return self.worker_key(worker_id) + ":prefixes"
 
     def gateway_alive_key(self, gateway_id: str) -> str:
-        return self._gw_prefix + _check_id(gateway_id) + ":alive"
+        return self._gw_prefix + check_id(gateway_id) + ":alive"
 
     # ---- requests
 
@@ -238,14 +183,14 @@ class RedisState:
         reply = self._admit(
             keys=[self.request_key(request_id), self.pending_key, self.inflight_key, self.wake_channel,
                   self.placing_key],
-            args=[request_id, _check_id(gateway_id), int(priority), _float_arg(arrival_s),
+            args=[request_id, check_id(gateway_id), int(priority), float_arg(arrival_s),
                   queue_score(priority, arrival_s, self.priority_aging_per_s),
                   json.dumps(payload, separators=(",", ":")),
                   self.queue_limit - room + 1 if room > 0 else _NO_LIMIT, token,
                   self.terminal_ttl_s, self.id_reuse_after_s, owner,
-                  "" if claim_lease_s is None else _float_arg(now_s + claim_lease_s),
-                  _float_arg(now_s if now_s is not None else 0.0)])
-        return _then(reply, lambda r: AdmitResult(_s(r[0]), int(r[1]), _s(r[2]) if r[2] else None,
+                  "" if claim_lease_s is None else float_arg(now_s + claim_lease_s),
+                  float_arg(now_s if now_s is not None else 0.0)])
+        return _then(reply, lambda r: AdmitResult(text(r[0]), int(r[1]), text(r[2]) if r[2] else None,
                                                   Claimed(request_id, int(r[3]), int(r[4])) if len(r) > 3 else None))
 
     def claim(self, gateway_id: str, lease_s: float, now_s: float, place_s: float = 5.0):
@@ -267,10 +212,10 @@ class RedisState:
         same order); one, holding the placement gate, when True. -> list of ``Claimed``."""
         reply = self._claim(
             keys=[self.pending_key, self.inflight_key, self.placing_key, self.wake_channel],
-            args=[_check_id(gateway_id), _float_arg(now_s + lease_s), self.claim_scan, self._req_prefix,
-                  self._gw_prefix, _float_arg(now_s), _float_arg(now_s + place_s), self.terminal_ttl_s,
+            args=[check_id(gateway_id), float_arg(now_s + lease_s), self.claim_scan, self._req_prefix,
+                  self._gw_prefix, float_arg(now_s), float_arg(now_s + place_s), self.terminal_ttl_s,
                   int(limit), "1" if gate else "0"])
-        return _then(reply, _claimed)
+        return _then(reply, claimed_ids)
 
     def placed(self, request_id: str):
         """The claimed request has its workers: release the placement gate (and wake claimers)."""
@@ -278,7 +223,7 @@ class RedisState:
 
     def gateway_beat(self, gateway_id: str, ttl_s: float):
         """Gateway ``gateway_id`` is alive for ``ttl_s`` more seconds (its queued requests stay)."""
-        return _then(self._gateway_beat(keys=[self.gateway_alive_key(gateway_id)], args=[_ttls(ttl_s)[0]]), bool)
+        return _then(self._gateway_beat(keys=[self.gateway_alive_key(gateway_id)], args=[ttl_pair(ttl_s)[0]]), bool)
 
     def gateway_leave(self, gateway_id: str):
         """Gateway ``gateway_id`` stops: its queued requests fail at the next claim."""
@@ -301,7 +246,7 @@ class RedisState:
         reply = self._requeue(keys=[self.request_key(request_id), self.pending_key, self.inflight_key,
                                     self.placing_key, self.wake_channel],
                               args=[request_id, "" if epoch is None else int(epoch),
-                                    "" if now_s is None else _float_arg(now_s)])
+                                    "" if now_s is None else float_arg(now_s)])
         return _then(reply, bool)
 
     def update(self, request_id: str, epoch: int, **fields: Any):
@@ -312,13 +257,13 @@ class RedisState:
         state = fields.get("state")
         if state is not None and (state == "queued" or state in TERMINAL_STATES):
             raise ValueError(f"update cannot set state {state!r}; use requeue or finish")
-        return _then(self._update(keys=[self.request_key(request_id)], args=[int(epoch), *_pairs(fields)]), bool)
+        return _then(self._update(keys=[self.request_key(request_id)], args=[int(epoch), *field_pairs(fields)]), bool)
 
     def extend_lease(self, request_id: str, epoch: int, lease_s: float, now_s: float):
         """Move the lease deadline to ``now_s + lease_s``; False if the epoch is stale or the
         request is no longer in flight."""
         return _then(self._extend(keys=[self.request_key(request_id), self.inflight_key],
-                                  args=[request_id, int(epoch), _float_arg(now_s + lease_s)]), bool)
+                                  args=[request_id, int(epoch), float_arg(now_s + lease_s)]), bool)
 
     def finish(self, request_id: str, epoch: int | None, state: str, **fields: Any):
         """Terminal step: leave every queue, write ``state`` and fields, expire the hash after
@@ -330,7 +275,7 @@ class RedisState:
         reply = self._finish(keys=[self.request_key(request_id), self.pending_key, self.inflight_key,
                                    self.placing_key, self.wake_channel],
                              args=[request_id, "" if epoch is None else int(epoch), state,
-                                   self.terminal_ttl_s, *_pairs(fields)])
+                                   self.terminal_ttl_s, *field_pairs(fields)])
         return _then(reply, bool)
 
     def cancel_pending(self, request_id: str, reason: str = "cancelled before dispatch", owner: str | None = None):
@@ -345,7 +290,7 @@ class RedisState:
     def get(self, request_id: str):
         """The request's fields (ints: attempt, epoch, priority; floats: arrival, score;
         payload as a dict), or None if unknown or expired."""
-        return _then(self.client.hgetall(self.request_key(request_id)), _request_fields)
+        return _then(self.client.hgetall(self.request_key(request_id)), request_fields)
 
     def states(self, request_ids: list[str]):
         """The state of each request (None where unknown or expired), in one round trip."""
@@ -354,7 +299,7 @@ class RedisState:
         keys = [self.request_key(r) for r in request_ids]
         return _then(self.client.eval("local out = {} for i, k in ipairs(KEYS) do "
                                       "out[i] = redis.call('HGET', k, 'state') end return out",
-                                      len(keys), *keys), lambda r: [_s(x) if x else None for x in r])
+                                      len(keys), *keys), lambda r: [text(x) if x else None for x in r])
 
     def queue_depth(self):
         """Requests in state queued."""
@@ -362,13 +307,13 @@ class RedisState:
 
     def pending_ids(self, limit: int = 64):
         """The first ``limit`` queued ids, in queue order."""
-        return _then(self.client.zrange(self.pending_key, 0, limit - 1), lambda r: [_s(x) for x in r])
+        return _then(self.client.zrange(self.pending_key, 0, limit - 1), lambda r: [text(x) for x in r])
 
     def inflight_expired(self, now_s: float, limit: int | None = None):
         """Claimed requests whose lease deadline is before ``now_s``, oldest deadline first."""
         kw = {} if limit is None else {"start": 0, "num": limit}
-        return _then(self.client.zrangebyscore(self.inflight_key, "-inf", "(" + _float_arg(now_s), **kw),
-                     lambda r: [_s(x) for x in r])
+        return _then(self.client.zrangebyscore(self.inflight_key, "-inf", "(" + float_arg(now_s), **kw),
+                     lambda r: [text(x) for x in r])
 
     # ---- workers
 
@@ -376,21 +321,21 @@ class RedisState:
                         stats: dict, ttl_s: float):
         """(Re)register a worker: a fresh hash and an alive key that lives ``ttl_s``; signed
         with ``registry_key`` when there is one."""
-        ttl_ms, hash_ttl_ms = _ttls(ttl_s)
+        ttl_ms, hash_ttl_ms = ttl_pair(ttl_s)
         transports_json, stats_json = json.dumps(list(transports)), json.dumps(stats)
         return _then(self._register(keys=[self.worker_key(worker_id), self.alive_key(worker_id), self.workers_key],
                                     args=[worker_id, ttl_ms, hash_ttl_ms, role, address, transports_json, stats_json,
-                                          _float_arg(time.time()),
+                                          float_arg(time.time()),
                                           self._sign("record", worker_id, role, address, transports_json),
                                           self._sign("stats", worker_id, stats_json)]), lambda _: None)
 
     def heartbeat(self, worker_id: str, stats: dict, ttl_s: float):
         """Refresh stats (signed anew) and the alive key. False if the worker is unknown or its
         alive key already expired (it was presumed dead and must ``register_worker`` again)."""
-        ttl_ms, hash_ttl_ms = _ttls(ttl_s)
+        ttl_ms, hash_ttl_ms = ttl_pair(ttl_s)
         stats_json = json.dumps(stats)
         return _then(self._heartbeat(keys=[self.worker_key(worker_id), self.alive_key(worker_id), self.workers_key],
-                                     args=[worker_id, ttl_ms, hash_ttl_ms, stats_json, _float_arg(time.time()),
+                                     args=[worker_id, ttl_ms, hash_ttl_ms, stats_json, float_arg(time.time()),
                                            self._sign("stats", worker_id, stats_json)]), bool)
 
     def workers(self):
@@ -399,7 +344,7 @@ class RedisState:
         signatures verify with it; a record written by anyone without the key is not). Dead
         workers are pruned from the registry on the way."""
         return _then(self._workers(keys=[self.workers_key], args=[self._w_prefix]),
-                     lambda flat: _worker_entries(flat, self._trusted))
+                     lambda flat: worker_entries(flat, self._trusted))
 
     def _sign(self, kind: str, *fields: str) -> str:
         """The signature of a worker record's ``fields`` (``""`` without a key). Two of them: the
@@ -429,66 +374,3 @@ class RedisState:
         return _then(self.client.ping(), bool)
 
 
-def _claimed(reply: list) -> list[Claimed]:
-    if _s(reply[0]) != "claimed":
-        return []
-    return [Claimed(_s(reply[i]), int(reply[i + 1]), int(reply[i + 2])) for i in range(1, len(reply), 3)]
-
-
-def _request_fields(raw: dict) -> dict[str, Any] | None:
-    if not raw:
-        return None
-    out = {_s(k): _s(v) for k, v in raw.items()}
-    out.pop("admit_token", None)
-    out.pop("admit_claim", None)
-    for k in _INT_FIELDS:
-        if k in out:
-            out[k] = int(out[k])
-    for k in _FLOAT_FIELDS:
-        if k in out:
-            out[k] = float(out[k])
-    if "payload" in out:
-        out["payload"] = json.loads(out["payload"])
-    return out
-
-
-def _worker_entries(flat: list, trusted: Callable[[str, dict[str, str]], bool]) -> list[dict[str, Any]]:
-    out = []
-    for i in range(0, len(flat), 2):
-        fields = flat[i + 1]
-        worker_id = _s(flat[i])
-        d = {_s(fields[j]): _s(fields[j + 1]) for j in range(0, len(fields), 2)}
-        if not trusted(worker_id, d):
-            # Its JSON fields are not parsed: whoever wrote them may have written anything. Role and
-            # address stay, for the gateway's log line.
-            out.append({"worker_id": worker_id, "role": d.get("role", ""), "address": d.get("address", ""),
-                        "transports": [], "stats": {},
-                        "updated": 0.0, "trusted": False})
-            continue
-        out.append({"worker_id": worker_id, "role": d.get("role", ""), "address": d.get("address", ""),
-                    "transports": json.loads(d.get("transports", "[]")),
-                    "stats": json.loads(d.get("stats", "{}")),
-                    "updated": float(d.get("updated", 0.0)), "trusted": True})
-    out.sort(key=lambda w: w["worker_id"])
-    return out
-
-
-def _check_id(value: str) -> str:
-    if not isinstance(value, str) or not value:
-        raise ValueError(f"ids must be non-empty strings, got {value!r}")
-    return value
-
-
-def _pairs(fields: dict[str, Any]) -> list[Any]:
-    bad = _RESERVED_FIELDS.intersection(fields)
-    if bad:
-        raise ValueError(f"fields {sorted(bad)} are owned by the queue scripts")
-    out: list[Any] = []
-    for k, v in fields.items():
-        out += [k, _encode(v)]
-    return out
-
-
-def _ttls(ttl_s: float) -> tuple[int, int]:
-    ttl_ms = max(1, round(ttl_s * 1000))
-    return ttl_ms, 10 * ttl_ms
