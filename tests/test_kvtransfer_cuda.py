@@ -83,10 +83,13 @@ IN_FLIGHT_SENDER = textwrap.dedent("""
     desc = TransferDescriptor.from_dict(json.loads(sys.argv[1]))
     src = torch.ones(*json.loads(sys.argv[2]), dtype=torch.bfloat16, device="cuda")
     sender = CudaIpcSender(desc.address, src)
+    from splitserve.kvtransfer.page_copy import page_ids
     decode_side = PageLocks(desc.address + "/owners")  # another open file: excluded as a process is
+    runs = tuple(coalesce(list(range(len(desc.block_ids))), list(desc.block_ids)))
+    page_ids(runs, "cuda:0")  # the ids on the GPU now: their copy there waits for the stream
     torch.cuda._sleep(2_000_000_000)  # ~1 s of GPU time queued ahead of the copies
     for layer in range(src.shape[0]):
-        sender.write(desc, layer, coalesce(list(range(len(desc.block_ids))), list(desc.block_ids)))
+        sender.write(desc, layer, runs)
     quiet_in_flight = decode_side.quiet(list(desc.block_ids))
     sender.flush(desc)
     print(json.dumps({"in_flight": quiet_in_flight, "after_flush": decode_side.quiet(list(desc.block_ids))}))
