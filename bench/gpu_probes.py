@@ -180,17 +180,25 @@ def triton_prefill_attention(cases=((0, 4096), (2048, 2048)), iters: int = 10) -
 def decode_throughput(model_dir: Path, batches=(1, 16, 64, 256), context: int = 512, steps: int = 10,
                       mode: str = "compiled") -> dict:
     """Decode tokens/s of the engine (bf16, compiled step, CUDA graphs) at each batch size, every
-    sequence holding ``context`` tokens of KV (bench.step_time's cells)."""
+    sequence holding ``context`` tokens of KV (bench.step_time's cells): with each step waited for
+    (``step_ms``) and with async scheduling (``async_step_ms``: the next step launched before the
+    tokens of the one before are read), the two engines' cells interleaved."""
     from bench.step_time import build, measure
-    llm, startup_s = build(str(model_dir), "bfloat16", mode, list(batches), [context])
+    llms = {m: build(str(model_dir), "bfloat16", m, list(batches), [context]) for m in (mode, f"{mode}+async")}
     rows = []
     for batch in batches:
-        step_s, phases = measure(llm, batch, context, steps)
-        rows.append({"batch": batch, "context": context, "step_ms": 1000 * step_s, "tokens_per_s": batch / step_s,
-                     "phases_ms": phases})
+        row = {"batch": batch, "context": context}
+        for m, prefix in ((mode, ""), (f"{mode}+async", "async_")):
+            step_s, phases = measure(llms[m][0], batch, context, steps)
+            row.update({f"{prefix}step_ms": 1000 * step_s, f"{prefix}tokens_per_s": batch / step_s,
+                        f"{prefix}phases_ms": phases})
+        rows.append(row)
+    llm, startup_s = llms[mode]
     graphs = llm.engine.runner.graphs
-    result = {"ok": bool(rows), "rows": rows, "mode": mode, "startup_s": startup_s, "compile_s": llm.engine.runner.forward.warmup_s,
+    overlapped = llms[f"{mode}+async"][0].engine.overlap.num_overlapped
+    result = {"ok": bool(rows) and overlapped > 0, "rows": rows, "mode": mode, "startup_s": startup_s,
+              "compile_s": llm.engine.runner.forward.warmup_s, "async_steps_overlapped": overlapped,
               "graph_capture_s": graphs.capture_s if graphs else None, "graph_sizes": graphs.sizes if graphs else None}
-    del llm
+    del llm, llms
     torch.cuda.empty_cache()
     return result

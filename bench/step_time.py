@@ -5,7 +5,9 @@ Every cell holds ``batch`` sequences whose ``context`` tokens of KV already sit 
 values do not change the time), then times whole ``engine.step()`` calls, each one decode
 token per sequence: scheduling, input building, the forward, sampling and the update. Median
 of ``--steps`` steps after two warm-up steps. ``--modes compiled,eager`` measures both steps
-in one run, the cells interleaved.
+in one run, the cells interleaved; a mode ending in ``+async`` runs with async scheduling on
+(splitserve/engine/async_scheduling.py: each ``step()`` launches the next step before it reads
+the tokens of the one before), the others with it off.
 
     python -m bench.step_time --batches 1,8,32,64,128 --contexts 200,1000 --out bench/results/step_time.json
 """
@@ -31,7 +33,9 @@ def build(model: str, dtype: str, mode: str, batches: list[int], contexts: list[
     tokens = max(batches) * (max(contexts) + 64)
     gb = tokens * 2 * hf.num_hidden_layers * kv_heads * head_dim * element / 2**30 * 1.1
     start = time.perf_counter()
-    llm = LLM(model, dtype=dtype, enforce_eager=mode == "eager", max_num_seqs=max(batches),
+    step_mode, _, overlap = mode.partition("+")
+    llm = LLM(model, dtype=dtype, enforce_eager=step_mode == "eager", max_num_seqs=max(batches),
+              async_scheduling="on" if overlap == "async" else "off",
               max_num_batched_tokens=max(EngineConfig.max_num_batched_tokens, max(batches)),
               kv_cache_memory_gb=gb, enable_prefix_caching=False, max_model_len=max(contexts) + 1024)
     return llm, time.perf_counter() - start
@@ -77,7 +81,8 @@ def main(argv=None) -> int:
     parser.add_argument("--batches", default="1,8,32,64,128")
     parser.add_argument("--contexts", default="200,1000")
     parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--modes", default="compiled", help="compiled, eager or both (comma-separated)")
+    parser.add_argument("--modes", default="compiled",
+                        help="compiled, eager, either with +async (comma-separated)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy; above 0: random sampling")
     args = parser.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]

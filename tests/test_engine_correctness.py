@@ -115,7 +115,7 @@ def test_static_batching_matches_and_pays_for_padding(tiny_model_dirs, make_llm,
         sampled = engine.runner.run(plan_rows)
         for r in engine.scheduler.update(plan_rows, sampled):
             if r.is_finished:
-                done[r.request_id] = engine._output(r)
+                done[r.request_id] = engine.request_output(r)
     engine.scheduler.schedule()  # lets the last batch go
     for prompt, sp, rid in zip(prompts, params, ids):
         assert done[rid].token_ids == hf_reference(model).greedy(prompt, sp.max_tokens)

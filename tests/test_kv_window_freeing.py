@@ -37,6 +37,14 @@ def test_the_layers_go_in_groups_by_window(gemma3, make_llm):
     assert off.engine.runner.kv_groups.windows == (0,) and off.engine.kv_cache.shape[0] == len(LAYER_TYPES)
 
 
+def test_async_scheduling_on_is_refused_where_windowed_pages_are_freed(gemma3, make_llm):
+    """A step in flight may still read pages the window would give back (async_scheduling.py)."""
+    with pytest.raises(ValueError, match="does not go with windowed layers freeing pages"):
+        make_llm(gemma3, block_size=8, num_gpu_blocks=64, async_scheduling="on")
+    kept = make_llm(gemma3, block_size=8, num_gpu_blocks=64, async_scheduling="on", disable_hybrid_kv_cache_manager=True)
+    assert kept.engine.overlap is not None
+
+
 def test_windowed_pages_freed_and_reused_serve_exact_tokens(gemma3, hf_reference, make_llm):
     reference = hf_reference(gemma3)
     prompts = mixed_prompts(6, seed=340, lo=30, hi=100)

@@ -23,8 +23,8 @@ from dataclasses import dataclass
 
 import click
 
-from splitserve.engine.config import (ATTENTION_BACKENDS, BATCHING_MODES, DTYPES, KV_CACHE_DTYPES, PREEMPTION_MODES,
-                           SCHEDULING_POLICIES, EngineConfig)
+from splitserve.engine.config import (ASYNC_SCHEDULING, ATTENTION_BACKENDS, BATCHING_MODES, DTYPES, KV_CACHE_DTYPES,
+                                      PREEMPTION_MODES, SCHEDULING_POLICIES, EngineConfig)
 from splitserve.common.limits import OutputLimits, RequestLimits
 from splitserve.gateway.chat_output.reasoning import PARSERS as REASONING_PARSERS
 from splitserve.gateway.chat_output.tool_parsers import PARSERS as TOOL_PARSERS
@@ -82,7 +82,7 @@ class Flag:
 
 _CHOICES = {"scheduling_policy": SCHEDULING_POLICIES, "preemption_mode": PREEMPTION_MODES,
             "batching": BATCHING_MODES, "dtype": DTYPES, "attention_backend": ATTENTION_BACKENDS,
-            "kv_cache_dtype": KV_CACHE_DTYPES}
+            "kv_cache_dtype": KV_CACHE_DTYPES, "async_scheduling": ASYNC_SCHEDULING}
 # EngineConfig fields the gateway needs too (its tokenizer, limits, page size, queue order).
 _GATEWAY_FIELDS = {"model", "block_size", "max_model_len", "dtype", "priority_aging_per_s"}
 

@@ -15,6 +15,7 @@ ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")
 # Linear layers: "onednn" (prepacked weights, fp32 on CPU; splitserve/engine/cpu_linear.py) or "torch".
 LINEAR_BACKENDS = ("auto", "onednn", "torch")
 LOAD_FORMATS = ("auto", "dummy")
+ASYNC_SCHEDULING = ("auto", "on", "off")
 # Speculative decoding (splitserve/engine/spec_decode): prompt lookup, or a small draft model.
 SPECULATIVE_METHODS = ("ngram", "draft")
 # Weight quantization (splitserve/engine/quantization/), and vLLM's names for what this engine
@@ -113,6 +114,10 @@ class EngineConfig:
     linear_backend: str = "auto"
     # Run the model op by op instead of as one compiled graph (vLLM's escape hatch of the same name).
     enforce_eager: bool = False
+    # Plan and prepare each step while the device runs the one before (vLLM's async scheduling,
+    # splitserve/engine/async_scheduling.py): "auto" on CUDA, "on" (an error where a feature rules
+    # it out), "off". On a CPU the step runs as it is queued, so "on" gains nothing there.
+    async_scheduling: str = "auto"
     # Keep every page of windowed layers (Gemma 2/3, gpt-oss, Mistral) instead of giving back those
     # behind the window (kv_groups, vLLM's hybrid KV cache manager). Disaggregated workers always do.
     disable_hybrid_kv_cache_manager: bool = False
@@ -158,6 +163,14 @@ class EngineConfig:
     # The highest adapter rank accepted (a higher one is refused when it is added).
     max_lora_rank: int = 16
 
+    def async_scheduling_blocker(self) -> str | None:
+        """What in this configuration rules async scheduling out (splitserve/engine/async_scheduling.py)."""
+        return ("speculative decoding" if self.speculative_method else
+                "static batching" if self.batching == "static" else
+                "tensor parallelism" if self.tensor_parallel_size > 1 else
+                "LoRA" if self.enable_lora else
+                "target_tpot_ms (its step budget learns from synchronous steps)" if self.target_tpot_ms else None)
+
     def __post_init__(self) -> None:
         def positive(name: str) -> None:
             value = getattr(self, name)
@@ -197,6 +210,9 @@ class EngineConfig:
         one_of("attention_backend", ATTENTION_BACKENDS)
         one_of("linear_backend", LINEAR_BACKENDS)
         one_of("load_format", LOAD_FORMATS)
+        one_of("async_scheduling", ASYNC_SCHEDULING)
+        if self.async_scheduling == "on" and self.async_scheduling_blocker():
+            raise ValueError(f"async_scheduling='on' does not go with {self.async_scheduling_blocker()}")
         check_quantization(self.quantization)
         self._check_speculative(positive)
         if self.enable_lora and self.tensor_parallel_size > 1:

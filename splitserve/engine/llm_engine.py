@@ -1,7 +1,8 @@
 """The engine loop the workers drive: add_request, abort_request, step.
 
-``step()`` stays three lines (schedule, run, update); everything else is bookkeeping of
-requests and turning them into ``RequestOutput``.
+``step()`` is schedule, run, update (with async scheduling, the update of the step launched
+before: ``splitserve.engine.async_scheduling``); everything else is bookkeeping of requests and
+turning them into ``RequestOutput``.
 """
 from __future__ import annotations
 
@@ -18,11 +19,12 @@ from splitserve.engine.shared_kv_tier import SharedPrefixTier, layout_digest, sw
 from splitserve.engine.kv_connector import KVConnector
 from splitserve.engine.lora.manager import AdapterInUse
 from splitserve.engine.model_loader import load_tokenizer, resolve_model
+from splitserve.engine import async_scheduling
 from splitserve.engine.model_runner import ModelRunner, PoolFactory, default_pool
 from splitserve.engine.outputs import RequestMetrics, RequestOutput
 from splitserve.engine.request import Request
 from splitserve.engine.sampling_params import SamplingParams
-from splitserve.engine.scheduler import Scheduler
+from splitserve.engine.scheduler import Scheduler, SchedulerOutput
 from splitserve.engine.tensor_parallel import TP_FOLLOWER, FollowerProgram
 from splitserve.engine.step_budget import StepBudget
 from splitserve.engine.spec_decode.build import build_proposer
@@ -59,6 +61,8 @@ class LLMEngine:
                                         cache_bytes=config.grammar_cache_mb << 20)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
+        # Async scheduling (config.async_scheduling): None where each step is waited for.
+        self.overlap = async_scheduling.OverlappedSteps(self) if async_scheduling.enabled(config, self.runner) else None
 
     def _host_tier(self, config: EngineConfig) -> HostPrefixTier | None:
         """The KV tiers below the pool (--kv-offloading-size, --kv-offloading-disk-size,
@@ -204,13 +208,13 @@ class LLMEngine:
             # Every slot holds another adapter of running requests: its pages stay reserved and
             # it decodes once one of them ends (each step looks: _resume_waiting_for_lora).
             self._waiting_for_lora.append(request)
-            return self._output(request)
+            return self.request_output(request)
         if reason is None and request.lora is not None:
             request.lora_slot = self.runner.lora.acquire(request.lora)
         self.scheduler.add_running(request)
         if reason is not None:
             self.scheduler.finish(request, reason)
-        return self._output(request)
+        return self.request_output(request)
 
     def _grammar(self, params: SamplingParams, token_ids: list[int]):
         """The request's structured-output matcher (None without a constraint), having replayed
@@ -243,10 +247,12 @@ class LLMEngine:
             return None
         self._forget(request)
         self.scheduler.abort(request)
-        return self._output(request)
+        return self.request_output(request)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished() or bool(self._waiting_for_lora)
+        """Also while a step is in flight: its tokens are still to be read (and its held pages freed)."""
+        in_flight = self.overlap is not None and self.overlap.in_flight is not None
+        return self.scheduler.has_unfinished() or bool(self._waiting_for_lora) or in_flight
 
     # ---- the KV handoff's scheduler side (splitserve.engine.kv_connector.KVHandoffEngine) ----
     @property
@@ -301,11 +307,21 @@ class LLMEngine:
 
     # ---- the loop --------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """schedule -> run -> update; with async scheduling the update is of the step before
+        (``splitserve.engine.async_scheduling``), and a step that only launched returns nothing."""
         if self._waiting_for_lora:
             self._resume_waiting_for_lora()
+        if self.overlap is not None:
+            return self.overlap.step()
+        return self.run_plan(self.schedule())
+
+    def schedule(self) -> SchedulerOutput:
+        with self.runner.phases.timing("schedule"):
+            return self.scheduler.schedule()
+
+    def run_plan(self, plan: SchedulerOutput) -> list[RequestOutput]:
+        """Run ``plan`` and wait for its tokens: the requests it changed, as outputs."""
         phases = self.runner.phases
-        with phases.timing("schedule"):
-            plan = self.scheduler.schedule()
         started = time.perf_counter()
         if self.proposer is not None:
             with phases.timing("propose"):
@@ -315,7 +331,7 @@ class LLMEngine:
         with phases.timing("update"):
             changed = self.scheduler.update(plan, sampled)
             self._budget_next_step(plan, seconds)
-            return [self._output(r) for r in changed]
+            return [self.request_output(r) for r in changed]
 
     def _budget_next_step(self, plan, seconds: float) -> None:
         """Under ``target_tpot_ms``: learn from this step's time, size the next one's budget."""
@@ -337,7 +353,7 @@ class LLMEngine:
         decoding = self._num_decoding()
         return max(self.step_budget.budget(decoding) - decoding, 0)
 
-    def _output(self, request: Request) -> RequestOutput:
+    def request_output(self, request: Request) -> RequestOutput:
         finished = request.is_finished
         if finished:
             self._forget(request)
@@ -384,7 +400,7 @@ class LLMEngine:
 
     def assert_idle(self) -> None:
         """No request in flight and every page free or cached (run after every engine test)."""
-        if self.scheduler.has_unfinished() or self.scheduler.running:
+        if self.scheduler.has_unfinished() or self.scheduler.running or self.has_unfinished_requests():
             raise AssertionError("requests still scheduled")
         self.kv.assert_idle()
 

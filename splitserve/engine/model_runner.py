@@ -316,16 +316,18 @@ class ModelRunner:
             if any(c.spec_token_ids for c in chunks):
                 return verify(self.sampler, logits, chunks)
             requests = [chunk.request for chunk in chunks]
-            rows = [SamplingRow(r.sampling_params, r.prompt_token_ids, r.output_token_ids, r.generator, r.grammar)
-                    for r in requests]
+            rows = [SamplingRow.of(r) for r in requests]
             out = self.sampler(logits, rows)
             logprobs = out.logprobs or [None] * len(requests)
             return {r.request_id: [SampledToken(t, lp)] for r, t, lp in zip(requests, out.token_ids, logprobs)}
 
     @torch.inference_mode()
-    def logits(self, plan: SchedulerOutput) -> tuple[torch.Tensor, list[ScheduledChunk]]:
+    def logits(self, plan: SchedulerOutput, feed: Callable[[torch.Tensor], None] | None = None
+               ) -> tuple[torch.Tensor, list[ScheduledChunk]]:
         """The forward of ``plan``'s tokens (their K/V land in the pool): the logits of the sampled
-        rows ([rows, vocab]: one per sampling chunk, 1 + P for one with P proposals) and those chunks."""
+        rows ([rows, vocab]: one per sampling chunk, 1 + P for one with P proposals) and those chunks.
+        ``feed``: writes the tokens a step in flight samples into the step's input ids, on the
+        device (async scheduling, ``splitserve.engine.async_scheduling``)."""
         bind_device(self.device)
         kv = self.kv_connector
         num_seqs = len(plan.chunks)
@@ -335,6 +337,8 @@ class ModelRunner:
                 graph_size = self.graphs.padded_size(num_seqs)
             step = self.inputs.build(plan.chunks, plan.block_tables, pad_to=graph_size,
                                      group_block_tables=plan.group_block_tables)
+            if feed is not None:
+                feed(step.input_ids)
             if self.lora is not None:
                 self.lora.prepare_step(expand_verification(plan.chunks), step.layout.query_start_list)
             message = None

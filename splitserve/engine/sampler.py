@@ -80,6 +80,21 @@ class SamplingRow:
     # The request's structured-output matcher (None: unconstrained).
     grammar: Grammar | None = None
 
+    @classmethod
+    def of(cls, request) -> SamplingRow:
+        """The row of a ``splitserve.engine.request.Request`` as it stands."""
+        return cls(request.sampling_params, request.prompt_token_ids, request.output_token_ids, request.generator,
+                   request.grammar)
+
+
+def reads_no_history(row: SamplingRow) -> bool:
+    """The row's next token depends on its logits and parameters alone, not on its tokens so far
+    (no penalties, no min_tokens still to reach, no grammar) and it wants no logprobs: it can be
+    sampled while the host has yet to see the token before it (async scheduling)."""
+    p = row.params
+    return not (p.has_penalties or p.logprobs is not None or row.grammar is not None
+                or len(row.output_token_ids) < p.min_tokens)
+
 
 @dataclass
 class SamplerOutput:
@@ -299,21 +314,7 @@ class Sampler:
             src = work if lp_idx is None else work.index_select(0, lp_idx)
             logprobs_t = torch.log_softmax(src, dim=-1)
 
-        if all_greedy:
-            tokens = work.argmax(dim=-1)
-        else:
-            tokens = torch.empty(batch, dtype=torch.long, device=dev)
-            g_rows = [i for i in range(batch) if greedy[i]]
-            r_rows = [i for i in range(batch) if not greedy[i]]
-            if g_rows:
-                g_idx = _ids_tensor(g_rows, dev)
-                tokens[g_idx] = work.index_select(0, g_idx).argmax(dim=-1)
-                r_idx = _ids_tensor(r_rows, dev)
-                tokens[r_idx] = self._sample(work.index_select(0, r_idx), rows, r_rows)
-            else:
-                tokens = self._sample(work, rows, r_rows)
-
-        token_list = tokens.tolist()
+        token_list = self._pick(work, rows, greedy).tolist()
         if logprobs_t is None:
             return SamplerOutput(token_ids=token_list, logprobs=None)
 
@@ -322,6 +323,32 @@ class Sampler:
         for j, i in enumerate(lp_rows):
             out[i] = entries[j]
         return SamplerOutput(token_ids=token_list, logprobs=out)
+
+    def device_tokens(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
+        """One token per row as a tensor on ``logits``' device, with no host round trip on the
+        way (async scheduling feeds it to the next step before the host reads it). Only for rows
+        ``reads_no_history``: their sampling does not depend on tokens the host has yet to see."""
+        if not all(reads_no_history(r) for r in rows):
+            raise ValueError("device_tokens samples rows without penalties, min_tokens, logprobs or a grammar")
+        greedy = [r.params.is_greedy for r in rows]
+        if all(greedy):
+            return logits.max(dim=-1).indices  # as __call__'s greedy path picks (first maximum)
+        return self._pick(self.prepare(logits, rows), rows, greedy)
+
+    def _pick(self, work: torch.Tensor, rows: list[SamplingRow], greedy: list[bool]) -> torch.Tensor:
+        """Step 5: argmax for greedy rows, a random draw (temperature, top-k/p, min-p) for the rest."""
+        if all(greedy):
+            return work.argmax(dim=-1)
+        batch, dev = work.shape[0], work.device
+        r_rows = [i for i in range(batch) if not greedy[i]]
+        if len(r_rows) == batch:
+            return self._sample(work, rows, r_rows)
+        tokens = torch.empty(batch, dtype=torch.long, device=dev)
+        g_idx = _ids_tensor([i for i in range(batch) if greedy[i]], dev)
+        tokens[g_idx] = work.index_select(0, g_idx).argmax(dim=-1)
+        r_idx = _ids_tensor(r_rows, dev)
+        tokens[r_idx] = self._sample(work.index_select(0, r_idx), rows, r_rows)
+        return tokens
 
     def prepare(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
         """Steps 0-2 (grammar, penalties, min_tokens) on a float copy of ``logits`` (the caller's

@@ -52,6 +52,10 @@ class ScheduledChunk:
     # Draft method: the draft's distribution of each proposal, [len(spec_token_ids), vocab]
     # (rejection sampling needs q); None: each proposal is a point mass (ngram, greedy drafts).
     draft_probs: object = None
+    # Async scheduling: the token fed is the one the step still in flight samples in this row of
+    # its sampled tokens (splitserve.engine.async_scheduling); it is on the device, not yet in
+    # the request. None: the token is the request's own (``all_token_ids[start]``).
+    in_flight_row: int | None = None
 
     @property
     def is_decode(self) -> bool:
@@ -113,6 +117,10 @@ class Scheduler:
         self.num_deferred_for_lora = 0
         # Times a waiting request was passed over while its prefix came back from a KV tier.
         self.num_deferred_for_load = 0
+        # Async scheduling: while a step is in flight, the ids of requests that ended meanwhile;
+        # their pages go back once that step has landed, since it may still write them (None:
+        # nothing in flight, pages go back at once).
+        self.held_pages: list[str] | None = None
 
     # ---- queue management ------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -425,4 +433,7 @@ class Scheduler:
     def _end(self, request: Request, reason: FinishReason) -> None:
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
-        self.kv.free(request.request_id)
+        if self.held_pages is not None:
+            self.held_pages.append(request.request_id)
+        else:
+            self.kv.free(request.request_id)

@@ -151,6 +151,8 @@ class InputBuffers:
                 ids[lo] = tokens[-1]
             elif isinstance(chunk, VerifyRow):
                 ids[lo] = chunk.token_id
+            elif chunk.in_flight_row is not None:
+                ids[lo] = 0  # the step in flight samples it; the runner copies it in on the device
             elif chunk.num_tokens == 1:
                 ids[lo] = tokens[chunk.start]
             else:

@@ -14,4 +14,5 @@ def test_the_engine_steps_run_and_record_their_figures(tmp_path):
     assert steps["roofline"]["ok"] is True and steps["roofline"]["decode"][0]["step_ms"] > 0
     rows = steps["decode_throughput"]["rows"]
     assert [row["batch"] for row in rows] == [1, 4] and all(row["phases_ms"]["forward"] > 0 for row in rows)
+    assert all(row["async_step_ms"] > 0 for row in rows) and steps["decode_throughput"]["async_steps_overlapped"] > 0
     assert steps["triton_decode_bandwidth"] == {"ok": None, "skipped": "compiled Triton needs CUDA"}
