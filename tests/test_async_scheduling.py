@@ -126,10 +126,19 @@ def test_an_abort_while_in_flight_keeps_the_pages_until_the_step_lands(tiny_mode
     free_before = engine.kv.num_free_blocks
     aborted = engine.abort_request("r1")
     assert aborted.finished and aborted.finish_reason == "aborted"
-    # The step in flight still writes r1's page of this step: its pages stay out of the pool.
-    assert engine.kv.owns("r1") and engine.kv.num_free_blocks == free_before
-    engine.step()  # that step lands (r1's row is dropped), and only then its pages go back
-    assert not engine.kv.owns("r1")
+    # The step in flight still writes r1's page of this step: its pages stay out of the pool, under
+    # an id of their own, so releasing "r1" again (a worker's Abort after its stream's cancel) finds
+    # nothing to free, and a retry may reserve under "r1" at once.
+    [holder] = engine.scheduler.held_pages
+    assert engine.kv.owns(holder) and not engine.kv.owns("r1") and engine.kv.num_free_blocks == free_before
+    assert engine.release_pages("r1") is False and engine.kv.num_free_blocks == free_before
+    old_pages = engine.overlap.in_flight.plan.block_tables["r1"]
+    retry, _ = engine.reserve_pages("r1", 10)
+    assert not set(retry) & set(old_pages)
+    engine.step()  # that step lands (r1's row is dropped), and only then its old pages go back
+    assert not engine.kv.owns(holder)
+    assert engine.kv.block_table("r1") == retry  # the retry's reservation is untouched
+    assert engine.release_pages("r1")
     done = {}
     while engine.has_unfinished_requests():
         for out in engine.step():
@@ -171,3 +180,19 @@ def test_on_a_gpu_auto_overlaps_with_graphs_and_keeps_the_tokens(tiny_model_dirs
     sync = make_llm(model, async_scheduling="off", **gpu)
     assert [o.token_ids for o in overlapped.generate(prompts, sampled)] == \
         [o.token_ids for o in sync.generate(prompts, sampled)]
+
+
+def test_land_after_aborting_everything_gives_every_page_back(tiny_model_dirs, make_llm):
+    """What a caller that gives up does (``LLM.generate`` on an error, a benchmark between cells)."""
+    llm = make_llm(tiny_model_dirs["llama"], block_size=8, num_gpu_blocks=64, async_scheduling="on")
+    engine = llm.engine
+    for i, prompt in enumerate(mixed_prompts(3, seed=6)):
+        engine.add_request(f"r{i}", prompt, GREEDY)
+    engine.step()
+    engine.step()
+    for i in range(3):
+        engine.abort_request(f"r{i}")
+    assert engine.has_unfinished_requests()  # the step in flight, holding their pages
+    assert engine.kv.num_free_blocks < 64
+    assert engine.land() == [] and not engine.has_unfinished_requests()
+    engine.assert_idle()

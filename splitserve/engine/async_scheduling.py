@@ -79,7 +79,8 @@ class LaunchedStep:
     host_tokens: torch.Tensor
     # Recorded on the device after that copy; None on a CPU, where the step ran as it was launched.
     landed: torch.cuda.Event | None
-    # Requests that ended while this step was in flight: their pages go back once it has landed.
+    # The pages of requests that ended while this step was in flight, by the ids they are held
+    # under (``Scheduler._end``): they go back once it has landed.
     held_pages: list[str] = field(default_factory=list)
 
     def sampled(self) -> dict[str, list[SampledToken]]:
@@ -183,6 +184,14 @@ class OverlappedSteps:
         self._set_in_flight(following)
         return self._complete(launched)
 
+    def land(self) -> list[RequestOutput]:
+        """Complete the step in flight and launch nothing after it ([] without one)."""
+        launched = self.in_flight
+        if launched is None:
+            return []
+        self._set_in_flight(None)
+        return self._complete(launched)
+
     def _set_in_flight(self, step: LaunchedStep | None) -> None:
         self.in_flight = step
         # Ends from now on hold their pages until ``step`` has landed.
@@ -191,8 +200,8 @@ class OverlappedSteps:
     def _complete(self, step: LaunchedStep) -> list[RequestOutput]:
         engine = self.engine
         sampled = step.sampled()
-        for request_id in step.held_pages:  # the step that could still write them has landed
-            engine.kv.free(request_id)
+        for holder in step.held_pages:  # the step that could still write them has landed
+            engine.kv.free(holder)
         with engine.runner.phases.timing("update"):
             changed = engine.scheduler.update(step.plan, sampled)
             return [engine.request_output(r) for r in changed]

@@ -1,6 +1,7 @@
 """The offline API vLLM users know: ``LLM(model=...).generate(prompts, sampling_params)``."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from typing import Sequence
 
@@ -58,6 +59,8 @@ class LLM:
         except BaseException:
             for request_id in ids:  # nothing stays queued behind a failed call
                 self.engine.abort_request(request_id)
+            with contextlib.suppress(Exception):  # the error raised below is the one to see
+                self.engine.land()  # a step in flight holds their pages until it lands
             raise
         return [finished[i] for i in ids]
 

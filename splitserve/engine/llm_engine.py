@@ -241,13 +241,19 @@ class LLMEngine:
         return None, token_ids
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
-        """End a request wherever it is; its pages go back at once. None if unknown or done."""
+        """End a request wherever it is; its pages go back at once, or, while a step that may still
+        write them is in flight (async scheduling), once it lands. None if unknown or done."""
         request = self.requests.get(request_id)
         if request is None:
             return None
         self._forget(request)
         self.scheduler.abort(request)
         return self.request_output(request)
+
+    def land(self) -> list[RequestOutput]:
+        """Async scheduling: complete the step in flight, launching nothing after it (a caller that
+        aborted everything it had waits for the pages held by that step)."""
+        return self.overlap.land() if self.overlap is not None else []
 
     def has_unfinished_requests(self) -> bool:
         """Also while a step is in flight: its tokens are still to be read (and its held pages freed)."""

@@ -48,7 +48,7 @@ import torch
 
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.engine.grammar import Grammar, apply_grammar_bitmask
-from splitserve.engine.token_draw import inverse_cdf, row_uniforms
+from splitserve.engine.token_draw import inverse_cdf, row_uniforms, to_device
 
 __all__ = [
     "SamplingRow",
@@ -105,7 +105,7 @@ class SamplerOutput:
 
 
 def _ids_tensor(ids: Iterable[int], device) -> torch.Tensor:
-    return torch.tensor(list(ids), dtype=torch.long, device=device)
+    return to_device(list(ids), torch.long, device)
 
 
 def _flat_indices(token_lists: list, row_ids: list[int], vocab: int, device) -> torch.Tensor:
@@ -406,7 +406,7 @@ class Sampler:
 
         temps = [p.temperature for p in params]
         if any(t != 1.0 for t in temps):
-            t_t = torch.tensor(temps, dtype=torch.float32, device=dev)
+            t_t = to_device(temps, torch.float32, dev)
             x = logits / t_t.unsqueeze(1)  # new tensor: free to modify in place below
         else:
             x = logits.clone() if need_k else logits  # only top-k writes to x
@@ -420,7 +420,7 @@ class Sampler:
             cand_v, cand_i = x.topk(min(n_cand, vocab), dim=-1)
 
         if need_k:  # keep logits >= the k-th largest (ties kept)
-            k_t = torch.tensor(ks, dtype=torch.long, device=dev)
+            k_t = to_device(ks, torch.long, dev)
             floor = cand_v.gather(1, (k_t - 1).clamp_(min=0).unsqueeze(1))
             floor.masked_fill_((k_t == 0).unsqueeze(1), _NEG_INF)
             x.masked_fill_(x < floor, _NEG_INF)
@@ -429,9 +429,7 @@ class Sampler:
 
         if need_p:
             # p >= 1 -> 2.0 so such rows never reach it (cut-off -inf: nothing dropped).
-            p_t = torch.tensor(
-                [p.top_p if p.top_p < 1.0 else 2.0 for p in params], dtype=torch.float32, device=dev
-            )
+            p_t = to_device([p.top_p if p.top_p < 1.0 else 2.0 for p in params], torch.float32, dev)
             cutoff, found = _top_p_cutoff(probs, cand_v, cand_i, p_t)
             # Rows whose candidates did not reach top_p: with top-k the whole top-k set is
             # the answer (cut-off stays -inf); without, retry with more candidates, then with
@@ -461,6 +459,6 @@ class Sampler:
 
         mps = [p.min_p for p in params]
         if any(v > 0.0 for v in mps):  # keep prob >= min_p * max prob
-            mp_t = torch.tensor(mps, dtype=torch.float32, device=dev).unsqueeze(1)
+            mp_t = to_device(mps, torch.float32, dev).unsqueeze(1)
             probs.masked_fill_(probs < mp_t * probs.amax(dim=-1, keepdim=True), 0.0)
         return probs

@@ -22,6 +22,7 @@ past its new length go back, and the KV written for rejected proposals is overwr
 """
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -117,10 +118,11 @@ class Scheduler:
         self.num_deferred_for_lora = 0
         # Times a waiting request was passed over while its prefix came back from a KV tier.
         self.num_deferred_for_load = 0
-        # Async scheduling: while a step is in flight, the ids of requests that ended meanwhile;
-        # their pages go back once that step has landed, since it may still write them (None:
-        # nothing in flight, pages go back at once).
+        # Async scheduling: while a step is in flight, the pages of requests that ended meanwhile,
+        # by the ids they are held under; they go back once that step has landed, since it may
+        # still write them (None: nothing in flight, pages go back at once).
         self.held_pages: list[str] | None = None
+        self._holders = itertools.count()
 
     # ---- queue management ------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -433,7 +435,11 @@ class Scheduler:
     def _end(self, request: Request, reason: FinishReason) -> None:
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
-        if self.held_pages is not None:
-            self.held_pages.append(request.request_id)
-        else:
+        if self.held_pages is None:
             self.kv.free(request.request_id)
+        elif self.kv.owns(request.request_id):
+            # Held under an id of their own: the request's id is free at once (a retry may reserve
+            # under it), and nothing that releases by that id frees them before the step lands.
+            holder = f"{request.request_id}#held-{next(self._holders)}"
+            self.kv.rename(request.request_id, holder)
+            self.held_pages.append(holder)

@@ -12,6 +12,17 @@ from __future__ import annotations
 import torch
 
 
+def to_device(values: list, dtype: torch.dtype, device) -> torch.Tensor:
+    """A small host list as a tensor on ``device``, without waiting for the device: a copy from
+    pageable memory waits for every kernel queued before it, which would stall async scheduling
+    (splitserve/engine/async_scheduling.py) on the step it just queued; one from pinned memory is
+    queued behind them instead."""
+    host = torch.tensor(values, dtype=dtype)
+    if torch.device(device).type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 def row_uniforms(generators: list, shared: torch.Generator | None, dev, wanted: list[bool] | None = None) -> torch.Tensor:
     """One U[0, 1) per row where ``wanted`` (every row if None; 1.0 elsewhere): from the row's own generator when it
     has one (a seeded request stays reproducible), else from the sampler's shared one (torch's
@@ -27,7 +38,7 @@ def row_uniforms(generators: list, shared: torch.Generator | None, dev, wanted: 
     for i, (g, w) in enumerate(zip(generators, wanted)):
         if w and g is not None:
             u[i] = torch.rand(1, generator=g, device=g.device).item()
-    return u.to(dev)
+    return u if torch.device(dev).type == "cpu" else u.pin_memory().to(dev, non_blocking=True)
 
 
 # inverse_cdf sums the vocabulary in blocks of this many tokens, then runs a cumulative sum inside
