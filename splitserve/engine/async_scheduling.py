@@ -22,8 +22,8 @@ Only plain continuations overlap: the next plan is the launched step's requests,
 each, when nothing else waits (no waiting request, no running one the launched step left out) and
 every row samples without its history (``splitserve.engine.sampler.reads_no_history``). Anything
 else (a new prompt, preemption, grammars, penalties, logprobs, a KV handoff on a prefill worker)
-ends the overlap for a step: the step in flight is completed and the next one is the engine's
-ordinary synchronous step. Speculative decoding, static batching, tensor parallelism, LoRA,
+ends the overlap for a step: the step in flight is completed and the next one scheduled as usual,
+then launched the same way if every row it samples is history-free, else run synchronously. Speculative decoding, static batching, tensor parallelism, LoRA,
 windowed pages and ``target_tpot_ms`` turn it off (``blocker``).
 """
 from __future__ import annotations
@@ -155,7 +155,9 @@ def _ends_for_sure(request, num_tokens: int, max_model_len: int) -> bool:
 class OverlappedSteps:
     """The engine's step with async scheduling on: each call launches the next step (when it can)
     and then completes the one launched before, so the host's work on step N's tokens runs while
-    the device computes step N+1. A call that only launched returns no outputs."""
+    the device computes step N+1. A call where nothing was in flight only launches and returns no
+    outputs; one that cannot plan ahead completes the step in flight, then schedules and launches
+    (or runs) the next, so every call queues one step."""
 
     def __init__(self, engine: LLMEngine):
         self.engine = engine
@@ -167,22 +169,22 @@ class OverlappedSteps:
     def step(self) -> list[RequestOutput]:
         engine = self.engine
         launched = self.in_flight
-        if launched is None:
-            plan = engine.schedule()
-            if not launchable(plan, engine.runner):
-                return engine.run_plan(plan)
-            self._set_in_flight(launch(engine.runner, plan))
-            return []
-        with engine.runner.phases.timing("schedule"):
-            ahead = plan_ahead(engine.scheduler, launched.plan)
-        following = None
-        if ahead is not None and launchable(ahead, engine.runner):
-            following = launch(engine.runner, ahead, launched)
-            self.num_overlapped += 1
-        elif ahead is not None:  # planned but not launchable: its pages stay with their requests
-            ahead = None
-        self._set_in_flight(following)
-        return self._complete(launched)
+        outputs: list[RequestOutput] = []
+        if launched is not None:
+            with engine.runner.phases.timing("schedule"):
+                ahead = plan_ahead(engine.scheduler, launched.plan)
+            if ahead is not None and launchable(ahead, engine.runner):
+                self._set_in_flight(launch(engine.runner, ahead, launched))
+                self.num_overlapped += 1
+                return self._complete(launched)
+            # Anything but a plain continuation (its pages, if planned, stay with their requests):
+            # the tokens first, then the next step is scheduled as usual, in this same call.
+            outputs = self.land()
+        plan = engine.schedule()
+        if not launchable(plan, engine.runner):
+            return outputs + engine.run_plan(plan)
+        self._set_in_flight(launch(engine.runner, plan))
+        return outputs
 
     def land(self) -> list[RequestOutput]:
         """Complete the step in flight and launch nothing after it ([] without one)."""
