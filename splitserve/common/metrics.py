@@ -108,6 +108,9 @@ class EngineMetrics:
         self.grammar_cache_misses = Counter("splitserve:grammar_cache_misses",
                                             "Constrained requests whose grammar was compiled for them",
                                             registry=registry)
+        self.steps_overlapped = Counter("splitserve:engine_steps_overlapped",
+                                        "Steps launched before the tokens of the step before were read (async "
+                                        "scheduling, --async-scheduling)", registry=registry)
         self.pages_set_aside = Gauge("splitserve:kv_pages_set_aside",
                                      "Pages of ended reservations held back while a sender in another process "
                                      "is still copying into them (decode)", registry=registry)
@@ -130,7 +133,8 @@ class EngineMetrics:
                           list(labels), registry=registry)
         self.role.labels(**labels).set(1)
         self._seen = {"num_preemptions": 0, "prefix_queries": 0, "prefix_hits": 0, "spec_drafts": 0,
-                      "spec_draft_tokens": 0, "spec_accepted_tokens": 0, "grammar_hits": 0, "grammar_misses": 0}
+                      "spec_draft_tokens": 0, "spec_accepted_tokens": 0, "grammar_hits": 0, "grammar_misses": 0,
+                      "steps_overlapped": 0}
         self._seen_phases: dict[str, float] = {}  # the engine's StepPhases at the last refresh
 
     def refresh(self, engine) -> None:
@@ -149,14 +153,16 @@ class EngineMetrics:
                   "prefix_queries": engine.kv.prefix_stats.queries, "prefix_hits": engine.kv.prefix_stats.hits,
                   "spec_drafts": spec.num_drafts, "spec_draft_tokens": spec.num_draft_tokens,
                   "spec_accepted_tokens": spec.num_accepted_tokens,
-                  "grammar_hits": engine.grammars.hits, "grammar_misses": engine.grammars.misses}
+                  "grammar_hits": engine.grammars.hits, "grammar_misses": engine.grammars.misses,
+                  "steps_overlapped": engine.overlap.num_overlapped if engine.overlap is not None else 0}
         self.grammar_cache_bytes.set(engine.grammars.cached_bytes)
         for name, counter in (("num_preemptions", self.preemptions), ("prefix_queries", self.prefix_queries),
                               ("prefix_hits", self.prefix_hits), ("spec_drafts", self.spec_drafts),
                               ("spec_draft_tokens", self.spec_draft_tokens),
                               ("spec_accepted_tokens", self.spec_accepted_tokens),
                               ("grammar_hits", self.grammar_cache_hits),
-                              ("grammar_misses", self.grammar_cache_misses)):
+                              ("grammar_misses", self.grammar_cache_misses),
+                              ("steps_overlapped", self.steps_overlapped)):
             counter.inc(max(0, totals[name] - self._seen[name]))
             self._seen[name] = totals[name]
         tier = engine.kv.offload

@@ -4,11 +4,17 @@ The same requests through a disaggregated stack (prefill + decode worker) and a 
 (one ``both`` worker) give the same tokens: seeded sampling continues the same random stream
 after the handoff, and ``min_tokens`` keeps EOS and stop tokens out of the first token too. The
 prefill worker's prefix-cache counters equal the cached tokens its clients are told about.
+
+The disaggregated stack's decode worker schedules asynchronously (``--async-scheduling on``:
+each step launched before the tokens of the one before are read, as on a GPU), so each of these
+comparisons also holds it to the synchronous colocated worker's tokens.
 """
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from splitserve.client import build_request
 from tests.harness.prompts import mixed_prompts
 from tests.harness.stack import start_stack
 from tests.harness.tools import scrape
@@ -17,7 +23,8 @@ from tests.harness.tools import scrape
 @pytest.fixture(scope="module")
 def stacks(tiny_model_dirs, tmp_path_factory):
     model = tiny_model_dirs["llama"]
-    with start_stack(model, tmp_path_factory, prefill=1, decode=1) as disaggregated, \
+    with start_stack(model, tmp_path_factory, prefill=1, decode=1,
+                     role_args={"decode": ["--async-scheduling", "on"]}) as disaggregated, \
             start_stack(model, tmp_path_factory, prefill=0, decode=0, both=1) as colocated:
         yield {"disaggregated": disaggregated, "colocated": colocated}
 
@@ -88,3 +95,28 @@ def test_prefix_cache_counters_equal_the_cached_tokens_clients_are_told(stacks):
     colocated = [tokens(stacks["colocated"], prompt, max_tokens=2, temperature=0.0)[1].usage.cached_prompt_tokens
                  for _ in range(2)]
     assert colocated == [0, 40]
+
+
+def test_concurrent_stops_and_a_cancel_through_an_async_decode_worker(stacks):
+    """Requests that stop on a token at different steps, seeded and greedy, at once, and one stream
+    cancelled mid-way: the same tokens as the colocated worker's, and every decode page back."""
+    prompts = mixed_prompts(8, seed=144, lo=8, hi=40)
+    greedy = [tokens(stacks["colocated"], p, temperature=0.0, max_tokens=12, ignore_eos=True)[0] for p in prompts]
+    sampling = [dict(temperature=0.0, max_tokens=12, ignore_eos=True, stop_token_ids=[g[2 + i % 6]]) if i % 2 else
+                dict(temperature=0.9, seed=i, max_tokens=12, ignore_eos=True) for i, g in enumerate(greedy)]
+    expected = [tokens(stacks["colocated"], p, **s) for p, s in zip(prompts, sampling)]
+    stack = stacks["disaggregated"]
+    with ThreadPoolExecutor(len(prompts) + 1) as pool:
+        cancelled = stack.stub.Generate(build_request(prompts[0], temperature=0.0, max_tokens=200, ignore_eos=True),
+                                        timeout=60)
+        next(cancelled)
+        got = list(pool.map(lambda ps: tokens(stack, ps[0], **ps[1]), zip(prompts, sampling)))
+        cancelled.cancel()
+    assert [(t, f.finish_reason) for t, f in got] == [(t, f.finish_reason) for t, f in expected]
+    assert any(f.finish_reason == "stop" for _, f in got)
+    port = stack.metrics_ports["decode"]
+    give_up = time.monotonic() + 10  # the gauge refreshes on the engine thread every 0.5 s
+    while scrape(port).get("vllm:kv_cache_usage_perc") != 0.0 and time.monotonic() < give_up:
+        time.sleep(0.2)
+    assert scrape(port).get("vllm:kv_cache_usage_perc") == 0.0
+    assert scrape(port).get("splitserve:engine_steps_overlapped_total", 0) > 0  # the overlap ran
