@@ -3,7 +3,7 @@ before step N's tokens are read, its input ids copied from them on the device.
 
 On a CPU a launched step has run by the time ``launch`` returns, so these tests check what the
 overlap must keep: the tokens (transformers' greedy output; the synchronous engine's for seeded
-sampling), stops in the step behind, joins and aborts while a step is in flight, and pages held until
+sampling), stops in the step behind, aborts while a step is in flight (joins: test_engine_correctness), and pages held until
 the step that may write them has landed. The last test runs the same on a GPU, where "auto" turns
 it on."""
 import pytest
@@ -89,27 +89,6 @@ def test_a_stop_in_the_step_behind_is_discarded(tiny_model_dirs, make_llm):
     got = overlapped.generate(prompts, params)
     assert [(o.token_ids, o.finish_reason) for o in got] == [(o.token_ids, o.finish_reason) for o in expected]
     assert any(o.finish_reason == "stop" for o in got)  # make_llm then checks every page came back
-
-
-def test_requests_join_while_a_step_is_in_flight(tiny_model_dirs, make_llm, hf_reference):
-    model = tiny_model_dirs["llama"]
-    llm = make_llm(model, block_size=8, num_gpu_blocks=128, async_scheduling="on")
-    engine = llm.engine
-    prompts = mixed_prompts(6, seed=3)
-    done = {}
-    engine.add_request("r0", prompts[0], GREEDY)
-    engine.add_request("r1", prompts[1], GREEDY)
-    step = 0
-    while engine.has_unfinished_requests() or step < 8:
-        if 3 <= step < 8 and step % 2 == 1:  # while r0 and r1 have a step in flight
-            engine.add_request(f"r{len(done) + step}", prompts[(step - 1) // 2], GREEDY)
-        for out in engine.step():
-            if out.finished:
-                done[out.request_id] = out
-        step += 1
-    assert len(done) == 5
-    for rid, out in done.items():
-        assert out.token_ids == hf_reference(model).greedy(list(out.prompt_token_ids), MAX_TOKENS), rid
 
 
 def test_an_abort_while_in_flight_keeps_the_pages_until_the_step_lands(tiny_model_dirs, make_llm, hf_reference):

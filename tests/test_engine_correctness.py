@@ -43,9 +43,10 @@ def test_single_prompt(arch, tiny_model_dirs, make_llm, hf_reference, step_mode)
         assert_matches([out], [prompt], hf_reference(model))
 
 
-def test_requests_join_while_others_decode(arch, tiny_model_dirs, make_llm, hf_reference, step_mode):
+@pytest.mark.parametrize("async_scheduling", ["off", "on"])  # "on": they join while a step is in flight
+def test_requests_join_while_others_decode(arch, tiny_model_dirs, make_llm, hf_reference, step_mode, async_scheduling):
     model = tiny_model_dirs[arch]
-    llm = make_llm(model, num_gpu_blocks=128, block_size=8, **step_mode)
+    llm = make_llm(model, num_gpu_blocks=128, block_size=8, async_scheduling=async_scheduling, **step_mode)
     engine = llm.engine
     prompts = mixed_prompts(6, seed=3)
     done = {}
