@@ -3,9 +3,9 @@ before step N's tokens are read, its input ids copied from them on the device.
 
 On a CPU a launched step has run by the time ``launch`` returns, so these tests check what the
 overlap must keep: the tokens (transformers' greedy output; the synchronous engine's for seeded
-sampling), stops in the step behind, aborts while a step is in flight (joins: test_engine_correctness), and pages held until
-the step that may write them has landed. The last test runs the same on a GPU, where "auto" turns
-it on."""
+sampling), stops in the step behind, aborts while a step is in flight (joins:
+test_engine_correctness), and pages held until the step that may write them has landed. The last
+test runs the same on a GPU, where "auto" turns it on."""
 import pytest
 import torch
 
