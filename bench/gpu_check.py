@@ -69,8 +69,8 @@ GPU_TESTS = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").rglob("tes
 # In the order they run: decode_throughput (the step time with and without async scheduling, two
 # engines compiled) early, so a long run still measures it.
 STEP_LIMITS = {"pytest_gpu": 180, "decode_throughput": 120, "roofline": 200, "kvtransfer_cuda_ipc": 60, "stack_8b": 220,
-               "engine_exact": 100, "triton_decode_bandwidth": 30, "triton_prefill_attention": 30, "stack": 120,
-               "engine_tp1": 100}
+               "stack_8b_two_gpus": 220, "engine_exact": 100, "triton_decode_bandwidth": 30,
+               "triton_prefill_attention": 30, "stack": 120, "engine_tp1": 100}
 
 
 def versions() -> dict:
@@ -157,16 +157,24 @@ def stack(model_dir: Path, limit_s: float, device: str = "cuda") -> dict:
                 "kv_transfer_bytes_by_transport": transports, "text": "".join(e.text for e in events)}
 
 
-def stack_8b(workdir: Path, limit_s: float, device: str) -> dict:
-    """The stack under load on the 8B shape (a CPU rehearsal: the tiny shape, two low rates)."""
+def stack_8b(workdir: Path, limit_s: float, device: str, two_gpus: bool = False) -> dict:
+    """The stack under load on the 8B shape (a CPU rehearsal: the tiny shape, two low rates);
+    ``two_gpus``: the prefill worker on cuda:0, the decode worker on cuda:1 (each its GPU's 0.85)."""
+    import torch
+
     from bench import gpu_stack, roofline
     if device == "cuda":
+        if two_gpus and torch.cuda.device_count() < 2:
+            return {"ok": None, "skipped": f"needs two GPUs, {torch.cuda.device_count()} visible"}
         model = roofline.model_dir("llama-3.1-8b", workdir)
+        place = ["--prefill-device", "cuda:0", "--decode-device", "cuda:1", "--gpu-memory-utilization", "0.85"] \
+            if two_gpus else ["--gpu-memory-utilization", "0.42"]
         return gpu_stack.serving_under_load(model, "cuda", [1.0, 4.0, 16.0], 32, 256, limit_s - 70,
-                                            ["--dtype", "bfloat16", "--gpu-memory-utilization", "0.42"])
+                                            ["--dtype", "bfloat16", *place])
     model = roofline.model_dir("tiny", workdir)
+    place = ["--prefill-device", "cpu", "--decode-device", "cpu"] if two_gpus else []
     return gpu_stack.serving_under_load(model, "cpu", [1.0, 4.0], 6, 256, limit_s - 30,
-                                        ["--dtype", "float32", "--num-gpu-blocks", "256"])
+                                        ["--dtype", "float32", "--num-gpu-blocks", "256", *place])
 
 
 def engine_tp1(model_dir: Path, device: str) -> dict:
@@ -208,6 +216,7 @@ def main(argv=None) -> int:
         "triton_prefill_attention": lambda limit: gpu_probes.triton_prefill_attention(),
         "stack": lambda limit: stack(model_dir, limit, args.device),
         "stack_8b": lambda limit: stack_8b(workdir, limit, args.device),
+        "stack_8b_two_gpus": lambda limit: stack_8b(workdir, limit, args.device, two_gpus=True),
         "decode_throughput": lambda limit: (gpu_probes.decode_throughput(model_dir) if args.device == "cuda" else
                                             gpu_probes.decode_throughput(model_dir, (1, 4), 64, 3, "eager")),
         "engine_tp1": lambda limit: engine_tp1(model_dir, args.device),

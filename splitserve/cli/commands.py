@@ -135,6 +135,11 @@ def _up_params() -> list[click.Option]:
                           "workers': KV is then re-sharded by head (over shm, cuda_ipc or tcp)"),
         click.Option(["--decode-tensor-parallel-size"], type=click.IntRange(min=0), default=0, show_default=True,
                      help="ranks of each decode (or colocated) worker (0: --tensor-parallel-size)"),
+        click.Option(["--prefill-device"], default="", metavar="DEVICE",
+                     help="the device of each prefill worker (cuda:0, ...; empty: --device): prefill and decode "
+                          "workers on GPUs of their own, the KV moving between them (cuda_ipc, nccl)"),
+        click.Option(["--decode-device"], default="", metavar="DEVICE",
+                     help="the device of each decode (or colocated) worker (empty: --device)"),
         click.Option(["--demo"], metavar="QUESTION", default="",
                      help="ask one question through the stack, print the answer, then shut down"),
         click.Option(["--child-log-level"], default="WARNING", show_default=True,

@@ -27,18 +27,38 @@ from splitserve.cli.role_controller import LatencyWindow, RoleControl, RoleContr
 from splitserve.common.processes import free_port
 
 
-def memory_shares(total: float, prefill: int, decode: int) -> dict[str, float]:
+def memory_shares(total: float, prefill: int, decode: int, one_device: bool = True) -> dict[str, float]:
     """Each worker's ``--gpu-memory-utilization`` when ``up`` puts all of them on one GPU with ``total``.
 
     A decode worker's pool holds every running sequence's KV, a prefill worker's only the prompts
     in flight (and its prefix cache), so a decode worker gets twice a prefill worker's share: with
-    one of each and 0.9, prefill 0.3 and decode 0.6. A colocated worker (both) gets all of it."""
+    one of each and 0.9, prefill 0.3 and decode 0.6. A colocated worker (both) gets all of it.
+    ``one_device`` False (``--prefill-device`` and ``--decode-device`` differ): each role's workers
+    split ``total`` of their own GPU."""
     if not 0 < total <= 1:
         raise SystemExit(f"--gpu-memory-utilization must be in (0, 1], got {total}")
     weights = prefill + 2 * decode
     if weights == 0:
         return {"both": total}
+    if not one_device:
+        return {"prefill": total / max(prefill, 1), "decode": total / max(decode, 1)}
     return {"prefill": total / weights, "decode": 2 * total / weights}
+
+
+def role_device(args, role: str) -> str:
+    """A worker's device: --prefill-device / --decode-device for its role when given, else
+    --device (a colocated worker takes the decode side's)."""
+    own = args.prefill_device if role == "prefill" else args.decode_device
+    return own or args.device
+
+
+def check_devices(args, role_controller: bool) -> None:
+    """Workers on devices of their role: the role controller moves a worker to the other role in
+    place, which would move it to another device; refused together."""
+    if role_controller and role_device(args, "prefill") != role_device(args, "decode"):
+        raise SystemExit("--role-controller moves workers between roles in place: it does not go with "
+                         f"--prefill-device {role_device(args, 'prefill')} and --decode-device "
+                         f"{role_device(args, 'decode')}")
 
 
 # Below this many cores a CPU box gets one colocated worker when --prefill/--decode are not given.
@@ -96,7 +116,8 @@ def with_redis_password(args):
 
 
 # Set per child: the Redis URL, the metrics port, the engine threads, the GPU memory share, the ranks.
-OWN = frozenset({"redis_url", "metrics_port", "num_threads", "gpu_memory_utilization", "tensor_parallel_size"})
+OWN = frozenset({"redis_url", "metrics_port", "num_threads", "gpu_memory_utilization", "tensor_parallel_size",
+                 "device"})
 
 
 def tensor_parallel_size(args, role: str) -> int:
@@ -126,9 +147,11 @@ class WorkerSpecs:
 
     def __init__(self, args, redis_url: str, shape: Topology, workers: int):
         self.args, self.redis_url = args, redis_url
-        # Every worker runs on the one --device (rank r of a tensor-parallel worker on the r-th GPU
-        # after it): --gpu-memory-utilization is split between them.
-        self.shares = memory_shares(args.gpu_memory_utilization, shape.prefill, shape.decode) \
+        # Every worker runs on the one --device, or its role's (--prefill-device, --decode-device;
+        # rank r of a tensor-parallel worker on the r-th GPU after it): --gpu-memory-utilization is
+        # split between the workers that share a GPU.
+        one_device = role_device(args, "prefill") == role_device(args, "decode")
+        self.shares = memory_shares(args.gpu_memory_utilization, shape.prefill, shape.decode, one_device) \
             if args.gpu_memory_utilization else {}
         # Worker processes share the cores: with more threads than cores they only contend
         # (measured: 1 thread each for prefill + decode on 2 cores halved TTFT at 2 req/s).
@@ -147,7 +170,7 @@ class WorkerSpecs:
         flags, env = forward(args, "prefill" if role == "prefill" else "decode", skip=OWN)
         argv = ["decode", "--role", "both"] if role == "both" else [role]
         argv += [*flags, "--redis-url", self.redis_url, "--num-threads", str(self.threads[role]),
-                 "--tensor-parallel-size", str(tensor_parallel_size(args, role))]
+                 "--tensor-parallel-size", str(tensor_parallel_size(args, role)), "--device", role_device(args, role)]
         if self.shares:
             # A moved worker keeps its place's share: the shares of the places add up to the flag's.
             share = self._slot_share.setdefault(slot, self.shares[role])
@@ -203,11 +226,12 @@ def role_control(args) -> RoleControl:
 
 
 def cmd_up(args) -> int:
-    if args.gpu_memory_utilization and args.device.startswith("cpu"):
+    if args.gpu_memory_utilization and all(role_device(args, r).startswith("cpu") for r in ("prefill", "decode")):
         raise SystemExit("--gpu-memory-utilization shares a GPU; on CPU size the KV pools with --kv-cache-memory-gb")
     from splitserve.common.authz import gateway_credentials
     control = role_control(args)
     check_split(args)
+    check_devices(args, control.role_controller)
     if control.role_controller and args.metrics_port <= 0:  # the controller reads the gateway's latencies
         args = argparse.Namespace(**{**vars(args), "metrics_port": free_port()})
     # Once: a worker the controller moves starts with the same secrets as the others.

@@ -218,6 +218,33 @@ def test_up_splits_prefill_and_decode_workers_over_their_own_ranks(tmp_path, mon
         up.check_split(parse([*argv, "--kv-transport", "nccl"]))
 
 
+def test_up_puts_prefill_and_decode_workers_on_devices_of_their_own(tmp_path):
+    """--prefill-device cuda:0 --decode-device cuda:1: each worker's command line names its GPU once,
+    and --gpu-memory-utilization is each GPU's, split only among the workers that share it; the
+    role controller (which moves a worker to the other role in place) is refused beside them."""
+    from splitserve.cli import up
+    argv = ["up", "--prefill", "1", "--decode", "2", "--prefill-device", "cuda:0", "--decode-device", "cuda:1",
+            "--gpu-memory-utilization", "0.9"]
+    specs = {spec.name: spec.argv for spec in up.plan(parse(argv), "redis://127.0.0.1:1/0", str(tmp_path))}
+    for name, device, share in (("prefill0", "cuda:0", "0.9000"), ("decode0", "cuda:1", "0.4500"),
+                                ("decode1", "cuda:1", "0.4500")):
+        child = specs[name]
+        assert child.count("--device") == 1 and child[child.index("--device") + 1] == device, name
+        assert child[child.index("--gpu-memory-utilization") + 1] == share, name
+    assert "--device" not in specs["gateway"]
+    # One device for both (the default): the shares of one GPU, as before.
+    specs = {spec.name: spec.argv for spec in up.plan(parse(["up", "--prefill", "1", "--decode", "1", "--device",
+                                                             "cuda:2", "--gpu-memory-utilization", "0.9"]),
+                                                      "redis://127.0.0.1:1/0", str(tmp_path))}
+    assert [specs[n][specs[n].index("--device") + 1] for n in ("prefill0", "decode0")] == ["cuda:2", "cuda:2"]
+    assert [specs[n][specs[n].index("--gpu-memory-utilization") + 1] for n in ("prefill0", "decode0")] == \
+        ["0.3000", "0.6000"]
+    up.check_devices(parse(argv), role_controller=False)
+    with pytest.raises(SystemExit, match="--role-controller moves workers between roles in place: it does not go "
+                                         "with --prefill-device cuda:0 and --decode-device cuda:1"):
+        up.check_devices(parse(argv), role_controller=True)
+
+
 def test_up_gives_its_own_redis_a_password_only_its_children_learn(tmp_path):
     """Issue 36, point 10: a Redis without a password is open to every local user (a fake worker
     could register and be sent prompts). up's own Redis gets a fresh random one, in a config file
