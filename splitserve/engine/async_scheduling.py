@@ -23,8 +23,9 @@ each, when nothing else waits (no waiting request, no running one the launched s
 every row samples without its history (``splitserve.engine.sampler.reads_no_history``). Anything
 else (a new prompt, preemption, grammars, penalties, logprobs, a KV handoff on a prefill worker)
 ends the overlap for a step: the step in flight is completed and the next one scheduled as usual,
-then launched the same way if every row it samples is history-free, else run synchronously. Speculative decoding, static batching, tensor parallelism, LoRA,
-windowed pages and ``target_tpot_ms`` turn it off (``blocker``).
+then launched the same way if every row it samples is history-free, else run synchronously.
+Speculative decoding, static batching, tensor parallelism, LoRA, windowed pages and
+``target_tpot_ms`` turn it off (``blocker``).
 """
 from __future__ import annotations
 
@@ -38,6 +39,7 @@ from splitserve.engine.config import EngineConfig
 from splitserve.engine.outputs import RequestOutput
 from splitserve.engine.sampler import SamplingRow, reads_no_history
 from splitserve.engine.scheduler import SampledToken, ScheduledChunk, Scheduler, SchedulerOutput
+from splitserve.engine.token_draw import to_device
 
 if TYPE_CHECKING:
     from splitserve.engine.llm_engine import LLMEngine
@@ -92,7 +94,7 @@ class LaunchedStep:
     def feed(self, plan: SchedulerOutput) -> Callable[[torch.Tensor], None]:
         """Writes, on the device, the tokens ``plan``'s decodes take from this step into its input ids."""
         rows = [c.in_flight_row for c in plan.chunks]
-        src = torch.tensor(rows, dtype=torch.long).to(self.tokens.device, non_blocking=True)
+        src = to_device(rows, torch.long, self.tokens.device)
 
         def write(input_ids: torch.Tensor) -> None:
             input_ids[:len(rows)].copy_(self.tokens.index_select(0, src))

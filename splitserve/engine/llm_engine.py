@@ -406,7 +406,7 @@ class LLMEngine:
 
     def assert_idle(self) -> None:
         """No request in flight and every page free or cached (run after every engine test)."""
-        if self.scheduler.has_unfinished() or self.scheduler.running or self.has_unfinished_requests():
+        if self.has_unfinished_requests() or self.scheduler.running:
             raise AssertionError("requests still scheduled")
         self.kv.assert_idle()
 
