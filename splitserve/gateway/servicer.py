@@ -210,11 +210,12 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         job.chat_output = admission.plan.output()
         job.trace = trace
         trace.identify(request_id, len(admission.token_ids), admission.priority)
-        # Placements that take no capacity: a request landing at the head of the queue is claimed
-        # in the same Redis call (the claim loop's round trip saved).
-        claim = {"claim_lease_s": CLAIM_LEASE_S, "now_s": time.time()} \
-            if await self.dispatcher.claim_at_admission() else {}
         try:
+            # Placements that take no capacity: a request landing at the head of the queue is
+            # claimed in the same Redis call (the claim loop's round trip saved). Whether they do
+            # reads the worker registry: Redis away is UNAVAILABLE here too, and the job goes.
+            claim = {"claim_lease_s": CLAIM_LEASE_S, "now_s": time.time()} \
+                if await self.ledger.now(self.dispatcher.claim_at_admission()) else {}
             result = await self.ledger.now(self.state.admit(
                 request_id, self.dispatcher.gateway_id, admission.priority, admission.arrival_s,
                 {"prompt_tokens": len(admission.token_ids)}, admission.owner, room=room, **claim))

@@ -10,6 +10,7 @@ import grpc
 import pytest
 
 from splitserve.client import Client
+from splitserve.gateway.workers import REFRESH_S
 from tests.harness.prompts import mixed_prompts
 from tests.harness.stack import (NOT_SERVING, SERVING, gateway_health, live_request_keys, queued_request_ids,
                                       start_process, start_stack, stop_process, wait_pages_at_baseline)
@@ -36,6 +37,13 @@ def test_redis_down_means_unavailable_at_once_then_recovery(stack, reference):
             list(stack.client.generate([1, 2, 3], max_tokens=4, temperature=0.0, timeout=10))
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value.details()
         assert "Redis" in err.value.details()
+        # Past the worker registry's cache too (admission reads it first; that read once ended
+        # as INTERNAL): UNAVAILABLE again.
+        time.sleep(REFRESH_S + 0.1)
+        with pytest.raises(grpc.RpcError) as err:
+            list(stack.client.generate([1, 2, 3], max_tokens=4, temperature=0.0, timeout=10))
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE and "Redis" in err.value.details(), \
+            (err.value.code(), err.value.details())
         wait_until(lambda: gateway_health(stack) == NOT_SERVING, 15, "the gateway to report NOT_SERVING")
     finally:
         stack.redis.restart()
