@@ -135,6 +135,53 @@ def test_backend_step_matches_reference(backend, block_size, heads, head_major):
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fresh_prefills_through_sdpa_match_reference(dtype):
+    """With every prefill chunk fresh, the step's prefills go to torch's SDPA (what an AMX CPU
+    does for bf16) and give the kernel's attention; a chunk over cached context keeps the step on
+    the kernel, whichever the setting."""
+    b = CpuAttentionBackend(fresh_prefill_sdpa=True)
+    calls = []
+    kernel = b._paged_prefill
+    b._paged_prefill = lambda *args: (calls.append(1), kernel(*args))
+    for q_lens, ctx_lens, kernel_calls in (([1, 1, 40, 17], [9, 30, 40, 17], 0), ([1, 40, 5], [9, 40, 29], 1)):
+        query, key, value, k_cache, v_cache, layout = make_batch(q_lens, ctx_lens, 16, 24, 9, 3, 64, seed=2)
+        query, key, value, k_cache, v_cache = (t.to(dtype) for t in (query, key, value, k_cache, v_cache))
+        ref_k, ref_v = k_cache.float(), v_cache.float()
+        reference.write_kv(key.float(), value.float(), ref_k, ref_v, layout.slot_mapping)
+        expected = reference.paged_attention(query.float(), ref_k, ref_v, layout.block_tables,
+                                             layout.query_start_loc, layout.seq_lens, 0.125)
+        calls.clear()
+        got = b.forward(query, key, value, k_cache, v_cache, layout, b.prepare(layout), 0.125)
+        assert len(calls) == kernel_calls
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        torch.testing.assert_close(got.float(), expected, rtol=tol, atol=tol)
+
+
+def test_sdpa_takes_fresh_prefills_only_where_and_when_it_is_faster(monkeypatch):
+    from splitserve.engine.attention import cpu_backend
+    b = CpuAttentionBackend()
+    plan = lambda q_lens, ctx_lens: b.prepare(make_batch(q_lens, ctx_lens, 16, 40, 9, 3, 64, seed=0)[-1])  # noqa: E731
+    long_fresh = plan([1, cpu_backend.SDPA_MIN_TOKENS], [20, cpu_backend.SDPA_MIN_TOKENS])
+    short_fresh = plan([1, cpu_backend.SDPA_MIN_TOKENS - 1], [20, cpu_backend.SDPA_MIN_TOKENS - 1])
+    long_with_prefix = plan([cpu_backend.SDPA_MIN_TOKENS, 3], [cpu_backend.SDPA_MIN_TOKENS, 19])
+    monkeypatch.setattr(cpu_backend, "amx_sdpa_wanted", lambda dtype: dtype == torch.bfloat16)  # an AMX CPU
+    assert b._fresh_to_sdpa(torch.bfloat16, long_fresh)
+    assert not b._fresh_to_sdpa(torch.float32, long_fresh)
+    assert not b._fresh_to_sdpa(torch.bfloat16, short_fresh)
+    assert not b._fresh_to_sdpa(torch.bfloat16, long_with_prefix)
+    monkeypatch.setattr(cpu_backend, "amx_sdpa_wanted", lambda dtype: False)  # no AMX
+    assert not b._fresh_to_sdpa(torch.bfloat16, long_fresh)
+    assert not CpuAttentionBackend(fresh_prefill_sdpa=False)._fresh_to_sdpa(torch.bfloat16, long_fresh)
+
+
+def test_amx_sdpa_is_wanted_for_bf16_where_the_cpu_has_amx_tiles():
+    from splitserve.engine.attention.cpu_backend import amx_sdpa_wanted
+    flags = open("/proc/cpuinfo").read()
+    assert amx_sdpa_wanted(torch.bfloat16) == (" amx_tile" in flags and " amx_bf16" in flags)
+    assert not amx_sdpa_wanted(torch.float32)
+
+
 def test_layout_fills_query_starts():
     layout = StepLayout(slot_mapping=torch.zeros(4, dtype=torch.int64), query_start_loc=torch.tensor([0, 1, 4]),
                         seq_lens=torch.tensor([5, 3]), block_tables=torch.zeros(2, 1, dtype=torch.int32),

@@ -88,6 +88,29 @@ def test_chunked_prefill(arch, tiny_model_dirs, make_llm, hf_reference, step_mod
     assert_matches(outputs, prompts, hf_reference(model))
 
 
+def test_fresh_prefills_through_sdpa_match_transformers(tiny_model_dirs, make_llm, hf_reference, step_mode,
+                                                      monkeypatch):
+    """The CPU backend's route for an AMX CPU (fresh prefill chunks to torch's SDPA), taken here
+    for every dtype and length: a batch of fresh prompts, then prompts over a cached prefix (the
+    kernel's steps) give transformers' tokens."""
+    from splitserve.engine.attention import cpu_backend
+    monkeypatch.setattr(cpu_backend, "amx_sdpa_wanted", lambda dtype: True)
+    monkeypatch.setattr(cpu_backend, "SDPA_MIN_TOKENS", 1)
+    routed = []
+    chunk_attention = cpu_backend.chunk_attention
+    monkeypatch.setattr(cpu_backend, "chunk_attention", lambda *a: (routed.append(1), chunk_attention(*a))[1])
+    model = tiny_model_dirs["llama"]
+    llm = make_llm(model, block_size=8, num_gpu_blocks=128, enable_prefix_caching=True, **step_mode)
+    assert isinstance(llm.engine.runner.backend, cpu_backend.CpuAttentionBackend)
+    prompts = mixed_prompts(6, seed=31, lo=30, hi=60)
+    outputs = llm.generate(prompts, GREEDY)
+    assert routed
+    again = [prompts[0][:24] + tail for tail in mixed_prompts(3, seed=32, lo=3, hi=9)]
+    outputs += llm.generate(again, GREEDY)
+    assert all(o.num_cached_tokens == 24 for o in outputs[-3:])
+    assert_matches(outputs, prompts + again, hf_reference(model))
+
+
 @pytest.mark.parametrize("mode", ["recompute", "swap"])
 def test_preemption_keeps_output_exact(arch, mode, tiny_model_dirs, make_llm, hf_reference, step_mode):
     model = tiny_model_dirs[arch]
