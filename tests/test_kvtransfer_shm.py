@@ -7,7 +7,7 @@ import torch
 from splitserve.kvtransfer.base import KVLayout, StaleEpochError, TransferDescriptor, coalesce
 from splitserve.kvtransfer import page_copy
 from splitserve.kvtransfer.lease import LeaseTable, PageFence
-from splitserve.kvtransfer.transports.shm import ShmReceiver, ShmSender, create_shared_pool
+from splitserve.kvtransfer.transports.shm import ShmReceiver, ShmSender, create_shared_pool, remove_pool_directory
 from tests.kv_pools import QUANTIZED, random_pool
 
 SHAPE = (3, 2, 64, 8, 2, 16)
@@ -89,3 +89,45 @@ def test_page_copy_kernel_refuses_pages_outside_the_pools():
         torch.ops.splitserve_cpu.copy_pages(src, dst, torch.tensor([0, 1]), torch.tensor([3, 4]))
     with pytest.raises(RuntimeError, match="dtypes differ"):
         torch.ops.splitserve_cpu.copy_pages(src, dst.double(), torch.tensor([0]), torch.tensor([1]))
+
+
+def _resident_bytes(path) -> int:
+    """Rss of this process's mappings of ``path`` (/proc/self/smaps)."""
+    rss, inside = 0, False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            fields = line.split()
+            if "-" in fields[0] and len(fields) >= 5:  # a mapping's header line
+                inside = fields[-1] == str(path)
+            elif inside and fields[0] == "Rss:":
+                rss += int(fields[1]) * 1024
+    return rss
+
+
+def test_shared_pool_is_taken_and_mapped_at_creation():
+    # A first write into an unmapped page cost a prefill step its allocation; here the pool's
+    # memory is allocated (fallocate) and mapped (touched) before any request.
+    shape = (2, 2, 64, 4, 16, 16)
+    pool, owners, directory = create_shared_pool(shape, torch.bfloat16)
+    try:
+        nbytes = pool.numel() * pool.element_size()
+        assert (directory / "pool").stat().st_blocks * 512 >= nbytes
+        assert _resident_bytes(directory / "pool") >= nbytes
+        assert not pool.any()
+        assert oct((directory / "pool").stat().st_mode & 0o777) == oct(0o600)
+    finally:
+        remove_pool_directory(directory)
+
+
+def test_shared_pool_that_does_not_fit_is_a_clear_error(monkeypatch):
+    import errno
+    import os
+    from splitserve.common.locality import POOL_PREFIX, pool_root
+
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    monkeypatch.setattr(os, "posix_fallocate", full)  # what a container's 64 MB /dev/shm answers
+    before = set(pool_root().glob(f"{POOL_PREFIX}{os.getpid()}-*"))
+    with pytest.raises(OSError, match="shm-size.*kv-cache-memory-gb"):
+        create_shared_pool((2, 2, 64, 4, 16, 16), torch.bfloat16)
+    assert set(pool_root().glob(f"{POOL_PREFIX}{os.getpid()}-*")) == before  # nothing left behind
