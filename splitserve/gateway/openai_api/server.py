@@ -99,6 +99,19 @@ async def _answer(send, status: int, message: str) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
+def no_delay(transport) -> None:
+    """Every write goes out at once (TCP_NODELAY). asyncio sets it on the connections of servers it
+    makes, but not on those accepted from a socket made by ``socket.create_server`` (``bind``:
+    its protocol number is 0, not IPPROTO_TCP, and asyncio checks for that). Without it, Nagle's
+    algorithm held each write made while an earlier one was unacknowledged until the client's
+    delayed ACK came, 40 ms later: every non-streamed answer (its body is a second write after
+    the headers) took 44 ms on loopback against vLLM serve's 0.4, and a stream's first token
+    waited behind its headers' ACK where the prompt took under 40 ms."""
+    sock = transport.get_extra_info("socket")
+    if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
 class HeaderDeadline(H11Protocol):
     """uvicorn's h11 protocol (what its "auto" picks without httptools, which splitserve does not
     install) with a deadline on each request's line and headers: ``header_timeout_s`` from the
@@ -113,6 +126,7 @@ class HeaderDeadline(H11Protocol):
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
+        no_delay(transport)
         self._header_timer = self.loop.call_later(self.header_timeout_s, self._headers_late)
 
     def on_response_complete(self) -> None:
