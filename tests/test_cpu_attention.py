@@ -177,7 +177,8 @@ def test_sdpa_takes_fresh_prefills_only_where_and_when_it_is_faster(monkeypatch)
 
 def test_amx_sdpa_is_wanted_for_bf16_where_the_cpu_has_amx_tiles():
     from splitserve.engine.attention.cpu_backend import amx_sdpa_wanted
-    flags = open("/proc/cpuinfo").read()
+    with open("/proc/cpuinfo") as cpuinfo:  # the kernel lists amx_* only where it enables the tiles
+        flags = cpuinfo.read()
     assert amx_sdpa_wanted(torch.bfloat16) == (" amx_tile" in flags and " amx_bf16" in flags)
     assert not amx_sdpa_wanted(torch.float32)
 

@@ -109,7 +109,8 @@ def no_delay(transport) -> None:
     waited behind its headers' ACK where the prompt took under 40 ms."""
     sock = transport.get_extra_info("socket")
     if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        with contextlib.suppress(OSError):  # a peer that reset at once: nothing left to send to
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
 class HeaderDeadline(H11Protocol):
@@ -126,8 +127,8 @@ class HeaderDeadline(H11Protocol):
 
     def connection_made(self, transport) -> None:
         super().connection_made(transport)
-        no_delay(transport)
         self._header_timer = self.loop.call_later(self.header_timeout_s, self._headers_late)
+        no_delay(transport)
 
     def on_response_complete(self) -> None:
         super().on_response_complete()

@@ -65,16 +65,22 @@ def create_shared_pool(shape: Sequence[int], dtype: torch.dtype) -> tuple[torch.
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         try:
-            os.posix_fallocate(fd, 0, nbytes)
+            if hasattr(os, "posix_fallocate"):
+                os.posix_fallocate(fd, 0, nbytes)
+            else:  # no fallocate (macOS): the size only; the zeroing below takes the memory
+                os.ftruncate(fd, nbytes)
         finally:
             os.close(fd)
+        pool = _map(path, _numel(shape), dtype).view(*shape)
+        pool.zero_()  # maps every page now (they are zero already)
     except OSError as e:
         remove_pool_directory(directory)
-        raise OSError(e.errno, f"cannot place the {nbytes / 2**30:.2f} GiB KV pool in shared memory ({path.parent}): "
+        raise OSError(e.errno, f"cannot place the {nbytes / 2**30:.2f} GiB KV pool in {directory.parent}: "
                                f"{e.strerror}; give the container more /dev/shm (docker: --shm-size, compose: "
                                "shm_size) or a smaller --kv-cache-memory-gb") from None
-    pool = _map(path, _numel(shape), dtype).view(*shape)
-    pool.zero_()  # maps every page now (they are zero already)
+    except BaseException:
+        remove_pool_directory(directory)
+        raise
     return pool, owners, directory
 
 
