@@ -52,7 +52,10 @@ def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     rows = x2d.shape[0]
     padded = padded_rows(rows)
     if padded != rows:
-        x2d = torch.nn.functional.pad(x2d, (0, 0, 0, padded - rows))
+        buffer = x2d.new_empty((padded, x2d.shape[1]))  # not F.pad: only the padding rows need zeros
+        buffer[:rows].copy_(x2d)
+        buffer[rows:].zero_()
+        x2d = buffer
     out = torch.ops.mkldnn._linear_pointwise(x2d, weight, bias, "none", [], "")
     if padded != rows:
         out = out[:rows]

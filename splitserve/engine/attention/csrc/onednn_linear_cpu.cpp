@@ -33,7 +33,14 @@ at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& weight, const st
                             c10::List<std::optional<at::Scalar>>, std::optional<c10::string_view>)>();
   at::Tensor x2d = x.reshape({-1, x.size(-1)});
   const int64_t rows = x2d.size(0), padded = padded_rows(rows);
-  if (padded != rows) x2d = at::constant_pad_nd(x2d, {0, 0, 0, padded - rows});
+  if (padded != rows) {
+    // Not constant_pad_nd: it fills the whole new tensor before copying the rows in (measured: ~40 us a
+    // call at 250 x 1,536 bf16, 4 calls a layer). Only the padding rows need zeros.
+    at::Tensor buffer = at::empty({padded, x2d.size(1)}, x2d.options());
+    buffer.narrow(0, 0, rows).copy_(x2d);
+    buffer.narrow(0, rows, padded - rows).zero_();
+    x2d = buffer;
+  }
   at::Tensor out = linear_pointwise.call(x2d, weight, bias, "none", c10::List<std::optional<at::Scalar>>(), std::nullopt);
   if (padded != rows) out = out.narrow(0, 0, rows);
   std::vector<int64_t> sizes = x.sizes().vec();
