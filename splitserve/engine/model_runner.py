@@ -34,6 +34,7 @@ from splitserve.engine.model_registry import check_supported, final_logits, quan
 from splitserve.engine.sampler import Sampler, SamplingRow
 from splitserve.engine.scheduler import SampledToken, ScheduledChunk, SchedulerOutput
 from splitserve.engine.rejection_sampler import verify
+from splitserve.engine.rotary_cache import cache_rotary_embeddings
 from splitserve.engine.step_inputs import InputBuffers, expand_verification
 from splitserve.engine.step_phases import StepPhases
 from splitserve.engine.tensor_parallel import TP_FOLLOWER, FollowerProgram, rank_device
@@ -135,6 +136,8 @@ class ModelRunner:
         if quantize_here and self.quantized_weights is None:
             from splitserve.engine.quantization import quantize_model
             self.quantized_weights = quantize_model(self.model, self.quantization)
+        # Every position's cos/sin once, not per layer and step (splitserve/engine/rotary_cache.py).
+        cache_rotary_embeddings(self.model, self.max_model_len, self.dtype, self.device)
         self.linear_backend = resolve_linear_backend(config.linear_backend, self.device, self.dtype)
         if self.linear_backend == "onednn":
             pack_linear_layers(self.model)
