@@ -136,11 +136,11 @@ def test_backend_step_matches_reference(backend, block_size, heads, head_major):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fresh_prefills_through_sdpa_match_reference(dtype):
-    """With every prefill chunk fresh, the step's prefills go to torch's SDPA (what an AMX CPU
-    does for bf16) and give the kernel's attention; a chunk over cached context keeps the step on
-    the kernel, whichever the setting."""
-    b = CpuAttentionBackend(fresh_prefill_sdpa=True)
+def test_fresh_prefills_off_the_paged_kernel_match_reference(dtype):
+    """With every prefill chunk fresh, the step's prefills go to the AMX kernel (bf16 on a CPU with
+    tiles) or torch's SDPA and give the kernel's attention; a chunk over cached context keeps the
+    step on the paged kernel, whichever the setting."""
+    b = CpuAttentionBackend(fresh_prefill=True)
     calls = []
     kernel = b._paged_prefill
     b._paged_prefill = lambda *args: (calls.append(1), kernel(*args))
@@ -158,29 +158,29 @@ def test_fresh_prefills_through_sdpa_match_reference(dtype):
         torch.testing.assert_close(got.float(), expected, rtol=tol, atol=tol)
 
 
-def test_sdpa_takes_fresh_prefills_only_where_and_when_it_is_faster(monkeypatch):
+def test_fresh_prefills_leave_the_paged_kernel_only_where_and_when_it_is_slower(monkeypatch):
     from splitserve.engine.attention import cpu_backend
     b = CpuAttentionBackend()
     plan = lambda q_lens, ctx_lens: b.prepare(make_batch(q_lens, ctx_lens, 16, 40, 9, 3, 64, seed=0)[-1])  # noqa: E731
-    long_fresh = plan([1, cpu_backend.SDPA_MIN_TOKENS], [20, cpu_backend.SDPA_MIN_TOKENS])
-    short_fresh = plan([1, cpu_backend.SDPA_MIN_TOKENS - 1], [20, cpu_backend.SDPA_MIN_TOKENS - 1])
-    long_with_prefix = plan([cpu_backend.SDPA_MIN_TOKENS, 3], [cpu_backend.SDPA_MIN_TOKENS, 19])
-    monkeypatch.setattr(cpu_backend, "amx_sdpa_wanted", lambda dtype: dtype == torch.bfloat16)  # an AMX CPU
-    assert b._fresh_to_sdpa(torch.bfloat16, long_fresh)
-    assert not b._fresh_to_sdpa(torch.float32, long_fresh)
-    assert not b._fresh_to_sdpa(torch.bfloat16, short_fresh)
-    assert not b._fresh_to_sdpa(torch.bfloat16, long_with_prefix)
-    monkeypatch.setattr(cpu_backend, "amx_sdpa_wanted", lambda dtype: False)  # no AMX
-    assert not b._fresh_to_sdpa(torch.bfloat16, long_fresh)
-    assert not CpuAttentionBackend(fresh_prefill_sdpa=False)._fresh_to_sdpa(torch.bfloat16, long_fresh)
+    long_fresh = plan([1, cpu_backend.AMX_MIN_TOKENS], [20, cpu_backend.AMX_MIN_TOKENS])
+    short_fresh = plan([1, cpu_backend.AMX_MIN_TOKENS - 1], [20, cpu_backend.AMX_MIN_TOKENS - 1])
+    long_with_prefix = plan([cpu_backend.AMX_MIN_TOKENS, 3], [cpu_backend.AMX_MIN_TOKENS, 19])
+    monkeypatch.setattr(cpu_backend, "amx_prefill_wanted", lambda dtype: dtype == torch.bfloat16)  # an AMX CPU
+    assert b._fresh_route(torch.bfloat16, long_fresh)
+    assert not b._fresh_route(torch.float32, long_fresh)
+    assert not b._fresh_route(torch.bfloat16, short_fresh)
+    assert not b._fresh_route(torch.bfloat16, long_with_prefix)
+    monkeypatch.setattr(cpu_backend, "amx_prefill_wanted", lambda dtype: False)  # no AMX
+    assert not b._fresh_route(torch.bfloat16, long_fresh)
+    assert not CpuAttentionBackend(fresh_prefill=False)._fresh_route(torch.bfloat16, long_fresh)
 
 
-def test_amx_sdpa_is_wanted_for_bf16_where_the_cpu_has_amx_tiles():
-    from splitserve.engine.attention.cpu_backend import amx_sdpa_wanted
+def test_the_amx_route_is_wanted_for_bf16_where_the_cpu_has_amx_tiles():
+    from splitserve.engine.attention.cpu_backend import amx_prefill_wanted
     with open("/proc/cpuinfo") as cpuinfo:  # the kernel lists amx_* only where it enables the tiles
         flags = cpuinfo.read()
-    assert amx_sdpa_wanted(torch.bfloat16) == (" amx_tile" in flags and " amx_bf16" in flags)
-    assert not amx_sdpa_wanted(torch.float32)
+    assert amx_prefill_wanted(torch.bfloat16) == (" amx_tile" in flags and " amx_bf16" in flags)
+    assert not amx_prefill_wanted(torch.float32)
 
 
 def test_layout_fills_query_starts():

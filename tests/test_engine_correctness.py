@@ -88,14 +88,15 @@ def test_chunked_prefill(arch, tiny_model_dirs, make_llm, hf_reference, step_mod
     assert_matches(outputs, prompts, hf_reference(model))
 
 
-def test_fresh_prefills_through_sdpa_match_transformers(tiny_model_dirs, make_llm, hf_reference, step_mode,
+def test_fresh_prefills_off_the_paged_kernel_match_transformers(tiny_model_dirs, make_llm, hf_reference, step_mode,
                                                       monkeypatch):
-    """The CPU backend's route for an AMX CPU (fresh prefill chunks to torch's SDPA), taken here
-    for every dtype and length: a batch of fresh prompts, then prompts over a cached prefix (the
-    kernel's steps) give transformers' tokens."""
+    """The CPU backend's route for an AMX CPU (fresh prefill chunks off the paged kernel), taken
+    here for every dtype and length, in float32 (where the AMX kernel does not run: torch's SDPA
+    takes them): a batch of fresh prompts, then prompts over a cached prefix (the kernel's steps)
+    give transformers' tokens."""
     from splitserve.engine.attention import cpu_backend
-    monkeypatch.setattr(cpu_backend, "amx_sdpa_wanted", lambda dtype: True)
-    monkeypatch.setattr(cpu_backend, "SDPA_MIN_TOKENS", 1)
+    monkeypatch.setattr(cpu_backend, "amx_prefill_wanted", lambda dtype: True)
+    monkeypatch.setattr(cpu_backend, "AMX_MIN_TOKENS", 1)
     routed = []
     chunk_attention = cpu_backend.chunk_attention
     monkeypatch.setattr(cpu_backend, "chunk_attention", lambda *a: (routed.append(1), chunk_attention(*a))[1])

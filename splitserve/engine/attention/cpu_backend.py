@@ -11,10 +11,14 @@ Quantized pages (kv_quant) keep the SDPA path: each chunk attends over its dequa
 Both kernels implement every AttentionVariant (sliding window, soft-capping, sinks).
 
 On a CPU with AMX tiles, bf16 steps whose prefill chunks are all fresh (no cached context) and
-plain go to torch's SDPA instead, whose flash kernel multiplies on the tiles: one chunk, SmolLM2's
-heads, 2 Xeon cores with AMX (us, this kernel / SDPA): 176 / 120 at 128 tokens, 231 / 190 at 150,
-568 / 503 at 250, 2,128 / 1,180 at 512, 7,534 / 3,006 at 1,024, 30,267 / 9,110 at 2,048. Below
-128 tokens, and in float32 (no tiles: 1.2-1.7x slower than this kernel), this kernel is faster.
+plain go to ``csrc/fresh_prefill_amx_cpu.cpp`` instead: its matrix products run on the tiles
+(oneDNN's batch-reduce GEMM, as ATen exposes it), a block of query positions times the query
+heads of one KV head at a time. One chunk, SmolLM2's heads, 2 Xeon cores with AMX, us (this
+kernel / torch's SDPA / the AMX kernel): 36 / 40 / 35 at 32 tokens, 69 / 66 / 57 at 64, 179 / 119 /
+113 at 128, 228 / 186 / 138 at 150, 538 / 446 / 246 at 250, 1,913 / 943 / 697 at 512, 7,452 /
+2,987 / 2,443 at 1,024, 30,740 / 9,829 / 9,229 at 2,048. Below 32 tokens, and in float32 (no
+tiles), this kernel is faster. Where the AMX kernel cannot run (a head size not a multiple of 16,
+or the route forced on a CPU without tiles) the fresh chunks go to torch's SDPA.
 """
 from __future__ import annotations
 
@@ -30,13 +34,13 @@ from splitserve.engine.attention.torch_backend import chunk_attention, visible_m
 # Page dtypes the prefill kernel reads; quantized pages go through SDPA.
 _FLOAT_PAGES = (torch.float32, torch.bfloat16, torch.float16)
 
-# The longest fresh chunk a step must have for its prefills to go to SDPA on AMX (see above).
-SDPA_MIN_TOKENS = 128
+# The longest fresh chunk a step must have for its prefills to go to the AMX kernel (see above).
+AMX_MIN_TOKENS = 32
 
 
-def amx_sdpa_wanted(dtype: torch.dtype) -> bool:
-    """Whether fresh prefill chunks of ``dtype`` are faster in torch's SDPA than in the kernel:
-    bf16 where the CPU has AMX tiles (its flash kernel's GEMMs run on them)."""
+def amx_prefill_wanted(dtype: torch.dtype) -> bool:
+    """Whether fresh prefill chunks of ``dtype`` are faster in the AMX kernel than in the paged
+    prefill kernel: bf16 where the CPU has AMX tiles."""
     return dtype == torch.bfloat16 and torch.cpu._is_amx_tile_supported()
 
 
@@ -70,8 +74,13 @@ class CpuStepPlan:
             self._longest_fresh = max((layout.query_lens_list[b] for b in chunks), default=0) if fresh else 0
         return self._longest_fresh
 
+    def fresh_bounds(self) -> list[int]:
+        """The first row of each prefill chunk and the end of the last (the AMX kernel's argument)."""
+        return self.layout.query_start_list[self.layout.num_decodes:]
+
     def sdpa_chunks(self) -> list[_Chunk]:
-        """The prefill chunks as SDPA calls (quantized pages, fresh chunks on AMX), planned on first use."""
+        """The prefill chunks as SDPA calls (quantized pages; fresh chunks the AMX kernel cannot
+        take), planned on first use."""
         if self._sdpa_chunks is None:
             layout, chunks = self.layout, []
             starts = layout.query_start_list
@@ -88,15 +97,18 @@ class CpuStepPlan:
 class CpuAttentionBackend(AttentionBackend):
     name = "cpu"
 
-    def __init__(self, fresh_prefill_sdpa: bool | None = None):
-        """``fresh_prefill_sdpa``: send steps whose prefill chunks are all fresh to SDPA; None
-        (the engine's choice) where that is faster (``amx_sdpa_wanted``, SDPA_MIN_TOKENS)."""
-        self.fresh_prefill_sdpa = fresh_prefill_sdpa
+    def __init__(self, fresh_prefill: bool | None = None):
+        """``fresh_prefill``: send steps whose prefill chunks are all fresh to the AMX kernel (or
+        SDPA where it cannot run) rather than the paged prefill kernel; None (the engine's
+        choice) where that is faster (``amx_prefill_wanted``, AMX_MIN_TOKENS)."""
+        self.fresh_prefill = fresh_prefill
         if not cpu_kernels.available():
             raise RuntimeError("attention_backend='cpu' needs the CPU kernels, which could not be built "
                                f"({cpu_kernels.load_error()}); use attention_backend='torch'")
         self._write_and_decode = torch.ops.splitserve_cpu.write_and_decode
         self._paged_prefill = torch.ops.splitserve_cpu.paged_prefill
+        self._fresh_prefill_amx = torch.ops.splitserve_cpu.fresh_prefill_amx
+        self._amx = torch.cpu._is_amx_tile_supported()
 
     def prepare(self, layout: StepLayout) -> CpuStepPlan:
         return CpuStepPlan(layout)
@@ -111,9 +123,13 @@ class CpuAttentionBackend(AttentionBackend):
                                layout.seq_lens, layout.num_decodes, scale, *extra)
         if not prepared.has_prefills:
             return out
-        if k_cache.dtype in _FLOAT_PAGES and not (variant.plain and self._fresh_to_sdpa(query.dtype, prepared)):
+        fresh = variant.plain and self._fresh_route(query.dtype, prepared)
+        if k_cache.dtype in _FLOAT_PAGES and not fresh:
             self._paged_prefill(out, query, k_cache, v_cache, layout.block_tables, layout.query_start_loc,
                                 layout.seq_lens, layout.num_decodes, scale, *extra)
+            return out
+        if fresh and self._amx_takes(query, key, value):
+            self._fresh_prefill_amx(out, query, key, value, prepared.fresh_bounds(), scale)
             return out
         for c in prepared.sdpa_chunks():
             if c.ctx_blocks is None:
@@ -125,7 +141,13 @@ class CpuAttentionBackend(AttentionBackend):
                                                      load(v, query.dtype), mask, scale, variant)
         return out
 
-    def _fresh_to_sdpa(self, dtype: torch.dtype, prepared: CpuStepPlan) -> bool:
-        if self.fresh_prefill_sdpa is not None:
-            return self.fresh_prefill_sdpa and prepared.longest_fresh_chunk() > 0
-        return amx_sdpa_wanted(dtype) and prepared.longest_fresh_chunk() >= SDPA_MIN_TOKENS
+    def _amx_takes(self, query, key, value) -> bool:
+        """Whether the AMX kernel can run this layer's fresh chunks: bf16, a head size it tiles
+        (a multiple of 16), each head's values contiguous."""
+        return (self._amx and query.dtype == key.dtype == value.dtype == torch.bfloat16
+                and query.shape[-1] % 16 == 0 and query.stride(-1) == key.stride(-1) == value.stride(-1) == 1)
+
+    def _fresh_route(self, dtype: torch.dtype, prepared: CpuStepPlan) -> bool:
+        if self.fresh_prefill is not None:
+            return self.fresh_prefill and prepared.longest_fresh_chunk() > 0
+        return amx_prefill_wanted(dtype) and prepared.longest_fresh_chunk() >= AMX_MIN_TOKENS
