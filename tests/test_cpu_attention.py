@@ -165,14 +165,18 @@ def test_fresh_prefills_leave_the_paged_kernel_only_where_and_when_it_is_slower(
     long_fresh = plan([1, cpu_backend.AMX_MIN_TOKENS], [20, cpu_backend.AMX_MIN_TOKENS])
     short_fresh = plan([1, cpu_backend.AMX_MIN_TOKENS - 1], [20, cpu_backend.AMX_MIN_TOKENS - 1])
     long_with_prefix = plan([cpu_backend.AMX_MIN_TOKENS, 3], [cpu_backend.AMX_MIN_TOKENS, 19])
+    sdpa_long = plan([1, cpu_backend.SDPA_MIN_TOKENS], [20, cpu_backend.SDPA_MIN_TOKENS])
     monkeypatch.setattr(cpu_backend, "amx_prefill_wanted", lambda dtype: dtype == torch.bfloat16)  # an AMX CPU
-    assert b._fresh_route(torch.bfloat16, long_fresh)
-    assert not b._fresh_route(torch.float32, long_fresh)
-    assert not b._fresh_route(torch.bfloat16, short_fresh)
-    assert not b._fresh_route(torch.bfloat16, long_with_prefix)
+    assert b._fresh_route(torch.bfloat16, long_fresh, amx=True)
+    assert not b._fresh_route(torch.float32, long_fresh, amx=True)
+    assert not b._fresh_route(torch.bfloat16, short_fresh, amx=True)
+    assert not b._fresh_route(torch.bfloat16, long_with_prefix, amx=True)
+    # A layer the AMX kernel cannot take goes to SDPA only where SDPA beats the paged kernel.
+    assert not b._fresh_route(torch.bfloat16, long_fresh, amx=False)
+    assert b._fresh_route(torch.bfloat16, sdpa_long, amx=False)
     monkeypatch.setattr(cpu_backend, "amx_prefill_wanted", lambda dtype: False)  # no AMX
-    assert not b._fresh_route(torch.bfloat16, long_fresh)
-    assert not CpuAttentionBackend(fresh_prefill=False)._fresh_route(torch.bfloat16, long_fresh)
+    assert not b._fresh_route(torch.bfloat16, long_fresh, amx=True)
+    assert not CpuAttentionBackend(fresh_prefill=False)._fresh_route(torch.bfloat16, long_fresh, amx=True)
 
 
 def test_the_amx_route_is_wanted_for_bf16_where_the_cpu_has_amx_tiles():

@@ -97,6 +97,7 @@ def test_fresh_prefills_off_the_paged_kernel_match_transformers(tiny_model_dirs,
     from splitserve.engine.attention import cpu_backend
     monkeypatch.setattr(cpu_backend, "amx_prefill_wanted", lambda dtype: True)
     monkeypatch.setattr(cpu_backend, "AMX_MIN_TOKENS", 1)
+    monkeypatch.setattr(cpu_backend, "SDPA_MIN_TOKENS", 1)
     routed = []
     chunk_attention = cpu_backend.chunk_attention
     monkeypatch.setattr(cpu_backend, "chunk_attention", lambda *a: (routed.append(1), chunk_attention(*a))[1])

@@ -123,3 +123,13 @@ def test_head_dim_of_the_table_is_the_rotary_width():
     _, _, cached = live_and_cached("LlamaForCausalLM", torch.float32)
     assert cached[0].cos_all.shape[1] == HIDDEN // HEADS
     assert HEAD_DIM == HIDDEN // HEADS
+
+
+def test_an_engine_reads_its_rotary_embeddings_from_a_table(tiny_model_dirs, make_llm):
+    """The runner swaps the module in (its fallbacks would only be logged), with room for the
+    start-up steps that reach past max_model_len (the warm-up's block, a GPU's memory profile of a
+    whole step budget)."""
+    llm = make_llm(tiny_model_dirs["llama"], max_model_len=64, max_num_batched_tokens=256, block_size=16,
+                   num_gpu_blocks=64)
+    tables = [m for m in llm.engine.runner.model.modules() if isinstance(m, CachedRotaryEmbedding)]
+    assert len(tables) == 1 and tables[0].length == 256

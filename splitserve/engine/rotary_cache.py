@@ -95,10 +95,10 @@ def cache_rotary_embeddings(model: torch.nn.Module, length: int, dtype: torch.dt
                     cached = CachedRotaryEmbedding(child, layer_types, length, dtype, device)
                     ok = _matches(cached, child, layer_types, dtype, device)
             except Exception as e:  # an unusual signature or output: the module keeps computing
-                log.debug("rotary module %s kept as it is: %s", type(child).__name__, e)
+                log.info("rotary module %s kept as it is: %s", type(child).__name__, e)
                 continue
             if not ok:
-                log.debug("rotary module %s kept as it is: the table differs from its result", type(child).__name__)
+                log.info("rotary module %s kept as it is: the table differs from its result", type(child).__name__)
                 continue
             setattr(parent, name, cached)
             swapped += 1

@@ -34,8 +34,10 @@ from splitserve.engine.attention.torch_backend import chunk_attention, visible_m
 # Page dtypes the prefill kernel reads; quantized pages go through SDPA.
 _FLOAT_PAGES = (torch.float32, torch.bfloat16, torch.float16)
 
-# The longest fresh chunk a step must have for its prefills to go to the AMX kernel (see above).
+# The longest fresh chunk a step must have for its prefills to leave the paged kernel: for the
+# AMX kernel, and for SDPA where the AMX kernel cannot take the layer (see above).
 AMX_MIN_TOKENS = 32
+SDPA_MIN_TOKENS = 128
 
 
 def amx_prefill_wanted(dtype: torch.dtype) -> bool:
@@ -123,12 +125,13 @@ class CpuAttentionBackend(AttentionBackend):
                                layout.seq_lens, layout.num_decodes, scale, *extra)
         if not prepared.has_prefills:
             return out
-        fresh = variant.plain and self._fresh_route(query.dtype, prepared)
+        amx = self._amx_takes(query, key, value)
+        fresh = variant.plain and self._fresh_route(query.dtype, prepared, amx)
         if k_cache.dtype in _FLOAT_PAGES and not fresh:
             self._paged_prefill(out, query, k_cache, v_cache, layout.block_tables, layout.query_start_loc,
                                 layout.seq_lens, layout.num_decodes, scale, *extra)
             return out
-        if fresh and self._amx_takes(query, key, value):
+        if fresh and amx:
             self._fresh_prefill_amx(out, query, key, value, prepared.fresh_bounds(), scale)
             return out
         for c in prepared.sdpa_chunks():
@@ -145,9 +148,12 @@ class CpuAttentionBackend(AttentionBackend):
         """Whether the AMX kernel can run this layer's fresh chunks: bf16, a head size it tiles
         (a multiple of 16), each head's values contiguous."""
         return (self._amx and query.dtype == key.dtype == value.dtype == torch.bfloat16
-                and query.shape[-1] % 16 == 0 and query.stride(-1) == key.stride(-1) == value.stride(-1) == 1)
+                and key.shape == value.shape and key.shape[-1] == query.shape[-1] and query.shape[-1] % 16 == 0
+                and query.stride(-1) == key.stride(-1) == value.stride(-1) == 1)
 
-    def _fresh_route(self, dtype: torch.dtype, prepared: CpuStepPlan) -> bool:
+    def _fresh_route(self, dtype: torch.dtype, prepared: CpuStepPlan, amx: bool) -> bool:
+        """Whether this step's fresh chunks leave the paged kernel (``amx``: for the AMX kernel)."""
         if self.fresh_prefill is not None:
             return self.fresh_prefill and prepared.longest_fresh_chunk() > 0
-        return amx_prefill_wanted(dtype) and prepared.longest_fresh_chunk() >= AMX_MIN_TOKENS
+        threshold = AMX_MIN_TOKENS if amx else SDPA_MIN_TOKENS
+        return amx_prefill_wanted(dtype) and prepared.longest_fresh_chunk() >= threshold

@@ -12,9 +12,13 @@
 // the causal mask and a softmax in float32 over each row (P unnormalised, in bf16); O = P V over
 // the same key blocks, divided by each row's sum. One chunk of 250 tokens: ~250 us a layer here
 // standalone, ~360 us inside the engine's step, against SDPA's ~450 / ~550.
-// Shapes are fixed on purpose: oneDNN JIT-compiles a kernel per (M, N, K), and here M is fixed per
-// model (rows past the chunk are zero and dropped), N and K are 64 (keys past the chunk are zero
-// and masked) or the head dim's column blocks: a few kernels a model.
+// oneDNN JIT-compiles a kernel per shape (M, N, K and the leading dimensions), once per thread. M is
+// fixed per model (rows past the chunk are zero and dropped), N and K are 64 (keys past the chunk
+// are zero and masked) or the head dim's column blocks, and the scores' leading dimension is the
+// item's key span, a multiple of 64: at most two kernels per 64 tokens of the longest chunk
+// (max_num_batched_tokens), each compiled the first time a chunk reaches that span.
+// Scratch per thread, kept for the next call: the scores and P of one item, 6 bytes x 32 x the
+// group's heads x the longest chunk (SmolLM2, 2,048 tokens: 1.2 MB).
 // ATen's Vectorized<float> is the machine's vectors only where CPU_CAPABILITY_* says which; without
 // it, it is a plain array and every exp a call of libm's expf (as inductor does, name it here).
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
@@ -140,6 +144,8 @@ void fresh_prefill_amx(at::Tensor& out, const at::Tensor& query, const at::Tenso
   TORCH_CHECK(query.stride(2) == 1 && key.stride(2) == 1 && value.stride(2) == 1 && out.is_contiguous(),
               "fresh_prefill_amx: the head dimension must be contiguous");
   const int64_t num_heads = query.size(1), num_kv_heads = key.size(1), head_dim = query.size(2);
+  TORCH_CHECK(key.sizes() == value.sizes() && key.size(2) == head_dim && num_kv_heads > 0,
+              "fresh_prefill_amx: key and value must be [T, Hkv, D] with the query's head size");
   TORCH_CHECK(num_heads % num_kv_heads == 0 && head_dim % 16 == 0, "fresh_prefill_amx: unsupported head shape");
   const int64_t group = num_heads / num_kv_heads;
   const int64_t rows = kPositions * group;  // M of every GEMM
