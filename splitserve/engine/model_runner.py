@@ -136,12 +136,9 @@ class ModelRunner:
         if quantize_here and self.quantized_weights is None:
             from splitserve.engine.quantization import quantize_model
             self.quantized_weights = quantize_model(self.model, self.quantization)
-        # Every position's cos/sin once, not per layer and step (splitserve/engine/rotary_cache.py).
-        # Past max_model_len too where a start-up step reaches further: the GPU memory profile runs a
-        # prefill of a whole step budget, the compile warm-up one of a block.
-        positions = max(self.max_model_len, config.max_num_batched_tokens, config.max_num_seqs, config.block_size)
-        tabled = cache_rotary_embeddings(self.model, positions, self.dtype, self.device)
-        log.info("rotary embeddings: %d module(s) read from a table of %d positions", tabled, positions)
+        # cos/sin of every position a step reaches, start-up's too (GPU memory profile, warm-up): rotary_cache.py.
+        cache_rotary_embeddings(self.model, max(self.max_model_len, config.max_num_batched_tokens,
+                                                config.max_num_seqs, config.block_size), self.dtype, self.device)
         self.linear_backend = resolve_linear_backend(config.linear_backend, self.device, self.dtype)
         if self.linear_backend == "onednn":
             pack_linear_layers(self.model)

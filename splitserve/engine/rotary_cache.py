@@ -102,4 +102,5 @@ def cache_rotary_embeddings(model: torch.nn.Module, length: int, dtype: torch.dt
                 continue
             setattr(parent, name, cached)
             swapped += 1
+    log.info("rotary embeddings: %d module(s) read from a table of %d positions", swapped, length)
     return swapped
