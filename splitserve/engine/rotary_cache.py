@@ -7,7 +7,8 @@ trigonometry into each layer's q/k rotation kernel, so every layer evaluated it 
 ~83 ms prefill). vLLM keeps a cos/sin cache for the same reason.
 
 ``cache_rotary_embeddings`` swaps each rotary module of a model for ``CachedRotaryEmbedding``,
-which indexes a table built once by the module itself over positions ``0 .. max_model_len - 1``.
+which indexes a table built once by the module itself over positions ``0 .. length - 1`` (the
+runner's ``max_model_len``, or further where a start-up step reaches).
 Each table entry is computed exactly as the module computes it for that position (one product
 per frequency, then cos/sin and the attention scaling, then the cast), so a lookup returns the
 same values bit for bit: that is checked on construction, and a module it does not hold for
