@@ -1,10 +1,17 @@
-"""A request's prompt as token ids: text and chat messages are encoded off the event loop.
+"""A request's prompt as token ids: large text and chat prompts are encoded off the event loop.
 
-A text prompt at the size limit takes a few hundred ms to encode (SmolLM2, 650 KB: 0.3 s): prompts
-are encoded on a few threads beside the event loop (a fast tokenizer lets go of the GIL while it
-encodes), so every other stream of the gateway goes on meanwhile. Past MAX_TOKENIZE_WAITING
-prompts waiting for one, more are refused at once (RESOURCE_EXHAUSTED), as a full queue is.
-Chat messages go through the model's own template (its tools, documents and variables).
+A text prompt at the size limit takes a few hundred ms to encode (SmolLM2, 650 KB: 0.3 s): such
+prompts are encoded on a few threads beside the event loop (a fast tokenizer lets go of the GIL
+while it encodes), so every other stream of the gateway goes on meanwhile. Past
+MAX_TOKENIZE_WAITING prompts waiting for one, more are refused at once (RESOURCE_EXHAUSTED), as a
+full queue is. Chat messages go through the model's own template (its tools, documents and
+variables).
+
+A request of at most INLINE_ENCODE_BYTES is encoded on the event loop instead: SmolLM2's tokenizer
+takes 0.2 us a character (a 1.7 KB prompt 0.28 ms, a small chat 0.25 ms with its template), less
+than the trip to a thread and back costs on a loaded box. Under ``vllm bench serve`` at 2 req/s
+on 2 cores, with the engine stepping beside the gateway, that trip took 4 ms (median, from the
+endpoint's call to the ids in hand) for prompts of 36-252 tokens.
 """
 from __future__ import annotations
 
@@ -20,6 +27,9 @@ from splitserve.wire import prompt_from_request, struct_to_python
 
 TOKENIZE_THREADS = 2
 MAX_TOKENIZE_WAITING = 64
+# Requests up to this many bytes (serialized: the prompt, messages, tools...) are encoded inline,
+# holding the event loop for ~1 ms at most.
+INLINE_ENCODE_BYTES = 4096
 
 
 class PromptEncoder:
@@ -43,6 +53,8 @@ class PromptEncoder:
                     raise InvalidArgument(f"{name}: only with messages (a chat template renders them)")
         if kind == "token_ids":
             return list(prompt)
+        if request.ByteSize() <= INLINE_ENCODE_BYTES:
+            return self._encode(request, kind, prompt)
         if self.waiting >= MAX_TOKENIZE_WAITING:
             raise ResourceExhausted(f"{self.waiting} prompts are waiting to be tokenized on this gateway; "
                                     "retry shortly or send it to another gateway")
