@@ -222,3 +222,25 @@ def test_redis_away_places_by_load():
         await state.client.aclose()
     with RedisServer() as server:
         asyncio.run(main(server))
+
+
+def test_a_lone_colocated_worker_is_placed_without_a_lookup_a_lone_decode_worker_with_one(redis_url):
+    """Nothing to choose between: the lone colocated worker's cached run is not read (a Redis round
+    trip off each request's path). A decode worker's run decides where its prompt is prefilled
+    (``--disaggregation auto``), so it is still read when the worker is alone."""
+    async def body(state, directory):
+        await register(state, "b1", role="both")
+        await prefixes.publish(state, "b1", held(SYSTEM), [], ttl_s=30, replace=True)
+        workers, cached = await directory.placement_candidates(None, SYSTEM)
+        assert [w.worker_id for w in workers] == ["b1"] and cached == {}
+        await register(state, "b2", role="both")
+        directory.invalidate()
+        workers, cached = await directory.placement_candidates(None, SYSTEM)
+        assert workers[0].worker_id == "b1" and cached["b1"].blocks == len(SYSTEM) // BLOCK
+        await state.client.flushall()
+        await register(state, "d1", role="decode")
+        await prefixes.publish(state, "d1", held(SYSTEM), [], ttl_s=30, replace=True)
+        directory.invalidate()
+        workers, cached = await directory.placement_candidates(None, SYSTEM)
+        assert [w.worker_id for w in workers] == ["d1"] and cached["d1"].blocks == len(SYSTEM) // BLOCK
+    run(redis_url, body)
