@@ -69,3 +69,31 @@ def test_the_engine_loop_thread_computes_with_the_builders_thread_count():
     in_loop, in_plain_thread = map(int, out.split())
     assert in_loop == threads
     assert in_plain_thread != threads  # what the loop thread would have had without the handover
+
+
+def test_the_engine_loop_thread_and_the_torch_threads_it_starts_run_at_its_lower_priority():
+    """``EngineLoop(niceness=3)``: the loop thread's nice value is the process's + 3, and so is that of
+    the OpenMP workers its first parallel region starts; the thread that made the loop keeps its own."""
+    out = run_python("""
+        import os, threading, torch
+        from splitserve.worker.engine_loop import EngineLoop
+        torch.set_num_threads(3)
+        torch.randn(1 << 22).sin_()  # the building thread's pool, released by the handover
+        def nice(tid):
+            return int(open(f"/proc/self/task/{tid}/stat").read().rsplit(")", 1)[1].split()[16])
+        before = set(os.listdir("/proc/self/task"))
+        done = []
+        def step():
+            torch.randn(1 << 22).sin_()  # the loop thread's own pool: 2 workers
+            done.append(threading.get_native_id())
+            return []
+        loop = EngineLoop(step, has_work=lambda: not done, niceness=3).start()
+        loop.call(lambda: None)
+        started = set(os.listdir("/proc/self/task")) - before
+        values = sorted(nice(tid) for tid in started)
+        loop.stop()
+        print(nice(threading.get_native_id()), done[0] in map(int, started), *values)
+    """)
+    main, loop_in_started, *started = out.split()
+    assert loop_in_started == "True", out
+    assert len(started) == 3 and set(started) == {str(int(main) + 3)}, out  # the loop thread and its 2 OpenMP workers

@@ -25,11 +25,10 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
-import os
-import threading
 
 from splitserve.common.errors import InvalidArgument
 from splitserve.engine.structured_output import StructuredOutput
+from splitserve.worker.engine_loop import lower_thread_priority
 
 log = logging.getLogger(__name__)
 
@@ -41,21 +40,16 @@ THREADS = 2
 NICENESS = 5
 
 
-def _lower_priority() -> None:
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), NICENESS)  # this thread only (Linux)
-    except (AttributeError, OSError) as e:  # not Linux, or not allowed: compiles at the same priority
-        log.debug("grammar compile threads keep their priority: %s", e)
-
-
 class GrammarPreparer:
-    def __init__(self, compiler, timeout_s: float, threads: int = THREADS):
-        """``compiler``: the engine's ``GrammarCompiler``, whose cache the engine thread reads."""
+    def __init__(self, compiler, timeout_s: float, threads: int = THREADS, engine_niceness: int = 0):
+        """``compiler``: the engine's ``GrammarCompiler``, whose cache the engine thread reads;
+        ``engine_niceness``: the engine thread's (``EngineLoop``): the compile threads go below it."""
         self.compiler = compiler
         compiler.counted_on_engine_thread = False  # counted here, once per request
         self.timeout_s = timeout_s
         self._pool = concurrent.futures.ThreadPoolExecutor(threads, thread_name_prefix="grammar-compile",
-                                                           initializer=_lower_priority)
+                                                           initializer=lower_thread_priority,
+                                                           initargs=(engine_niceness + NICENESS,))
         self._compiling: dict[tuple, asyncio.Future] = {}  # spec key -> its compile under way
 
     def start(self, spec: StructuredOutput | None) -> asyncio.Future | None:

@@ -23,7 +23,8 @@ log = logging.getLogger(__name__)
 class WorkerServicer:
     role: str = ""
 
-    def __init__(self, engine, worker_id: str, transports: list[str], housekeeping=None):
+    def __init__(self, engine, worker_id: str, transports: list[str], housekeeping=None, engine_niceness: int = 0):
+        """``engine_niceness``: how much lower the engine thread's CPU priority is (``--engine-niceness``)."""
         self.engine = engine
         self.worker_id = worker_id
         self.transports = list(transports)
@@ -31,9 +32,10 @@ class WorkerServicer:
         self.metrics_address = ""
         self.draining = False  # SIGTERM: finish what is here, take nothing new
         # Each request's grammar is compiled before the request reaches the engine thread.
-        self.grammars = GrammarPreparer(engine.grammars, engine.config.grammar_compile_timeout_s)
+        self.grammars = GrammarPreparer(engine.grammars, engine.config.grammar_compile_timeout_s,
+                                        engine_niceness=engine_niceness)
         self.loop = EngineLoop(self.step, self.has_work, housekeeping=housekeeping,
-                               name=f"{self.role}-engine").start()
+                               name=f"{self.role}-engine", niceness=engine_niceness).start()
         followers = getattr(getattr(engine, "runner", None), "followers", None)
         if followers is not None:  # a tensor-parallel rank that dies ends this worker (exit 1)
             followers.on_death(self.loop.fail)

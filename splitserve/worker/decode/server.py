@@ -21,11 +21,13 @@ def serve(args) -> int:
     worker_id = args.worker_id or f"{args.role}-{uuid.uuid4().hex[:8]}"
     setup_tracing(args.role, worker_id)
     if args.role == "both":
-        servicer = DecodeWorkerServicer(LLMEngine(config), None, worker_id, metrics)
+        servicer = DecodeWorkerServicer(LLMEngine(config), None, worker_id, metrics,
+                                        engine_niceness=args.engine_niceness)
     else:
         connector = build_decode(config, args.kv_transport, lease_ttl_s=args.lease_ttl_s, host=args.host,
                                  advertise_host=args.advertise_host or None, kv_key=security.kv_key)
-        servicer = DecodeWorkerServicer(connector.engine, connector, worker_id, metrics)
+        servicer = DecodeWorkerServicer(connector.engine, connector, worker_id, metrics,
+                                        engine_niceness=args.engine_niceness)
     servicer.metrics_address = metrics_address
     return run_worker(servicer, worker_pb2_grpc.add_DecodeWorkerServicer_to_server, "splitserve.v1.DecodeWorker",
                       args)

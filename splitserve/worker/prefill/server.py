@@ -24,7 +24,8 @@ def serve(args) -> int:
     worker_id = args.worker_id or f"prefill-{uuid.uuid4().hex[:8]}"
     setup_tracing("prefill", worker_id)
     servicer = PrefillWorkerServicer(connector, worker_id, EngineMetrics(registry, "prefill"),
-                                     TransferMetrics(registry, sorted(connector.sender_factories)))
+                                     TransferMetrics(registry, sorted(connector.sender_factories)),
+                                     engine_niceness=args.engine_niceness)
     servicer.metrics_address = metrics_address
     return run_worker(servicer, worker_pb2_grpc.add_PrefillWorkerServicer_to_server, "splitserve.v1.PrefillWorker",
                       args)

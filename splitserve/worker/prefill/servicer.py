@@ -33,12 +33,13 @@ class PrefillWorkerServicer(WorkerServicer, worker_pb2_grpc.PrefillWorkerService
     role = "prefill"
 
     def __init__(self, connector: PrefillConnector, worker_id: str, metrics: EngineMetrics | None = None,
-                 transfer_metrics: TransferMetrics | None = None):
+                 transfer_metrics: TransferMetrics | None = None, engine_niceness: int = 0):
         self.connector = connector
         self.metrics = metrics
         self.transfer_metrics = transfer_metrics
         super().__init__(connector.engine, worker_id, sorted(connector.sender_factories),
-                         housekeeping=(lambda: metrics.refresh(self.engine)) if metrics else None)
+                         housekeeping=(lambda: metrics.refresh(self.engine)) if metrics else None,
+                         engine_niceness=engine_niceness)
 
     # ---- on the engine loop thread --------------------------------------------------------
     def step(self):
