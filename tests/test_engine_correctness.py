@@ -205,6 +205,16 @@ def test_requests_reuse_the_graph_compiled_at_start_up(tiny_model_dirs, make_llm
     assert [len(o.token_ids) for o in outputs] == [MAX_TOKENS] * 4
 
 
+def test_the_cpu_graph_runs_under_inductors_cpp_wrapper_unless_turned_off(tiny_model_dirs, make_llm, monkeypatch):
+    import torch
+    from splitserve.engine.compiled_forward import cpp_wrapper_wanted
+    llm = make_llm(tiny_model_dirs["llama"], num_gpu_blocks=64, enforce_eager=False)
+    assert llm.engine.runner.forward.options == {"cpp_wrapper": True}
+    assert not cpp_wrapper_wanted(torch.device("cuda"))
+    monkeypatch.setenv("TORCHINDUCTOR_CPP_WRAPPER", "0")
+    assert not cpp_wrapper_wanted(torch.device("cpu"))
+
+
 def test_compiled_engines_of_different_models_share_a_process(tiny_model_dirs, make_llm, hf_reference):
     """Guards are skipped after warm-up; each engine must still run its own model's graph, with
     engines of three architectures compiled one after another and stepped in turn."""

@@ -21,6 +21,7 @@ sizes (splitserve/engine/cuda_graphs.py).
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 import types
@@ -63,7 +64,9 @@ _STANCE_LOCK = threading.RLock()
 # 50.3 -> 46.3 (150), 74.8 -> 68.7 (250); a decode step of 4 sequences 22.5 -> 20.3 ms. Start-up is
 # the same (a 2-layer model: 14.6 / 14.7 s cold, 3.6 / 3.9 s from inductor's cache). The CUDA path
 # keeps the Python wrapper: its decode steps replay CUDA graphs, which skip it anyway.
-CPP_WRAPPER = True
+def cpp_wrapper_wanted(device: torch.device) -> bool:
+    """On a CPU, unless inductor's own switch says no (``TORCHINDUCTOR_CPP_WRAPPER=0``)."""
+    return device.type == "cpu" and os.environ.get("TORCHINDUCTOR_CPP_WRAPPER", "1") != "0"
 
 
 class CompiledForward:
@@ -71,8 +74,8 @@ class CompiledForward:
         self.eager = EagerForward(model)
         self.device = device
         # On a CPU the graph's host code is C++ too (inductor's cpp_wrapper; see CPP_WRAPPER).
-        options = {"cpp_wrapper": True} if device.type == "cpu" and CPP_WRAPPER else None
-        self._compiled = torch.compile(_forward_for(self.eager), fullgraph=True, dynamic=False, options=options)
+        self.options = {"cpp_wrapper": True} if cpp_wrapper_wanted(device) else None  # inductor's
+        self._compiled = torch.compile(_forward_for(self.eager), fullgraph=True, dynamic=False, options=self.options)
         self.warmup_s = 0.0
         self.skip_guards = False  # set by warm_up
 
