@@ -101,3 +101,16 @@ def test_an_abort_whose_caller_gave_up_during_a_long_step_still_frees_the_reques
     finally:
         stepper.go_on.set()
         worker.close()
+
+
+def test_the_engine_niceness_applies_to_a_cpu_engine_of_one_rank_only():
+    import torch
+    from splitserve.worker.servicer import applied_niceness
+
+    def engine(device: str, ranks: int = 1):
+        return SimpleNamespace(runner=SimpleNamespace(device=torch.device(device)),
+                               config=SimpleNamespace(tensor_parallel_size=ranks))
+    assert applied_niceness(engine("cpu"), 5) == 5
+    assert applied_niceness(engine("cpu"), 0) == 0
+    assert applied_niceness(engine("cpu", ranks=2), 5) == 0  # the other ranks would wait on rank 0
+    assert applied_niceness(engine("cuda"), 5) == 0  # its thread launches the kernels

@@ -83,12 +83,14 @@ def test_the_engine_loop_thread_and_the_torch_threads_it_starts_run_at_its_lower
             return int(open(f"/proc/self/task/{tid}/stat").read().rsplit(")", 1)[1].split()[16])
         before = set(os.listdir("/proc/self/task"))
         done = []
+        stepped = threading.Event()
         def step():
             torch.randn(1 << 22).sin_()  # the loop thread's own pool: 2 workers
             done.append(threading.get_native_id())
+            stepped.set()
             return []
         loop = EngineLoop(step, has_work=lambda: not done, niceness=3).start()
-        loop.call(lambda: None)
+        assert stepped.wait(60)
         started = set(os.listdir("/proc/self/task")) - before
         values = sorted(nice(tid) for tid in started)
         loop.stop()

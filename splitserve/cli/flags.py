@@ -180,11 +180,11 @@ def _flags() -> list[Flag]:
           "default: the boot id and the shm directory this process sees", WORKERS, up=False),
         f("num_threads", i, 0, "torch CPU threads of the engine (0: torch's default; up splits the cores "
           "between its workers)", WORKERS),
-        f("engine_niceness", i, 5, "how much lower the engine thread's CPU priority (nice value) is than the "
-          "rest of the process's, and so than the gateway's and Redis's beside it; its torch threads inherit it. "
-          "Where they share a few cores, a request's hops (admission, the Redis call, the worker's handler, a "
-          "token's relay) run ahead of a step's compute instead of waiting for a core; 0: the same priority",
-          WORKERS),
+        f("engine_niceness", click.IntRange(0, 19), 5, "CPU workers of one rank: how much lower the engine "
+          "thread's CPU priority (nice value) is than the rest of the process's, and so than the gateway's and "
+          "Redis's beside it (under one session, as up starts them); its torch threads inherit it. Where they "
+          "share a few cores, a request's hops (admission, the Redis call, the worker's handler, a token's relay) "
+          "run ahead of a step's compute instead of waiting for a core; 0: the same priority", WORKERS),
         f("kv_transport", s, "auto", "KV transports: a decode worker offers them fastest first, a prefill "
           "worker may use them; auto or a comma list of shm, tcp, nccl, cuda_ipc", WORKERS),
         f("lora_modules", s, "", "LoRA adapters to serve (with --enable-lora), as name=path pairs separated by "

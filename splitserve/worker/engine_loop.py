@@ -13,7 +13,8 @@ and the workers share a few cores, a step's compute fills them, and every hop of
 gateway's admission, its Redis call, the worker's gRPC handler, a token's relay) waited for a core:
 under ``vllm bench serve`` at 2 req/s on 2 cores a request reached the worker 10.8 ms after the
 gateway had it, 8.2 ms with the engine's threads at nice 5. Those hops are short, so the steps lose
-little; on a box with cores to spare nothing changes.
+little; on a box with cores to spare nothing changes. (Nice values rank the threads of one session
+or cgroup; while the loop thread holds the GIL, the handlers still wait for it, as before.)
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ import asyncio
 import logging
 import os
 import queue
+import sys
 import threading
 import time
 from concurrent.futures import Future
@@ -201,7 +203,7 @@ class EngineLoop:
 def lower_thread_priority(niceness: int) -> bool:
     """Add ``niceness`` to the calling thread's nice value (Linux: a thread's own; the threads it
     starts from now on inherit it). False where it is 0 or the system refuses."""
-    if niceness <= 0:
+    if niceness <= 0 or not sys.platform.startswith("linux"):  # elsewhere a thread id is no process id
         return False
     tid = threading.get_native_id()
     try:

@@ -20,6 +20,18 @@ from splitserve.worker.grammars import GrammarPreparer
 log = logging.getLogger(__name__)
 
 
+def applied_niceness(engine, requested: int) -> int:
+    """``--engine-niceness`` where it helps: a CPU engine of one rank. A GPU engine's thread
+    launches the kernels (its host time is the step's critical path), and tensor-parallel ranks
+    after the first compute in processes of their own at the usual priority, which a slower rank 0
+    would hold up at every all-reduce."""
+    runner = getattr(engine, "runner", None)
+    device = getattr(runner, "device", None)
+    if device is None or device.type != "cpu" or engine.config.tensor_parallel_size > 1:
+        return 0
+    return requested
+
+
 class WorkerServicer:
     role: str = ""
 
@@ -32,6 +44,7 @@ class WorkerServicer:
         self.metrics_address = ""
         self.draining = False  # SIGTERM: finish what is here, take nothing new
         # Each request's grammar is compiled before the request reaches the engine thread.
+        engine_niceness = applied_niceness(engine, engine_niceness)
         self.grammars = GrammarPreparer(engine.grammars, engine.config.grammar_compile_timeout_s,
                                         engine_niceness=engine_niceness)
         self.loop = EngineLoop(self.step, self.has_work, housekeeping=housekeeping,
