@@ -10,6 +10,11 @@ os.environ.setdefault("GRPC_ENABLE_FORK_SUPPORT", "false")
 # Worker processes the tests start run eager: compiling the step takes seconds per process and
 # says nothing about serving; the engine tests compile it where it is what they check.
 os.environ.setdefault("SPLITSERVE_ENFORCE_EAGER", "1")
+# Compiled steps here keep inductor's Python wrapper: its C++ one (the engine's default on a CPU,
+# splitserve/engine/compiled_forward.py) adds ~26 s to each cold compile of a 30-layer model, paid
+# by every SmolLM2 test on a fresh machine. The engine's oracle tests, on 2-layer models where it
+# costs nothing, run under it (``step_mode``).
+os.environ.setdefault("TORCHINDUCTOR_CPP_WRAPPER", "0")
 
 from splitserve.engine.openmp import prefer_passive_waiting  # noqa: E402
 
@@ -63,8 +68,11 @@ def tiny_model_dirs(tmp_path_factory) -> dict[str, Path]:
 
 
 @pytest.fixture(params=["eager", "compiled"])
-def step_mode(request) -> dict:
-    """Engine arguments for each way a step can run: op by op, and as one compiled graph."""
+def step_mode(request, monkeypatch) -> dict:
+    """Engine arguments for each way a step can run: op by op, and as one compiled graph (with
+    inductor's C++ wrapper, as the engine runs it on a CPU outside the tests)."""
+    if request.param == "compiled":
+        monkeypatch.setenv("TORCHINDUCTOR_CPP_WRAPPER", "1")
     return {"enforce_eager": request.param == "eager"}
 
 

@@ -61,8 +61,8 @@ _STANCE_LOCK = threading.RLock()
 # allocation, a size check, with the GIL held between ops. Its cpp_wrapper emits that code as C++
 # instead, which runs with the GIL released but for our attention op's own Python. SmolLM2-135M
 # bf16 on 2 Xeon cores (AMX), offline, medians of 9: a prompt's prefill 26.2 -> 24.3 ms (30 tokens),
-# 50.3 -> 46.3 (150), 74.8 -> 68.7 (250); a decode step of 4 sequences 22.5 -> 20.3 ms. Start-up is
-# the same (a 2-layer model: 14.6 / 14.7 s cold, 3.6 / 3.9 s from inductor's cache). The CUDA path
+# 50.3 -> 46.3 (150), 74.8 -> 68.7 (250); a decode step of 4 sequences 22.5 -> 20.3 ms. A compile
+# from an empty inductor cache takes longer (SmolLM2: 40.6 -> 66.3 s), one from it as long. The CUDA path
 # keeps the Python wrapper: its decode steps replay CUDA graphs, which skip it anyway.
 def cpp_wrapper_wanted(device: torch.device) -> bool:
     """On a CPU, unless inductor's own switch says no (``TORCHINDUCTOR_CPP_WRAPPER=0``)."""
