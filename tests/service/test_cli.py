@@ -84,7 +84,7 @@ def _value_for(option: click.Option, default):
         return not default
     if isinstance(option.type, click.Choice):
         return next(c for c in option.type.choices if c != default)
-    if option.type is click.INT:
+    if option.type is click.INT or isinstance(option.type, click.IntRange):  # 7 and 8 are in every range so far
         return 7 if default != 7 else 8
     if option.type is click.FLOAT:
         return 2.5 if default != 2.5 else 3.5
