@@ -73,8 +73,8 @@ class CompiledForward:
     def __init__(self, model: torch.nn.Module, device: torch.device):
         self.eager = EagerForward(model)
         self.device = device
-        # On a CPU the graph's host code is C++ too (inductor's cpp_wrapper; see CPP_WRAPPER).
-        self.options = {"cpp_wrapper": True} if cpp_wrapper_wanted(device) else None  # inductor's
+        # inductor's options: on a CPU the graph's host code is C++ too (see cpp_wrapper_wanted).
+        self.options = {"cpp_wrapper": True} if cpp_wrapper_wanted(device) else None
         self._compiled = torch.compile(_forward_for(self.eager), fullgraph=True, dynamic=False, options=self.options)
         self.warmup_s = 0.0
         self.skip_guards = False  # set by warm_up

@@ -11,8 +11,8 @@ The loop thread can run at a lower CPU priority than the rest of the process (``
 worker's ``--engine-niceness``); the torch threads it starts inherit it. Where the gateway, Redis
 and the workers share a few cores, a step's compute fills them, and every hop of a request (the
 gateway's admission, its Redis call, the worker's gRPC handler, a token's relay) waited for a core:
-under ``vllm bench serve`` at 2 req/s on 2 cores a request reached the worker 10.8 ms after the
-gateway had it, 8.2 ms with the engine's threads at nice 5. Those hops are short, so the steps lose
+under ``vllm bench serve`` at 2 req/s on 2 cores a request reached the worker's handler 10.2-10.8 ms
+after the gateway had it, 6.9 ms with the engine's threads at nice 5. Those hops are short, so the steps lose
 little; on a box with cores to spare nothing changes. (Nice values rank the threads of one session
 or cgroup; while the loop thread holds the GIL, the handlers still wait for it, as before.)
 """
