@@ -114,3 +114,63 @@ def test_the_engine_niceness_applies_to_a_cpu_engine_of_one_rank_only():
     assert applied_niceness(engine("cpu"), 0) == 0
     assert applied_niceness(engine("cpu", ranks=2), 5) == 0  # the other ranks would wait on rank 0
     assert applied_niceness(engine("cuda"), 5) == 0  # its thread launches the kernels
+
+
+class _Forward(_Stepper):
+    """A step whose middle lets go of the loop's state lock, as an engine's forward does."""
+
+    def __init__(self):
+        super().__init__()
+        self.loop: EngineLoop | None = None
+
+    def step(self):
+        self.loop.state_lock.release()
+        try:
+            return super().step()
+        finally:
+            self.loop.state_lock.acquire()
+
+
+def test_a_call_during_a_step_runs_inside_its_forward_and_not_before():
+    forward, held = _Forward(), _Stepper()
+    forward.loop = EngineLoop(forward.step, forward.has_work)
+    forward.loop.start()
+    held_loop = EngineLoop(held.step, held.has_work).start()  # a step that keeps the lock throughout
+    try:
+        assert forward.entered.wait(10) and held.entered.wait(10)
+
+        async def calls():
+            # the loop thread is inside a forward: the call runs now, the step still going on
+            during = await asyncio.wait_for(forward.loop.run_during_step(lambda: forward.pending), 10)
+            late = asyncio.ensure_future(held_loop.run_during_step(lambda: held.pending))
+            await asyncio.sleep(0.2)
+            assert not late.done()  # the loop thread holds the lock: the call waits for the step's end
+            held.go_on.set()
+            return during, await asyncio.wait_for(late, 10)
+        assert asyncio.run(calls()) == (True, False)
+    finally:
+        forward.go_on.set()
+        held.go_on.set()
+        forward.loop.stop()
+        held_loop.stop()
+
+
+def test_a_call_during_a_step_finishes_before_its_cancelled_caller_hears_of_it():
+    stepper = _Stepper()
+    loop = EngineLoop(stepper.step, stepper.has_work).start()
+    ran: list[str] = []
+    try:
+        assert stepper.entered.wait(10)
+
+        async def caller():
+            task = asyncio.ensure_future(loop.run_during_step(lambda: ran.append("reserved")))
+            await asyncio.sleep(0.05)
+            task.cancel()  # while the call waits for the lock: it still runs, and first
+            stepper.go_on.set()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            return list(ran)
+        assert asyncio.run(caller()) == ["reserved"]
+    finally:
+        stepper.go_on.set()
+        loop.stop()

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 from pathlib import Path
@@ -141,6 +142,60 @@ def test_a_prefix_the_decode_side_has_cached_is_not_sent_again(pair, tiny_model_
         assert desc.num_cached_blocks == 5  # 40 tokens = 5 full pages of 8; the last page always goes
     # Per request: its last page per layer, K and V, instead of 6 pages.
     assert sent == 2 * 2 * layout.num_layers * layout.page_bytes
+
+
+@pytest.mark.parametrize("transport", ["shm"])
+def test_pages_reserved_while_a_decode_forward_runs_leave_every_output_exact(pair, tiny_model_dirs, hf_reference):
+    """A decode worker reserves pages beside a step's forward (its engine lets go of its state
+    lock there, splitserve/worker/engine_loop.py): prompts reserved so, some sharing cached
+    blocks with the requests the forward is computing, and those requests all decode exactly."""
+    prefill, decode = pair(8)
+    lock = decode.engine.state_lock = threading.Lock()
+    head = mixed_prompts(1, seed=7, lo=24, hi=24)[0]  # three full pages, cached once the first request has run
+    prompts = [head + tail for tail in mixed_prompts(6, seed=8, lo=2, hi=20)]
+    later = list(range(2, len(prompts)))  # reserved inside a forward, one per forward
+    descs, during_forward = {}, []
+    forward = decode.engine.runner.run
+
+    def run_with_a_reservation_beside(plan):
+        if later:
+            i = later.pop(0)
+
+            def reserve():
+                with lock:  # free only while this forward runs: a join that times out says it was not
+                    descs[i] = decode.reserve(f"r{i}", len(prompts[i]), prompts[i])
+            side = threading.Thread(target=reserve)
+            side.start()
+            side.join(10)
+            during_forward.append(not side.is_alive())
+        return forward(plan)
+    decode.engine.runner.run = run_with_a_reservation_beside
+
+    for i in (0, 1):
+        descs[i] = decode.reserve(f"r{i}", len(prompts[i]), prompts[i])
+    for i in (0, 1):
+        prefill.start(f"r{i}", prompts[i], GREEDY, descs[i])
+    started, finished = {0, 1}, {}
+    with lock:  # held by the stepping thread, as an engine loop's
+        for _ in range(500):
+            for i in set(descs) - started:
+                prefill.start(f"r{i}", prompts[i], GREEDY, descs[i])
+                started.add(i)
+            for result in prefill.step():
+                assert result.error is None, result.error
+                i = int(result.request_id[1:])
+                decode.complete(result.request_id, result.epoch, prompts[i], GREEDY, result.first_token,
+                                checksum=result.checksum)
+            for out in decode.engine.step():
+                if out.finished:
+                    finished[out.request_id] = out
+            if len(finished) == len(prompts):
+                break
+    assert during_forward == [True] * (len(prompts) - 2)
+    assert any(d.num_cached_blocks > 0 for i, d in descs.items() if i >= 2)  # shared with a running request
+    ref = hf_reference(tiny_model_dirs["llama"])
+    for i, prompt in enumerate(prompts):
+        assert finished[f"r{i}"].token_ids == ref.greedy(prompt, 8)
 
 
 def test_a_reservation_leases_only_the_pages_it_writes(pair):

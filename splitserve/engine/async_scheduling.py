@@ -203,7 +203,8 @@ class OverlappedSteps:
 
     def _complete(self, step: LaunchedStep) -> list[RequestOutput]:
         engine = self.engine
-        sampled = step.sampled()
+        with engine.state_let_go():  # pages a step in flight may write are held, never free
+            sampled = step.sampled()
         for holder in step.held_pages:  # the step that could still write them has landed
             engine.kv.free(holder)
         with engine.runner.phases.timing("update"):

@@ -6,8 +6,10 @@ turning them into ``RequestOutput``.
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import tempfile
+import threading
 import time
 from typing import Callable, Sequence
 
@@ -61,6 +63,10 @@ class LLMEngine:
                                         cache_bytes=config.grammar_cache_mb << 20)
         self.requests: dict[str, Request] = {}
         self._ids = itertools.count()
+        # Held by the thread that steps this engine whenever it touches the engine's state (a worker's
+        # EngineLoop), and let go while a step's forward computes: another thread may then take it to
+        # reserve pages (a decode worker's Reserve, EngineLoop.run_during_step). None: one thread does all.
+        self.state_lock: threading.Lock | None = None
         # Async scheduling (config.async_scheduling): None where each step is waited for.
         self.overlap = async_scheduling.OverlappedSteps(self) if async_scheduling.enabled(config, self.runner) else None
 
@@ -332,12 +338,30 @@ class LLMEngine:
         if self.proposer is not None:
             with phases.timing("propose"):
                 self.proposer.propose(plan)
-        sampled = self.runner.run(plan)
+        # Not with swaps: pages given up for a swap-out are copied out at the start of the run,
+        # and another thread's reservation must not get them first.
+        with self.state_let_go() if not (plan.swap_out or plan.swap_in) else contextlib.nullcontext():
+            sampled = self.runner.run(plan)
         seconds = time.perf_counter() - started
         with phases.timing("update"):
             changed = self.scheduler.update(plan, sampled)
             self._budget_next_step(plan, seconds)
             return [self.request_output(r) for r in changed]
+
+    @contextlib.contextmanager
+    def state_let_go(self):
+        """``state_lock`` let go for the block (a forward, the wait for a step's tokens), taken back
+        after it. The forward reads only the tensors its plan was built into; what another thread may
+        do meanwhile (take free pages for a reservation) touches none of them."""
+        lock = self.state_lock
+        if lock is None:
+            yield
+            return
+        lock.release()
+        try:
+            yield
+        finally:
+            lock.acquire()
 
     def _budget_next_step(self, plan, seconds: float) -> None:
         """Under ``target_tpot_ms``: learn from this step's time, size the next one's budget."""

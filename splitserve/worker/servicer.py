@@ -48,7 +48,10 @@ class WorkerServicer:
         self.grammars = GrammarPreparer(engine.grammars, engine.config.grammar_compile_timeout_s,
                                         engine_niceness=engine_niceness)
         self.loop = EngineLoop(self.step, self.has_work, housekeeping=housekeeping,
-                               name=f"{self.role}-engine", niceness=engine_niceness).start()
+                               name=f"{self.role}-engine", niceness=engine_niceness)
+        if hasattr(engine, "state_lock"):  # let go during each forward (run_during_step)
+            engine.state_lock = self.loop.state_lock
+        self.loop.start()
         followers = getattr(getattr(engine, "runner", None), "followers", None)
         if followers is not None:  # a tensor-parallel rank that dies ends this worker (exit 1)
             followers.on_death(self.loop.fail)

@@ -90,13 +90,14 @@ class DecodeWorkerServicer(WorkerServicer, worker_pb2_grpc.DecodeWorkerServicer)
             with contextlib.suppress(ValueError):  # (a malformed spec: Decode says so)
                 self.grammars.start(structured_output_from_proto(request.structured_output))
         try:
-            desc = await self.loop.run(lambda: self.connector.reserve(request.request_id, request.num_prompt_tokens,
-                                                                      prompt))
+            # Beside a step's forward, not after the step: the prefill waits for these pages.
+            desc = await self.loop.run_during_step(lambda: self.connector.reserve(
+                request.request_id, request.num_prompt_tokens, prompt))
         except asyncio.CancelledError:
-            # The caller gave up (its client left, its deadline passed) while the reservation was
-            # queued for the engine thread, which makes it all the same: nobody will use those
-            # pages, and the caller's Abort may have been handled before it (a cancel storm leaked
-            # 4 pages so, until the lease's end). Freed after it, in the loop's order.
+            # The caller gave up (its client left, its deadline passed) while the pages were being
+            # reserved, which is made all the same: nobody will use them, and the caller's Abort
+            # may have been handled before it (a cancel storm leaked 4 pages so, until the lease's
+            # end). run_during_step raises once the reservation is made: freed after it.
             self.abort_soon(request.request_id)
             raise
         if desc is None:
