@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 
 from splitserve.v1 import worker_pb2
-from splitserve.worker.engine_loop import EngineLoop
+from splitserve.worker.engine_loop import EngineDead, EngineLoop
 from splitserve.worker.servicer import WorkerServicer
 
 
@@ -64,10 +64,11 @@ class _BusyWorker(WorkerServicer):
     """A worker whose one step takes as long as the test likes; ``abort`` records what it freed."""
     role = "decode"
 
-    def __init__(self, stepper: _Stepper):
+    def __init__(self, stepper: _Stepper, **engine_fields):
         self.stepper = stepper
         self.aborted: list[str] = []
-        engine = SimpleNamespace(grammars=SimpleNamespace(), config=SimpleNamespace(grammar_compile_timeout_s=1.0))
+        engine = SimpleNamespace(grammars=SimpleNamespace(), config=SimpleNamespace(grammar_compile_timeout_s=1.0),
+                                 **engine_fields)
         super().__init__(engine, "busy-worker", [])
 
     def step(self):
@@ -166,6 +167,10 @@ def test_a_call_during_a_step_finishes_before_its_cancelled_caller_hears_of_it()
             task = asyncio.ensure_future(loop.run_during_step(lambda: ran.append("reserved")))
             await asyncio.sleep(0.05)
             task.cancel()  # while the call waits for the lock: it still runs, and first
+            await asyncio.sleep(0.05)
+            task.cancel()  # a second cancel does not end the wait either
+            await asyncio.sleep(0.05)
+            assert not task.done() and ran == []
             stepper.go_on.set()
             with pytest.raises(asyncio.CancelledError):
                 await task
@@ -174,3 +179,71 @@ def test_a_call_during_a_step_finishes_before_its_cancelled_caller_hears_of_it()
     finally:
         stepper.go_on.set()
         loop.stop()
+
+
+def test_a_call_during_a_step_comes_after_the_commands_queued_before_it():
+    """An Abort queued behind a long step, then a Reserve of the same id (a retry): the Reserve
+    waits for the Abort, though the step lets go of the lock, so it does not find the old pages."""
+    forward = _Forward()
+    forward.loop = EngineLoop(forward.step, forward.has_work)
+    forward.loop.start()
+    order: list[str] = []
+    try:
+        assert forward.entered.wait(10)
+
+        async def calls():
+            forward.loop.submit(lambda: order.append("abort"))
+            reserve = asyncio.ensure_future(forward.loop.run_during_step(lambda: order.append("reserve")))
+            await asyncio.sleep(0.2)
+            assert order == []  # the abort waits for the step's end, and the reserve for the abort
+            forward.go_on.set()
+            await asyncio.wait_for(reserve, 10)
+        asyncio.run(calls())
+        assert order == ["abort", "reserve"]
+    finally:
+        forward.go_on.set()
+        forward.loop.stop()
+
+
+class _Failing(_Stepper):
+    def step(self):
+        super().step()
+        raise RuntimeError("the step failed")
+
+
+@pytest.mark.parametrize("end", ["the step fails", "the loop stops"])
+def test_a_call_waiting_beside_a_loop_that_fails_or_stops_never_runs(end):
+    stepper = _Failing() if end == "the step fails" else _Stepper()
+    loop = EngineLoop(stepper.step, stepper.has_work).start()
+    ran: list[str] = []
+    try:
+        assert stepper.entered.wait(10)
+
+        async def call():
+            waiting = asyncio.ensure_future(loop.run_during_step(lambda: ran.append("reserved")))
+            await asyncio.sleep(0.05)
+            assert loop.beside_calls == 1  # a draining worker waits for it
+            if end == "the loop stops":
+                threading.Thread(target=loop.stop).start()
+                while not loop._stop.is_set():  # stopping before the step ends and lets go of the lock
+                    await asyncio.sleep(0.01)
+            stepper.go_on.set()
+            with pytest.raises(EngineDead):
+                await asyncio.wait_for(waiting, 10)
+            with pytest.raises(EngineDead):  # and no later one is taken
+                await loop.run_during_step(lambda: ran.append("later"))
+        asyncio.run(call())
+        assert ran == [] and loop.beside_calls == 0
+    finally:
+        stepper.go_on.set()
+        loop.stop()
+
+
+def test_a_worker_hands_its_loop_lock_to_the_engine():
+    stepper = _Stepper()
+    worker = _BusyWorker(stepper, state_lock=None)
+    try:
+        assert worker.engine.state_lock is worker.loop.state_lock
+    finally:
+        stepper.go_on.set()
+        worker.close()

@@ -166,8 +166,11 @@ def test_pages_reserved_while_a_decode_forward_runs_leave_every_output_exact(pai
                     descs[i] = decode.reserve(f"r{i}", len(prompts[i]), prompts[i])
             side = threading.Thread(target=reserve)
             side.start()
-            side.join(10)
-            during_forward.append(not side.is_alive())
+            try:
+                return forward(plan)  # computes while the other thread reserves
+            finally:
+                side.join(10)
+                during_forward.append(not side.is_alive())
         return forward(plan)
     decode.engine.runner.run = run_with_a_reservation_beside
 

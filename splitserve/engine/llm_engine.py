@@ -351,8 +351,10 @@ class LLMEngine:
     @contextlib.contextmanager
     def state_let_go(self):
         """``state_lock`` let go for the block (a forward, the wait for a step's tokens), taken back
-        after it. The forward reads only the tensors its plan was built into; what another thread may
-        do meanwhile (take free pages for a reservation) touches none of them."""
+        after it. Meanwhile the forward reads its plan: its requests and their page lists (which
+        ``plan.block_tables`` are, not copies). Another thread may then only make a reservation
+        (``reserve_pages``): it takes free pages and references cached ones for an owner of its
+        own, and changes no request and no other owner's pages."""
         lock = self.state_lock
         if lock is None:
             yield

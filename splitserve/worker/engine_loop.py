@@ -27,6 +27,7 @@ or cgroup; while the loop thread holds the GIL, the handlers still wait for it, 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import queue
@@ -77,6 +78,12 @@ class EngineLoop:
         self.state_lock = threading.Lock()
         # run_during_step's thread: one, as the lock lets only one such call in at a time anyway.
         self._beside = ThreadPoolExecutor(1, thread_name_prefix=f"{name}-beside")
+        # Commands queued so far, and taken off the queue (run, or failed): a call beside a step
+        # waits for the commands queued before it (an Abort before a retried Reserve of the same id).
+        self._queued = self._taken = 0
+        self._queue_lock = threading.Lock()
+        self._taken_cond = threading.Condition(self.state_lock)
+        self.beside_calls = 0  # run_during_step calls not finished (a draining worker waits for them)
         self._stop = threading.Event()
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -96,7 +103,9 @@ class EngineLoop:
         if not self.alive:
             raise EngineDead(f"the engine loop has stopped: {self.error!r}")
         future: Future = Future()
-        self._commands.put((fn, future))
+        with self._queue_lock:
+            self._queued += 1
+            self._commands.put((fn, future))
         return future
 
     def call(self, fn: Callable[[], Any], timeout: float | None = 60.0) -> Any:
@@ -117,27 +126,48 @@ class EngineLoop:
 
     async def run_during_step(self, fn: Callable[[], Any]) -> Any:
         """Run ``fn`` under ``state_lock`` on a thread of its own and await its result: at once
-        when the loop thread is idle or inside a step's forward, else as soon as it gets there.
-        Only for ``fn`` that touches nothing a forward reads (not a running request, not the pages
-        of one): the forward runs on beside it. Unlike ``run``, ``fn`` runs even if the caller is
-        cancelled first; the caller's ``CancelledError`` comes after ``fn`` has finished, so what
-        the caller does about it (free what ``fn`` took) comes after it too."""
-        if not self.alive:
+        when the loop thread is idle or inside a step's forward, else as soon as it gets there,
+        and after every command queued before this call (their order is kept). Only for ``fn``
+        that changes nothing a forward reads (no running request, no page of one): the forward
+        runs on beside it. Unlike ``run``, ``fn`` runs even if the caller is cancelled first; the
+        caller's ``CancelledError`` comes after ``fn`` has finished, so what the caller does about
+        it (free what ``fn`` took) comes after it too. A loop that has failed or stopped runs no
+        more such calls: they raise ``EngineDead``."""
+        if self._ended() or not self._thread.is_alive():
             raise EngineDead(f"the engine loop has stopped: {self.error!r}")
+        with self._queue_lock:
+            ticket = self._queued
 
         def locked() -> Any:
-            with self.state_lock:
-                if self.error is not None:
+            with self._taken_cond:
+                self._taken_cond.wait_for(lambda: self._taken >= ticket or self._ended())
+                if self._ended():
                     raise EngineDead(f"the engine loop has stopped: {self.error!r}")
                 return fn()
-        future = asyncio.wrap_future(self._beside.submit(locked))
+        try:
+            call = self._beside.submit(locked)
+        except RuntimeError:  # stopped meanwhile (its executor shut down)
+            raise EngineDead("the engine loop has stopped") from None
+        with self._queue_lock:
+            self.beside_calls += 1
+        call.add_done_callback(self._beside_done)
+        future = asyncio.wrap_future(call)
         try:
             return await asyncio.shield(future)
         except asyncio.CancelledError:
-            await asyncio.wait([future])
+            while not future.done():  # a second cancel must not end the wait either
+                with contextlib.suppress(asyncio.CancelledError):
+                    await asyncio.wait([future])
             if not future.cancelled():
                 future.exception()  # retrieved: nobody else will read it
             raise
+
+    def _beside_done(self, _call: Future) -> None:
+        with self._queue_lock:
+            self.beside_calls -= 1
+
+    def _ended(self) -> bool:
+        return self.error is not None or self._stop.is_set()
 
     def subscribe(self, request_id: str) -> asyncio.Queue:
         """Events for ``request_id`` from now on, on the calling event loop; call before the
@@ -178,7 +208,9 @@ class EngineLoop:
         self._stop.set()
         self._commands.put(None)
         self._thread.join(timeout)
-        self._beside.shutdown(wait=False)
+        # Once the loop thread is gone no call beside it can be under way: waited for, so the
+        # engine is closed after it. A wedged loop thread may still hold the lock: not waited for.
+        self._beside.shutdown(wait=not self._thread.is_alive(), cancel_futures=True)
 
     # ---- the thread ------------------------------------------------------------------
     def _run(self) -> None:
@@ -187,10 +219,10 @@ class EngineLoop:
         next_housekeeping = time.monotonic()
         try:
             while not self._stop.is_set():
-                with self.state_lock:
+                with self._holding():
                     idle = not self._has_work()
                 first = self._next_command(block=idle)  # waited for without the lock
-                with self.state_lock:
+                with self._holding():
                     self._run_commands(first)
                     if self._stop.is_set():
                         break
@@ -203,6 +235,20 @@ class EngineLoop:
             log.exception("engine loop failed")
             self.error = e
             self._fail_everyone(e)
+        finally:
+            with self._taken_cond:  # calls waiting beside: the loop has ended
+                self._taken_cond.notify_all()
+
+    @contextlib.contextmanager
+    def _holding(self):
+        """``state_lock``, a failure under it recorded before it is let go: a call waiting beside
+        then sees the engine dead instead of running on it."""
+        with self.state_lock:
+            try:
+                yield
+            except BaseException as e:
+                self.error = e
+                raise
 
     def _next_command(self, block: bool) -> Any:
         """The next command (None: stop), or _NO_COMMAND when there is none (after the housekeeping
@@ -223,6 +269,8 @@ class EngineLoop:
                     future.set_result(fn())
                 except BaseException as e:
                     future.set_exception(e)
+            self._taken += 1
+            self._taken_cond.notify_all()
             try:
                 item = self._commands.get_nowait()
             except queue.Empty:

@@ -126,7 +126,8 @@ class WorkerServicer:
                                     self.metrics_address)
 
     async def idle(self) -> bool:
-        return not await self.loop.run(self.busy, timeout=10)
+        # A reservation waiting beside a step is not in busy() yet; none can start while draining.
+        return self.loop.beside_calls == 0 and not await self.loop.run(self.busy, timeout=10)
 
     def close(self) -> None:
         self.loop.stop()
