@@ -6,8 +6,8 @@ the loop thread (``await loop.run(fn)``: run between steps, result or exception 
 ``loop.submit(fn)``: fire and forget) and read per-request events from ``subscribe``, an
 ``asyncio.Queue`` the loop thread fills with ``call_soon_threadsafe``.
 
-A step's forward does not need the engine's bookkeeping, only the tensors its plan was built into.
-The loop thread holds ``state_lock`` whenever it touches the engine, and the engine lets go of it
+A step's forward reads its plan (its requests and their page lists), not the rest of the engine's
+bookkeeping: free pages, the prefix cache's unreferenced ones, other owners. The loop thread holds ``state_lock`` whenever it touches the engine, and the engine lets go of it
 while a step's forward computes (``LLMEngine.state_lock``). ``await loop.run_during_step(fn)`` runs
 ``fn`` on a thread of its own under that lock: between steps, or while a forward computes. A decode
 worker's page reservation goes that way: it had waited for the step under way to end before the
