@@ -68,6 +68,9 @@ def check_devices(args, role_controller: bool) -> None:
 # prefill shares each step with the running decodes as vLLM's does.
 MIN_CORES_TO_DISAGGREGATE = 4
 
+# A decode worker's engine priority (nice value) where it shares the cores with prefill workers.
+SHARED_DECODE_NICENESS = 19
+
 
 @dataclass(frozen=True)
 class Topology:
@@ -84,14 +87,44 @@ def topology(args, cores: int | None = None) -> Topology:
         decode = 1 if args.decode is None else args.decode
         return Topology(prefill, decode, "as given (--prefill/--decode)")
     cores = cores if cores is not None else (os.cpu_count() or 1)
-    # --device auto runs on CUDA where torch sees a GPU; without NVIDIA's device nodes it cannot
-    # (up itself does not load torch to ask).
-    on_cpu = args.device.startswith("cpu") or (args.device == "auto" and not Path("/dev/nvidiactl").exists())
-    if on_cpu and cores < MIN_CORES_TO_DISAGGREGATE:
+    if on_cpu(args) and cores < MIN_CORES_TO_DISAGGREGATE:
         return Topology(0, 0, f"one colocated worker: {cores} cores are too few to split between a prefill and "
                               f"a decode worker (each would get {max(1, cores // 2)}; first tokens then wait for "
                               f"the prefill worker). --prefill 1 --decode 1 splits them anyway")
     return Topology(1, 1, f"one prefill and one decode worker ({args.device}, {cores} cores)")
+
+
+def on_cpu(args) -> bool:
+    """Whether ``up``'s workers compute on the CPU: --device auto runs on CUDA where torch sees a
+    GPU; without NVIDIA's device nodes it cannot (up itself does not load torch to ask)."""
+    devices = {role_device(args, "prefill"), role_device(args, "decode")}
+    return all(d.startswith("cpu") or (d == "auto" and not Path("/dev/nvidiactl").exists()) for d in devices)
+
+
+def shares_cores(args, shape: Topology, cores: int | None = None) -> bool:
+    """Whether prefill and decode workers share every core rather than split them: on a CPU of
+    fewer than MIN_CORES_TO_DISAGGREGATE cores, one rank each, no thread counts given. Each
+    worker then has a thread per core, and the decode worker's engine runs at the lowest priority
+    (SHARED_DECODE_NICENESS): a prompt's prefill takes the cores when it comes, decoding has them
+    between prompts -- what a colocated worker's steps do, across two processes. Split in two,
+    each worker had one core: a prompt's prefill took twice as long, and so did each decode step.
+    Measured on 2 cores, ``vllm bench serve`` at 1 and 2 req/s: docs/performance.md."""
+    cores = cores if cores is not None else (os.cpu_count() or 1)
+    one_rank = tensor_parallel_size(args, "prefill") == 1 and tensor_parallel_size(args, "decode") == 1
+    given = args.num_threads or args.prefill_threads or args.decode_threads
+    return (on_cpu(args) and shape.prefill > 0 and shape.decode > 0 and cores < MIN_CORES_TO_DISAGGREGATE
+            and one_rank and not given)
+
+
+def startup_note(args, cores: int | None = None) -> str:
+    """What ``up`` says at start: its workers and why, and how they share the cores."""
+    shape = topology(args, cores)
+    cores = cores if cores is not None else (os.cpu_count() or 1)
+    if not shares_cores(args, shape, cores):
+        return shape.why
+    return (f"{shape.why}; on {cores} cores the workers share them, each with {cores} threads, prefill first "
+            f"(the decode worker's engine at nice {SHARED_DECODE_NICENESS}); --prefill-threads/--decode-threads "
+            f"split them instead")
 
 
 def with_internal_token(args):
@@ -117,7 +150,7 @@ def with_redis_password(args):
 
 # Set per child: the Redis URL, the metrics port, the engine threads, the GPU memory share, the ranks.
 OWN = frozenset({"redis_url", "metrics_port", "num_threads", "gpu_memory_utilization", "tensor_parallel_size",
-                 "device"})
+                 "device", "engine_niceness"})
 
 
 def tensor_parallel_size(args, role: str) -> int:
@@ -153,14 +186,20 @@ class WorkerSpecs:
         one_device = role_device(args, "prefill") == role_device(args, "decode")
         self.shares = memory_shares(args.gpu_memory_utilization, shape.prefill, shape.decode, one_device) \
             if args.gpu_memory_utilization else {}
-        # Worker processes share the cores: with more threads than cores they only contend
-        # (measured: 1 thread each for prefill + decode on 2 cores halved TTFT at 2 req/s).
+        # Worker processes split the cores: with more threads than cores, at one priority, they only
+        # contend (measured: 1 thread each for prefill + decode on 2 cores halved TTFT at 2 req/s).
+        # On a small CPU they share every core instead, the decode engine below (shares_cores).
         # A tensor-parallel worker's ranks are processes too, each with the worker's thread count.
         ranks = (shape.prefill * tensor_parallel_size(args, "prefill")
                  + shape.decode * tensor_parallel_size(args, "decode")) or tensor_parallel_size(args, "both")
-        even = args.num_threads or max(1, (os.cpu_count() or 1) // max(1, ranks))
+        cores = os.cpu_count() or 1
+        even = args.num_threads or max(1, cores // max(1, ranks))
         self.threads = {"prefill": args.prefill_threads or even, "decode": args.decode_threads or even,
                         "both": args.decode_threads or even}
+        self.niceness = {"prefill": args.engine_niceness, "decode": args.engine_niceness, "both": args.engine_niceness}
+        if shares_cores(args, shape, cores):
+            self.threads.update(prefill=cores, decode=cores)
+            self.niceness["decode"] = SHARED_DECODE_NICENESS
         self._slot_share: dict[int, float] = {}
 
     def spec(self, role: str, name: str, slot: int) -> ChildSpec:
@@ -170,6 +209,7 @@ class WorkerSpecs:
         flags, env = forward(args, "prefill" if role == "prefill" else "decode", skip=OWN)
         argv = ["decode", "--role", "both"] if role == "both" else [role]
         argv += [*flags, "--redis-url", self.redis_url, "--num-threads", str(self.threads[role]),
+                 "--engine-niceness", str(self.niceness[role]),
                  "--tensor-parallel-size", str(tensor_parallel_size(args, role)), "--device", role_device(args, role)]
         if self.shares:
             # A moved worker keeps its place's share: the shares of the places add up to the flag's.
@@ -237,7 +277,7 @@ def cmd_up(args) -> int:
     # Once: a worker the controller moves starts with the same secrets as the others.
     args = with_redis_password(with_internal_token(args))
     gateway_credentials(args)  # a bad security flag stops here, before anything starts
-    print(f"splitserve up: {topology(args).why}", flush=True)
+    print(f"splitserve up: {startup_note(args)}", flush=True)
     workdir = tempfile.mkdtemp(prefix="splitserve-up-")
     redis_url = args.redis_url or f"redis://127.0.0.1:{free_port()}/0"
     supervisor = Supervisor(plan(args, redis_url, workdir))
