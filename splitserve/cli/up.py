@@ -106,9 +106,11 @@ def shares_cores(args, shape: Topology, cores: int | None = None) -> bool:
     fewer than MIN_CORES_TO_DISAGGREGATE cores, one rank each, no thread counts given. Each
     worker then has a thread per core, and the decode worker's engine runs at the lowest priority
     (SHARED_DECODE_NICENESS): a prompt's prefill takes the cores when it comes, decoding has them
-    between prompts -- what a colocated worker's steps do, across two processes. Split in two,
-    each worker had one core: a prompt's prefill took twice as long, and so did each decode step.
-    Measured on 2 cores, ``vllm bench serve`` at 1 and 2 req/s: docs/performance.md."""
+    between prompts -- what a colocated worker's steps do, across two processes. Each worker binds
+    its threads one a core (splitserve/engine/openmp.py): unbound, both of one worker's threads
+    sometimes shared a core and took turns for a whole prefill. Split in two, each worker had one
+    core: a prompt's prefill took twice as long, and so did each decode step. Measured on 2 cores,
+    ``vllm bench serve`` at 1 and 2 req/s: docs/performance.md."""
     cores = cores if cores is not None else (os.cpu_count() or 1)
     one_rank = tensor_parallel_size(args, "prefill") == 1 and tensor_parallel_size(args, "decode") == 1
     given = args.num_threads or args.prefill_threads or args.decode_threads
@@ -122,9 +124,9 @@ def startup_note(args, cores: int | None = None) -> str:
     cores = cores if cores is not None else (os.cpu_count() or 1)
     if not shares_cores(args, shape, cores):
         return shape.why
-    return (f"{shape.why}; on {cores} cores the workers share them, each with {cores} threads, prefill first "
-            f"(the decode worker's engine at nice {SHARED_DECODE_NICENESS}); --prefill-threads/--decode-threads "
-            f"split them instead")
+    return (f"{shape.why}; on {cores} cores the workers share them, each with {cores} threads bound one a core, "
+            f"prefill first (the decode worker's engine at nice {SHARED_DECODE_NICENESS}); "
+            f"--prefill-threads/--decode-threads split them instead")
 
 
 def with_internal_token(args):

@@ -67,12 +67,45 @@ def release_thread_pool() -> bool:
     return pause(1) == 0  # omp_pause_soft
 
 
+# --- one thread a core ------------------------------------------------------------------------
+#
+# Where two workers share a small CPU, each with a thread per core (``splitserve up`` on under 4
+# cores), Linux sometimes left both threads of one worker's team on one core: the thread at a
+# barrier spins for its partner, which waits for the spinner's scheduler slice to end, so the two
+# took turns of ~3 ms for a whole prefill (csrc/thread_binding_cpu.cpp says what perf showed). Bound,
+# thread i of a team stays on core i, and each core's priorities decide between the workers. vLLM's
+# CPU backend binds its OpenMP threads to cores too.
+
+def team_cores(threads: int) -> list[int]:
+    """The cores a team of ``threads`` binds to, thread i to the i-th: every core this process may
+    run on, when the team has a thread for each (and more than one); else none (a team smaller than
+    the cores it may use is left to the scheduler, which can move it off a busy core)."""
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    return cores if 1 < threads == len(cores) else []
+
+
+def bind_thread_team(threads: int) -> list[int]:
+    """Bind the calling thread's OpenMP team of ``threads`` (itself first) to ``team_cores``; the
+    cores bound, or [] where there is nothing to bind or no CPU kernels to bind with. Threads the
+    calling thread starts afterwards inherit its core."""
+    cores = team_cores(threads)
+    if not cores:
+        return []
+    from splitserve.engine.attention import cpu_kernels
+    if not cpu_kernels.available():
+        return []
+    import torch
+    bound = torch.ops.splitserve_cpu.bind_openmp_team(cores)
+    return cores if bound == len(cores) else []
+
+
 class ComputeHandover:
     """Move a model's compute from the thread that built it to the thread that will run it.
 
     Made on the building thread: it notes that thread's torch thread count and frees its OpenMP
     pool (see above). ``adopt()`` on the running thread sets the same torch thread count there
-    (OpenMP's thread count is per thread; a new thread starts from the process default)."""
+    (OpenMP's thread count is per thread; a new thread starts from the process default) and, asked
+    to, binds that thread's team one thread a core (``bind_thread_team``)."""
 
     def __init__(self):
         self.threads = 0
@@ -81,7 +114,10 @@ class ComputeHandover:
             self.threads = torch.get_num_threads()
             release_thread_pool()
 
-    def adopt(self) -> None:
-        if self.threads > 0:
-            import torch
-            torch.set_num_threads(self.threads)
+    def adopt(self, bind: bool = False) -> list[int]:
+        """The cores the team was bound to ([]: not bound)."""
+        if self.threads <= 0:
+            return []
+        import torch
+        torch.set_num_threads(self.threads)
+        return bind_thread_team(self.threads) if bind else []

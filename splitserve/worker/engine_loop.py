@@ -59,8 +59,11 @@ class EngineDead(Unavailable):
 
 class EngineLoop:
     def __init__(self, step: Step, has_work: Callable[[], bool], housekeeping: Callable[[], None] | None = None,
-                 housekeeping_interval_s: float = 0.5, name: str = "engine-loop", niceness: int = 0):
-        """``niceness``: added to the loop thread's nice value (and so its torch threads'); 0: none."""
+                 housekeeping_interval_s: float = 0.5, name: str = "engine-loop", niceness: int = 0,
+                 bind_threads: bool = False):
+        """``niceness``: added to the loop thread's nice value (and so its torch threads'); 0: none.
+        ``bind_threads``: bind the loop thread's torch threads one a core, where it has one for
+        each core (splitserve/engine/openmp.py, ``bind_thread_team``)."""
         fail_at = int(os.environ.get(FAIL_STEP_ENV, "0") or 0)
         delay_s = float(os.environ.get(SLOW_STEP_ENV, "0") or 0)
         step = _slowed(step, delay_s) if delay_s > 0 else step
@@ -69,6 +72,8 @@ class EngineLoop:
         self._housekeeping = housekeeping
         self._interval = housekeeping_interval_s
         self.niceness = niceness
+        self.bind_threads = bind_threads
+        self.bound_cores: list[int] = []  # where the loop thread's torch threads were bound, in order
         self._commands: queue.Queue = queue.Queue()
         # request id -> how to hand it an event (put on a queue.Queue, or onto an event loop).
         self._subscribers: dict[str, Callable[[Any], None]] = {}
@@ -215,7 +220,9 @@ class EngineLoop:
     # ---- the thread ------------------------------------------------------------------
     def _run(self) -> None:
         lower_thread_priority(self.niceness)  # before adopt(): the torch threads it starts inherit it
-        self._handover.adopt()
+        self.bound_cores = self._handover.adopt(bind=self.bind_threads)
+        if self.bound_cores:
+            log.info("engine threads bound one a core: %s", self.bound_cores)
         next_housekeeping = time.monotonic()
         try:
             while not self._stop.is_set():

@@ -20,23 +20,28 @@ from splitserve.worker.grammars import GrammarPreparer
 log = logging.getLogger(__name__)
 
 
+def cpu_engine_of_one_rank(engine) -> bool:
+    """Where ``--engine-niceness`` and thread binding apply: a CPU engine of one rank. A GPU
+    engine's thread launches the kernels (its host time is the step's critical path), and
+    tensor-parallel ranks after the first compute in processes of their own at the usual priority,
+    which a slower rank 0 would hold up at every all-reduce."""
+    device = getattr(getattr(engine, "runner", None), "device", None)
+    return device is not None and device.type == "cpu" and engine.config.tensor_parallel_size == 1
+
+
 def applied_niceness(engine, requested: int) -> int:
-    """``--engine-niceness`` where it helps: a CPU engine of one rank. A GPU engine's thread
-    launches the kernels (its host time is the step's critical path), and tensor-parallel ranks
-    after the first compute in processes of their own at the usual priority, which a slower rank 0
-    would hold up at every all-reduce."""
-    runner = getattr(engine, "runner", None)
-    device = getattr(runner, "device", None)
-    if device is None or device.type != "cpu" or engine.config.tensor_parallel_size > 1:
-        return 0
-    return requested
+    """``--engine-niceness`` where it helps (``cpu_engine_of_one_rank``); 0 elsewhere."""
+    return requested if cpu_engine_of_one_rank(engine) else 0
 
 
 class WorkerServicer:
     role: str = ""
 
-    def __init__(self, engine, worker_id: str, transports: list[str], housekeeping=None, engine_niceness: int = 0):
-        """``engine_niceness``: how much lower the engine thread's CPU priority is (``--engine-niceness``)."""
+    def __init__(self, engine, worker_id: str, transports: list[str], housekeeping=None, engine_niceness: int = 0,
+                 bind_threads: bool = False):
+        """``engine_niceness``: how much lower the engine thread's CPU priority is (``--engine-niceness``);
+        ``bind_threads``: bind its torch threads one a core where it has one for each (the worker's
+        ``--no-thread-binding`` turns it off)."""
         self.engine = engine
         self.worker_id = worker_id
         self.transports = list(transports)
@@ -48,7 +53,8 @@ class WorkerServicer:
         self.grammars = GrammarPreparer(engine.grammars, engine.config.grammar_compile_timeout_s,
                                         engine_niceness=engine_niceness)
         self.loop = EngineLoop(self.step, self.has_work, housekeeping=housekeeping,
-                               name=f"{self.role}-engine", niceness=engine_niceness)
+                               name=f"{self.role}-engine", niceness=engine_niceness,
+                               bind_threads=bind_threads and cpu_engine_of_one_rank(engine))
         if hasattr(engine, "state_lock"):  # let go during each forward (run_during_step)
             engine.state_lock = self.loop.state_lock
         self.loop.start()

@@ -1,6 +1,7 @@
 """The CPU kernels in ``csrc/`` (paged decode and prefill attention; fresh prefill chunks on AMX
 tiles; the page copy of the shm KV transport; the call of splitserve/engine/cpu_linear.py's packed linears; the int8-weight linears of
-splitserve/engine/quantization.py; the LoRA updates of splitserve/engine/lora/layers.py), compiled for this machine on first use and cached.
+splitserve/engine/quantization.py; the LoRA updates of splitserve/engine/lora/layers.py; the
+OpenMP thread binding of splitserve/engine/openmp.py), compiled for this machine on first use and cached.
 
 ``torch.utils.cpp_extension`` builds the sources with ``-O3 -march=native`` into
 ``cache_dir()/torch_extensions/<key>``, where the key covers the sources, torch's version and the
@@ -25,7 +26,7 @@ log = logging.getLogger(__name__)
 _SOURCES = [Path(__file__).parent / "csrc" / name for name in ("paged_attention_cpu.cpp", "prefill_attention_cpu.cpp",
                                                                    "copy_pages_cpu.cpp", "onednn_linear_cpu.cpp",
                                                                    "linear_quantized_cpu.cpp", "lora_cpu.cpp",
-                                                                   "fresh_prefill_amx_cpu.cpp")]
+                                                                   "fresh_prefill_amx_cpu.cpp", "thread_binding_cpu.cpp")]
 CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=fast"]
 _lock = threading.Lock()
 _state: dict[str, object] = {}

@@ -22,12 +22,14 @@ def serve(args) -> int:
     setup_tracing(args.role, worker_id)
     if args.role == "both":
         servicer = DecodeWorkerServicer(LLMEngine(config), None, worker_id, metrics,
-                                        engine_niceness=args.engine_niceness)
+                                        engine_niceness=args.engine_niceness,
+                                        bind_threads=not args.no_thread_binding)
     else:
         connector = build_decode(config, args.kv_transport, lease_ttl_s=args.lease_ttl_s, host=args.host,
                                  advertise_host=args.advertise_host or None, kv_key=security.kv_key)
         servicer = DecodeWorkerServicer(connector.engine, connector, worker_id, metrics,
-                                        engine_niceness=args.engine_niceness)
+                                        engine_niceness=args.engine_niceness,
+                                        bind_threads=not args.no_thread_binding)
     servicer.metrics_address = metrics_address
     return run_worker(servicer, worker_pb2_grpc.add_DecodeWorkerServicer_to_server, "splitserve.v1.DecodeWorker",
                       args)

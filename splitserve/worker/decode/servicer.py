@@ -33,13 +33,14 @@ log = logging.getLogger(__name__)
 
 class DecodeWorkerServicer(WorkerServicer, worker_pb2_grpc.DecodeWorkerServicer):
     def __init__(self, engine: LLMEngine, connector: DecodeConnector | None, worker_id: str,
-                 metrics: EngineMetrics | None = None, engine_niceness: int = 0):
+                 metrics: EngineMetrics | None = None, engine_niceness: int = 0, bind_threads: bool = False):
         """``connector`` None: a ``both`` worker that prefills its own requests."""
         self.connector = connector
         self.role = "decode" if connector else "both"
         self.metrics = metrics
         super().__init__(engine, worker_id, connector.transports if connector else [],
-                         housekeeping=self._housekeeping, engine_niceness=engine_niceness)
+                         housekeeping=self._housekeeping, engine_niceness=engine_niceness,
+                         bind_threads=bind_threads)
 
     # ---- on the engine loop thread --------------------------------------------------------
     def step(self):

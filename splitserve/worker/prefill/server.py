@@ -25,7 +25,8 @@ def serve(args) -> int:
     setup_tracing("prefill", worker_id)
     servicer = PrefillWorkerServicer(connector, worker_id, EngineMetrics(registry, "prefill"),
                                      TransferMetrics(registry, sorted(connector.sender_factories)),
-                                     engine_niceness=args.engine_niceness)
+                                     engine_niceness=args.engine_niceness,
+                                     bind_threads=not args.no_thread_binding)
     servicer.metrics_address = metrics_address
     return run_worker(servicer, worker_pb2_grpc.add_PrefillWorkerServicer_to_server, "splitserve.v1.PrefillWorker",
                       args)

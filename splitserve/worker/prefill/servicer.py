@@ -33,13 +33,14 @@ class PrefillWorkerServicer(WorkerServicer, worker_pb2_grpc.PrefillWorkerService
     role = "prefill"
 
     def __init__(self, connector: PrefillConnector, worker_id: str, metrics: EngineMetrics | None = None,
-                 transfer_metrics: TransferMetrics | None = None, engine_niceness: int = 0):
+                 transfer_metrics: TransferMetrics | None = None, engine_niceness: int = 0,
+                 bind_threads: bool = False):
         self.connector = connector
         self.metrics = metrics
         self.transfer_metrics = transfer_metrics
         super().__init__(connector.engine, worker_id, sorted(connector.sender_factories),
                          housekeeping=(lambda: metrics.refresh(self.engine)) if metrics else None,
-                         engine_niceness=engine_niceness)
+                         engine_niceness=engine_niceness, bind_threads=bind_threads)
 
     # ---- on the engine loop thread --------------------------------------------------------
     def step(self):
