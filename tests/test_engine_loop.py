@@ -104,9 +104,9 @@ def test_an_abort_whose_caller_gave_up_during_a_long_step_still_frees_the_reques
         worker.close()
 
 
-def test_the_engine_niceness_applies_to_a_cpu_engine_of_one_rank_only():
+def test_the_engine_niceness_and_thread_binding_apply_to_a_cpu_engine_of_one_rank_only():
     import torch
-    from splitserve.worker.servicer import applied_niceness
+    from splitserve.worker.servicer import applied_niceness, cpu_engine_of_one_rank
 
     def engine(device: str, ranks: int = 1):
         return SimpleNamespace(runner=SimpleNamespace(device=torch.device(device)),
@@ -115,6 +115,8 @@ def test_the_engine_niceness_applies_to_a_cpu_engine_of_one_rank_only():
     assert applied_niceness(engine("cpu"), 0) == 0
     assert applied_niceness(engine("cpu", ranks=2), 5) == 0  # the other ranks would wait on rank 0
     assert applied_niceness(engine("cuda"), 5) == 0  # its thread launches the kernels
+    assert cpu_engine_of_one_rank(engine("cpu"))
+    assert not cpu_engine_of_one_rank(engine("cpu", ranks=2)) and not cpu_engine_of_one_rank(engine("cuda"))
 
 
 class _Forward(_Stepper):

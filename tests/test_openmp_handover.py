@@ -1,15 +1,19 @@
 """splitserve/engine/openmp.py: the thread that built a model lets its OpenMP pool go, and the engine-loop
-thread that steps the model computes with the builder's torch thread count.
+thread that steps the model computes with the builder's torch thread count, its team bound one
+thread a core where it has a thread for each.
 
 Each check runs in a fresh interpreter: OpenMP's pools and thread counts are per process and per
 thread, and the test process's own would blur what is counted.
 """
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 import textwrap
+
+import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -99,3 +103,43 @@ def test_the_engine_loop_thread_and_the_torch_threads_it_starts_run_at_its_lower
     main, loop_in_started, *started = out.split()
     assert loop_in_started == "True", out
     assert len(started) == 3 and set(started) == {str(int(main) + 3)}, out  # the loop thread and its 2 OpenMP workers
+
+
+def test_an_engine_loop_with_a_torch_thread_for_each_core_binds_them_one_a_core():
+    """``EngineLoop(bind_threads=True)``, as many torch threads as cores this process may use: the
+    loop thread is bound to the first core and each OpenMP worker of its team to another, and the
+    step's parallel regions run on those same threads (no new ones). A team smaller than the cores is
+    left unbound (``team_cores``), and the thread that made the loop keeps every core."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        pytest.skip("binding a team one thread a core takes at least 2 cores")
+    out = run_python(f"""
+        import json, os, threading, torch
+        from splitserve.engine.openmp import team_cores
+        from splitserve.worker.engine_loop import EngineLoop
+        torch.set_num_threads({len(cores)})
+        before = set(os.listdir("/proc/self/task"))
+        seen = []
+        stepped = threading.Event()
+        def step():
+            bound = set(os.listdir("/proc/self/task"))  # the pool binding started
+            torch.randn(1 << 22).sin_()
+            seen.append((threading.get_native_id(), bound, set(os.listdir("/proc/self/task"))))
+            stepped.set()
+            return []
+        loop = EngineLoop(step, has_work=lambda: not seen, bind_threads=True).start()
+        assert stepped.wait(60)
+        loop_tid, bound, after = seen[0]
+        workers = bound - before - {{str(loop_tid)}}
+        cores = lambda tid: sorted(os.sched_getaffinity(int(tid)))
+        print(json.dumps({{"bound_cores": loop.bound_cores, "loop": cores(loop_tid),
+                          "workers": sorted(cores(t) for t in workers), "new_in_step": sorted(after - bound),
+                          "smaller_team": team_cores({len(cores)} - 1), "one": team_cores(1),
+                          "maker": cores(threading.get_native_id())}}))
+        loop.stop()
+    """)
+    seen = json.loads(out)
+    assert seen["bound_cores"] == cores and seen["loop"] == [cores[0]], seen
+    assert seen["workers"] == [[c] for c in cores[1:]], seen
+    assert seen["new_in_step"] == [], seen
+    assert seen["smaller_team"] == [] and seen["one"] == [] and seen["maker"] == cores, seen

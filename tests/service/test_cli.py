@@ -301,3 +301,35 @@ def test_up_without_prefill_or_decode_chooses_from_the_device_and_the_cores(tmp_
     (tmp_path / "x").mkdir()
     names = [spec.name for spec in up.plan(auto, "redis://127.0.0.1:1/0", str(tmp_path / "x"))]
     assert names == ["redis", "decode0", "prefill0", "gateway"]
+
+
+def test_up_on_under_4_cores_shares_them_between_a_prefill_and_a_decode_worker(tmp_path, monkeypatch):
+    """Issue 41, point 2: ``up --prefill 1 --decode 1`` on 2 cores gives each worker a thread per
+    core (bound one a core by the worker) and the decode engine the lowest priority, so a prompt's
+    prefill takes both cores and decoding has them between prompts; thread counts given split them,
+    and more cores split them as before. up says so at start."""
+    from splitserve.cli import up
+
+    def workers(argv: list[str], cores: int, workdir: str) -> dict[str, dict[str, str]]:
+        monkeypatch.setattr(up.os, "cpu_count", lambda: cores)
+        (tmp_path / workdir).mkdir()
+        specs = up.plan(parse(["up", "--device", "cpu", *argv]), "redis://127.0.0.1:1/0", str(tmp_path / workdir))
+        flag = lambda spec, name: spec.argv[spec.argv.index(name) + 1]  # noqa: E731
+        return {s.name: {"threads": flag(s, "--num-threads"), "nice": flag(s, "--engine-niceness"),
+                         "unbound": str("--no-thread-binding" in s.argv)}
+                for s in specs if s.name in ("prefill0", "decode0", "both")}
+
+    shared = workers(["--prefill", "1", "--decode", "1"], 2, "shared")
+    assert shared == {"prefill0": {"threads": "2", "nice": "5", "unbound": "False"},
+                      "decode0": {"threads": "2", "nice": "19", "unbound": "False"}}
+    note = up.startup_note(parse(["up", "--device", "cpu", "--prefill", "1", "--decode", "1"]), cores=2)
+    assert "share them, each with 2 threads bound one a core" in note and "nice 19" in note
+    split = workers(["--prefill", "1", "--decode", "1", "--prefill-threads", "1", "--decode-threads", "1"], 2, "split")
+    assert split == {"prefill0": {"threads": "1", "nice": "5", "unbound": "False"},
+                     "decode0": {"threads": "1", "nice": "5", "unbound": "False"}}
+    assert workers(["--prefill", "1", "--decode", "1"], 8, "big") == {
+        "prefill0": {"threads": "4", "nice": "5", "unbound": "False"},
+        "decode0": {"threads": "4", "nice": "5", "unbound": "False"}}
+    assert "share" not in up.startup_note(parse(["up", "--device", "cpu", "--prefill", "1", "--decode", "1"]), cores=8)
+    # One colocated worker keeps the usual priority; --no-thread-binding reaches the workers.
+    assert workers(["--no-thread-binding"], 2, "colocated") == {"both": {"threads": "2", "nice": "5", "unbound": "True"}}
