@@ -20,6 +20,10 @@ from splitserve.engine.openmp import prefer_passive_waiting  # noqa: E402
 
 # Before torch loads, and inherited by every process the tests start: many of them share 2 cores.
 prefer_passive_waiting()
+# For the same reason the workers the tests start leave their torch threads to the scheduler
+# (--no-thread-binding): two test processes' engines bound to the same cores could not move to a
+# core another test leaves idle. tests/test_openmp_handover.py binds a team on purpose.
+os.environ.setdefault("SPLITSERVE_NO_THREAD_BINDING", "1")
 
 from pathlib import Path  # noqa: E402
 

@@ -309,6 +309,7 @@ def test_up_on_under_4_cores_shares_them_between_a_prefill_and_a_decode_worker(t
     prefill takes both cores and decoding has them between prompts; thread counts given split them,
     and more cores split them as before. up says so at start."""
     from splitserve.cli import up
+    monkeypatch.delenv("SPLITSERVE_NO_THREAD_BINDING", raising=False)  # the suite's own (conftest)
 
     def workers(argv: list[str], cores: int, workdir: str) -> dict[str, dict[str, str]]:
         monkeypatch.setattr(up.os, "cpu_count", lambda: cores)
