@@ -25,6 +25,7 @@ from pathlib import Path
 from splitserve.cli.launcher import BOOT_TIMEOUT_S, CLI, STOP_TIMEOUT_S, ChildSpec, Supervisor
 from splitserve.cli.role_controller import LatencyWindow, RoleControl, RoleController, worker_role
 from splitserve.common.processes import free_port
+from splitserve.engine.openmp import BOUND_TEAM_SIZE
 
 
 def memory_shares(total: float, prefill: int, decode: int, one_device: bool = True) -> dict[str, float]:
@@ -102,8 +103,8 @@ def on_cpu(args) -> bool:
 
 
 def shares_cores(args, shape: Topology, cores: int | None = None) -> bool:
-    """Whether prefill and decode workers share every core rather than split them: on a CPU of
-    fewer than MIN_CORES_TO_DISAGGREGATE cores, one rank each, no thread counts given. Each
+    """Whether prefill and decode workers share every core rather than split them: one worker of
+    each on a CPU of 2 cores, one rank each, no thread counts given. Each
     worker then has a thread per core, and the decode worker's engine runs at the lowest priority
     (SHARED_DECODE_NICENESS): a prompt's prefill takes the cores when it comes, decoding has them
     between prompts -- what a colocated worker's steps do, across two processes. Each worker binds
@@ -114,7 +115,9 @@ def shares_cores(args, shape: Topology, cores: int | None = None) -> bool:
     cores = cores if cores is not None else (os.cpu_count() or 1)
     one_rank = tensor_parallel_size(args, "prefill") == 1 and tensor_parallel_size(args, "decode") == 1
     given = args.num_threads or args.prefill_threads or args.decode_threads
-    return (on_cpu(args) and shape.prefill > 0 and shape.decode > 0 and cores < MIN_CORES_TO_DISAGGREGATE
+    # Two cores, where a worker's team of two is bound (BOUND_TEAM_SIZE); one worker of each kind:
+    # two prefill workers would share the cores at one priority.
+    return (on_cpu(args) and shape.prefill == shape.decode == 1 and cores == BOUND_TEAM_SIZE
             and one_rank and not given)
 
 
@@ -124,7 +127,8 @@ def startup_note(args, cores: int | None = None) -> str:
     cores = cores if cores is not None else (os.cpu_count() or 1)
     if not shares_cores(args, shape, cores):
         return shape.why
-    return (f"{shape.why}; on {cores} cores the workers share them, each with {cores} threads bound one a core, "
+    bound = "" if args.no_thread_binding else " bound one a core"
+    return (f"{shape.why}; on {cores} cores the workers share them, each with {cores} threads{bound}, "
             f"prefill first (the decode worker's engine at nice {SHARED_DECODE_NICENESS}); "
             f"--prefill-threads/--decode-threads split them instead")
 

@@ -69,34 +69,69 @@ def release_thread_pool() -> bool:
 
 # --- one thread a core ------------------------------------------------------------------------
 #
-# Where two workers share a small CPU, each with a thread per core (``splitserve up`` on under 4
-# cores), Linux sometimes left both threads of one worker's team on one core: the thread at a
-# barrier spins for its partner, which waits for the spinner's scheduler slice to end, so the two
-# took turns of ~3 ms for a whole prefill (csrc/thread_binding_cpu.cpp says what perf showed). Bound,
-# thread i of a team stays on core i, and each core's priorities decide between the workers. vLLM's
-# CPU backend binds its OpenMP threads to cores too.
+# Where two workers share a small CPU, each with a thread per core (``splitserve up --prefill 1
+# --decode 1`` on 2 cores), Linux sometimes left both threads of one worker's team on one core: the
+# thread at a barrier spins for its partner, which waits for the spinner's scheduler slice to end, so
+# the two took turns of ~3 ms for a whole prefill (csrc/thread_binding_cpu.cpp says what perf
+# showed). Bound, thread i of a team stays on core i, and each core's priorities decide between the
+# workers. vLLM's CPU backend binds its OpenMP threads to cores too.
+#
+# Only teams of two threads are bound: libgomp lets a pool's surplus threads exit when a smaller team
+# runs (oneDNN sizes its teams by the work) and starts new ones from the master later, and those
+# would inherit the master's single core. A team of two has no smaller team but the master alone.
+BOUND_TEAM_SIZE = 2
+# A user's own OpenMP placement wins over ours.
+PLACEMENT_VARIABLES = ("OMP_PLACES", "OMP_PROC_BIND", "GOMP_CPU_AFFINITY")
+
+# The cores this process may use, noted before a team is bound (threads started later from a bound
+# thread inherit its one core; ``unbind_current_thread`` gives them these back).
+_process_cores: list[int] = []
+
 
 def team_cores(threads: int) -> list[int]:
-    """The cores a team of ``threads`` binds to, thread i to the i-th: every core this process may
-    run on, when the team has a thread for each (and more than one); else none (a team smaller than
-    the cores it may use is left to the scheduler, which can move it off a busy core)."""
-    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-    return cores if 1 < threads == len(cores) else []
+    """The cores a team of ``threads`` binds to, thread i to the i-th: the two cores this process
+    may use, when the team has a thread for each; else none (a team smaller than its cores is left
+    to the scheduler, which can move it off a busy core; larger ones: see above)."""
+    if not hasattr(os, "sched_getaffinity") or any(os.environ.get(v) for v in PLACEMENT_VARIABLES):
+        return []
+    cores = sorted(os.sched_getaffinity(0))
+    return cores if threads == len(cores) == BOUND_TEAM_SIZE else []
+
+
+def _one_libgomp() -> bool:
+    """Whether exactly one libgomp is loaded: the op's parallel region must run in torch's."""
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.rsplit(None, 1)[-1] for line in maps if "libgomp" in line}
+    except OSError:
+        return False
+    return len({os.path.realpath(path) for path in paths}) == 1
 
 
 def bind_thread_team(threads: int) -> list[int]:
     """Bind the calling thread's OpenMP team of ``threads`` (itself first) to ``team_cores``; the
-    cores bound, or [] where there is nothing to bind or no CPU kernels to bind with. Threads the
-    calling thread starts afterwards inherit its core."""
+    cores bound, or [] where there is nothing to bind or no CPU kernels to bind with (a partial
+    binding is undone). Threads the calling thread starts afterwards inherit its core: a pool of
+    them calls ``unbind_current_thread`` first."""
     cores = team_cores(threads)
     if not cores:
         return []
     from splitserve.engine.attention import cpu_kernels
-    if not cpu_kernels.available():
+    if not cpu_kernels.available() or not _one_libgomp():
         return []
     import torch
-    bound = torch.ops.splitserve_cpu.bind_openmp_team(cores)
-    return cores if bound == len(cores) else []
+    _process_cores[:] = sorted(os.sched_getaffinity(0))
+    if torch.ops.splitserve_cpu.bind_openmp_team(cores, True) == len(cores):
+        return cores
+    torch.ops.splitserve_cpu.bind_openmp_team(_process_cores, False)
+    return []
+
+
+def unbind_current_thread() -> None:
+    """Let the calling thread run on every core the process may use again, where a team was bound
+    (a ``ThreadPoolExecutor`` initializer for pools whose threads an engine thread starts)."""
+    if _process_cores:
+        os.sched_setaffinity(0, _process_cores)
 
 
 class ComputeHandover:

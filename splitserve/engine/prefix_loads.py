@@ -25,6 +25,7 @@ from typing import Sequence
 
 from splitserve.engine.block_pool import BlockPool, chain_hash
 from splitserve.engine.kv_offload import HostPrefixTier
+from splitserve.engine.openmp import unbind_current_thread
 from splitserve.engine.prefix_holdings import HOST, PrefixHoldings
 
 # With nothing else to run, a schedule waits this long at most for a load to end (then steps
@@ -100,7 +101,9 @@ class PrefixLoader:
         self.tier = tier
         self.holdings = holdings
         self.block_size = block_size
-        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-load")
+        # Started by the engine thread's first load: not on the core its torch team was bound to.
+        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-load",
+                                                               initializer=unbind_current_thread)
         self._pending: list[PendingLoad] = []
         self._loading: set[int] = set()  # block hashes some pending load brings
         self.num_loads = 0  # loads started (a request may need several: the pages free at the time)

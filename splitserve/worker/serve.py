@@ -122,6 +122,7 @@ async def _serve(servicer: WorkerServicer, add_to_server, service_name: str, arg
         await set_health(health, [service_name], serving=False)
     else:
         await set_dead(health)  # a dead engine: a liveness check must not call this process alive
+    log.info("stopping: not ready; leaving the registry")  # each step logged: a stuck shutdown says where
     if publisher is not None:
         await publisher.stop()  # before deregistering, which deletes what it published
     if heartbeat is not None:

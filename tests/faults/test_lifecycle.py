@@ -1,5 +1,7 @@
 """Health that means "can do work", and graceful drain on SIGTERM, with real processes."""
 import signal
+import subprocess
+import time
 
 import grpc
 import pytest
@@ -14,6 +16,18 @@ def stack(tiny_model_dirs, tmp_path_factory):
     with start_stack(tiny_model_dirs["llama"], tmp_path_factory, prefill=1, decode=2,
                      worker_args=["--drain-timeout-s", "120"], gateway_args=["--drain-timeout-s", "120"]) as st:
         yield st
+
+
+def wait_or_show(stack, name: str, timeout_s: float) -> int:
+    """``name``'s exit code; past ``timeout_s``, a failure with its stacks (SIGUSR1,
+    splitserve/common/logs.py) and the end of its log, which says how far its shutdown got."""
+    try:
+        return stack.procs[name].wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        stack.procs[name].send_signal(signal.SIGUSR1)
+        time.sleep(2)
+        pytest.fail(f"{name} still running {timeout_s:.0f} s after SIGTERM:\n"
+                    f"{stack.log_paths[name].read_text(errors='replace')[-12000:]}")
 
 
 def test_gateway_is_not_serving_without_a_usable_set_of_workers(stack, reference):
@@ -40,7 +54,7 @@ def test_worker_drains_in_flight_requests_on_sigterm(stack, reference):
     wait_until(lambda: ready() != SERVING, 10, f"{victim} to stop reporting ready")
     late = run_streams(stack, "after-sigterm", mixed_prompts(2, seed=32, lo=5, hi=30), max_tokens=8)
     join_all(streams + late)
-    assert stack.procs[victim].wait(120) == 0
+    assert wait_or_show(stack, victim, 120) == 0
     # A clean exit says nothing at the end: no traceback, and no leak report from an extension
     # whose objects shutdown could not free (the frozen start-up heap is thawed at exit).
     said = stack.log_paths[victim].read_text(errors="replace")

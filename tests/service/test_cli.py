@@ -332,5 +332,12 @@ def test_up_on_under_4_cores_shares_them_between_a_prefill_and_a_decode_worker(t
         "prefill0": {"threads": "4", "nice": "5", "unbound": "False"},
         "decode0": {"threads": "4", "nice": "5", "unbound": "False"}}
     assert "share" not in up.startup_note(parse(["up", "--device", "cpu", "--prefill", "1", "--decode", "1"]), cores=8)
+    # 3 cores (a team of 3 is not bound) and two prefill workers (one priority) split them.
+    assert workers(["--prefill", "1", "--decode", "1"], 3, "three")["decode0"] == {
+        "threads": "1", "nice": "5", "unbound": "False"}
+    assert workers(["--prefill", "2", "--decode", "1"], 2, "two_prefill")["decode0"]["nice"] == "5"
+    unbound = up.startup_note(parse(["up", "--device", "cpu", "--prefill", "1", "--decode", "1",
+                                     "--no-thread-binding"]), cores=2)
+    assert "share them" in unbound and "bound" not in unbound
     # One colocated worker keeps the usual priority; --no-thread-binding reaches the workers.
     assert workers(["--no-thread-binding"], 2, "colocated") == {"both": {"threads": "2", "nice": "5", "unbound": "True"}}

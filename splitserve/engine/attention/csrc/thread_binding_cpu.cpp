@@ -9,9 +9,11 @@
 // core 1, for the whole prefill. Bound, thread i of every team stays on core i: each core holds one
 // thread of each worker, and their priorities decide which one runs.
 //
-// This runs in the libgomp that torch loaded (one soname, loaded once), so the threads it binds are
-// the ones torch's parallel regions use: libgomp keeps a master thread's pool and reuses its
-// threads in order for every team of that master.
+// This runs in the libgomp that torch loaded (splitserve/engine/openmp.py checks there is only one),
+// so the threads it binds are the ones torch's parallel regions use: libgomp keeps a master thread's
+// pool and reuses its threads for every team of that master as long as no team is smaller. A smaller
+// team lets the surplus pool threads exit, and the next full team starts new ones from the master,
+// inheriting its one core: so only teams of two are bound (a smaller one is no team at all).
 #include <torch/library.h>
 
 #include <omp.h>
@@ -21,8 +23,9 @@
 
 namespace {
 
-// Binds thread i of a team of cores.size() threads to cores[i]; returns how many were bound.
-int64_t bind_openmp_team(c10::ArrayRef<int64_t> cores) {
+// A team of cores.size() threads: with one_each, thread i is bound to cores[i]; without, every
+// thread may run on all of cores (undoing a binding). Returns how many threads were set.
+int64_t bind_openmp_team(c10::ArrayRef<int64_t> cores, bool one_each) {
   const int n = static_cast<int>(cores.size());
   if (n == 0) return 0;
   int64_t bound = 0;
@@ -31,7 +34,11 @@ int64_t bind_openmp_team(c10::ArrayRef<int64_t> cores) {
     const int i = omp_get_thread_num();
     cpu_set_t set;
     CPU_ZERO(&set);
-    CPU_SET(static_cast<int>(cores[i]), &set);
+    if (one_each) {
+      CPU_SET(static_cast<int>(cores[i]), &set);
+    } else {
+      for (int64_t core : cores) CPU_SET(static_cast<int>(core), &set);
+    }
     if (sched_setaffinity(0, sizeof(set), &set) == 0) bound += 1;
   }
   return bound;
@@ -40,5 +47,5 @@ int64_t bind_openmp_team(c10::ArrayRef<int64_t> cores) {
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(splitserve_cpu, m) {
-  m.def("bind_openmp_team(int[] cores) -> int", &bind_openmp_team);
+  m.def("bind_openmp_team(int[] cores, bool one_each) -> int", &bind_openmp_team);
 }
