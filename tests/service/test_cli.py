@@ -303,7 +303,7 @@ def test_up_without_prefill_or_decode_chooses_from_the_device_and_the_cores(tmp_
     assert names == ["redis", "decode0", "prefill0", "gateway"]
 
 
-def test_up_on_under_4_cores_shares_them_between_a_prefill_and_a_decode_worker(tmp_path, monkeypatch):
+def test_up_on_2_cores_shares_them_between_a_prefill_and_a_decode_worker(tmp_path, monkeypatch):
     """Issue 41, point 2: ``up --prefill 1 --decode 1`` on 2 cores gives each worker a thread per
     core (bound one a core by the worker) and the decode engine the lowest priority, so a prompt's
     prefill takes both cores and decoding has them between prompts; thread counts given split them,
