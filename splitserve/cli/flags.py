@@ -185,9 +185,9 @@ def _flags() -> list[Flag]:
           "Redis's beside it (under one session, as up starts them); its torch threads inherit it. Where they "
           "share a few cores, a request's hops (admission, the Redis call, the worker's handler, a token's relay) "
           "run ahead of a step's compute instead of waiting for a core; 0: the same priority", WORKERS),
-        f("no_thread_binding", click.BOOL, False, "CPU workers of one rank whose engine has a torch thread for "
-          "each core they may use: leave those threads to the scheduler instead of binding one to each core (bound, "
-          "two workers sharing the cores never find both of one's threads on one core, where they take turns)",
+        f("no_thread_binding", click.BOOL, False, "CPU workers of one rank whose engine has two torch threads on "
+          "the two cores they may use: leave them to the scheduler instead of binding one to each core (bound, two "
+          "workers sharing the cores never find both of one's threads on one core, where they take turns)",
           WORKERS, is_bool=True),
         f("kv_transport", s, "auto", "KV transports: a decode worker offers them fastest first, a prefill "
           "worker may use them; auto or a comma list of shm, tcp, nccl, cuda_ipc", WORKERS),
