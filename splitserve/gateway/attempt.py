@@ -393,7 +393,13 @@ class _Attempt:
     async def abort_on_workers(self, timeout_s: float | None = None, then_s: float | None = None) -> None:
         """Free whatever the request holds on the attempt's workers, waiting ``timeout_s`` at most
         (default ABORT_TIMEOUT_S: one may be frozen). ``then_s``: an abort that timed out is sent
-        again in the background, bounded so."""
+        again in the background, bounded so.
+
+        The aborts go out even if the caller is cancelled while it waits: its request ended
+        under it (the client's deadline passed as the worker call capped by it did, and the
+        handler's ``Job.finish`` cancelled the attempt's cleanup). A cancelled wait used to
+        cancel the Abort calls before they left, and the decode worker kept the reservation
+        until its lease ended (a cancel storm found 9 pages so)."""
         async def abort(worker: WorkerView, timeout_s: float, again: bool) -> None:
             stub = (self.directory.prefill_stub if worker.role == "prefill" else self.directory.decode_stub)(worker)
             try:
@@ -403,4 +409,8 @@ class _Attempt:
                 if again and e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                     spawn(abort(worker, then_s, again=False))
         first_s = ABORT_TIMEOUT_S if timeout_s is None else timeout_s
-        await asyncio.gather(*(abort(w, first_s, then_s is not None) for w in self.workers))
+        workers = list(self.workers)
+
+        async def abort_each() -> None:
+            await asyncio.gather(*(abort(w, first_s, then_s is not None) for w in workers))
+        await asyncio.shield(spawn(abort_each(), name=f"abort-{self.job.request_id}"))
