@@ -130,8 +130,14 @@ async def run_attempt(job: Job, directory: WorkerDirectory, ledger: Ledger, deci
             job.state = JobState.QUEUED
     # Ended early (a retry, an error): free what it holds now rather than at the lease's end. A
     # retry may reserve on the same worker again, so no abort of this attempt may outlive this
-    # wait; an ended request's that timed out goes on in the background.
-    await attempt.abort_on_workers(then_s=None if isinstance(outcome, Retry) else ENDED_ABORT_TIMEOUT_S)
+    # wait; an ended request's that timed out goes on in the background. Shielded: the request
+    # may end while they are sent (the client's deadline passing as the worker call it capped
+    # did), and Job.finish cancels this task then; the aborts must go out all the same. (They
+    # were cancelled before they left, and the decode worker kept a reservation until its lease
+    # ended: a cancel storm found 9 pages so.) Only Job.finish can cancel this wait: the
+    # watchdog judges RUNNING attempts, and a finished request is not retried.
+    aborts = attempt.abort_on_workers(then_s=None if isinstance(outcome, Retry) else ENDED_ABORT_TIMEOUT_S)
+    await asyncio.shield(spawn(aborts, name=f"attempt-aborts-{job.request_id}"))
     if isinstance(outcome, Retry):
         for worker in attempt.workers:
             if not await directory.responsive(worker):
@@ -393,13 +399,7 @@ class _Attempt:
     async def abort_on_workers(self, timeout_s: float | None = None, then_s: float | None = None) -> None:
         """Free whatever the request holds on the attempt's workers, waiting ``timeout_s`` at most
         (default ABORT_TIMEOUT_S: one may be frozen). ``then_s``: an abort that timed out is sent
-        again in the background, bounded so.
-
-        The aborts go out even if the caller is cancelled while it waits: its request ended
-        under it (the client's deadline passed as the worker call capped by it did, and the
-        handler's ``Job.finish`` cancelled the attempt's cleanup). A cancelled wait used to
-        cancel the Abort calls before they left, and the decode worker kept the reservation
-        until its lease ended (a cancel storm found 9 pages so)."""
+        again in the background, bounded so."""
         async def abort(worker: WorkerView, timeout_s: float, again: bool) -> None:
             stub = (self.directory.prefill_stub if worker.role == "prefill" else self.directory.decode_stub)(worker)
             try:
@@ -409,8 +409,4 @@ class _Attempt:
                 if again and e.code() == grpc.StatusCode.DEADLINE_EXCEEDED:
                     spawn(abort(worker, then_s, again=False))
         first_s = ABORT_TIMEOUT_S if timeout_s is None else timeout_s
-        workers = list(self.workers)
-
-        async def abort_each() -> None:
-            await asyncio.gather(*(abort(w, first_s, then_s is not None) for w in workers))
-        await asyncio.shield(spawn(abort_each(), name=f"abort-{self.job.request_id}"))
+        await asyncio.gather(*(abort(w, first_s, then_s is not None) for w in self.workers))

@@ -5,10 +5,10 @@ request (a prefill and a decode worker, or a colocated one), and not while drain
 balancer or compose health check reading it stops sending traffic that would only fail.
 Liveness (the empty service name) stays SERVING meanwhile: see ``splitserve.common.grpc_server``.
 The status is refreshed by a task every ``interval_s``; a health check itself only reads it,
-so it is answered at once however busy the gateway is. While the gateway cannot serve, the
-refresh comes every ``NOT_READY_INTERVAL_S`` and reads the registry afresh: a gateway booting
-beside its workers turns ready as soon as they register, not up to 1.5 s later (the interval
-and the directory's cache), which every start of a stack waited for.
+so it is answered at once however busy the gateway is. While no usable set of workers is
+registered, the refresh comes every ``NOT_READY_INTERVAL_S`` and reads the registry afresh: a
+gateway booting beside its workers turns ready as soon as they register, not up to 1.5 s later
+(the interval and the directory's cache), which every start of a stack waited for.
 """
 from __future__ import annotations
 
@@ -23,7 +23,8 @@ log = logging.getLogger(__name__)
 NO_WORKERS = ("no usable workers: a prefill and a decode worker, or a colocated one, must be registered (or a "
               "decode worker alone, under --disaggregation never or auto)")
 STORE_DOWN = "request store (Redis) unreachable"
-# How often the status is refreshed while it is not SERVING (one Redis read of the registry each).
+# How often the status is refreshed while no usable set of workers is registered (one Redis read
+# of the registry each; not while Redis is down or the gateway drains: nothing to wait for there).
 NOT_READY_INTERVAL_S = 0.1
 
 
@@ -72,7 +73,7 @@ class GatewayHealth:
             return "draining"
         try:
             await self.state.ping()
-            if self.reason:  # not ready yet: a worker that registered just now counts now
+            if self.no_workers:  # a worker that registered just now counts now
                 self.directory.invalidate()
             roles = {w.role for w in await self.directory.usable()}
             if await self.directory.can_serve():
@@ -83,6 +84,8 @@ class GatewayHealth:
 
     async def refresh(self) -> None:
         reason = await self.check()
+        if self.draining:  # drain() ran while this check waited for Redis: it wins
+            reason = "draining"
         if reason != self.reason:
             # Draining is the gateway stopping as asked: not a warning.
             log.log(logging.WARNING if reason and reason != "draining" else logging.INFO, "health: %s",
@@ -92,7 +95,7 @@ class GatewayHealth:
 
     async def _run(self) -> None:
         while True:
-            await asyncio.sleep(NOT_READY_INTERVAL_S if self.reason and not self.draining else self.interval_s)
+            await asyncio.sleep(NOT_READY_INTERVAL_S if self.no_workers else self.interval_s)
             try:
                 await self.refresh()
             except Exception:

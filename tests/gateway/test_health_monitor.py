@@ -1,7 +1,7 @@
 """The gateway's readiness follows the registry: it turns SERVING as soon as a usable set of
-workers registers, not at its next regular refresh. Real Redis; the health servicer is grpc's own."""
+workers registers, not at its next regular refresh nor after the directory's cached listing.
+Real Redis; the health servicer is grpc's own."""
 import asyncio
-import time
 
 from grpc_health.v1 import health
 
@@ -11,33 +11,62 @@ from splitserve.state.store import RedisState, make_async_client
 from tests.harness.redis_server import RedisServer
 
 SERVICE = "splitserve.v1.Generation"
+LONG_S = 30.0  # the regular refresh interval in these tests: no wait below comes near it
 
 
-async def until(condition, timeout_s: float) -> float:
-    """Seconds until ``condition()`` held; fails after ``timeout_s``."""
-    start = time.monotonic()
-    while not condition():
-        assert time.monotonic() - start < timeout_s, "not within the bound"
-        await asyncio.sleep(0.01)
-    return time.monotonic() - start
-
-
-def test_a_gateway_waiting_for_workers_turns_ready_when_they_register_not_at_its_next_interval():
-    interval_s = 30.0  # the refresh while serving: a bound no wait below comes near
-
+def with_monitor(test):
+    """Run ``test(state, directory, monitor)`` against a fresh Redis."""
     async def main(url):
         state = RedisState(make_async_client(url))
-        monitor = await GatewayHealth(health.aio.HealthServicer(), [SERVICE], state, WorkerDirectory(state),
-                                      interval_s=interval_s).start()
+        directory = WorkerDirectory(state)
+        monitor = await GatewayHealth(health.aio.HealthServicer(), [SERVICE], state, directory,
+                                      interval_s=LONG_S).start()
         try:
-            assert monitor.no_workers
-            await asyncio.sleep(0.3)  # a few refreshes with nothing registered
-            assert monitor.no_workers
-            await state.register_worker("w1", "both", "127.0.0.1:1", [], {}, ttl_s=30)
-            waited = await until(lambda: monitor.reason == "", timeout_s=interval_s / 3)
-            print(f"ready {waited:.2f} s after the worker registered")
+            await test(state, directory, monitor)
         finally:
             await monitor.stop()
+            await directory.close()
             await state.client.aclose()
     with RedisServer() as server:
         asyncio.run(main(server.url))
+
+
+def test_a_refresh_without_workers_reads_the_registry_afresh():
+    async def test(state, directory, monitor):
+        assert monitor.no_workers and await directory.list() == []  # an empty listing, cached
+        await state.register_worker("w1", "both", "127.0.0.1:1", [], {}, ttl_s=30)
+        await monitor.refresh()
+        assert monitor.reason == ""
+    with_monitor(test)
+
+
+def test_a_gateway_without_workers_turns_ready_when_they_register_not_at_its_next_interval():
+    async def test(state, directory, monitor):
+        await asyncio.sleep(0.3)  # a few refreshes with nothing registered
+        assert monitor.no_workers
+        await state.register_worker("w1", "both", "127.0.0.1:1", [], {}, ttl_s=30)
+        for _ in range(int(LONG_S / 3 / 0.1)):  # 0.1 s each: a third of the regular interval at most
+            if monitor.reason == "":
+                break
+            await asyncio.sleep(0.1)
+        assert monitor.reason == ""
+    with_monitor(test)
+
+
+def test_a_drain_that_comes_while_a_refresh_waits_for_redis_is_not_undone_by_it():
+    async def test(state, directory, monitor):
+        await state.register_worker("w1", "both", "127.0.0.1:1", [], {}, ttl_s=30)
+        await monitor.refresh()
+        assert monitor.reason == ""
+        ping = state.ping
+
+        async def slow_ping():
+            await asyncio.sleep(0.2)
+            return await ping()
+        state.ping = slow_ping
+        refreshing = asyncio.ensure_future(monitor.refresh())
+        await asyncio.sleep(0.05)  # the refresh is waiting for Redis
+        await monitor.drain()
+        await refreshing
+        assert monitor.reason == "draining"
+    with_monitor(test)
