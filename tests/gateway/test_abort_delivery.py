@@ -46,37 +46,50 @@ class BusyWorker(worker_pb2_grpc.DecodeWorkerServicer):
         return worker_pb2.WorkerAbortResponse(found=True)
 
 
-def test_an_abort_that_timed_out_for_an_ended_request_is_sent_again_and_answered(monkeypatch):
-    monkeypatch.setattr(attempt, "ABORT_TIMEOUT_S", SHORT_S)
-    monkeypatch.setattr(attempt, "ENDED_ABORT_TIMEOUT_S", 10 * BUSY_S)
-
+def run_one_request(worker, deadline_s: float | None, then) -> None:
+    """Serve ``worker`` (registered as a colocated worker) to a Dispatcher of real Redis, run one
+    request through it (``deadline_s`` from now, or none), and await ``then(worker, outcome)``
+    with the request's end."""
     async def main(url):
         state = RedisState(make_async_client(url))
-        worker = BusyWorker()
         server, address = await serve_decode_worker(worker)
-        await state.register_worker("busy", "both", address, [], {}, ttl_s=30)
+        await state.register_worker("w1", "both", address, [], {}, ttl_s=30)
         dispatcher = Dispatcher(state, WorkerDirectory(state), "g1")
         await dispatcher.start()
         try:
-            job = dispatcher.new_job("r1", [1, 2, 3], SamplingParams(max_tokens=1), 0, time.time(), None)
+            deadline = None if deadline_s is None else time.monotonic() + deadline_s
+            job = dispatcher.new_job("r1", [1, 2, 3], SamplingParams(max_tokens=1), 0, time.time(), deadline)
             assert (await state.admit("r1", "g1", 0, job.arrival_s, {})).admitted
             dispatcher.admitted(job)
             outcome = await asyncio.wait_for(job.events.get(), 10)
             while not isinstance(outcome, Finished):
                 outcome = await asyncio.wait_for(job.events.get(), 10)
-            assert outcome.status == grpc.StatusCode.INVALID_ARGUMENT, outcome
-            # The client has its answer without waiting out the busy worker...
-            assert worker.aborts_answered == 0
-            # ...and the worker still gets an Abort it has time to answer.
-            deadline = time.monotonic() + 10
-            while worker.aborts_answered < 1 and time.monotonic() < deadline:
-                await asyncio.sleep(0.05)
-            assert worker.aborts_started == 2 and worker.aborts_answered >= 1
+            await then(worker, outcome)
         finally:
             await stop_dispatcher(dispatcher, state, server)
     with RedisServer() as server:
         asyncio.run(main(server.url))
 
+
+async def until(condition, timeout_s: float = 10.0) -> None:
+    """Until ``condition()`` holds, ``timeout_s`` at most (the caller asserts it)."""
+    deadline = time.monotonic() + timeout_s
+    while not condition() and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+
+
+def test_an_abort_that_timed_out_for_an_ended_request_is_sent_again_and_answered(monkeypatch):
+    monkeypatch.setattr(attempt, "ABORT_TIMEOUT_S", SHORT_S)
+    monkeypatch.setattr(attempt, "ENDED_ABORT_TIMEOUT_S", 10 * BUSY_S)
+
+    async def then(worker, outcome):
+        assert outcome.status == grpc.StatusCode.INVALID_ARGUMENT, outcome
+        # The client has its answer without waiting out the busy worker...
+        assert worker.aborts_answered == 0
+        # ...and the worker still gets an Abort it has time to answer.
+        await until(lambda: worker.aborts_answered >= 1)
+        assert worker.aborts_started == 2 and worker.aborts_answered >= 1
+    run_one_request(BusyWorker(), None, then)
 
 
 class StuckWorker(worker_pb2_grpc.DecodeWorkerServicer):
@@ -104,27 +117,10 @@ def test_a_request_that_ends_as_its_attempts_aborts_go_out_does_not_call_them_ba
         return await sending(self, *args, **kwargs)
     monkeypatch.setattr(attempt._Attempt, "abort_on_workers", ended_meanwhile)
 
-    async def main(url):
-        state = RedisState(make_async_client(url))
-        worker = StuckWorker()
-        server, address = await serve_decode_worker(worker)
-        await state.register_worker("stuck", "both", address, [], {}, ttl_s=30)
-        dispatcher = Dispatcher(state, WorkerDirectory(state), "g1")
-        await dispatcher.start()
-        try:
-            # The Decode call is capped by the request's deadline: it fails with DEADLINE_EXCEEDED,
-            # and the attempt's cleanup aborts the request on the worker.
-            job = dispatcher.new_job("r1", [1, 2, 3], SamplingParams(max_tokens=1), 0, time.time(),
-                                     time.monotonic() + 0.5)
-            assert (await state.admit("r1", "g1", 0, job.arrival_s, {})).admitted
-            dispatcher.admitted(job)
-            outcome = await asyncio.wait_for(job.events.get(), 10)
-            assert isinstance(outcome, Finished) and outcome.status == grpc.StatusCode.DEADLINE_EXCEEDED
-            deadline = time.monotonic() + 10
-            while worker.aborts < 1 and time.monotonic() < deadline:
-                await asyncio.sleep(0.05)
-            assert worker.aborts == 1, "the Abort was cancelled with the attempt's cleanup, before it left"
-        finally:
-            await stop_dispatcher(dispatcher, state, server)
-    with RedisServer() as server:
-        asyncio.run(main(server.url))
+    async def then(worker, outcome):
+        # The Decode call was capped by the request's deadline: it failed with DEADLINE_EXCEEDED,
+        # and the attempt's cleanup aborted the request on the worker.
+        assert outcome.status == grpc.StatusCode.DEADLINE_EXCEEDED, outcome
+        await until(lambda: worker.aborts >= 1)
+        assert worker.aborts == 1, "the Abort was cancelled with the attempt's cleanup, before it left"
+    run_one_request(StuckWorker(), 0.5, then)
