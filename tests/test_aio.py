@@ -1,12 +1,13 @@
 """``splitserve.common.aio.wait_for``: a cancel is never lost, and nothing in the package uses
-``asyncio.wait_for`` (which loses one on Python 3.11)."""
+``asyncio.wait_for`` (which loses one on Python 3.11). ``cancel_and_wait``, bounded, does not
+wait for ever on a task that swallows its cancel."""
 import ast
 import asyncio
 from pathlib import Path
 
 import pytest
 
-from splitserve.common.aio import wait_for
+from splitserve.common.aio import cancel_and_wait, wait_for
 
 PACKAGE = Path(__file__).resolve().parents[1] / "splitserve"
 
@@ -54,3 +55,32 @@ def test_the_package_never_calls_asyncio_wait_for():
                     isinstance(node.value, ast.Name) and node.value.id == "asyncio":
                 calls.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno}")
     assert not calls, f"use splitserve.common.aio.wait_for (it says why): {calls}"
+
+
+def test_a_task_that_swallows_its_cancel_is_logged_with_its_stack_and_left(caplog):
+    """A bounded cancel_and_wait goes on without a task that will not end (a shutdown step must
+    not wait for ever on a heartbeat); an unbounded one is not asked here: it would wait."""
+    async def stubborn(started: asyncio.Event, release: asyncio.Event) -> None:
+        started.set()
+        while not release.is_set():
+            try:
+                await asyncio.sleep(0.01)
+            except asyncio.CancelledError:
+                pass  # as a library that retries on any error would
+
+    async def polite() -> None:
+        await asyncio.sleep(10)
+
+    async def main():
+        started, release = asyncio.Event(), asyncio.Event()
+        stuck, ends = asyncio.create_task(stubborn(started, release), name="stubborn"), asyncio.create_task(polite())
+        await started.wait()
+        await cancel_and_wait(stuck, ends, None, timeout_s=0.2)
+        assert ends.cancelled() and not stuck.done()
+        release.set()
+        await stuck
+    with caplog.at_level("ERROR", logger="splitserve.common.aio"):
+        asyncio.run(main())
+    [record] = caplog.records
+    assert "stubborn still runs 0.2 s after it was cancelled" in record.getMessage()
+    assert "in stubborn" in record.getMessage()  # where it was

@@ -2,10 +2,15 @@
 from __future__ import annotations
 
 import asyncio
+import io
 import logging
 from typing import Any, Awaitable, Coroutine
 
 log = logging.getLogger(__name__)
+
+# How long a shutdown waits for a component's task to end after its cancel (cancel_and_wait's
+# timeout_s); one ends in milliseconds, unless something it awaits swallowed the cancel.
+STOP_TIMEOUT_S = 10.0
 
 # Fire-and-forget tasks: the event loop keeps only weak references, so they live here until done.
 _background: set[asyncio.Task] = set()
@@ -25,12 +30,27 @@ def _done(task: asyncio.Task) -> None:
         log.error("background task %s failed", task.get_name(), exc_info=task.exception())
 
 
-async def cancel_and_wait(*tasks: asyncio.Task | None) -> None:
-    """Cancel a component's own tasks and wait until they have ended (their ``finally`` ran)."""
+async def cancel_and_wait(*tasks: asyncio.Task | None, timeout_s: float | None = None) -> None:
+    """Cancel a component's own tasks and wait until they have ended (their ``finally`` ran).
+
+    ``timeout_s``: wait that long at most. A task still running then kept going after its cancel
+    (something it awaited swallowed it); it is logged with its stack and left, so a shutdown
+    step goes on: a worker's drain must not wait on its heartbeat (a SIGTERMed worker once
+    stopped between NOT_SERVING and its drain for two minutes, in one of those two stops)."""
     running = [t for t in tasks if t is not None]
     for task in running:
         task.cancel()
-    await asyncio.gather(*running, return_exceptions=True)
+    if not running:
+        return
+    if timeout_s is None:
+        await asyncio.gather(*running, return_exceptions=True)
+        return
+    _, stuck = await asyncio.wait(running, timeout=timeout_s)
+    for task in stuck:
+        stack = io.StringIO()
+        task.print_stack(file=stack)
+        log.error("task %s still runs %g s after it was cancelled; going on without it. %s",
+                  task.get_name(), timeout_s, stack.getvalue())
 
 
 async def wait_for(awaitable: Awaitable[Any], timeout: float | None) -> Any:

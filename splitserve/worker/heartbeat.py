@@ -11,7 +11,7 @@ import asyncio
 import logging
 from typing import Awaitable, Callable
 
-from splitserve.common.aio import cancel_and_wait, wait_for
+from splitserve.common.aio import STOP_TIMEOUT_S, cancel_and_wait, wait_for
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +59,7 @@ class Heartbeat:
 
     async def stop(self) -> None:
         """Stop beating and leave the registry at once (graceful shutdown)."""
-        await cancel_and_wait(self._task)
+        await cancel_and_wait(self._task, timeout_s=STOP_TIMEOUT_S)
         try:
             await wait_for(self.state.deregister(self.worker_id), 5)
         except Exception as e:

@@ -11,7 +11,7 @@ import asyncio
 import logging
 import time
 
-from splitserve.common.aio import cancel_and_wait
+from splitserve.common.aio import STOP_TIMEOUT_S, cancel_and_wait
 from splitserve.state import prefixes
 
 log = logging.getLogger(__name__)
@@ -66,4 +66,4 @@ class PrefixPublisher:
 
     async def stop(self) -> None:
         """Stop updating (``deregister`` deletes the directory's entries with the record)."""
-        await cancel_and_wait(self._task)
+        await cancel_and_wait(self._task, timeout_s=STOP_TIMEOUT_S)
