@@ -35,8 +35,9 @@ async def cancel_and_wait(*tasks: asyncio.Task | None, timeout_s: float | None =
 
     ``timeout_s``: wait that long at most. A task still running then kept going after its cancel
     (something it awaited swallowed it); it is logged with its stack and left, so a shutdown
-    step goes on: a worker's drain must not wait on its heartbeat (a SIGTERMed worker once
-    stopped between NOT_SERVING and its drain for two minutes, in one of those two stops)."""
+    step goes on: a worker's drain must not wait on its heartbeat (a SIGTERMed worker once sat
+    two minutes between NOT_SERVING and its drain, inside its heartbeat's or prefix publisher's
+    stop)."""
     running = [t for t in tasks if t is not None]
     for task in running:
         task.cancel()

@@ -23,6 +23,7 @@ from splitserve.state.store import RedisState, make_async_client
 from splitserve.v1 import worker_pb2, worker_pb2_grpc
 from tests.harness.redis_server import RedisServer
 from tests.harness.stand_ins import serve_decode_worker, stop_dispatcher
+from tests.harness.streams import until
 
 SHORT_S = 0.2  # the waited-for abort's bound in this test
 BUSY_S = 0.6   # how long this worker takes to answer an Abort: longer than SHORT_S
@@ -71,13 +72,6 @@ def run_one_request(worker, deadline_s: float | None, then) -> None:
         asyncio.run(main(server.url))
 
 
-async def until(condition, timeout_s: float = 10.0) -> None:
-    """Until ``condition()`` holds, ``timeout_s`` at most (the caller asserts it)."""
-    deadline = time.monotonic() + timeout_s
-    while not condition() and time.monotonic() < deadline:
-        await asyncio.sleep(0.05)
-
-
 def test_an_abort_that_timed_out_for_an_ended_request_is_sent_again_and_answered(monkeypatch):
     monkeypatch.setattr(attempt, "ABORT_TIMEOUT_S", SHORT_S)
     monkeypatch.setattr(attempt, "ENDED_ABORT_TIMEOUT_S", 10 * BUSY_S)
@@ -87,7 +81,7 @@ def test_an_abort_that_timed_out_for_an_ended_request_is_sent_again_and_answered
         # The client has its answer without waiting out the busy worker...
         assert worker.aborts_answered == 0
         # ...and the worker still gets an Abort it has time to answer.
-        await until(lambda: worker.aborts_answered >= 1)
+        await until(lambda: worker.aborts_answered >= 1, 10, "the re-sent Abort to be answered")
         assert worker.aborts_started == 2 and worker.aborts_answered >= 1
     run_one_request(BusyWorker(), None, then)
 
@@ -121,6 +115,6 @@ def test_a_request_that_ends_as_its_attempts_aborts_go_out_does_not_call_them_ba
         # The Decode call was capped by the request's deadline: it failed with DEADLINE_EXCEEDED,
         # and the attempt's cleanup aborted the request on the worker.
         assert outcome.status == grpc.StatusCode.DEADLINE_EXCEEDED, outcome
-        await until(lambda: worker.aborts >= 1)
+        await until(lambda: worker.aborts >= 1, 10, "the Abort to reach the worker (cancelled with the cleanup?)")
         assert worker.aborts == 1, "the Abort was cancelled with the attempt's cleanup, before it left"
     run_one_request(StuckWorker(), 0.5, then)

@@ -9,6 +9,7 @@ from splitserve.gateway.health_monitor import GatewayHealth
 from splitserve.gateway.workers import WorkerDirectory
 from splitserve.state.store import RedisState, make_async_client
 from tests.harness.redis_server import RedisServer
+from tests.harness.streams import until
 
 SERVICE = "splitserve.v1.Generation"
 LONG_S = 30.0  # the regular refresh interval in these tests: no wait below comes near it
@@ -45,10 +46,7 @@ def test_a_gateway_without_workers_turns_ready_when_they_register_not_at_its_nex
         await asyncio.sleep(0.3)  # a few refreshes with nothing registered
         assert monitor.no_workers
         await state.register_worker("w1", "both", "127.0.0.1:1", [], {}, ttl_s=30)
-        for _ in range(int(LONG_S / 3 / 0.1)):  # 0.1 s each: a third of the regular interval at most
-            if monitor.reason == "":
-                break
-            await asyncio.sleep(0.1)
+        await until(lambda: monitor.reason == "", LONG_S / 3, "readiness before the regular interval")
         assert monitor.reason == ""
     with_monitor(test)
 

@@ -6,6 +6,7 @@
 """
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import signal
 import threading
@@ -80,6 +81,14 @@ def wait_until(predicate, timeout_s: float, what: str) -> None:
     while not predicate():
         assert time.monotonic() < give_up, f"timed out after {timeout_s:.0f} s waiting for {what}"
         time.sleep(0.02)
+
+
+async def until(predicate, timeout_s: float, what: str) -> None:
+    """``wait_until`` on an event loop: its other tasks run meanwhile."""
+    give_up = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < give_up, f"timed out after {timeout_s:.0f} s waiting for {what}"
+        await asyncio.sleep(0.02)
 
 
 @contextlib.contextmanager
