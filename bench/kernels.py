@@ -13,7 +13,9 @@ difference between the two outputs (0 when the arithmetic did not change).
 Cases, with SmolLM2-135M's heads (9 query, 3 KV, head size 64), pages of 16 tokens laid out
 head-major as the engine's CPU pools are:
 * prefill: one chunk of each ``--prompt-lens`` tokens, causal over itself;
-* decode: 64 sequences of 612 tokens sharing a 512-token prefix, and 64 of 300 tokens each.
+* decode: 64 sequences of 612 tokens sharing a 512-token prefix, and 64 of 300 tokens each;
+* amx: one fresh chunk (no cached context) of each ``--prompt-lens`` tokens, the AMX kernel of
+  ``csrc/fresh_prefill_amx_cpu.cpp`` (bf16 only, on a CPU with AMX tiles; other dtypes skip it).
 """
 from __future__ import annotations
 
@@ -30,7 +32,8 @@ import torch
 from bench.common import median, write_json
 
 ROOT = Path(__file__).resolve().parents[1]
-SOURCES = {"decode": "paged_attention_cpu.cpp", "prefill": "prefill_attention_cpu.cpp"}
+SOURCES = {"decode": "paged_attention_cpu.cpp", "prefill": "prefill_attention_cpu.cpp",
+           "amx": "fresh_prefill_amx_cpu.cpp"}
 BASE_NAMESPACE = "splitserve_cpu_base"
 HEADS, KV_HEADS, HEAD_DIM, BLOCK = 9, 3, 64, 16
 
@@ -78,6 +81,12 @@ def prefill_case(tokens: int, dtype: torch.dtype, generator: torch.Generator):
     return "paged_prefill", query, args, max(1, 2048 // tokens)
 
 
+def amx_case(tokens: int, dtype: torch.dtype, generator: torch.Generator):
+    query = torch.randn(tokens, HEADS, HEAD_DIM, generator=generator).to(dtype)
+    key, value = (torch.randn(tokens, KV_HEADS, HEAD_DIM, generator=generator).to(dtype) for _ in range(2))
+    return "fresh_prefill_amx", query, (query, key, value, [0, tokens], HEAD_DIM ** -0.5), max(1, 2048 // tokens)
+
+
 def decode_case(seqs: int, prefix: int, own: int, dtype: torch.dtype, generator: torch.Generator):
     shared = list(range(prefix // BLOCK))
     per_seq = -(-(prefix + own) // BLOCK) - len(shared)
@@ -112,7 +121,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--base", default="HEAD", help="git revision whose kernels are the baseline")
     parser.add_argument("--prompt-lens", default="256,1024,2048", help="prefill chunk lengths (tokens)")
-    parser.add_argument("--kernels", default="prefill,decode", help="which kernels: prefill, decode or both")
+    parser.add_argument("--kernels", default="prefill,decode",
+                        help="which kernels, comma-separated: prefill, decode, amx (bf16 on AMX CPUs)")
     parser.add_argument("--dtypes", default="bfloat16,float32")
     parser.add_argument("--rounds", type=int, default=14, help="turns of each build per case")
     parser.add_argument("--quick", action="store_true", help="smoke run: tiny cases, 2 rounds (times nothing)")
@@ -131,13 +141,18 @@ def main(argv: list[str] | None = None) -> int:
     cases = []
     for dtype_name in args.dtypes.split(","):
         dtype = getattr(torch, dtype_name)
-        specs = [("prefill", {"tokens": int(n)}) for n in ([40] if args.quick else args.prompt_lens.split(","))]
+        lens = [40] if args.quick else [int(n) for n in args.prompt_lens.split(",")]
+        specs = [("prefill", {"tokens": n}) for n in lens]
+        if dtype == torch.bfloat16 and torch.cpu._is_amx_tile_supported():
+            specs += [("amx", {"tokens": n}) for n in lens]
         specs += [("decode", shape) for shape in ([{"seqs": 4, "prefix": 32, "own": 8}] if args.quick else
                                                   [{"seqs": 64, "prefix": 512, "own": 100},
                                                    {"seqs": 64, "prefix": 0, "own": 300}])]
         for kernel, shape in (spec for spec in specs if spec[0] in kernels):
-            built = prefill_case(shape["tokens"], dtype, generator) if kernel == "prefill" else \
-                decode_case(shape["seqs"], shape["prefix"], shape["own"], dtype, generator)
+            if kernel == "decode":
+                built = decode_case(shape["seqs"], shape["prefix"], shape["own"], dtype, generator)
+            else:
+                built = (prefill_case if kernel == "prefill" else amx_case)(shape["tokens"], dtype, generator)
             result = {"kernel": kernel, "dtype": dtype_name, **shape, **alternate(*built, rounds=rounds)}
             cases.append(result)
             print(f"{kernel:8s} {dtype_name:9s} {shape}  base {result['base_ms']:.3f} ms  head {result['head_ms']:.3f} ms"

@@ -10,8 +10,9 @@
 //
 // Per work item: S = Q K^T for the keys up to the block's last position, in blocks of 64 keys;
 // the causal mask and a softmax in float32 over each row (P unnormalised, in bf16); O = P V over
-// the same key blocks, divided by each row's sum. One chunk of 250 tokens: ~250 us a layer here
-// standalone, ~360 us inside the engine's step, against SDPA's ~450 / ~550.
+// the same key blocks, divided by each row's sum. One chunk of 250 tokens: ~280 us a layer here
+// standalone (`python -m bench.kernels --kernels amx`), ~350 us inside the engine's step, against
+// SDPA's ~450 / ~550. The softmax is most of the kernel's own time, the GEMMs a third of it.
 // oneDNN JIT-compiles a kernel per shape (M, N, K and the leading dimensions), once per thread. M is
 // fixed per model (rows past the chunk are zero and dropped), N and K are 64 (keys past the chunk
 // are zero and masked) or the head dim's column blocks, and the scores' leading dimension is the
@@ -43,7 +44,7 @@
 #include <limits>
 #include <vector>
 
-#if defined(__AVX512BF16__)
+#if defined(CPU_CAPABILITY_AVX512)
 #include <immintrin.h>
 #endif
 
@@ -70,31 +71,57 @@ T* scratch(std::vector<T>& buffer, int64_t size) {
   return buffer.data();
 }
 
-// One chunk's keys and values for one KV head, packed for the GEMMs (L: the chunk padded to kKeys
-// with zeros): K^T by key block, [L / 64][D / 2][64][2], at key_t; V by key block and column
-// block, [L / 64][column blocks][32][width][2], at key_t + L * D.
+// dst[2c] = even[c], dst[2c + 1] = odd[c] for c < width; a missing row (nullptr) reads as zeros.
+inline void interleave_rows(const bf16* even, const bf16* odd, int64_t width, bf16* dst) {
+  int64_t c = 0;
+#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BW__)
+  if (even && odd) {
+    // Words 0-15 of the two rows alternated, then words 16-31 (index bit 5 picks the odd row).
+    alignas(64) static const uint16_t low[32] = {0, 32, 1, 33, 2, 34, 3, 35, 4, 36, 5, 37, 6, 38, 7, 39,
+                                                 8, 40, 9, 41, 10, 42, 11, 43, 12, 44, 13, 45, 14, 46, 15, 47};
+    alignas(64) static const uint16_t high[32] = {16, 48, 17, 49, 18, 50, 19, 51, 20, 52, 21, 53, 22, 54, 23, 55,
+                                                  24, 56, 25, 57, 26, 58, 27, 59, 28, 60, 29, 61, 30, 62, 31, 63};
+    const __m512i lo = _mm512_load_si512(low), hi = _mm512_load_si512(high);
+    for (; c + 32 <= width; c += 32) {
+      const __m512i a = _mm512_loadu_si512(even + c), b = _mm512_loadu_si512(odd + c);
+      _mm512_storeu_si512(dst + 2 * c, _mm512_permutex2var_epi16(a, lo, b));
+      _mm512_storeu_si512(dst + 2 * c + 32, _mm512_permutex2var_epi16(a, hi, b));
+    }
+  }
+#endif
+  for (; c < width; ++c) {
+    dst[2 * c] = even ? even[c] : bf16(0.0f);
+    dst[2 * c + 1] = odd ? odd[c] : bf16(0.0f);
+  }
+}
+
+// One chunk's keys and values for one KV head, packed for the GEMMs in the VNNI layout oneDNN's
+// brgemm reads for bf16 (pairs of rows along the reduced dimension interleaved: [K / 2][N][2]),
+// written here directly (oneDNN's own pack, through a plain transposed copy, cost more than the
+// GEMMs). L is the chunk padded to kKeys with zeros. At key_t, K^T by key block: [L / 64][D / 2][64][2]
+// (element (d, t) of a block is key t's dimension d). At key_t + L * D, V by column block over all
+// of the chunk's keys: [column blocks][L / 2][width][2], so one GEMM reduces over every key.
 void pack_head(const bf16* key, const bf16* value, int64_t len, int64_t key_row, int64_t value_row,
                int64_t head_dim, bf16* key_t) {
-  static thread_local std::vector<bf16> plain_buffer;
-  bf16* plain = scratch(plain_buffer, head_dim * kKeys);
-  const int64_t padded = round_up(len, kKeys), blocks = padded / kKeys;
-  bf16* packed_value = key_t + padded * head_dim;
+  const int64_t padded = round_up(len, kKeys), blocks = padded / kKeys, pairs = head_dim / 2;
   for (int64_t j = 0; j < blocks; ++j) {
+    // A pair of a key's dimensions is one 32-bit word: the block is a [64][D / 2] word matrix,
+    // transposed to [D / 2][64].
+    uint32_t* out = reinterpret_cast<uint32_t*>(key_t + j * kKeys * head_dim);
     const int64_t n = std::min(kKeys, len - j * kKeys);
-    std::fill(plain, plain + head_dim * kKeys, bf16(0.0f));
-    for (int64_t t = 0; t < n; ++t)  // this block's K^T, row-major [D][64]
-      for (int64_t d = 0; d < head_dim; ++d) plain[d * kKeys + t] = key[(j * kKeys + t) * key_row + d];
-    at::native::cpublas::pack(head_dim, kKeys, kKeys, kKeys, at::kBFloat16, at::kBFloat16, plain,
-                              key_t + j * kKeys * head_dim);
-    std::fill(plain, plain + head_dim * kKeys, bf16(0.0f));
-    for (int64_t t = 0; t < n; ++t)  // this block's V, row-major [64][D]
-      std::memcpy(plain + t * head_dim, value + (j * kKeys + t) * value_row, sizeof(bf16) * head_dim);
-    bf16* out = packed_value + j * kKeys * head_dim;
-    for (int64_t cb = 0; cb < column_blocks(head_dim); ++cb) {
-      const int64_t width = column_width(head_dim, cb);
-      at::native::cpublas::pack(kKeys, width, head_dim, width, at::kBFloat16, at::kBFloat16, plain + cb * kKeys,
-                                out + cb * kKeys * kKeys);
+    for (int64_t t = 0; t < n; ++t) {
+      const bf16* row = key + (j * kKeys + t) * key_row;
+      for (int64_t p = 0; p < pairs; ++p) std::memcpy(out + p * kKeys + t, row + 2 * p, sizeof(uint32_t));
     }
+    for (int64_t p = 0; p < pairs; ++p) std::fill(out + p * kKeys + n, out + (p + 1) * kKeys, 0u);
+  }
+  bf16* packed_value = key_t + padded * head_dim;
+  for (int64_t cb = 0; cb < column_blocks(head_dim); ++cb) {
+    const int64_t width = column_width(head_dim, cb);
+    bf16* out = packed_value + cb * padded * kKeys;
+    for (int64_t t = 0; t < padded; t += 2)  // keys t and t + 1, interleaved column by column
+      interleave_rows(t < len ? value + t * value_row + cb * kKeys : nullptr,
+                      t + 1 < len ? value + (t + 1) * value_row + cb * kKeys : nullptr, width, out + t * width);
   }
 }
 
@@ -109,13 +136,26 @@ inline void store_bf16(const Vec& v, bf16* dst) {
 #endif
 }
 
-template <typename Op>
-float reduce(const Vec& v, Op op) {
+inline float reduce_max(const Vec& v) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return _mm512_reduce_max_ps(__m512(v));
+#else
   float lanes[Vec::size()];
   v.store(lanes);
-  float r = lanes[0];
-  for (int64_t i = 1; i < Vec::size(); ++i) r = op(r, lanes[i]);
-  return r;
+  return *std::max_element(lanes, lanes + Vec::size());
+#endif
+}
+
+inline float reduce_sum(const Vec& v) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return _mm512_reduce_add_ps(__m512(v));
+#else
+  float lanes[Vec::size()];
+  v.store(lanes);
+  float sum = 0.0f;
+  for (int64_t i = 0; i < Vec::size(); ++i) sum += lanes[i];
+  return sum;
+#endif
 }
 
 struct Chunk {
@@ -244,7 +284,7 @@ void fresh_prefill_amx(at::Tensor& out, const at::Tensor& query, const at::Tenso
         std::fill(s + visible, s + span, -std::numeric_limits<float>::infinity());
         Vec vmax_s(-std::numeric_limits<float>::infinity());
         for (int64_t t = 0; t < span; t += Vec::size()) vmax_s = at::vec::maximum(vmax_s, Vec::loadu(s + t));
-        const float max_s = reduce(vmax_s, [](float a, float b) { return std::max(a, b); });
+        const float max_s = reduce_max(vmax_s);
         const Vec vmax(max_s * scale_f), vscale(scale_f);
         Vec vsum(0.0f);
         for (int64_t t = 0; t < span; t += Vec::size()) {
@@ -252,15 +292,12 @@ void fresh_prefill_amx(at::Tensor& out, const at::Tensor& query, const at::Tenso
           vsum = vsum + e;
           store_bf16(e, pr + t);
         }
-        row_scale[r] = 1.0f / reduce(vsum, [](float a, float b) { return a + b; });
+        row_scale[r] = 1.0f / reduce_sum(vsum);
         std::fill(pr + span, pr + keys, bf16(0.0f));
       }
-      for (int64_t cb = 0; cb < column_blocks(head_dim); ++cb)
-        for (int64_t j = 0; j < keys / kKeys; ++j)
-          at::native::cpublas::brgemm(rows, column_width(head_dim, cb), kKeys, ld, column_width(head_dim, cb), head_dim,
-                                      j > 0, probs + j * kKeys,
-                                      packed_value + j * kKeys * head_dim + cb * kKeys * kKeys,
-                                      acc + cb * kKeys);
+      for (int64_t cb = 0; cb < column_blocks(head_dim); ++cb)  // one GEMM over all the keys
+        at::native::cpublas::brgemm(rows, column_width(head_dim, cb), keys, ld, column_width(head_dim, cb), head_dim,
+                                    false, probs, packed_value + cb * round_up(c.len, kKeys) * kKeys, acc + cb * kKeys);
       for (int64_t i = 0; i < positions; ++i)
         for (int64_t g = 0; g < group; ++g) {
           float* src = acc + (i * group + g) * head_dim;
