@@ -133,30 +133,35 @@ def main(argv: list[str] | None = None) -> int:
     unknown = set(kernels) - set(SOURCES)
     if unknown:
         parser.error(f"unknown kernels {sorted(unknown)}; choose from {sorted(SOURCES)}")
+    lens = [40] if args.quick else [int(n) for n in args.prompt_lens.split(",")]
+    decodes = [{"seqs": 4, "prefix": 32, "own": 8}] if args.quick else [{"seqs": 64, "prefix": 512, "own": 100},
+                                                                       {"seqs": 64, "prefix": 0, "own": 300}]
+    planned = []  # (dtype name, kernel, shape), in the order they run
+    for dtype_name in args.dtypes.split(","):
+        specs = [("prefill", {"tokens": n}) for n in lens]
+        if dtype_name == "bfloat16" and torch.cpu._is_amx_tile_supported():
+            specs += [("amx", {"tokens": n}) for n in lens]
+        specs += [("decode", shape) for shape in decodes]
+        planned += [(dtype_name, kernel, shape) for kernel, shape in specs if kernel in kernels]
+    if not planned:
+        parser.error(f"no case to run: --kernels {args.kernels} with --dtypes {args.dtypes}"
+                     + ("" if torch.cpu._is_amx_tile_supported() else " (amx runs bf16 on a CPU with AMX tiles)"))
     from splitserve.engine.attention import cpu_kernels
     cpu_kernels.load()
     base_commit = build_base(args.base, kernels)
     generator = torch.Generator().manual_seed(0)
     rounds = 2 if args.quick else args.rounds
     cases = []
-    for dtype_name in args.dtypes.split(","):
+    for dtype_name, kernel, shape in planned:
         dtype = getattr(torch, dtype_name)
-        lens = [40] if args.quick else [int(n) for n in args.prompt_lens.split(",")]
-        specs = [("prefill", {"tokens": n}) for n in lens]
-        if dtype == torch.bfloat16 and torch.cpu._is_amx_tile_supported():
-            specs += [("amx", {"tokens": n}) for n in lens]
-        specs += [("decode", shape) for shape in ([{"seqs": 4, "prefix": 32, "own": 8}] if args.quick else
-                                                  [{"seqs": 64, "prefix": 512, "own": 100},
-                                                   {"seqs": 64, "prefix": 0, "own": 300}])]
-        for kernel, shape in (spec for spec in specs if spec[0] in kernels):
-            if kernel == "decode":
-                built = decode_case(shape["seqs"], shape["prefix"], shape["own"], dtype, generator)
-            else:
-                built = (prefill_case if kernel == "prefill" else amx_case)(shape["tokens"], dtype, generator)
-            result = {"kernel": kernel, "dtype": dtype_name, **shape, **alternate(*built, rounds=rounds)}
-            cases.append(result)
-            print(f"{kernel:8s} {dtype_name:9s} {shape}  base {result['base_ms']:.3f} ms  head {result['head_ms']:.3f} ms"
-                  f"  ({result['head_over_base']:.2f}x)  max |diff| {result['max_abs_diff']:.2g}", flush=True)
+        if kernel == "decode":
+            built = decode_case(shape["seqs"], shape["prefix"], shape["own"], dtype, generator)
+        else:
+            built = (prefill_case if kernel == "prefill" else amx_case)(shape["tokens"], dtype, generator)
+        result = {"kernel": kernel, "dtype": dtype_name, **shape, **alternate(*built, rounds=rounds)}
+        cases.append(result)
+        print(f"{kernel:8s} {dtype_name:9s} {shape}  base {result['base_ms']:.3f} ms  head {result['head_ms']:.3f} ms"
+              f"  ({result['head_over_base']:.2f}x)  max |diff| {result['max_abs_diff']:.2g}", flush=True)
     write_json(args.out, {
         "benchmark": "kernels", "base": base_commit, "quick": args.quick,
         "method": "one process, the base revision's kernels and the working tree's called in turns on the same "

@@ -45,3 +45,10 @@ def test_the_base_revision_and_the_working_tree_run_in_turns(tmp_path):
 def test_an_unknown_kernel_is_refused(tmp_path):
     done = run_kernels("--kernels", "prefil", "--out", str(tmp_path / "x.json"))
     assert done.returncode == 2 and "unknown kernels ['prefil']" in done.stderr
+
+
+def test_a_run_with_no_case_is_refused_before_anything_is_built(tmp_path):
+    # amx times bf16 only: with float32 alone there is nothing to run, on any CPU.
+    done = run_kernels("--kernels", "amx", "--dtypes", "float32", "--out", str(tmp_path / "x.json"))
+    assert done.returncode == 2 and "no case to run: --kernels amx with --dtypes float32" in done.stderr
+    assert not (tmp_path / "x.json").exists()

@@ -9,15 +9,18 @@
 // once per KV head for every block of the chunk.
 //
 // Per work item: S = Q K^T for the keys up to the block's last position, in blocks of 64 keys;
-// the causal mask and a softmax in float32 over each row (P unnormalised, in bf16); O = P V over
-// the same key blocks, divided by each row's sum. One chunk of 250 tokens: ~280 us a layer here
-// standalone (`python -m bench.kernels --kernels amx`), ~350 us inside the engine's step, against
-// SDPA's ~450 / ~550. The softmax is most of the kernel's own time, the GEMMs a third of it.
+// the causal mask and a softmax in float32 over each row (P unnormalised, in bf16); O = P V, one
+// GEMM per column block of the head dim over all those keys, divided by each row's sum. One chunk
+// of 250 tokens: ~280 us a layer here standalone (`python -m bench.kernels --kernels amx`), ~350 us
+// inside the engine's step, against SDPA's ~450 / ~550. perf: the kernel's own code (mostly the
+// softmax) takes more of that time than oneDNN's GEMMs.
 // oneDNN JIT-compiles a kernel per shape (M, N, K and the leading dimensions), once per thread. M is
-// fixed per model (rows past the chunk are zero and dropped), N and K are 64 (keys past the chunk
-// are zero and masked) or the head dim's column blocks, and the scores' leading dimension is the
-// item's key span, a multiple of 64: at most two kernels per 64 tokens of the longest chunk
-// (max_num_batched_tokens), each compiled the first time a chunk reaches that span.
+// fixed per model (rows past the chunk are zero and dropped); Q K^T's N is 64 keys (keys past the
+// chunk are zero and masked) and its K the head dim; P V's N is a column block's width and its K
+// the item's key span, a multiple of 64, which is also the scores' leading dimension. So per 64
+// tokens of the longest chunk (max_num_batched_tokens) one Q K^T kernel and one P V kernel per
+// distinct column width (one for head dims that are multiples of 64, two for 80), each compiled the
+// first time a chunk reaches that span.
 // Scratch per thread, kept for the next call: the scores and P of one item, 6 bytes x 32 x the
 // group's heads x the longest chunk (SmolLM2, 2,048 tokens: 1.2 MB).
 // ATen's Vectorized<float> is the machine's vectors only where CPU_CAPABILITY_* says which; without
@@ -54,8 +57,8 @@ using bf16 = at::BFloat16;
 using Vec = at::vec::Vectorized<float>;
 
 constexpr int64_t kPositions = 32;  // query positions per work item (times the group's heads = M)
-// Keys go in blocks of 64 and head dims in column blocks of at most 64: oneDNN packs B only into
-// blocks 16, 32, 48 or 64 wide.
+// Keys go in blocks of 64 and head dims in column blocks of at most 64: brgemm reads a packed B only
+// 16, 32, 48 or 64 columns wide.
 constexpr int64_t kKeys = 64;
 
 int64_t round_up(int64_t x, int64_t m) { return (x + m - 1) / m * m; }
@@ -169,10 +172,9 @@ struct Item {
   int64_t first;  // first position of the block, in the chunk
 };
 
-}  // namespace
-
 // out/query [T, Hq, D], key/value [T, Hkv, D], bf16; chunk_starts: the first row of each fresh
-// chunk and, last, the end of the last one (rows between chunks are not touched).
+// chunk and, last, the end of the last one (rows between chunks are not touched). Internal, as all
+// of this file but its op: bench/kernels.py loads a second build of it beside the engine's.
 void fresh_prefill_amx(at::Tensor& out, const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                        const std::vector<int64_t>& chunk_starts, double scale) {
   TORCH_CHECK(query.scalar_type() == at::kBFloat16 && key.scalar_type() == at::kBFloat16 &&
@@ -280,7 +282,7 @@ void fresh_prefill_amx(at::Tensor& out, const at::Tensor& query, const at::Tenso
           continue;
         }
         const int64_t visible = item.first + i + 1;
-        const int64_t span = round_up(visible, Vec::size());  // <= keys, a multiple of 64
+        const int64_t span = round_up(visible, Vec::size());  // <= keys, whole vectors
         std::fill(s + visible, s + span, -std::numeric_limits<float>::infinity());
         Vec vmax_s(-std::numeric_limits<float>::infinity());
         for (int64_t t = 0; t < span; t += Vec::size()) vmax_s = at::vec::maximum(vmax_s, Vec::loadu(s + t));
@@ -312,8 +314,6 @@ void fresh_prefill_amx(at::Tensor& out, const at::Tensor& query, const at::Tenso
     at::native::cpublas::brgemm_release();
   });
 }
-
-namespace {
 
 void fresh_prefill_amx_op(at::Tensor out, const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
                           at::IntArrayRef chunk_starts, double scale) {
