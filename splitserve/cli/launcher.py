@@ -266,7 +266,7 @@ class Supervisor:
 # ---- a whole `splitserve up` as one child ---------------------------------------------------
 
 _CHILD_READY = re.compile(r"^(\S+) \(pid (\d+)\): ")
-_UP_READY = re.compile(r"splitserve is up: .*\(Redis (\S+)\)")
+_UP_READY = re.compile(r"splitserve is up: gRPC ([^,\s]+).*\(Redis (\S+)\)")
 _BACK = re.compile(r"up: (\S+) is back \(pid (\d+),")
 
 
@@ -274,13 +274,14 @@ class UpProcess:
     """``splitserve up <args>`` as a child process on free ports (several run side by side, so A
     and B can be interleaved in one run). ``address``/``http`` once ``wait_ready`` returned;
     ``pids`` its children by name as ``up`` announced them; ``log_path`` holds what ``up`` and
-    its children printed."""
+    its children printed. ``port=0`` lets ``up`` pick the gateway's port: ``address`` is then
+    the one it announces when it is up."""
 
     def __init__(self, name: str, up_args: Sequence[str], log_path: str | os.PathLike | None = None,
                  port: int | None = None, http: bool = True):
         self.name = name
         self.up_args = list(up_args)
-        self.port = port or free_port()
+        self.port = free_port() if port is None else port
         self.address = f"127.0.0.1:{self.port}"
         # Not up's default 8000: several stacks (and tests) run side by side.
         self.http_port = free_port() if http else -1
@@ -302,7 +303,8 @@ class UpProcess:
             self.pids[child.group(1)] = int(child.group(2))
         up = _UP_READY.search(line)
         if up:
-            self.redis_url = up.group(1)
+            self.port, self.redis_url = int(up.group(1).rsplit(":", 1)[1]), up.group(2)
+            self.address = f"127.0.0.1:{self.port}"
 
     def start(self) -> "UpProcess":
         self.process = spawn([*CLI, "up", "--port", str(self.port), "--http-port", str(self.http_port),

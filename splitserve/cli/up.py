@@ -5,7 +5,9 @@ takes it); ``cmd_up`` boots them in order (Redis, the workers together, the gate
 until the gateway is ready, and supervises them (``splitserve.cli.launcher.Supervisor``: a
 child that dies is started again). A child that cannot boot the first time stops ``up`` (a
 configuration error, not a crash). SIGTERM/SIGINT stop the gateway first, then the workers,
-then Redis, each with its drain.
+then Redis, each with its drain; while ``up`` is still starting them, at once (it does not wait
+for the boot to finish). ``--port 0`` and ``--http-port 0`` pick the gateway's free ports here, so
+``up`` knows and prints them.
 """
 from __future__ import annotations
 
@@ -282,6 +284,9 @@ def cmd_up(args) -> int:
         args = argparse.Namespace(**{**vars(args), "metrics_port": free_port()})
     # Once: a worker the controller moves starts with the same secrets as the others.
     args = with_redis_password(with_internal_token(args))
+    for port in ("port", "http_port"):  # 0, "a free one": chosen here, where up waits on it and prints it
+        if getattr(args, port) == 0:
+            args = argparse.Namespace(**{**vars(args), port: free_port()})
     gateway_credentials(args)  # a bad security flag stops here, before anything starts
     print(f"splitserve up: {startup_note(args)}", flush=True)
     workdir = tempfile.mkdtemp(prefix="splitserve-up-")
@@ -289,9 +294,17 @@ def cmd_up(args) -> int:
     supervisor = Supervisor(plan(args, redis_url, workdir))
     names = [c.spec.name for c in supervisor.children]
     workers = [n for n in names if n not in ("redis", "gateway")]
-    stop = threading.Event()
+    stop, booting = threading.Event(), threading.Event()
+    booting.set()
+
+    def on_stop_signal(*_) -> None:
+        stop.set()
+        if booting.is_set():  # a boot waits minutes at most: a stop must not wait for it
+            booting.clear()
+            raise StoppedWhileStarting
+
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+        signal.signal(sig, on_stop_signal)
     try:
         if "redis" in names:
             supervisor.boot(["redis"])
@@ -299,6 +312,7 @@ def cmd_up(args) -> int:
         supervisor.boot(["gateway"])
         address = f"{args.host}:{args.port}"
         _wait_serving(address, args)
+        booting.clear()
         http = f", OpenAI HTTP http://{args.host}:{args.http_port}/v1" if args.http_port > 0 else ""
         print(f"splitserve is up: gRPC {address}{http} (Redis {redis_url})", flush=True)
         if args.demo:
@@ -306,10 +320,18 @@ def cmd_up(args) -> int:
         controller = _controller(control, args, supervisor, redis_url, len(workers))
         supervisor.watch(stop, tick=controller.tick if controller else None)
         return 0
+    except StoppedWhileStarting:
+        print("splitserve up: stopped while starting", flush=True)
+        return 0
     finally:
+        booting.clear()
         workers = supervisor.names(exclude=("redis", "gateway"))  # as they are now (roles may have moved)
         supervisor.stop([["gateway"], workers, ["redis"] if "redis" in names else []])
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+class StoppedWhileStarting(Exception):
+    """SIGTERM or SIGINT came while ``up`` was starting its processes (raised by its handler)."""
 
 
 def _controller(control: RoleControl, args, supervisor: Supervisor, redis_url: str, workers: int):

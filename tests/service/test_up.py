@@ -1,9 +1,12 @@
-"""`splitserve up` as a user runs it: grpcurl against it, and no orphan once it is killed."""
+"""`splitserve up` as a user runs it: on ports it picks (`--port 0`), grpcurl against it, no orphan once
+it is killed, and a stop while it starts does not wait for the boot."""
 import json
 import os
+import re
 import signal
 import subprocess
 import time
+import urllib.request
 
 import psutil
 import pytest
@@ -16,12 +19,17 @@ from tests.harness.up import start_up
 def up(tiny_model_dirs, tmp_path_factory):
     with start_up(["--model", str(tiny_model_dirs["llama"]), "--dtype", "float32", "--block-size", "8",
                    "--num-gpu-blocks", "128", "--prefill", "1", "--decode", "1",
-                   "--child-log-level", "INFO"],  # each child's shutdown in up.log, for a failure's message
-                  tmp_path_factory.mktemp("up")) as running:
+                   "--child-log-level", "INFO",  # each child's shutdown in up.log, for a failure's message
+                   "--http-port", "0"],  # and --port 0 (below): up picks both ports and says which
+                  tmp_path_factory.mktemp("up"), port=0) as running:
         yield running
 
 
 def test_grpcurl_against_splitserve_up(up):
+    # Started with --port 0 --http-port 0: up picked the ports, and its ready line says which.
+    assert up.port != 0 and f"splitserve is up: gRPC 127.0.0.1:{up.port}, OpenAI HTTP" in up.process.line
+    [http] = re.findall(r"OpenAI HTTP (http://127\.0\.0\.1:\d+)/v1", up.process.line)
+    assert not http.endswith(":0") and urllib.request.urlopen(f"{http}/health", timeout=30).status == 200
     run = lambda *a: subprocess.run([grpcurl(), "-plaintext", *a], capture_output=True, text=True, timeout=60)  # noqa
     assert "splitserve.v1.Generation" in run(up.address, "list").stdout
     assert "rpc Generate" in run(up.address, "describe", "splitserve.v1.Generation").stdout
@@ -72,3 +80,24 @@ def test_kill_9_of_up_leaves_no_orphan(up):
         time.sleep(2)
         pytest.fail(f"still running 30 s after up's kill -9: {[names.get(p.pid, p.cmdline()[:4]) for p in alive]}\n"
                     f"{up.log()[-12000:]}")
+
+
+def test_a_sigterm_while_up_starts_stops_it_without_waiting_for_the_boot(tiny_model_dirs, tmp_path):
+    """SIGTERM as soon as Redis is up, while the worker boots: up stops what it started and exits,
+    without starting the gateway or waiting for the worker to be ready."""
+    from splitserve.cli.launcher import UpProcess
+    up = UpProcess("stopped", ["--model", str(tiny_model_dirs["llama"]), "--dtype", "float32",
+                               "--num-gpu-blocks", "64", "--prefill", "0", "--decode", "0"],
+                   log_path=tmp_path / "up.log", http=False).start()
+    try:
+        up.wait_log("redis (pid ", timeout_s=60)
+        children = psutil.Process(up.process.proc.pid).children(recursive=True)
+        up.terminate()
+        assert up.process.proc.wait(timeout=30) == 0
+        gone, alive = psutil.wait_procs(children, timeout=30)
+        assert not alive, [p.cmdline()[:4] for p in alive]
+        log = up.log()
+        assert "splitserve up: stopped while starting" in log, log[-3000:]
+        assert "gateway (pid " not in log and "splitserve is up" not in log, log[-3000:]
+    finally:
+        up.close()
