@@ -172,6 +172,10 @@ class Child:
         return self.process.line if self.process else ""
 
 
+class StoppedWhileStarting(Exception):
+    """A stop (SIGTERM, SIGINT) came while ``up`` was still starting its processes."""
+
+
 class Supervisor:
     def __init__(self, specs: list[ChildSpec], say=None):
         self.children = [Child(spec) for spec in specs]
@@ -187,14 +191,19 @@ class Supervisor:
         child.process = spawn(child.spec.argv, child.spec.ready, env=child.spec.env)
         child.started_at = time.monotonic()
 
-    def boot(self, names: list[str], timeout_s: float = BOOT_TIMEOUT_S) -> None:
-        """Start ``names`` together and wait until each is ready; RuntimeError if one is not."""
+    def boot(self, names: list[str], timeout_s: float = BOOT_TIMEOUT_S, stop: threading.Event | None = None) -> None:
+        """Start ``names`` together and wait until each is ready; RuntimeError if one is not,
+        StoppedWhileStarting as soon as ``stop`` is set (the caller stops what was started)."""
         started = [self.child(n) for n in names]
         for child in started:
             self._spawn(child)
         give_up = time.monotonic() + timeout_s
         for child in started:
-            child.process.ready.wait(max(0.0, give_up - time.monotonic()))
+            while not child.process.ready.wait(min(0.2, max(0.0, give_up - time.monotonic()))):
+                if stop is not None and stop.is_set():
+                    raise StoppedWhileStarting
+                if time.monotonic() >= give_up:
+                    break
             if not child.line:
                 raise RuntimeError(f"{child.spec.name} did not start within {timeout_s:.0f} s "
                                    f"(exit code {child.proc.poll()})")
@@ -266,7 +275,7 @@ class Supervisor:
 # ---- a whole `splitserve up` as one child ---------------------------------------------------
 
 _CHILD_READY = re.compile(r"^(\S+) \(pid (\d+)\): ")
-_UP_READY = re.compile(r"splitserve is up: gRPC ([^,\s]+).*\(Redis (\S+)\)")
+_UP_READY = re.compile(r"splitserve is up: gRPC ([^,\s]+)(?:, OpenAI HTTP (\S+)/v1)? \(Redis (\S+)\)")
 _BACK = re.compile(r"up: (\S+) is back \(pid (\d+),")
 
 
@@ -274,8 +283,8 @@ class UpProcess:
     """``splitserve up <args>`` as a child process on free ports (several run side by side, so A
     and B can be interleaved in one run). ``address``/``http`` once ``wait_ready`` returned;
     ``pids`` its children by name as ``up`` announced them; ``log_path`` holds what ``up`` and
-    its children printed. ``port=0`` lets ``up`` pick the gateway's port: ``address`` is then
-    the one it announces when it is up."""
+    its children printed. ``port=0`` (or ``--http-port 0`` in ``up_args``) lets ``up`` pick the
+    gateway's port: ``address`` (``http``) is then the one it announces when it is up."""
 
     def __init__(self, name: str, up_args: Sequence[str], log_path: str | os.PathLike | None = None,
                  port: int | None = None, http: bool = True):
@@ -303,8 +312,11 @@ class UpProcess:
             self.pids[child.group(1)] = int(child.group(2))
         up = _UP_READY.search(line)
         if up:
-            self.port, self.redis_url = int(up.group(1).rsplit(":", 1)[1]), up.group(2)
+            self.port, self.redis_url = int(up.group(1).rsplit(":", 1)[1]), up.group(3)
             self.address = f"127.0.0.1:{self.port}"
+            if up.group(2):  # the HTTP port up serves (picked by up where it was given 0)
+                self.http_port = int(up.group(2).rsplit(":", 1)[1])
+                self.http = f"http://127.0.0.1:{self.http_port}"
 
     def start(self) -> "UpProcess":
         self.process = spawn([*CLI, "up", "--port", str(self.port), "--http-port", str(self.http_port),

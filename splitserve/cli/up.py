@@ -5,8 +5,8 @@ takes it); ``cmd_up`` boots them in order (Redis, the workers together, the gate
 until the gateway is ready, and supervises them (``splitserve.cli.launcher.Supervisor``: a
 child that dies is started again). A child that cannot boot the first time stops ``up`` (a
 configuration error, not a crash). SIGTERM/SIGINT stop the gateway first, then the workers,
-then Redis, each with its drain; while ``up`` is still starting them, at once (it does not wait
-for the boot to finish). ``--port 0`` and ``--http-port 0`` pick the gateway's free ports here, so
+then Redis, each with its drain; while ``up`` is still starting them too, without waiting for
+the boot to finish (the boot's waits look at the stop). ``--port 0`` and ``--http-port 0`` pick the gateway's free ports here, so
 ``up`` knows and prints them.
 """
 from __future__ import annotations
@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from splitserve.cli.launcher import BOOT_TIMEOUT_S, CLI, STOP_TIMEOUT_S, ChildSpec, Supervisor
+from splitserve.cli.launcher import BOOT_TIMEOUT_S, CLI, STOP_TIMEOUT_S, ChildSpec, StoppedWhileStarting, Supervisor
 from splitserve.cli.role_controller import LatencyWindow, RoleControl, RoleController, worker_role
 from splitserve.common.processes import free_port
 from splitserve.engine.openmp import BOUND_TEAM_SIZE
@@ -284,35 +284,28 @@ def cmd_up(args) -> int:
         args = argparse.Namespace(**{**vars(args), "metrics_port": free_port()})
     # Once: a worker the controller moves starts with the same secrets as the others.
     args = with_redis_password(with_internal_token(args))
+    taken = {args.metrics_port} if args.metrics_port > 0 else set()
     for port in ("port", "http_port"):  # 0, "a free one": chosen here, where up waits on it and prints it
         if getattr(args, port) == 0:
-            args = argparse.Namespace(**{**vars(args), port: free_port()})
+            args = argparse.Namespace(**{**vars(args), port: free_port(avoid=taken)})
+        taken.add(getattr(args, port))
     gateway_credentials(args)  # a bad security flag stops here, before anything starts
     print(f"splitserve up: {startup_note(args)}", flush=True)
     workdir = tempfile.mkdtemp(prefix="splitserve-up-")
-    redis_url = args.redis_url or f"redis://127.0.0.1:{free_port()}/0"
+    redis_url = args.redis_url or f"redis://127.0.0.1:{free_port(avoid=taken)}/0"
     supervisor = Supervisor(plan(args, redis_url, workdir))
     names = [c.spec.name for c in supervisor.children]
     workers = [n for n in names if n not in ("redis", "gateway")]
-    stop, booting = threading.Event(), threading.Event()
-    booting.set()
-
-    def on_stop_signal(*_) -> None:
-        stop.set()
-        if booting.is_set():  # a boot waits minutes at most: a stop must not wait for it
-            booting.clear()
-            raise StoppedWhileStarting
-
+    stop = threading.Event()  # set by SIGTERM/SIGINT; the boot's waits look at it too
     for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, on_stop_signal)
+        signal.signal(sig, lambda *_: stop.set())
     try:
         if "redis" in names:
-            supervisor.boot(["redis"])
-        supervisor.boot(workers)
-        supervisor.boot(["gateway"])
+            supervisor.boot(["redis"], stop=stop)
+        supervisor.boot(workers, stop=stop)
+        supervisor.boot(["gateway"], stop=stop)
         address = f"{args.host}:{args.port}"
-        _wait_serving(address, args)
-        booting.clear()
+        _wait_serving(address, args, stop)
         http = f", OpenAI HTTP http://{args.host}:{args.http_port}/v1" if args.http_port > 0 else ""
         print(f"splitserve is up: gRPC {address}{http} (Redis {redis_url})", flush=True)
         if args.demo:
@@ -324,14 +317,9 @@ def cmd_up(args) -> int:
         print("splitserve up: stopped while starting", flush=True)
         return 0
     finally:
-        booting.clear()
         workers = supervisor.names(exclude=("redis", "gateway"))  # as they are now (roles may have moved)
         supervisor.stop([["gateway"], workers, ["redis"] if "redis" in names else []])
         shutil.rmtree(workdir, ignore_errors=True)
-
-
-class StoppedWhileStarting(Exception):
-    """SIGTERM or SIGINT came while ``up`` was starting its processes (raised by its handler)."""
 
 
 def _controller(control: RoleControl, args, supervisor: Supervisor, redis_url: str, workers: int):
@@ -353,8 +341,9 @@ def _controller(control: RoleControl, args, supervisor: Supervisor, redis_url: s
                           drain_s=args.drain_timeout_s + STOP_TIMEOUT_S)
 
 
-def _wait_serving(address: str, args) -> None:
-    """Until the gateway's health says SERVING (it sees a usable set of workers in Redis)."""
+def _wait_serving(address: str, args, stop: threading.Event) -> None:
+    """Until the gateway's health says SERVING (it sees a usable set of workers in Redis);
+    StoppedWhileStarting once ``stop`` is set."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -365,12 +354,13 @@ def _wait_serving(address: str, args) -> None:
         while time.monotonic() < give_up:
             try:
                 # Readiness: the gateway's own service, not liveness ("" is SERVING from its start).
-                if stub.Check(health_pb2.HealthCheckRequest(service="splitserve.v1.Generation"), timeout=5).status == \
+                if stub.Check(health_pb2.HealthCheckRequest(service="splitserve.v1.Generation"), timeout=2).status == \
                         health_pb2.HealthCheckResponse.SERVING:
                     return
             except grpc.RpcError:
                 pass
-            time.sleep(0.2)
+            if stop.wait(0.2):
+                raise StoppedWhileStarting
     raise RuntimeError(f"the gateway did not report SERVING within {BOOT_TIMEOUT_S} s")
 
 

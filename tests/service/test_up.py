@@ -2,7 +2,6 @@
 it is killed, and a stop while it starts does not wait for the boot."""
 import json
 import os
-import re
 import signal
 import subprocess
 import time
@@ -28,8 +27,8 @@ def up(tiny_model_dirs, tmp_path_factory):
 def test_grpcurl_against_splitserve_up(up):
     # Started with --port 0 --http-port 0: up picked the ports, and its ready line says which.
     assert up.port != 0 and f"splitserve is up: gRPC 127.0.0.1:{up.port}, OpenAI HTTP" in up.process.line
-    [http] = re.findall(r"OpenAI HTTP (http://127\.0\.0\.1:\d+)/v1", up.process.line)
-    assert not http.endswith(":0") and urllib.request.urlopen(f"{http}/health", timeout=30).status == 200
+    assert up.http_port != 0 and f"OpenAI HTTP {up.http}/v1" in up.process.line
+    assert urllib.request.urlopen(f"{up.http}/health", timeout=30).status == 200
     run = lambda *a: subprocess.run([grpcurl(), "-plaintext", *a], capture_output=True, text=True, timeout=60)  # noqa
     assert "splitserve.v1.Generation" in run(up.address, "list").stdout
     assert "rpc Generate" in run(up.address, "describe", "splitserve.v1.Generation").stdout
@@ -91,7 +90,10 @@ def test_a_sigterm_while_up_starts_stops_it_without_waiting_for_the_boot(tiny_mo
                    log_path=tmp_path / "up.log", http=False).start()
     try:
         up.wait_log("redis (pid ", timeout_s=60)
-        children = psutil.Process(up.process.proc.pid).children(recursive=True)
+        give_up = time.monotonic() + 30
+        while len(children := psutil.Process(up.process.proc.pid).children(recursive=True)) < 2:  # Redis, worker
+            assert time.monotonic() < give_up, "up started no worker"
+            time.sleep(0.05)
         up.terminate()
         assert up.process.proc.wait(timeout=30) == 0
         gone, alive = psutil.wait_procs(children, timeout=30)
