@@ -6,8 +6,8 @@ until the gateway is ready, and supervises them (``splitserve.cli.launcher.Super
 child that dies is started again). A child that cannot boot the first time stops ``up`` (a
 configuration error, not a crash). SIGTERM/SIGINT stop the gateway first, then the workers,
 then Redis, each with its drain; while ``up`` is still starting them too, without waiting for
-the boot to finish (the boot's waits look at the stop). ``--port 0`` and ``--http-port 0`` pick the gateway's free ports here, so
-``up`` knows and prints them.
+the boot to finish (the boot's waits look at the stop). ``--port 0`` and ``--http-port 0`` pick
+the gateway's free ports here, so ``up`` knows and prints them.
 """
 from __future__ import annotations
 
