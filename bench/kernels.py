@@ -148,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
                      + ("" if torch.cpu._is_amx_tile_supported() else " (amx runs bf16 on a CPU with AMX tiles)"))
     from splitserve.engine.attention import cpu_kernels
     cpu_kernels.load()
-    base_commit = build_base(args.base, kernels)
+    base_commit = build_base(args.base, sorted({kernel for _, kernel, _ in planned}))
     generator = torch.Generator().manual_seed(0)
     rounds = 2 if args.quick else args.rounds
     cases = []

@@ -35,6 +35,7 @@
 #include <torch/library.h>
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/cpu/vec/functional.h>
 #include <ATen/cpu/vec/vec.h>
 #include <ATen/native/CPUBlas.h>
 #include <c10/util/BFloat16.h>
@@ -139,26 +140,13 @@ inline void store_bf16(const Vec& v, bf16* dst) {
 #endif
 }
 
+// A row's maximum and sum: ATen's reduction across a vector's lanes (shuffles, not memory).
 inline float reduce_max(const Vec& v) {
-#if defined(CPU_CAPABILITY_AVX512)
-  return _mm512_reduce_max_ps(__m512(v));
-#else
-  float lanes[Vec::size()];
-  v.store(lanes);
-  return *std::max_element(lanes, lanes + Vec::size());
-#endif
+  return at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, v);
 }
 
 inline float reduce_sum(const Vec& v) {
-#if defined(CPU_CAPABILITY_AVX512)
-  return _mm512_reduce_add_ps(__m512(v));
-#else
-  float lanes[Vec::size()];
-  v.store(lanes);
-  float sum = 0.0f;
-  for (int64_t i = 0; i < Vec::size(); ++i) sum += lanes[i];
-  return sum;
-#endif
+  return at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, v);
 }
 
 struct Chunk {
