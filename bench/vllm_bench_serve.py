@@ -177,7 +177,18 @@ def client_command(args, base_url: str, model: str, tokenizer: str, rate: str, n
             "--random-output-len", str(args.output_len), "--random-range-ratio", str(args.range_ratio),
             "--num-prompts", str(num_prompts), "--request-rate", rate, "--seed", str(seed), "--ignore-eos",
             "--percentile-metrics", "ttft,tpot,itl,e2el", "--metric-percentiles", "50,90,99",
-            "--save-result", "--result-dir", result_dir, "--result-filename", f"{name}.json"]
+            "--save-result", "--save-detailed", "--result-dir", result_dir, "--result-filename", f"{name}.json"]
+
+
+def per_request(saved: dict) -> dict:
+    """Each request's prompt length, start (s from the run's first) and TTFT (ms), in the order
+    sent. Every system of a round gets the same prompts at the same times (one seed), so two
+    systems' tails can be compared request by request."""
+    starts = saved.get("start_times") or []
+    first = min(starts, default=0.0)
+    return {"input_len": saved.get("input_lens", []),
+            "start_s": [round(t - first, 4) for t in starts],
+            "ttft_ms": [round(1000 * t, 2) for t in saved.get("ttfts", [])]}
 
 
 def run_client(args, command: list[str], result: Path, server: tuple[int, dict[int, str]],
@@ -197,6 +208,7 @@ def run_client(args, command: list[str], result: Path, server: tuple[int, dict[i
                            f"\n{proc.stderr[-3000:]}")
     saved = json.loads(result.read_text())
     figures = {key: saved[key] for key in FIGURES if key in saved}
+    figures["requests"] = per_request(saved)
     tokens = max(1, saved.get("total_output_tokens", 0))
     spent = {label: seconds - cpu_before.get(label, 0.0) for label, seconds in cpu_after.items()}
     spent["client (vllm bench serve)"] = (client_after.ru_utime + client_after.ru_stime

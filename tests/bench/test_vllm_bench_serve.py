@@ -5,7 +5,7 @@ import signal
 import subprocess
 import sys
 
-from bench.vllm_bench_serve import breakdown, cpu_by_process, cpu_flags
+from bench.vllm_bench_serve import breakdown, client_command, cpu_by_process, cpu_flags, per_request
 
 # The root starts a child which starts a grandchild; the grandchild spins for `BURN_S` of CPU
 # then all three sleep until killed. Each prints its pid so the test can name them.
@@ -87,3 +87,18 @@ def test_breakdown_is_what_one_run_added_to_the_counters():
     assert out["gateway"] == {"queued": 50.0}  # 0.5 s over 10 requests; spans without requests left out
     assert out["api_server"] == {"ttft_at_server": 200.0}  # 2 s over 10 requests
     assert out["both"] == {"steps": 200, "ms_per_step": {"forward": 20.0, "schedule": 1.0}}
+
+
+def test_each_request_is_kept_in_the_order_sent_with_its_start_from_the_runs_first():
+    # What `vllm bench serve --save-detailed` writes: seconds, the requests in the order sent.
+    saved = {"input_lens": [250, 36, 120], "start_times": [1000.5, 1000.25, 1001.75], "ttfts": [0.0812, 0.04, 0.1]}
+    assert per_request(saved) == {"input_len": [250, 36, 120], "start_s": [0.25, 0.0, 1.5],
+                                  "ttft_ms": [81.2, 40.0, 100.0]}
+    assert per_request({}) == {"input_len": [], "start_s": [], "ttft_ms": []}  # a client that saved none
+
+
+def test_the_client_is_asked_for_each_requests_figures():
+    class Args:
+        peer_python, input_len, output_len, range_ratio = "python", 144, 64, 0.75
+    command = client_command(Args, "http://h:1", "m", "/tok", "2", 64, "/results", "run", 7)
+    assert "--save-detailed" in command and command[command.index("--result-filename") + 1] == "run.json"
