@@ -17,6 +17,7 @@ import time
 
 from splitserve.common.aio import wait_for
 from splitserve.common.gc_heap import freeze_startup_heap
+from splitserve.common.huge_pages import settle_in_huge_pages
 from splitserve.common.grpc_server import advertised, set_dead, set_health, start_server, stop_event
 from splitserve.common.security import Security
 from splitserve.worker.heartbeat import Heartbeat, engine_stats
@@ -74,8 +75,18 @@ def load_loras(engine, value: str) -> None:
             raise SystemExit(f"splitserve: --lora-modules {name}={path}: {e}") from None
 
 
+def report_huge_pages(settled) -> None:
+    if settled.skipped:
+        log.info("huge pages: not used (%s)", settled.skipped)
+    else:
+        log.info("huge pages: %d MiB of anonymous memory moved into them, %d MiB advised (%.1f s)",
+                 settled.collapsed_bytes >> 20, settled.advised_bytes >> 20, settled.seconds)
+
+
 async def _serve(servicer: WorkerServicer, add_to_server, service_name: str, args) -> int:
     load_loras(servicer.engine, getattr(args, "lora_modules", ""))  # before it registers: gateways route by them
+    if getattr(args, "huge_pages", False):  # before it serves: it takes seconds, and no request must wait on it
+        report_huge_pages(settle_in_huge_pages())
 
     def register(server):
         add_to_server(servicer, server)

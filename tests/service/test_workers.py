@@ -11,6 +11,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from splitserve.common.huge_pages import anonymous_bytes, thp_setting
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.wire import sampling_to_worker
 from splitserve.v1 import worker_pb2, worker_pb2_grpc
@@ -26,7 +27,8 @@ def workers(tiny_model_dirs):
     try:
         procs["decode"] = start_process(["decode", *common, "--kv-transport", "auto", "--lease-ttl-s", "20"])
         procs["prefill"] = start_process(["prefill", *common, "--verify-checksum"])
-        procs["both"] = start_process(["decode", "--role", "both", *common])
+        # Its memory in huge pages: the colocated tests below run on it.
+        procs["both"] = start_process(["decode", "--role", "both", *common, "--huge-pages"])
         channels = {name: grpc.insecure_channel(addr) for name, (_, addr) in procs.items()}
         yield {
             "model": model,
@@ -73,6 +75,15 @@ def test_every_worker_reports_serving(workers):
         health = health_pb2_grpc.HealthStub(channel)
         assert health.Check(health_pb2.HealthCheckRequest(service=""), timeout=10).status == \
             health_pb2.HealthCheckResponse.SERVING, name
+
+
+@pytest.mark.skipif(thp_setting() in ("", "never"), reason="no transparent huge pages on this system")
+def test_a_worker_told_to_moves_its_memory_into_huge_pages_and_the_others_keep_small_pages(workers):
+    moved, left = (anonymous_bytes(workers["procs"][name][0].pid) for name in ("both", "decode"))
+    # A tiny model's worker holds ~300 MiB of anonymous memory (torch, transformers, the model).
+    assert moved["AnonHugePages"] >= 64 << 20 and moved["AnonHugePages"] >= moved["Anonymous"] // 4, moved
+    if thp_setting() == "madvise":  # (with "always" the kernel gives huge pages unasked)
+        assert left["AnonHugePages"] < moved["AnonHugePages"] // 4, (left, moved)  # the default: off
 
 
 def test_disaggregated_requests_equal_transformers(workers, hf_reference):
