@@ -23,17 +23,18 @@ import time
 import torch
 
 from bench.common import write_json
-from splitserve.common.huge_pages import HUGE_PAGE_BYTES, MADV_HUGEPAGE, madvise, thp_setting
+from splitserve.common.huge_pages import HUGE_PAGE_BYTES, MADV_HUGEPAGE, MADV_NOHUGEPAGE, madvise, thp_setting
 
 
 def buffer(mib: int, huge: bool) -> torch.Tensor:
     """``mib`` MiB of float32 in an anonymous mapping of its own, advised into 2 MiB pages if
-    ``huge`` (before the first touch, so the faults take huge pages), then filled."""
+    ``huge``, else into 4 KiB ones (before the first touch, so the faults take them), then filled."""
     size = mib << 20
     area = mmap.mmap(-1, size + HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     view = torch.frombuffer(area, dtype=torch.uint8)
     start = -view.data_ptr() % HUGE_PAGE_BYTES  # a huge page boundary
-    failed = huge and madvise(view.data_ptr() + start, size, MADV_HUGEPAGE)
+    # Small pages forced too: where THP is "always" the kernel would give huge ones unasked.
+    failed = madvise(view.data_ptr() + start, size, MADV_HUGEPAGE if huge else MADV_NOHUGEPAGE)
     if failed:
         raise OSError(failed, os.strerror(failed))
     tensor = view[start:start + size].view(torch.float32)

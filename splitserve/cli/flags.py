@@ -189,11 +189,11 @@ def _flags() -> list[Flag]:
           "the two cores they may use: leave them to the scheduler instead of binding one to each core (bound, two "
           "workers sharing the cores never find both of one's threads on one core, where they take turns)",
           WORKERS, is_bool=True),
-        f("huge_pages", click.BOOL, False, "once ready, move the worker's anonymous memory (weights, KV pool, step "
-          "buffers) into transparent huge pages (~2.7 s per GiB at start). On a VM with shadowed page tables, memory "
-          "left alone for seconds is slow to touch again page by page, and the first prompt after a pause paid it for "
-          "every page its step read (a 240-token prompt after 10 s idle: first token ~370 ms, ~220 with it)",
-          WORKERS, is_bool=True),
+        f("huge_pages", click.BOOL, False, "once ready, collapse the well-filled parts of the worker's anonymous "
+          "memory (weights, a colocated worker's KV pool, step buffers) into transparent huge pages (~2.7 s per GiB "
+          "at start; Linux 6.1+). On a VM with shadowed page tables, memory left alone for seconds is slow to touch "
+          "again page by page, and the first prompt after a pause paid it for every page its step read (a 240-token "
+          "prompt after 10 s idle had its first token ~1.5x sooner with it)", WORKERS, is_bool=True),
         f("kv_transport", s, "auto", "KV transports: a decode worker offers them fastest first, a prefill "
           "worker may use them; auto or a comma list of shm, tcp, nccl, cuda_ipc", WORKERS),
         f("lora_modules", s, "", "LoRA adapters to serve (with --enable-lora), as name=path pairs separated by "

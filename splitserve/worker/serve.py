@@ -17,8 +17,8 @@ import time
 
 from splitserve.common.aio import wait_for
 from splitserve.common.gc_heap import freeze_startup_heap
-from splitserve.common.huge_pages import settle_in_huge_pages
 from splitserve.common.grpc_server import advertised, set_dead, set_health, start_server, stop_event
+from splitserve.common.huge_pages import settle_in_huge_pages
 from splitserve.common.security import Security
 from splitserve.worker.heartbeat import Heartbeat, engine_stats
 from splitserve.worker.prefix_publisher import PrefixPublisher
@@ -79,8 +79,9 @@ def report_huge_pages(settled) -> None:
     if settled.skipped:
         log.info("huge pages: not used (%s)", settled.skipped)
     else:
-        log.info("huge pages: %d MiB of anonymous memory moved into them, %d MiB advised (%.1f s)",
-                 settled.collapsed_bytes >> 20, settled.advised_bytes >> 20, settled.seconds)
+        log.info("huge pages: %d of %d MiB of anonymous memory in them (%d before; resident +%d MiB, %.1f s)",
+                 settled.huge_after >> 20, settled.anonymous_after >> 20, settled.huge_before >> 20,
+                 (settled.anonymous_after - settled.anonymous_before) >> 20, settled.seconds)
 
 
 async def _serve(servicer: WorkerServicer, add_to_server, service_name: str, args) -> int:

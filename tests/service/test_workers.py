@@ -11,7 +11,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from splitserve.common.huge_pages import anonymous_bytes, thp_setting
+from splitserve.common.huge_pages import anonymous_bytes, collapse_supported, thp_setting
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.wire import sampling_to_worker
 from splitserve.v1 import worker_pb2, worker_pb2_grpc
@@ -77,7 +77,7 @@ def test_every_worker_reports_serving(workers):
             health_pb2.HealthCheckResponse.SERVING, name
 
 
-@pytest.mark.skipif(thp_setting() in ("", "never"), reason="no transparent huge pages on this system")
+@pytest.mark.skipif(not collapse_supported(), reason="no MADV_COLLAPSE here (Linux 6.1+, THP not never)")
 def test_a_worker_told_to_moves_its_memory_into_huge_pages_and_the_others_keep_small_pages(workers):
     moved, left = (anonymous_bytes(workers["procs"][name][0].pid) for name in ("both", "decode"))
     # A tiny model's worker holds ~300 MiB of anonymous memory (torch, transformers, the model).
