@@ -23,7 +23,7 @@ import time
 import torch
 
 from bench.common import write_json
-from splitserve.common.huge_pages import HUGE_PAGE_BYTES, MADV_HUGEPAGE, MADV_NOHUGEPAGE, madvise, thp_setting
+from splitserve.common.huge_pages import HUGE_PAGE_BYTES, MADV_HUGEPAGE, MADV_NOHUGEPAGE, madvise, thp_available
 
 
 def buffer(mib: int, huge: bool) -> torch.Tensor:
@@ -62,10 +62,6 @@ def measure(tensor: torch.Tensor, idles: list[float], rounds: int) -> dict:
             "after_idle_ms": {str(idle): round(statistics.median(ms), 2) for idle, ms in after.items()}}
 
 
-def huge_pages_allowed() -> bool:
-    return thp_setting() not in ("", "never")
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mib", type=int, default=300, help="buffer size (SmolLM2-135M's bf16 weights: ~270)")
@@ -76,7 +72,7 @@ def main(argv=None) -> int:
     torch.set_num_threads(1)
     idles = [float(x) for x in args.idle.split(",")]
     results = {}
-    for pages in ["4k", "2m"] if huge_pages_allowed() else ["4k"]:
+    for pages in ["4k", "2m"] if thp_available() else ["4k"]:
         results[pages] = measure(buffer(args.mib, huge=pages == "2m"), idles, args.rounds)
         print(pages, results[pages], flush=True)
     write_json(args.out, {"mib": args.mib, "rounds": args.rounds, "pages": results})

@@ -181,14 +181,16 @@ def client_command(args, base_url: str, model: str, tokenizer: str, rate: str, n
 
 
 def per_request(saved: dict) -> dict:
-    """Each request's prompt length, start (s from the run's first) and TTFT (ms), in the order
-    sent. Every system of a round gets the same prompts at the same times (one seed), so two
-    systems' tails can be compared request by request."""
-    starts = saved.get("start_times") or []
+    """Each request's prompt length, start (s from the run's first) and TTFT (ms; None for a
+    request that failed, where the client writes 0), in the order sent. Every system of a round
+    gets the same prompts at the same times (one seed), so two systems' tails can be compared
+    request by request."""
+    starts, ttfts = saved.get("start_times") or [], saved.get("ttfts", [])
+    errors = saved.get("errors") or [""] * len(ttfts)
     first = min(starts, default=0.0)
     return {"input_len": saved.get("input_lens", []),
             "start_s": [round(t - first, 4) for t in starts],
-            "ttft_ms": [round(1000 * t, 2) for t in saved.get("ttfts", [])]}
+            "ttft_ms": [None if error else round(1000 * t, 2) for t, error in zip(ttfts, errors)]}
 
 
 def run_client(args, command: list[str], result: Path, server: tuple[int, dict[int, str]],

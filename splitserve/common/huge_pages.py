@@ -135,10 +135,15 @@ def thp_setting() -> str:
     return text[text.find("[") + 1:text.find("]")] if "[" in text else ""
 
 
+def thp_available() -> bool:
+    """Whether this system has transparent huge pages at all (Linux, THP not ``never``)."""
+    return sys.platform.startswith("linux") and thp_setting() not in ("", "never")
+
+
 def collapse_supported() -> bool:
     """Whether this kernel collapses memory on request (Linux 6.1+, THP not ``never``): tried on
     one filled huge page of a mapping of its own."""
-    if not sys.platform.startswith("linux") or thp_setting() in ("", "never"):
+    if not thp_available():
         return False
     area = mmap.mmap(-1, 2 * HUGE_PAGE_BYTES, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     try:
@@ -155,7 +160,7 @@ def settle_in_huge_pages() -> Settled:
     lasting advice is left on the mappings: later faults stay in small pages, so no allocation
     waits on the kernel compacting memory for a huge one. Refused ranges are logged by errno
     (EINVAL everywhere: a kernel before 6.1)."""
-    if not sys.platform.startswith("linux") or thp_setting() in ("", "never"):
+    if not thp_available():
         return Settled(0, 0, 0, 0, 0.0, "no transparent huge pages on this system")
     before, started, errors = anonymous_bytes(), time.perf_counter(), set()
     with open("/proc/self/maps") as f:

@@ -1,14 +1,15 @@
 """bench/idle_memory.py end to end on a small buffer: one figure per page size and idle time."""
 import json
 
-from bench.idle_memory import buffer, huge_pages_allowed, main
+from bench.idle_memory import buffer, main
+from splitserve.common.huge_pages import thp_available
 
 
 def test_a_small_run_writes_every_figure(tmp_path):
     out = tmp_path / "idle.json"
     assert main(["--mib", "8", "--idle", "0.01,0.05", "--rounds", "1", "--out", str(out)]) == 0
     result = json.loads(out.read_text())
-    assert set(result["pages"]) == ({"4k", "2m"} if huge_pages_allowed() else {"4k"})
+    assert set(result["pages"]) == ({"4k", "2m"} if thp_available() else {"4k"})
     for figures in result["pages"].values():
         assert figures["warm_ms"] > 0 and set(figures["after_idle_ms"]) == {"0.01", "0.05"}
         assert all(ms > 0 for ms in figures["after_idle_ms"].values())

@@ -95,6 +95,8 @@ def test_each_request_is_kept_in_the_order_sent_with_its_start_from_the_runs_fir
     assert per_request(saved) == {"input_len": [250, 36, 120], "start_s": [0.25, 0.0, 1.5],
                                   "ttft_ms": [81.2, 40.0, 100.0]}
     assert per_request({}) == {"input_len": [], "start_s": [], "ttft_ms": []}  # a client that saved none
+    failed = {**saved, "ttfts": [0.0812, 0.0, 0.1], "errors": ["", "Internal Server Error", ""]}
+    assert per_request(failed)["ttft_ms"] == [81.2, None, 100.0]  # not a 0 ms first token
 
 
 def test_the_client_is_asked_for_each_requests_figures():
