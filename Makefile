@@ -67,8 +67,10 @@ run: model kernels redis tcmalloc
 	$(VENV)/bin/splitserve up --prefill 1 --decode 1 --quantization gguf --demo "What is the capital of France? Answer in one sentence."
 
 # Triton kernels are interpreted on CPU tensors only where no GPU can compile them (tests/conftest.py).
+# Files go out longest first (tests/conftest.py, tests/file_seconds.json): xdist would otherwise
+# reorder them by their number of tests.
 test: install model kernels redis tcmalloc checkov
-	CHECKOV="$(CURDIR)/$(CHECKOV_VENV)/bin/checkov" $(PY) -m pytest -q -ra --durations=30 -n 2 --dist loadfile
+	CHECKOV="$(CURDIR)/$(CHECKOV_VENV)/bin/checkov" $(PY) -m pytest -q -ra --durations=30 -n 2 --dist loadfile --no-loadscope-reorder
 
 # The inner loop: the tests that start no process of their own and load no real model
 # (tests/conftest.py marks the others), a few minutes.

@@ -36,6 +36,7 @@ import torch  # noqa: E402
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from tests.harness import file_seconds  # noqa: E402
 from tests.harness.tiny_models import make_tiny_model  # noqa: E402
 
 
@@ -45,6 +46,9 @@ from tests.harness.tiny_models import make_tiny_model  # noqa: E402
 PROCESS_DIRS = {"service", "faults", "bench", "deploy"}
 PROCESS_MODULES = {"test_tensor_parallel", "test_kvtransfer_handoff", "test_kvtransfer_nccl", "test_kvtransfer_tcp",
                    "test_tp_all_reduce", "test_openmp_handover", "test_layers", "test_docs"}
+# What a test file that starts processes and has no recorded time is taken to last (one stack's
+# start and a few requests).
+UNRECORDED_PROCESS_FILE_S = 10.0
 
 
 def pytest_collection_modifyitems(config, items):
@@ -53,10 +57,18 @@ def pytest_collection_modifyitems(config, items):
         path = Path(item.fspath).relative_to(root)
         if path.parts[0] in PROCESS_DIRS or path.stem in PROCESS_MODULES:
             item.add_marker(pytest.mark.processes)
-    # The files that start processes first (a stable sort keeps each file's tests together and in
-    # order): under `-n 2 --dist loadfile` the long files are shared out while the short ones are
-    # still pending, instead of one process finishing a long file alone at the end.
-    items.sort(key=lambda item: item.get_closest_marker("processes") is None)
+    # The longest files first (a stable sort keeps each file's tests together and in order): under
+    # `make test`'s `-n 2 --dist loadfile --no-loadscope-reorder` the long files are shared out
+    # while the short ones are still pending, instead of one process finishing a long file alone
+    # at the end. Seconds as recorded (tests/harness/file_seconds.py); a file not recorded yet
+    # counts as a typical stack's start if it starts processes, else as nothing.
+    seconds = file_seconds.load()
+
+    def expected_s(item) -> float:
+        path = Path(item.fspath).relative_to(root.parent).as_posix()
+        return seconds.get(path, UNRECORDED_PROCESS_FILE_S if item.get_closest_marker("processes") else 0.0)
+
+    items.sort(key=lambda item: -expected_s(item))
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA device")
