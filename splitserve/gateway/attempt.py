@@ -94,11 +94,8 @@ async def run_attempt(job: Job, directory: WorkerDirectory, ledger: Ledger, deci
             if job.gated:
                 spawn(ledger.placed(job.request_id))
             raise
-        try:
-            if job.gated:
-                await ledger.placed(job.request_id)
-        finally:
-            decide(decided, True)
+        # The placement gate opens beside the prefill: only the dispatcher's next claim waits for it.
+        spawn(_open_gate(job, ledger, decided), name=f"gate-{job.request_id}")
         if not placed_ok:
             return None
         job.state = JobState.RUNNING
@@ -145,6 +142,15 @@ async def run_attempt(job: Job, directory: WorkerDirectory, ledger: Ledger, deci
         return outcome
     job.finish(outcome)
     return None
+
+
+async def _open_gate(job: Job, ledger: Ledger, decided: asyncio.Future) -> None:
+    """Open the placement gate ``job`` passed, then let the dispatcher claim on."""
+    try:
+        if job.gated:
+            await ledger.placed(job.request_id)
+    finally:
+        decide(decided, True)
 
 
 def decide(future: asyncio.Future, value: bool) -> None:
@@ -302,7 +308,8 @@ class _Attempt:
         if not job.generated:
             job.cached_prompt_tokens = first.cached_prompt_tokens
         job.emit([first.first_token], [first.first_logprobs] if first.HasField("first_logprobs") else [])
-        await self.ledger.note(job.request_id, job.epoch, state="decoding", prefill_worker=prefill.worker_id)
+        # Beside the decode call, as at the start: the second token must not wait for Redis.
+        self.ledger.note_soon(job.request_id, job.epoch, state="decoding", prefill_worker=prefill.worker_id)
         request = worker_pb2.DecodeRequest(request_id=job.request_id, epoch=first.epoch, prompt_token_ids=self.prompt,
                                            sampling=self.sampling, priority=job.priority, first_token=first.first_token,
                                            arrival_time=job.arrival_s, sampler_state=first.sampler_state)

@@ -197,10 +197,10 @@ class WorkerDirectory:
         best = min(route.values(), default=0.0)
         # A colocated worker moves no KV: its route is as good as the best one.
         extra = lambda w: route[w.worker_id] - best if w.role == "decode" else 0.0  # noqa: E731
-        # One colocated worker: there is nothing to choose and nothing a cached run would decide
-        # (a decode worker's run decides where its prompt is prefilled), so no Redis round trip:
-        # 1.5 ms of a request's time to its first token on a loaded 2-core box.
-        alone = len(workers) == 1 and workers[0].role == "both"
+        # One worker: there is nothing to choose, so no Redis round trip (1.5 ms of a request's
+        # time to its first token on a loaded 2-core box) unless a cached run decides something
+        # else: where a decode worker's prompt is prefilled, under --disaggregation auto.
+        alone = len(workers) == 1 and (workers[0].role == "both" or self.prefill_policy.disaggregation != "auto")
         cached = {} if alone else await self.prefixes.lookup([w.worker_id for w in workers], prompt_token_ids, lora,
                                                               _shared(workers))
         decode_weight = 1.0 if self.prefill_policy.disaggregation == "never" else DECODE_CACHE_WEIGHT
@@ -230,6 +230,8 @@ class WorkerDirectory:
         workers = [w for w in await self.usable() if w.role == "prefill" and w.serves(lora)]
         if not workers:
             return None
+        if len(workers) == 1:  # nothing to choose: no lookup (a Redis round trip before the prefill)
+            return workers[0]
         cost = (lambda w: self.path_cost(w, decode)) if decode is not None else (lambda w: 0.0)
         cached = await self.prefixes.lookup([w.worker_id for w in workers], prompt_token_ids, lora, _shared(workers))
         score = lambda w: (self.inflight.get(w.worker_id, 0) + cost(w)  # noqa: E731

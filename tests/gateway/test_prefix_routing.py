@@ -12,6 +12,7 @@ import pytest
 
 from splitserve.engine.block_pool import chain_root, prefix_block_hashes
 from splitserve.engine.prefix_holdings import DEVICE, DISK, HOST
+from splitserve.gateway.prefill_placement import DisaggregationPolicy
 from splitserve.gateway.prefix_routing import MAX_BLOCKS, CachedRun, leading_run
 from splitserve.gateway.workers import WorkerDirectory
 from splitserve.state import prefixes
@@ -224,10 +225,11 @@ def test_redis_away_places_by_load():
         asyncio.run(main(server))
 
 
-def test_a_lone_colocated_worker_is_placed_without_a_lookup_a_lone_decode_worker_with_one(redis_url):
-    """Nothing to choose between: the lone colocated worker's cached run is not read (a Redis round
-    trip off each request's path). A decode worker's run decides where its prompt is prefilled
-    (``--disaggregation auto``), so it is still read when the worker is alone."""
+def test_a_lone_worker_is_placed_without_a_lookup_unless_its_cached_run_decides_the_prefill(redis_url):
+    """Nothing to choose between: the cached run of a lone colocated worker, a lone decode worker
+    and a lone prefill worker is not read (a Redis round trip off each request's path). A decode
+    worker's run decides where its prompt is prefilled under ``--disaggregation auto``, so there
+    it is still read when the worker is alone."""
     async def body(state, directory):
         await register(state, "b1", role="both")
         await prefixes.publish(state, "b1", held(SYSTEM), [], ttl_s=30, replace=True)
@@ -239,8 +241,24 @@ def test_a_lone_colocated_worker_is_placed_without_a_lookup_a_lone_decode_worker
         assert workers[0].worker_id == "b1" and cached["b1"].blocks == len(SYSTEM) // BLOCK
         await state.client.flushall()
         await register(state, "d1", role="decode")
-        await prefixes.publish(state, "d1", held(SYSTEM), [], ttl_s=30, replace=True)
+        await register(state, "p1", role="prefill")
+        for worker in ("d1", "p1"):
+            await prefixes.publish(state, worker, held(SYSTEM), [], ttl_s=30, replace=True)
         directory.invalidate()
         workers, cached = await directory.placement_candidates(None, SYSTEM)
+        assert [w.worker_id for w in workers] == ["d1"] and cached == {}  # --disaggregation always
+        auto = WorkerDirectory(state, block_size=BLOCK, disaggregation=DisaggregationPolicy("auto"))
+        workers, cached = await auto.placement_candidates(None, SYSTEM)
         assert [w.worker_id for w in workers] == ["d1"] and cached["d1"].blocks == len(SYSTEM) // BLOCK
+        lookups = []
+        real_lookup = directory.prefixes.lookup
+
+        async def counted(*args, **kwargs):
+            lookups.append(args)
+            return await real_lookup(*args, **kwargs)
+        directory.prefixes.lookup = counted
+        assert await pick(directory, SYSTEM) == "p1" and lookups == []
+        await register(state, "p2", role="prefill")
+        directory.invalidate()
+        assert await pick(directory, SYSTEM) == "p1" and len(lookups) == 1  # two to choose from: read
     run(redis_url, body)
