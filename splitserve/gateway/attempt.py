@@ -18,6 +18,7 @@ attempt). Whatever ends an attempt early, it frees what the request holds on its
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from dataclasses import dataclass
@@ -83,6 +84,7 @@ async def run_attempt(job: Job, directory: WorkerDirectory, ledger: Ledger, deci
     is decided, so the dispatcher can claim the next request: True to claim on at once, False
     when no room (or no workers) was found and claims should wait for capacity."""
     attempt = _Attempt(job, directory, ledger)
+    gate: asyncio.Task | None = None  # the placement gate's opening, once placed (or failed to)
     try:
         try:
             placed_ok = await attempt.place()
@@ -90,12 +92,10 @@ async def run_attempt(job: Job, directory: WorkerDirectory, ledger: Ledger, deci
             decide(decided, False)  # the gate stays closed until the requeue: nobody passes it
             raise
         except BaseException:
-            decide(decided, True)
-            if job.gated:
-                spawn(ledger.placed(job.request_id))
+            gate = spawn(_open_gate(job, ledger, decided), name=f"gate-{job.request_id}")
             raise
         # The placement gate opens beside the prefill: only the dispatcher's next claim waits for it.
-        spawn(_open_gate(job, ledger, decided), name=f"gate-{job.request_id}")
+        gate = spawn(_open_gate(job, ledger, decided), name=f"gate-{job.request_id}")
         if not placed_ok:
             return None
         job.state = JobState.RUNNING
@@ -139,6 +139,10 @@ async def run_attempt(job: Job, directory: WorkerDirectory, ledger: Ledger, deci
         for worker in attempt.workers:
             if not await directory.responsive(worker):
                 directory.suspect(worker.worker_id, SUSPECT_S)
+        if gate is not None:
+            # Before the requeue closes the gate again for the next attempt: this attempt's
+            # opening (or a retry of it by the Redis client) must not land after that and open it.
+            await asyncio.wait([gate])
         return outcome
     job.finish(outcome)
     return None
@@ -223,7 +227,9 @@ class _Attempt:
             job.decode_worker = worker
             self.descriptor = response.descriptor
             self.lease_ttl_s = response.lease_ttl_s
-            self._placed(placement)
+            # What the decode worker holds, as it says (the directory's figure is a hint, or unread).
+            held = min(response.descriptor.num_cached_blocks * self.directory.block_size, len(self.prompt))
+            self._placed(dataclasses.replace(placement, uncached_tokens=len(self.prompt) - held))
             return True
         raise _NoRoom()
 

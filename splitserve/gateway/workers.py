@@ -198,9 +198,11 @@ class WorkerDirectory:
         # A colocated worker moves no KV: its route is as good as the best one.
         extra = lambda w: route[w.worker_id] - best if w.role == "decode" else 0.0  # noqa: E731
         # One worker: there is nothing to choose, so no Redis round trip (1.5 ms of a request's
-        # time to its first token on a loaded 2-core box) unless a cached run decides something
-        # else: where a decode worker's prompt is prefilled, under --disaggregation auto.
-        alone = len(workers) == 1 and (workers[0].role == "both" or self.prefill_policy.disaggregation != "auto")
+        # time to its first token on a loaded 2-core box) where its cached run says nothing more:
+        # a colocated worker, or a decode worker whose prompts all go to prefill workers
+        # (--disaggregation always; the Reserve then says what it holds). Elsewhere the run
+        # decides, or reports, what the decode worker computes.
+        alone = len(workers) == 1 and (workers[0].role == "both" or self.prefill_policy.disaggregation == "always")
         cached = {} if alone else await self.prefixes.lookup([w.worker_id for w in workers], prompt_token_ids, lora,
                                                               _shared(workers))
         decode_weight = 1.0 if self.prefill_policy.disaggregation == "never" else DECODE_CACHE_WEIGHT

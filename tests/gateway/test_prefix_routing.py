@@ -225,11 +225,11 @@ def test_redis_away_places_by_load():
         asyncio.run(main(server))
 
 
-def test_a_lone_worker_is_placed_without_a_lookup_unless_its_cached_run_decides_the_prefill(redis_url):
+def test_a_lone_worker_is_placed_without_a_lookup_unless_its_cached_run_tells_something(redis_url):
     """Nothing to choose between: the cached run of a lone colocated worker, a lone decode worker
-    and a lone prefill worker is not read (a Redis round trip off each request's path). A decode
-    worker's run decides where its prompt is prefilled under ``--disaggregation auto``, so there
-    it is still read when the worker is alone."""
+    under ``--disaggregation always`` and a lone prefill worker is not read (a Redis round trip off
+    each request's path). Under ``auto`` a decode worker's run decides where its prompt is
+    prefilled, under ``never`` it is what the worker computes: there it is still read."""
     async def body(state, directory):
         await register(state, "b1", role="both")
         await prefixes.publish(state, "b1", held(SYSTEM), [], ttl_s=30, replace=True)
@@ -247,9 +247,10 @@ def test_a_lone_worker_is_placed_without_a_lookup_unless_its_cached_run_decides_
         directory.invalidate()
         workers, cached = await directory.placement_candidates(None, SYSTEM)
         assert [w.worker_id for w in workers] == ["d1"] and cached == {}  # --disaggregation always
-        auto = WorkerDirectory(state, block_size=BLOCK, disaggregation=DisaggregationPolicy("auto"))
-        workers, cached = await auto.placement_candidates(None, SYSTEM)
-        assert [w.worker_id for w in workers] == ["d1"] and cached["d1"].blocks == len(SYSTEM) // BLOCK
+        for policy in ("auto", "never"):  # the run decides where it is prefilled / what it computes there
+            reading = WorkerDirectory(state, block_size=BLOCK, disaggregation=DisaggregationPolicy(policy))
+            workers, cached = await reading.placement_candidates(None, SYSTEM)
+            assert [w.worker_id for w in workers] == ["d1"] and cached["d1"].blocks == len(SYSTEM) // BLOCK
         lookups = []
         real_lookup = directory.prefixes.lookup
 
