@@ -107,7 +107,9 @@ def test_huge_text_prompts_are_refused_before_tokenizing_and_memory_stays_bounde
     received_mib = len(calls) * HUGE_BYTES / 2**20
     before = memory_mib(pid)
     afters = []
-    for burst in range(3):  # each burst's memory comes back: nothing piles up across bursts
+    # Three bursts; the memory is let settle after the first and the last (each settling waits
+    # out the gateway's last collection, 10 s): what two more bursts leave must come back too.
+    for burst in range(3):
         # A burst's copies are counted from where it starts: the last burst's memory may still be
         # on its way back (up to RETAINED_BURSTS, below), and counting it again here made the
         # third burst's peak +338 MiB over the first burst's start in a loaded CI run.
@@ -118,13 +120,15 @@ def test_huge_text_prompts_are_refused_before_tokenizing_and_memory_stays_bounde
         for code, details in answers:
             assert code == grpc.StatusCode.INVALID_ARGUMENT and "--max-prompt-bytes" in details, (code, details)
         peak = memory_mib(pid)["peak"]
-        after = settled_rss(pid)
         print(f"burst {burst + 1}: gateway RSS before {before['rss']:.0f} MiB, at the burst's start {start:.0f} MiB, "
-              f"peak {peak:.0f} MiB, after {after:.0f} MiB ({received_mib:.0f} MiB received)")
+              f"peak {peak:.0f} MiB ({received_mib:.0f} MiB received)")
         assert peak - start < COPIES_PER_REQUEST * received_mib, (burst, before, start, peak)
-        assert after - before["rss"] < RETAINED_BURSTS * received_mib, (burst, before, after)
-        afters.append(after)
-    assert afters[-1] - afters[0] < PILE_UP_BURSTS * received_mib, afters
+        if burst in (0, 2):
+            after = settled_rss(pid)
+            print(f"  settled: {after:.0f} MiB")
+            assert after - before["rss"] < RETAINED_BURSTS * received_mib, (burst, before, after)
+            afters.append(after)
+    assert afters[-1] - afters[0] < PILE_UP_BURSTS * received_mib, afters  # two bursts left no more than one
 
 
 def settled_rss(pid: int) -> float:
