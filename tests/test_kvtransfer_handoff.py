@@ -263,6 +263,30 @@ def test_decode_pages_equal_prefill_pages_byte_for_byte(pair, tmp_path, num_laye
         decode.engine.kv.free(rid)
 
 
+def test_each_result_counts_its_own_pages_when_transfers_share_a_step(pair):
+    """Two prompts prefilled in one step write to one decode worker through one sender: each
+    result reports its own pages (the worker's metrics and traces add these up), not the
+    sender's total over the step, which counted the other's too (an n > 1 request's two
+    samples, prefilled together, showed 10 pages sent where 8 were)."""
+    prefill, decode = pair(8)
+    prompts = mixed_prompts(2, seed=3, lo=40, hi=40)  # 5 pages of 8 each
+    for i, prompt in enumerate(prompts):
+        desc = decode.reserve(f"s{i}", len(prompt))
+        prefill.start(desc.request_id, prompt, GREEDY, desc)
+    sent_before = sum(s.bytes_sent for s in prefill._senders.values())
+    results = prefill.step()
+    sent = sum(s.bytes_sent for s in prefill._senders.values()) - sent_before
+    assert sorted(r.request_id for r in results) == ["s0", "s1"]  # one step prefilled both
+    layout = decode.layout
+    for result in results:
+        assert result.error is None
+        assert result.bytes_sent == 5 * 2 * layout.num_layers * layout.page_bytes  # 5 pages a layer, K and V
+        assert result.num_copies >= layout.num_layers
+    assert sum(r.bytes_sent for r in results) == sent
+    for result in results:
+        decode.abort(result.request_id)
+
+
 def test_contiguous_pages_move_as_one_copy_per_layer(pair):
     # (tcp: one frame per run per layer while a run is under the 4 MiB frame limit)
     prefill, decode = pair(8)

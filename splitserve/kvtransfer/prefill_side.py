@@ -77,8 +77,6 @@ class _Transfer:
     # whole pages); one entry unless the decode worker is split otherwise (head_map.routes).
     targets: list[tuple[KVSender, TransferDescriptor, HeadSlice | None]]
     prompt_token_ids: list[int]
-    copies_at_start: int
-    bytes_at_start: int
     request: Request
     # The heads of this pool that decode rank 0 holds, which its checksum covers (None: all of
     # them); no checksum when decode rank 0 holds heads of other prefill ranks too.
@@ -89,19 +87,16 @@ class _Transfer:
     error: TransferError | None = field(default=None)
     transfer_s: float = 0.0
     first_write_ns: int = 0
+    # This transfer's own page runs and bytes, counted around each of its writes: a sender is
+    # shared by every transfer to its decode worker, and the transfers of one step take turns on
+    # it (read from the sender's totals, two samples prefilled in one step each counted both).
+    num_copies: int = 0
+    bytes_sent: int = 0
 
     @property
     def sender(self) -> KVSender:
         """The sender to decode rank 0 (or to the first decode rank this rank writes): its transport is the transfer's."""
         return self.targets[0][0]
-
-    @property
-    def num_copies(self) -> int:
-        return sum(sender.num_copies for sender, _, _ in self.targets)
-
-    @property
-    def bytes_sent(self) -> int:
-        return sum(sender.bytes_sent for sender, _, _ in self.targets)
 
 
 class PrefillConnector(KVConnector):
@@ -138,8 +133,7 @@ class PrefillConnector(KVConnector):
             raise TransferError(f"request {request_id!r}: {len(desc.block_ids)} reserved pages for a prompt "
                                 f"needing {blocks_needed}")
         targets = self._targets(desc, reshard)
-        transfer = _Transfer(desc, targets, list(prompt_token_ids), 0, 0, None)
-        transfer.copies_at_start, transfer.bytes_at_start = transfer.num_copies, transfer.bytes_sent
+        transfer = _Transfer(desc, targets, list(prompt_token_ids), None)
         if reshard:
             # Decode rank 0 checks a checksum of its own heads; this rank's first route goes to it
             # from head 0. Computable only when it holds no heads of another prefill rank.
@@ -204,8 +198,8 @@ class PrefillConnector(KVConnector):
                 result.num_cached_tokens = out.num_cached_tokens
             except TransferError as e:
                 result.error = e
-            result.num_copies = transfer.num_copies - transfer.copies_at_start
-            result.bytes_sent = transfer.bytes_sent - transfer.bytes_at_start
+            result.num_copies = transfer.num_copies
+            result.bytes_sent = transfer.bytes_sent
             result.transport = transfer.sender.name
             result.transfer_s = transfer.transfer_s
             result.transfer_start_ns, result.transfer_end_ns = transfer.first_write_ns, time.time_ns()
@@ -353,10 +347,15 @@ class PrefillConnector(KVConnector):
                     transfer.first_write_ns = transfer.first_write_ns or time.time_ns()
                     with self._after(ready):
                         for sender, desc, heads in transfer.targets:
-                            if heads is None:
-                                sender.write(desc, layer, runs)
-                            else:
-                                sender.write(desc, layer, runs, heads)
+                            copies, sent = sender.num_copies, sender.bytes_sent  # only this thread writes
+                            try:
+                                if heads is None:
+                                    sender.write(desc, layer, runs)
+                                else:
+                                    sender.write(desc, layer, runs, heads)
+                            finally:
+                                transfer.num_copies += sender.num_copies - copies
+                                transfer.bytes_sent += sender.bytes_sent - sent
                     transfer.transfer_s += time.perf_counter() - start
             except TransferError as e:
                 # A fenced page (stale epoch, expired lease) says this worker fell behind: loud.
