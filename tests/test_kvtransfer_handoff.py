@@ -274,15 +274,17 @@ def test_each_result_counts_its_own_pages_when_transfers_share_a_step(pair):
         desc = decode.reserve(f"s{i}", len(prompt))
         prefill.start(desc.request_id, prompt, GREEDY, desc)
     sent_before = sum(s.bytes_sent for s in prefill._senders.values())
+    copies_before = sum(s.num_copies for s in prefill._senders.values())
     results = prefill.step()
     sent = sum(s.bytes_sent for s in prefill._senders.values()) - sent_before
+    copies = sum(s.num_copies for s in prefill._senders.values()) - copies_before
     assert sorted(r.request_id for r in results) == ["s0", "s1"]  # one step prefilled both
     layout = decode.layout
     for result in results:
         assert result.error is None
         assert result.bytes_sent == 5 * 2 * layout.num_layers * layout.page_bytes  # 5 pages a layer, K and V
         assert result.num_copies >= layout.num_layers
-    assert sum(r.bytes_sent for r in results) == sent
+    assert sum(r.bytes_sent for r in results) == sent and sum(r.num_copies for r in results) == copies
     for result in results:
         decode.abort(result.request_id)
 
