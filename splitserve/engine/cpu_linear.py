@@ -39,7 +39,11 @@ def padded_rows(rows: int) -> int:
     oneDNN JIT-compiles and keeps a kernel for every input shape it meets, and memory held that
     way is not given back: a prefill worker fed prompts of every length from 32 to 256 tokens grew
     by ~1.7 MiB a request without a plateau (issue 18). With rounded shapes there are at most
-    ~40 more of them up to 2,048 rows, and the growth stops once each has been seen."""
+    ~40 more of them up to 2,048 rows, and the growth stops once each has been seen.
+
+    The CPU model runner feeds a step's tokens already padded to this count
+    (``step_inputs.InputBuffers.pad_tokens``), so the linears of its steps copy nothing; an
+    input of any other count is copied into a padded buffer here."""
     if rows <= EXACT_ROWS:
         return rows
     step = 1 << max((rows - 1).bit_length() - 4, 0)

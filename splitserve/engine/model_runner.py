@@ -28,7 +28,7 @@ from splitserve.engine.kv_connector import KVConnector
 from splitserve.engine.kv_groups import KVGroups, layer_windows, one_group, plan_groups
 from splitserve.engine.kv_sizes import kv_bytes_per_token, pages_for_budget, pages_for_tokens
 from splitserve.engine.cuda_graphs import DecodeGraphs, capture_sizes
-from splitserve.engine.cpu_linear import pack_linear_layers, resolve_linear_backend
+from splitserve.engine.cpu_linear import pack_linear_layers, padded_rows, resolve_linear_backend
 from splitserve.engine.model_loader import load_config, load_model
 from splitserve.engine.model_registry import check_supported, final_logits, quantization_to_load
 from splitserve.engine.sampler import Sampler, SamplingRow
@@ -198,7 +198,8 @@ class ModelRunner:
         max_rows = config.max_num_seqs * (1 + config.num_speculative_tokens) if config.speculative_method \
             else config.max_num_seqs
         self.inputs = InputBuffers(max_tokens, min(max_rows, max_tokens), pages_for_tokens(self.max_model_len, self.block_size),
-                                   self.block_size, self.device, num_groups=len(self.kv_groups.windows))
+                                   self.block_size, self.device, num_groups=len(self.kv_groups.windows),
+                                   pad_tokens=padded_rows if self._pads_steps(config) else None)
         # LoRA: every projection wrapped before the forward is compiled (splitserve/engine/lora).
         self.lora = None
         if config.enable_lora:
@@ -368,6 +369,14 @@ class ModelRunner:
             if not step.sample_chunks:
                 return hidden[:0], []
             return self.head(hidden[step.sample_index]), step.sample_chunks
+
+    def _pads_steps(self, config) -> bool:
+        """Whether a step's tokens are padded once, at the inputs, to the row count every oneDNN
+        linear would pad its input to (``cpu_linear.padded_rows``): where the linears are all
+        packed ones (no quantized weights; LoRA's wrappers take a row per real token) and the CPU
+        attention backend leaves padding rows out."""
+        return (self.linear_backend == "onednn" and not self.quantization and not config.enable_lora
+                and self.backend.name == "cpu")
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits of ``hidden`` rows, as the model's own head computes them."""

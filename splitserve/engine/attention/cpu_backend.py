@@ -120,6 +120,9 @@ class CpuAttentionBackend(AttentionBackend):
         # One call writes the step's K/V and attends for every decode, one more attends for every
         # prefill chunk: a layer's fixed cost is a few microseconds of dispatch.
         out = torch.empty(query.shape, dtype=query.dtype)
+        real = layout.query_start_list[-1]
+        if real < query.shape[0]:  # padding tokens (step_inputs.InputBuffers.pad_tokens): in no sequence
+            out[real:].zero_()
         extra = () if variant.plain else (variant.window, variant.softcap, variant.sinks)
         self._write_and_decode(out, query, key, value, k_cache, v_cache, layout.slot_mapping, layout.block_tables,
                                layout.seq_lens, layout.num_decodes, scale, *extra)
