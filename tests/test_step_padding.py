@@ -4,7 +4,7 @@ are still transformers' own."""
 import pytest
 import torch
 
-from splitserve.engine.cpu_linear import padded_rows
+from splitserve.engine.cpu_linear import padded_rows, step_padding
 from tests.test_engine_correctness import GREEDY, assert_matches, mixed_prompts
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
@@ -62,3 +62,11 @@ def test_steps_are_not_padded_where_the_linears_do_not_pad(tiny_model_dirs, make
     llm.generate(mixed_prompts(4, seed=3, lo=30, hi=60), GREEDY)
     assert any(padded_rows(real) != real for real, _ in seen)
     assert all(step.input_ids.shape[0] == real for real, step in seen)
+
+
+def test_only_steps_whose_linears_all_pad_are_padded():
+    assert step_padding("onednn", None, False, "cpu") is padded_rows
+    assert step_padding("torch", None, False, "cpu") is None  # linears that take any row count
+    assert step_padding("onednn", "int8", False, "cpu") is None  # quantized linears do not pad
+    assert step_padding("onednn", None, True, "cpu") is None  # LoRA's wrappers take a row per real token
+    assert step_padding("onednn", None, False, "torch") is None  # a backend that does not leave padding out

@@ -17,6 +17,7 @@ eager and compiled steps run the same kernels.
 from __future__ import annotations
 
 import logging
+from typing import Callable
 
 import torch
 
@@ -48,6 +49,16 @@ def padded_rows(rows: int) -> int:
         return rows
     step = 1 << max((rows - 1).bit_length() - 4, 0)
     return -(-rows // step) * step
+
+
+def step_padding(linear_backend: str, quantization: str | None, lora: bool,
+                 attention_backend: str) -> Callable[[int], int] | None:
+    """``padded_rows`` where a model runner should feed its steps at that token count
+    (``step_inputs.InputBuffers.pad_tokens``): every linear a packed oneDNN one (no quantized
+    weights; no LoRA, whose wrappers take a row per real token) and the CPU attention backend,
+    which leaves the padding tokens out. None elsewhere: there padding would only add rows."""
+    packed = linear_backend == "onednn" and not quantization and not lora
+    return padded_rows if packed and attention_backend == "cpu" else None
 
 
 def onednn_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,

@@ -10,7 +10,6 @@ other ranks (``splitserve.engine.tensor_parallel``), which run ``follow`` on the
 """
 from __future__ import annotations
 
-import dataclasses
 import logging
 from pathlib import Path
 from typing import Callable
@@ -28,7 +27,7 @@ from splitserve.engine.kv_connector import KVConnector
 from splitserve.engine.kv_groups import KVGroups, layer_windows, one_group, plan_groups
 from splitserve.engine.kv_sizes import kv_bytes_per_token, pages_for_budget, pages_for_tokens
 from splitserve.engine.cuda_graphs import DecodeGraphs, capture_sizes
-from splitserve.engine.cpu_linear import pack_linear_layers, padded_rows, resolve_linear_backend
+from splitserve.engine.cpu_linear import pack_linear_layers, resolve_linear_backend, step_padding
 from splitserve.engine.model_loader import load_config, load_model
 from splitserve.engine.model_registry import check_supported, final_logits, quantization_to_load
 from splitserve.engine.sampler import Sampler, SamplingRow
@@ -38,7 +37,7 @@ from splitserve.engine.rotary_cache import cache_rotary_embeddings
 from splitserve.engine.step_inputs import InputBuffers, expand_verification
 from splitserve.engine.step_phases import StepPhases
 from splitserve.engine.tensor_parallel import TP_FOLLOWER, FollowerProgram, rank_device
-from splitserve.engine.tensor_parallel.messages import StepMessage
+from splitserve.engine.tensor_parallel.messages import StepMessage, layout_on
 
 log = logging.getLogger(__name__)
 
@@ -199,7 +198,8 @@ class ModelRunner:
             else config.max_num_seqs
         self.inputs = InputBuffers(max_tokens, min(max_rows, max_tokens), pages_for_tokens(self.max_model_len, self.block_size),
                                    self.block_size, self.device, num_groups=len(self.kv_groups.windows),
-                                   pad_tokens=padded_rows if self._pads_steps(config) else None)
+                                   pad_tokens=step_padding(self.linear_backend, self.quantization,
+                                                           config.enable_lora, self.backend.name))
         # LoRA: every projection wrapped before the forward is compiled (splitserve/engine/lora).
         self.lora = None
         if config.enable_lora:
@@ -351,7 +351,7 @@ class ModelRunner:
                 # Host copies: a device tensor sent as it is would come back on rank 0's device.
                 message = StepMessage(input_ids=step.input_ids.to("cpu", copy=True),
                                       positions=step.positions.to("cpu", copy=True),
-                                      layout=_detached(step.layout),
+                                      layout=layout_on(step.layout, "cpu", copy=True),
                                       kv_orders=kv.step_orders(plan) if kv is not None else ())
                 self.followers.broadcast(message)
         with self.phases.timing("forward"):
@@ -369,14 +369,6 @@ class ModelRunner:
             if not step.sample_chunks:
                 return hidden[:0], []
             return self.head(hidden[step.sample_index]), step.sample_chunks
-
-    def _pads_steps(self, config) -> bool:
-        """Whether a step's tokens are padded once, at the inputs, to the row count every oneDNN
-        linear would pad its input to (``cpu_linear.padded_rows``): where the linears are all
-        packed ones (no quantized weights; LoRA's wrappers take a row per real token) and the CPU
-        attention backend leaves padding rows out."""
-        return (self.linear_backend == "onednn" and not self.quantization and not config.enable_lora
-                and self.backend.name == "cpu")
 
     def head(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits of ``hidden`` rows, as the model's own head computes them."""
@@ -415,9 +407,7 @@ class ModelRunner:
         ids, pos = self.inputs.device_tensors[:2]  # the persistent buffers, as rank 0's compiled graph sees them
         ids[:n].copy_(message.input_ids)
         pos[:n].copy_(message.positions)
-        layout = dataclasses.replace(message.layout, **{name: getattr(message.layout, name).to(self.device)
-                                                       for name in _LAYOUT_TENSORS})
-        self._forward(layout, ids[:n], pos[:n], on_layer)
+        self._forward(layout_on(message.layout, self.device), ids[:n], pos[:n], on_layer)
 
     @torch.inference_mode()
     def _dummy_forward(self) -> None:
@@ -448,12 +438,3 @@ class ModelRunner:
         if swap_in:
             src, dst = zip(*swap_in)
             self.kv_pages[:, :, list(dst)] = self.cpu_cache[:, :, list(src)].to(self.device)
-
-
-_LAYOUT_TENSORS = ("slot_mapping", "query_start_loc", "seq_lens", "block_tables")
-
-
-def _detached(layout: StepLayout) -> StepLayout:
-    """The layout with its tensors copied off the persistent buffers (a pickled view would carry
-    its whole buffer) and onto the host, for the other ranks."""
-    return dataclasses.replace(layout, **{name: getattr(layout, name).to("cpu", copy=True) for name in _LAYOUT_TENSORS})

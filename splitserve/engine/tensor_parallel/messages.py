@@ -8,6 +8,7 @@ engine's own types and those a KV connector registers (``register``) for its ord
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import socket
 import struct
@@ -45,6 +46,16 @@ class StepMessage:
             values[name] = tuple(tuple(pair) for pair in values[name])
         values["kv_orders"] = tuple(values["kv_orders"])
         return cls(**values)
+
+
+# A layout's tensors, which travel in the message; the rest of it is plain values.
+_LAYOUT_TENSORS = ("slot_mapping", "query_start_loc", "seq_lens", "block_tables")
+
+
+def layout_on(layout: StepLayout, device: torch.device | str, copy: bool = False) -> StepLayout:
+    """``layout`` with its tensors on ``device``; ``copy``: fresh tensors rather than views of
+    the runner's persistent buffers (a view would carry its whole buffer into the message)."""
+    return dataclasses.replace(layout, **{name: getattr(layout, name).to(device, copy=copy) for name in _LAYOUT_TENSORS})
 
 
 # The types a frame may name: the engine's own, and those a KV connector registers.
