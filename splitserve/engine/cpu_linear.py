@@ -51,13 +51,14 @@ def padded_rows(rows: int) -> int:
     return -(-rows // step) * step
 
 
-def step_padding(linear_backend: str, quantization: str | None, lora: bool,
-                 attention_backend: str) -> Callable[[int], int] | None:
+def step_padding(linear_backend: str, attention_backend: str, quantization: str | None, lora: bool,
+                 experts: bool) -> Callable[[int], int] | None:
     """``padded_rows`` where a model runner should feed its steps at that token count
-    (``step_inputs.InputBuffers.pad_tokens``): every linear a packed oneDNN one (no quantized
-    weights; no LoRA, whose wrappers take a row per real token) and the CPU attention backend,
-    which leaves the padding tokens out. None elsewhere: there padding would only add rows."""
-    packed = linear_backend == "onednn" and not quantization and not lora
+    (``step_inputs.InputBuffers.pad_tokens``): every linear a packed oneDNN one, which would pad
+    its rows anyway (no quantized weights; no LoRA, whose wrappers take a row per real token; no
+    experts, 3-D weights that would compute the padding rows for nothing), and the CPU attention
+    backend, which leaves the padding tokens out. None elsewhere."""
+    packed = linear_backend == "onednn" and not quantization and not lora and not experts
     return padded_rows if packed and attention_backend == "cpu" else None
 
 

@@ -27,9 +27,10 @@ from splitserve.engine.kv_connector import KVConnector
 from splitserve.engine.kv_groups import KVGroups, layer_windows, one_group, plan_groups
 from splitserve.engine.kv_sizes import kv_bytes_per_token, pages_for_budget, pages_for_tokens
 from splitserve.engine.cuda_graphs import DecodeGraphs, capture_sizes
-from splitserve.engine.cpu_linear import pack_linear_layers, resolve_linear_backend, step_padding
+from splitserve.engine.cpu_linear import pack_linear_layers, padded_rows, resolve_linear_backend, step_padding
 from splitserve.engine.model_loader import load_config, load_model
-from splitserve.engine.model_registry import check_supported, final_logits, quantization_to_load
+from splitserve.engine.model_registry import (SUPPORTED, architecture_of, check_supported, final_logits,
+                                              quantization_to_load)
 from splitserve.engine.sampler import Sampler, SamplingRow
 from splitserve.engine.scheduler import SampledToken, ScheduledChunk, SchedulerOutput
 from splitserve.engine.rejection_sampler import verify
@@ -198,8 +199,8 @@ class ModelRunner:
             else config.max_num_seqs
         self.inputs = InputBuffers(max_tokens, min(max_rows, max_tokens), pages_for_tokens(self.max_model_len, self.block_size),
                                    self.block_size, self.device, num_groups=len(self.kv_groups.windows),
-                                   pad_tokens=step_padding(self.linear_backend, self.quantization,
-                                                           config.enable_lora, self.backend.name))
+                                   pad_tokens=step_padding(self.linear_backend, self.backend.name, self.quantization,
+                                                           config.enable_lora, SUPPORTED[architecture_of(hf)].experts))
         # LoRA: every projection wrapped before the forward is compiled (splitserve/engine/lora).
         self.lora = None
         if config.enable_lora:
@@ -267,11 +268,12 @@ class ModelRunner:
         return model.to(self.device)
 
     def _all_reduce_bytes(self, hf) -> int:
-        """The largest all-reduce of a step: a row of hidden size per token of the largest step."""
+        """The largest all-reduce of a step: a row of hidden size per token of the largest step
+        (padded as a CPU step may be fed: ``cpu_linear.step_padding``)."""
         c = self.config
         rows = max(c.max_num_batched_tokens, c.max_num_seqs * (1 + (c.num_speculative_tokens if c.speculative_method
                                                                      else 0)), c.block_size)
-        return rows * hf.hidden_size * torch.empty((), dtype=self.dtype).element_size()
+        return padded_rows(rows) * hf.hidden_size * torch.empty((), dtype=self.dtype).element_size()
 
     def configure_follower_kv(self, message) -> list:
         """``message`` to every other rank's KV connector; their replies, in rank order."""
