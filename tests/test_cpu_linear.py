@@ -55,6 +55,22 @@ def test_the_cpp_linear_op_equals_the_python_one(rows):
     assert torch.equal(cpp, python)
 
 
+def test_the_cpp_op_pads_to_the_row_counts_the_runner_feeds():
+    """The C++ op pads to ``padded_rows`` as Python computes it: the count the runner pads whole
+    steps to (step_inputs.InputBuffers.pad_tokens). Were the two to differ, every linear of a
+    padded step would copy its input again."""
+    from torch.profiler import profile
+
+    from splitserve.engine.cpu_linear import padded_rows
+    linear = OnednnLinear(torch.nn.Linear(48, 80))
+    counts = (1, 64, 65, 100, 129, 250, 300, 1000, 2047)
+    with profile(record_shapes=True) as prof:
+        for rows in counts:
+            torch.ops.splitserve_cpu.onednn_linear(torch.randn(rows, 48), linear.packed_weight, linear.bias, 80)
+    ran = [event.input_shapes[0][0] for event in prof.events() if event.name == "mkldnn::_linear_pointwise"]
+    assert ran == [padded_rows(rows) for rows in counts]
+
+
 def test_row_counts_are_rounded_to_a_bounded_set_of_shapes():
     """oneDNN keeps a compiled kernel per shape: above 64 rows they round up (< 12.5 % padding),
     so 2,048 row counts give 104 shapes, not 2,048."""
