@@ -12,11 +12,12 @@ comparisons also holds it to the synchronous colocated worker's tokens.
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+import grpc
 import pytest
 
 from splitserve.client import build_request
 from tests.harness.prompts import mixed_prompts
-from tests.harness.stack import start_stack
+from tests.harness.stack import start_stack, worker_info
 from tests.harness.tools import scrape
 
 
@@ -118,5 +119,13 @@ def test_concurrent_stops_and_a_cancel_through_an_async_decode_worker(stacks):
     give_up = time.monotonic() + 10  # the gauge refreshes on the engine thread every 0.5 s
     while scrape(port).get("vllm:kv_cache_usage_perc") != 0.0 and time.monotonic() < give_up:
         time.sleep(0.2)
-    assert scrape(port).get("vllm:kv_cache_usage_perc") == 0.0
+    usage = scrape(port).get("vllm:kv_cache_usage_perc")
+    if usage != 0.0:  # what the engine itself says (the gauge may be stale), and the worker's log
+        try:
+            info = worker_info(stack.worker_stub("decode"), timeout_s=5)
+        except grpc.RpcError as e:
+            info = f"no answer from the engine thread: {e.code()}"
+        tail = stack.log_paths["decode"].read_text().splitlines()[-15:]
+        pytest.fail(f"decode pages still in use after the cancel: {usage}; GetWorkerInfo: {info}; "
+                    "the decode log's end:\n" + "\n".join(tail))
     assert scrape(port).get("splitserve:engine_steps_overlapped_total", 0) > 0  # the overlap ran

@@ -65,8 +65,13 @@ class DecodeWorkerServicer(WorkerServicer, worker_pb2_grpc.DecodeWorkerServicer)
 
     def abort(self, request_id: str) -> bool:
         if self.connector is not None:
-            return self.connector.abort(request_id)
-        return self.engine.abort_request(request_id) is not None
+            found = self.connector.abort(request_id)
+        else:
+            found = self.engine.abort_request(request_id) is not None
+        # A second abort of the same request (the gateway's Abort after its Decode call was
+        # cancelled, or the other way round) finds nothing: that is the normal case.
+        log.info("abort of %s: %s", request_id, "its request or pages let go" if found else "nothing held here")
+        return found
 
     def busy(self) -> bool:
         """Running, waiting, or reserved for a handoff still on its way."""
