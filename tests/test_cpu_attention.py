@@ -251,3 +251,18 @@ def test_prefill_kernel_refuses_bad_input():
     with pytest.raises(RuntimeError, match="bad rows or length"):
         torch.ops.splitserve_cpu.paged_prefill(out, batch.query, batch.k_cache, batch.v_cache, batch.block_tables,
                                                batch.query_start_loc, short, 0, 1.0)
+
+
+def test_each_checkout_builds_the_kernels_in_a_directory_of_its_own(tmp_path, monkeypatch):
+    """torch's build file names the sources by path: two checkouts sharing a build directory
+    rebuilt it in turn (a fresh clone's test run and a worktree's server waited ~80 s each time)."""
+    import shutil
+
+    key = cpu_kernels._build_key()
+    assert cpu_kernels._build_key() == key  # the same checkout: the same directory, built once
+    copies = []
+    for source in cpu_kernels._SOURCES:
+        copies.append(tmp_path / source.name)
+        shutil.copyfile(source, copies[-1])
+    monkeypatch.setattr(cpu_kernels, "_SOURCES", copies)
+    assert cpu_kernels._build_key() != key  # the same sources elsewhere: another directory

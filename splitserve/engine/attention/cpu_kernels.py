@@ -4,8 +4,8 @@ splitserve/engine/quantization.py; the LoRA updates of splitserve/engine/lora/la
 OpenMP thread binding of splitserve/engine/openmp.py), compiled for this machine on first use and cached.
 
 ``torch.utils.cpp_extension`` builds the sources with ``-O3 -march=native`` into
-``cache_dir()/torch_extensions/<key>``, where the key covers the sources, torch's version and the
-CPU's instruction sets, so a changed kernel, torch or machine builds afresh and an unchanged
+``cache_dir()/torch_extensions/<key>``, where the key covers the sources (and where they are), torch's
+version and the CPU's instruction sets, so a changed kernel, torch or machine builds afresh and an unchanged
 one loads in milliseconds. ``make install`` builds it once (``python -m
 splitserve.engine.attention.cpu_kernels``) so a server's first request does not wait for the compiler.
 The ops register under ``torch.ops.splitserve_cpu``; ``available()`` says whether they loaded
@@ -44,6 +44,9 @@ def _cpu_flags() -> str:
 
 def _build_key() -> str:
     h = hashlib.sha256()
+    # The checkout too: torch's build file names the sources by path, so two checkouts sharing one
+    # build directory rebuilt it in turn, each start of one after the other's waiting ~80 s for it.
+    h.update(str(_SOURCES[0].parent.resolve()).encode())
     for source in _SOURCES:
         h.update(source.read_bytes())
     h.update(" ".join(CFLAGS).encode())
