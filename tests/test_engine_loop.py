@@ -249,3 +249,36 @@ def test_a_worker_hands_its_loop_lock_to_the_engine():
     finally:
         stepper.go_on.set()
         worker.close()
+
+
+def test_a_step_that_does_not_end_is_reported_once_with_where_it_is(monkeypatch, caplog):
+    monkeypatch.setenv("SPLITSERVE_ENGINE_STALL_WARN_S", "0.2")
+    stepper = _Stepper()
+    loop = EngineLoop(stepper.step, stepper.has_work).start()
+    try:
+        with caplog.at_level("WARNING", logger="splitserve.worker.engine_loop"):
+            assert stepper.entered.wait(10)
+            deadline = time.monotonic() + 10
+            while not caplog.records and time.monotonic() < deadline:
+                time.sleep(0.05)
+            time.sleep(0.6)  # the watch looks again (every 0.1 s here): the same round is not reported twice
+            stepper.go_on.set()
+            loop.call(lambda: None)
+        [record] = caplog.records
+        assert "busy for" in record.getMessage() and "in step" in record.getMessage()  # the step's own frame
+    finally:
+        loop.stop()
+
+
+def test_a_loop_waiting_for_work_is_not_a_stall(monkeypatch, caplog):
+    monkeypatch.setenv("SPLITSERVE_ENGINE_STALL_WARN_S", "0.2")
+    stepper = _Stepper()
+    stepper.pending = False  # nothing to do: the loop sleeps on its command queue
+    loop = EngineLoop(stepper.step, stepper.has_work).start()
+    try:
+        with caplog.at_level("WARNING", logger="splitserve.worker.engine_loop"):
+            time.sleep(1.0)
+            assert loop.call(lambda: "ran") == "ran"
+        assert not caplog.records
+    finally:
+        loop.stop()

@@ -34,6 +34,7 @@ import queue
 import sys
 import threading
 import time
+import traceback
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
 
@@ -50,6 +51,12 @@ FAIL_STEP_ENV = "SPLITSERVE_FAULT_FAIL_STEP"
 # ... and every engine step takes this many seconds longer (0: no delay): a prefill as slow as
 # a long prompt on a small machine, with a tiny model, so a test can outlast a lease for sure.
 SLOW_STEP_ENV = "SPLITSERVE_FAULT_STEP_DELAY_S"
+
+# The loop thread busy this long in one go (a step, the commands between steps, housekeeping) is
+# reported once, with where it is: a step that never ends holds its requests and their pages where
+# they are, and nothing else in the process says why. 0: no report.
+STALL_WARN_ENV = "SPLITSERVE_ENGINE_STALL_WARN_S"
+DEFAULT_STALL_WARN_S = 30.0
 
 
 class EngineDead(Unavailable):
@@ -92,11 +99,17 @@ class EngineLoop:
         self._stop = threading.Event()
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._stall_warn_s = float(os.environ.get(STALL_WARN_ENV, "") or DEFAULT_STALL_WARN_S)
+        # When the loop thread's current round of work began (None while it waits for work).
+        self._busy_since: float | None = None
+        self._watch = threading.Thread(target=self._watch_stalls, name=f"{name}-watch", daemon=True)
 
     def start(self) -> "EngineLoop":
         # The engine was built on this thread; from now on the loop thread computes (splitserve/engine/openmp.py).
         self._handover = ComputeHandover()
         self._thread.start()
+        if self._stall_warn_s > 0:
+            self._watch.start()
         return self
 
     @property
@@ -226,10 +239,10 @@ class EngineLoop:
         next_housekeeping = time.monotonic()
         try:
             while not self._stop.is_set():
-                with self._holding():
+                with self._busy(), self._holding():
                     idle = not self._has_work()
                 first = self._next_command(block=idle)  # waited for without the lock
-                with self._holding():
+                with self._busy(), self._holding():
                     self._run_commands(first)
                     if self._stop.is_set():
                         break
@@ -245,6 +258,29 @@ class EngineLoop:
         finally:
             with self._taken_cond:  # calls waiting beside: the loop has ended
                 self._taken_cond.notify_all()
+
+    @contextlib.contextmanager
+    def _busy(self):
+        """A round of the loop thread's work, for ``_watch_stalls`` (taking the lock counts too)."""
+        self._busy_since = time.monotonic()
+        try:
+            yield
+        finally:
+            self._busy_since = None
+
+    def _watch_stalls(self) -> None:
+        """Log, once per round, a round of work longer than the stall bound, with the loop
+        thread's Python stack at that moment."""
+        reported = None
+        while not self._stop.wait(min(1.0, self._stall_warn_s / 2)) and self._thread.is_alive():
+            since = self._busy_since
+            if since is None or since == reported or time.monotonic() - since < self._stall_warn_s:
+                continue
+            reported = since
+            frame = sys._current_frames().get(self._thread.ident)
+            where = "".join(traceback.format_stack(frame)) if frame is not None else "(its frame is gone)\n"
+            log.warning("the engine thread has been busy for %.1f s in one go (a step, the commands between steps "
+                        "or housekeeping); it is at:\n%s", time.monotonic() - since, where.rstrip())
 
     @contextlib.contextmanager
     def _holding(self):

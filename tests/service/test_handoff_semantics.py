@@ -24,8 +24,11 @@ from tests.harness.tools import scrape
 @pytest.fixture(scope="module")
 def stacks(tiny_model_dirs, tmp_path_factory):
     model = tiny_model_dirs["llama"]
+    # A decode step or command that does not end within 5 s is logged with the engine thread's
+    # stack: the cancelled-stream test reads the log's end if pages stay in use.
     with start_stack(model, tmp_path_factory, prefill=1, decode=1,
-                     role_args={"decode": ["--async-scheduling", "on"]}) as disaggregated, \
+                     role_args={"decode": ["--async-scheduling", "on"]},
+                     role_env={"decode": {"SPLITSERVE_ENGINE_STALL_WARN_S": "5"}}) as disaggregated, \
             start_stack(model, tmp_path_factory, prefill=0, decode=0, both=1) as colocated:
         yield {"disaggregated": disaggregated, "colocated": colocated}
 
