@@ -258,10 +258,10 @@ def test_a_step_that_does_not_end_is_reported_once_with_where_it_is(monkeypatch,
     try:
         with caplog.at_level("WARNING", logger="splitserve.worker.engine_loop"):
             assert stepper.entered.wait(10)
-            deadline = time.monotonic() + 10
-            while not caplog.records and time.monotonic() < deadline:
-                time.sleep(0.05)
-            time.sleep(0.6)  # the watch looks again (every 0.1 s here): the same round is not reported twice
+            assert not loop.report_stall()  # under the bound
+            time.sleep(0.3)
+            assert loop.report_stall()
+            assert not loop.report_stall()  # the same round is not reported twice
             stepper.go_on.set()
             loop.call(lambda: None)
         [record] = caplog.records
@@ -278,6 +278,7 @@ def test_a_loop_waiting_for_work_is_not_a_stall(monkeypatch, caplog):
     try:
         with caplog.at_level("WARNING", logger="splitserve.worker.engine_loop"):
             time.sleep(1.0)
+            assert not loop.report_stall()
             assert loop.call(lambda: "ran") == "ran"
         assert not caplog.records
     finally:

@@ -100,21 +100,37 @@ class EngineLoop:
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._stall_warn_s = float(os.environ.get(STALL_WARN_ENV, "") or DEFAULT_STALL_WARN_S)
-        # When the loop thread's current round of work began (None while it waits for work).
+        # When the loop thread's current round of work began (None while it waits for work), and
+        # the round last reported as a stall.
         self._busy_since: float | None = None
-        self._watch = threading.Thread(target=self._watch_stalls, name=f"{name}-watch", daemon=True)
+        self._stall_reported: float | None = None
 
     def start(self) -> "EngineLoop":
         # The engine was built on this thread; from now on the loop thread computes (splitserve/engine/openmp.py).
         self._handover = ComputeHandover()
         self._thread.start()
-        if self._stall_warn_s > 0:
-            self._watch.start()
         return self
 
     @property
     def alive(self) -> bool:
         return self._thread.is_alive() and self.error is None
+
+    def report_stall(self) -> bool:
+        """Log, once per round, a round of the loop thread's work (a step, the commands between
+        steps, housekeeping) that has gone on for longer than the stall bound, with where the loop
+        thread is now; True when it logged. For whoever watches the loop: the worker's serve loop
+        calls it with its liveness check (a thread of the loop's own would count among the
+        threads an engine starts, which the thread-placement tests check one by one)."""
+        since = self._busy_since
+        if self._stall_warn_s <= 0 or since is None or since == self._stall_reported \
+                or time.monotonic() - since < self._stall_warn_s:
+            return False
+        self._stall_reported = since
+        frame = sys._current_frames().get(self._thread.ident)
+        where = "".join(traceback.format_stack(frame)) if frame is not None else "(its frame is gone)\n"
+        log.warning("the engine thread has been busy for %.1f s in one go (a step, the commands between steps "
+                    "or housekeeping); it is at:\n%s", time.monotonic() - since, where.rstrip())
+        return True
 
     def submit(self, fn: Callable[[], Any]) -> Future:
         """Queue ``fn`` for the loop thread; returns a concurrent future of its result."""
@@ -261,26 +277,12 @@ class EngineLoop:
 
     @contextlib.contextmanager
     def _busy(self):
-        """A round of the loop thread's work, for ``_watch_stalls`` (taking the lock counts too)."""
+        """A round of the loop thread's work, for ``report_stall`` (taking the lock counts too)."""
         self._busy_since = time.monotonic()
         try:
             yield
         finally:
             self._busy_since = None
-
-    def _watch_stalls(self) -> None:
-        """Log, once per round, a round of work longer than the stall bound, with the loop
-        thread's Python stack at that moment."""
-        reported = None
-        while not self._stop.wait(min(1.0, self._stall_warn_s / 2)) and self._thread.is_alive():
-            since = self._busy_since
-            if since is None or since == reported or time.monotonic() - since < self._stall_warn_s:
-                continue
-            reported = since
-            frame = sys._current_frames().get(self._thread.ident)
-            where = "".join(traceback.format_stack(frame)) if frame is not None else "(its frame is gone)\n"
-            log.warning("the engine thread has been busy for %.1f s in one go (a step, the commands between steps "
-                        "or housekeeping); it is at:\n%s", time.monotonic() - since, where.rstrip())
 
     @contextlib.contextmanager
     def _holding(self):

@@ -26,7 +26,7 @@ from splitserve.worker.servicer import WorkerServicer
 
 log = logging.getLogger(__name__)
 
-# How often the process checks that its engine loop is still alive.
+# How often the process checks that its engine loop is still alive (and not stalled).
 WATCH_S = 0.5
 
 
@@ -128,6 +128,7 @@ async def _serve(servicer: WorkerServicer, add_to_server, service_name: str, arg
             log.error("engine loop died: %r; exiting so a supervisor restarts the worker", servicer.loop.error)
             code = 1
             break
+        servicer.loop.report_stall()  # a step that does not end: logged once, with where it is
     servicer.draining = True  # refuse new work first: NOT_SERVING below promises it
     if code == 0:
         # Draining: not ready (gateways route nothing new here), still alive while it finishes.
