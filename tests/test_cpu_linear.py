@@ -8,33 +8,54 @@ from tests.test_engine_correctness import GREEDY, assert_matches, mixed_prompts
 
 pytestmark = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch built without oneDNN")
 
+# Both ways of packing a linear: torch's oneDNN inner product, and the matmul primitive of the
+# onednn-cpu-gomp wheel (a dependency on x86-64 Linux: its op must build there).
+PACKINGS = ["onednn", "onednn-matmul"]
 
+
+@pytest.mark.parametrize("backend", PACKINGS)
 @pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("shape", [(1, 48), (7, 48), (1, 5, 48), (64, 48), (65, 48), (2, 100, 48), (300, 48)])
-def test_packed_linear_equals_nn_linear(bias, shape):
+def test_packed_linear_equals_nn_linear(backend, bias, shape):
     torch.manual_seed(0)
     linear = torch.nn.Linear(48, 80, bias=bias)
     x = torch.randn(shape)
-    packed = OnednnLinear(linear)
+    packed = OnednnLinear(linear, backend)
     assert packed(x).shape == (*shape[:-1], 80)
     torch.testing.assert_close(packed(x), linear(x), rtol=1e-5, atol=1e-5)
+    torch._dynamo.reset()  # each case compiles the same forward afresh (dynamo's recompile limit is 8)
     compiled = torch.compile(packed, fullgraph=True)
     torch.testing.assert_close(compiled(x), linear(x), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.skipif(not onednn_computes(torch.bfloat16), reason="this CPU's oneDNN has no native bf16")
+@pytest.mark.parametrize("backend", PACKINGS)
+@pytest.mark.parametrize("bias", [False, True])
 @pytest.mark.parametrize("rows", [1, 16, 65])
-def test_packed_bf16_linear_equals_nn_linear(rows):
+def test_packed_bf16_linear_equals_nn_linear(backend, bias, rows):
     """bf16 weights pack too where the CPU computes bf16 natively; fused groups included."""
     torch.manual_seed(0)
-    linear = torch.nn.Linear(64, 96, bias=False).to(torch.bfloat16)
+    linear = torch.nn.Linear(64, 96, bias=bias).to(torch.bfloat16)
     x = torch.randn(rows, 64).to(torch.bfloat16)
-    packed = OnednnLinear(linear)
+    packed = OnednnLinear(linear, backend)
     assert packed(x).dtype == torch.bfloat16
     # Both accumulate in fp32 and round once to bf16: they may differ by one bf16 step.
     torch.testing.assert_close(packed(x), linear(x), rtol=1.6e-2, atol=1e-2)
-    fused = FusedLinears([linear, linear])
+    fused = FusedLinears([linear, linear], backend)
     torch.testing.assert_close(fused.part(1, x), linear(x), rtol=1.6e-2, atol=1e-2)
+
+
+def test_the_matmul_op_builds_and_checks_its_packed_weight():
+    """Where the oneDNN wheel is installed (every x86-64 Linux install) its op builds, and a weight
+    packed for another shape is refused, not read past its end."""
+    from splitserve.engine.attention import cpu_kernels
+    assert cpu_kernels.onednn_root() is not None
+    assert cpu_kernels.matmul_available(), cpu_kernels.matmul_error()
+    small = OnednnLinear(torch.nn.Linear(16, 8), "onednn-matmul")
+    with pytest.raises(RuntimeError, match="not packed for this shape"):
+        torch.ops.splitserve_dnnl.linear(torch.randn(3, 48), small.packed_weight, None, 48, 80, 32)
+    with pytest.raises(RuntimeError, match="float32 or bfloat16 only"):
+        torch.ops.splitserve_dnnl.pack(torch.randn(8, 16, dtype=torch.float64), 32)
 
 
 @pytest.mark.parametrize("rows", [1, 8, 64, 65, 129, 300])
@@ -109,8 +130,9 @@ class _Attention(torch.nn.Module):
         return torch.cat([parts["q"], parts["k"], parts["v"], gate_up, self.o_proj(x)], dim=-1)
 
 
+@pytest.mark.parametrize("backend", PACKINGS)
 @pytest.mark.parametrize("order", [("q", "k", "v"), ("v", "q", "k")])
-def test_fused_groups_equal_their_separate_linears(order):
+def test_fused_groups_equal_their_separate_linears(order, backend):
     """q/k/v and gate/up become one GEMM each, whatever order the members are called in; a fresh
     input is never served from the last one's result; nothing is held between calls."""
     torch.manual_seed(0)
@@ -118,7 +140,7 @@ def test_fused_groups_equal_their_separate_linears(order):
     x, y = torch.randn(5, 16), torch.randn(3, 16)
     with torch.no_grad():
         expected_x, expected_y = module(x, order), module(y, order)
-        assert pack_linear_layers(module) == 6
+        assert pack_linear_layers(module, backend) == 6
         assert type(module.q_proj) is FusedMember and type(module.o_proj) is OnednnLinear
         assert sorted(n for n, m in module.named_children() if isinstance(m, FusedLinears)) == ["fused_gate_up",
                                                                                                "fused_q_k_v"]
@@ -127,18 +149,27 @@ def test_fused_groups_equal_their_separate_linears(order):
         assert module.fused_q_k_v._input is None and module.fused_gate_up._parts == ()
         module.q_proj(x)  # a call that never finished (only one member ran) ...
         torch.testing.assert_close(module(y, order), expected_y, rtol=1e-5, atol=1e-5)  # ... is not reused
+        torch._dynamo.reset()
         compiled = torch.compile(module, fullgraph=True)
         torch.testing.assert_close(compiled(x, order), expected_x, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(compiled(y, order), expected_y, rtol=1e-5, atol=1e-5)
 
 
-def test_backend_resolution():
+def test_backend_resolution(monkeypatch):
+    from splitserve.engine.attention import cpu_kernels
     cpu, fp32 = torch.device("cpu"), torch.float32
-    assert resolve_linear_backend("auto", cpu, fp32) == "onednn"
+    assert resolve_linear_backend("auto", cpu, fp32) == "onednn-matmul"
     native_bf16 = bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())  # AVX-512 BF16 or AMX
     assert onednn_computes(torch.bfloat16) == native_bf16
-    assert resolve_linear_backend("auto", cpu, torch.bfloat16) == ("onednn" if native_bf16 else "torch")
+    assert resolve_linear_backend("auto", cpu, torch.bfloat16) == ("onednn-matmul" if native_bf16 else "torch")
+    native_fp16 = onednn_computes(torch.float16)  # not a dtype of the matmul's
+    assert resolve_linear_backend("auto", cpu, torch.float16) == ("onednn" if native_fp16 else "torch")
     assert resolve_linear_backend("torch", cpu, fp32) == "torch"
+    assert resolve_linear_backend("onednn", cpu, fp32) == "onednn"
+    with pytest.raises(ValueError, match="computes float32 or bfloat16"):
+        resolve_linear_backend("onednn-matmul", cpu, torch.float16)
+    monkeypatch.setattr(cpu_kernels, "matmul_available", lambda: False)  # no oneDNN wheel: the inner product
+    assert resolve_linear_backend("auto", cpu, fp32) == "onednn"
     with pytest.raises(ValueError, match="needs a CPU device and a dtype its oneDNN computes natively"):
         resolve_linear_backend("onednn", cpu, torch.float64)
     with pytest.raises(ValueError, match="needs a CPU device"):
@@ -147,13 +178,14 @@ def test_backend_resolution():
         resolve_linear_backend("mkl", cpu, fp32)
 
 
-@pytest.mark.parametrize("linear_backend", ["torch", "onednn"])
-def test_engine_matches_transformers_with_either_linear(linear_backend, tiny_model_dirs, make_llm, hf_reference):
+@pytest.mark.parametrize("linear_backend", ["torch", "onednn", "onednn-matmul"])
+def test_engine_matches_transformers_with_each_linear(linear_backend, tiny_model_dirs, make_llm, hf_reference):
     model = tiny_model_dirs["llama"]
     prompts = mixed_prompts(8, seed=11)
     llm = make_llm(model, linear_backend=linear_backend, num_gpu_blocks=128, enforce_eager=False)
     assert llm.engine.runner.linear_backend == linear_backend
-    assert any(isinstance(m, OnednnLinear) for m in llm.engine.runner.model.modules()) == (linear_backend == "onednn")
+    packed = [m.op.name for m in llm.engine.runner.model.modules() if isinstance(m, (OnednnLinear, FusedLinears))]
+    assert set(packed) == (set() if linear_backend == "torch" else {linear_backend})
     assert_matches(llm.generate(prompts, GREEDY), prompts, hf_reference(model))
 
 

@@ -13,7 +13,7 @@ KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "int8")
 KV_SCALE_BYTES = 4
 ATTENTION_BACKENDS = ("auto", "cpu", "torch", "triton")
 # Linear layers: "onednn" (prepacked weights, fp32 on CPU; splitserve/engine/cpu_linear.py) or "torch".
-LINEAR_BACKENDS = ("auto", "onednn", "torch")
+LINEAR_BACKENDS = ("auto", "onednn", "onednn-matmul", "torch")
 LOAD_FORMATS = ("auto", "dummy")
 ASYNC_SCHEDULING = ("auto", "on", "off")
 # Speculative decoding (splitserve/engine/spec_decode): prompt lookup, or a small draft model.
@@ -110,7 +110,9 @@ class EngineConfig:
     tensor_parallel_size: int = 1
     # Paged attention kernels: "auto" (triton on CUDA, torch on CPU), "torch" or "triton".
     attention_backend: str = "auto"
-    # Linear layers: "auto" (oneDNN prepacked weights for fp32 on a CPU, torch elsewhere), "onednn", "torch".
+    # Linear layers: "auto" (prepacked oneDNN weights on a CPU that computes the dtype natively: its
+    # matmul primitive for fp32/bf16, its inner product for fp16; torch elsewhere), "onednn-matmul",
+    # "onednn" (torch's inner product), "torch".
     linear_backend: str = "auto"
     # Run the model op by op instead of as one compiled graph (vLLM's escape hatch of the same name).
     enforce_eager: bool = False

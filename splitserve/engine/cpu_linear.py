@@ -58,7 +58,7 @@ def step_padding(linear_backend: str, attention_backend: str, quantization: str 
     its rows anyway (no quantized weights; no LoRA, whose wrappers take a row per real token; no
     experts, 3-D weights that would compute the padding rows for nothing), and the CPU attention
     backend, which leaves the padding tokens out. None elsewhere."""
-    packed = linear_backend == "onednn" and not quantization and not lora and not experts
+    packed = linear_backend in ("onednn", "onednn-matmul") and not quantization and not lora and not experts
     return padded_rows if packed and attention_backend == "cpu" else None
 
 
@@ -107,22 +107,77 @@ def linear_op():
     return torch.ops.splitserve_cpu.onednn_linear
 
 
+class InnerProduct:
+    """How ``onednn`` packs and calls a linear: torch's oneDNN inner product on its packed weight."""
+    name = "onednn"
+
+    def __init__(self):
+        self.op = linear_op()
+
+    def pack(self, weight: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._reorder_linear_weight(weight, BATCH_HINT)
+
+    def __call__(self, x, packed, bias, in_features: int, out_features: int) -> torch.Tensor:
+        return self.op(x, packed, bias, out_features)
+
+
+MATMUL_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _matmul_shape(x, packed, bias, in_features, out_features, batch_hint):
+    return x.new_empty((*x.shape[:-1], out_features))
+
+
+_matmul_faked = False
+
+
+class Matmul:
+    """How ``onednn-matmul`` packs and calls a linear: oneDNN's matmul primitive, from the oneDNN of
+    the ``onednn-cpu-gomp`` wheel (``csrc/onednn_matmul_cpu.cpp``, which says why).
+
+    SmolLM2-135M on 2 AMX Xeon cores, the engine's own steps, the two alternated in one process,
+    this / the inner product: bf16 decode steps 0.82-0.86x at 1-4 sequences, 0.91-0.95x at 8,
+    0.95-1.00x at 32-64; prefill steps 1.03-1.04x at 150 tokens, 0.92-0.96x at 250, 0.91-0.93x at 450.
+    A decode step reads every weight from memory once, and this primitive reads them at the speed of
+    a plain 2-thread sum over memory (16 GB/s here), the inner product at ~88 % of it."""
+    name = "onednn-matmul"
+
+    def __init__(self):
+        global _matmul_faked
+        from splitserve.engine.attention import cpu_kernels
+        if not cpu_kernels.matmul_available():
+            raise RuntimeError(f"linear_backend='onednn-matmul' needs oneDNN's matmul op, which could not be built: "
+                               f"{cpu_kernels.matmul_error()}")
+        if not _matmul_faked:  # its shape rule, for the compiled step (the op exists once its library loaded)
+            torch.library.register_fake("splitserve_dnnl::linear")(_matmul_shape)
+            _matmul_faked = True
+
+    def pack(self, weight: torch.Tensor) -> torch.Tensor:
+        return torch.ops.splitserve_dnnl.pack(weight.contiguous(), BATCH_HINT)
+
+    def __call__(self, x, packed, bias, in_features: int, out_features: int) -> torch.Tensor:
+        return torch.ops.splitserve_dnnl.linear(x, packed, bias, in_features, out_features, BATCH_HINT)
+
+
+def packing(backend: str) -> InnerProduct | Matmul:
+    return Matmul() if backend == "onednn-matmul" else InnerProduct()
+
+
 class OnednnLinear(torch.nn.Module):
     """Stands in for an ``nn.Linear`` whose weight was packed; the plain weight is dropped."""
 
-    def __init__(self, linear: torch.nn.Linear):
+    def __init__(self, linear: torch.nn.Linear, backend: str = "onednn"):
         super().__init__()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.register_buffer("packed_weight", torch.ops.mkldnn._reorder_linear_weight(
-            linear.weight.detach(), BATCH_HINT), persistent=False)
+        self.op = packing(backend)
+        self.register_buffer("packed_weight", self.op.pack(linear.weight.detach()), persistent=False)
         self.register_buffer("bias", None if linear.bias is None else linear.bias.detach(), persistent=False)
-        self.op = linear_op()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.op(x, self.packed_weight, self.bias, self.out_features)
+        return self.op(x, self.packed_weight, self.bias, self.in_features, self.out_features)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, onednn"
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.op.name}"
 
 
 def onednn_computes(dtype: torch.dtype) -> bool:
@@ -141,18 +196,27 @@ def onednn_computes(dtype: torch.dtype) -> bool:
 
 
 def resolve_linear_backend(name: str, device: torch.device, dtype: torch.dtype) -> str:
-    """``auto``: oneDNN on a CPU whose oneDNN computes ``dtype`` natively, torch elsewhere.
+    """``auto``: oneDNN on a CPU whose oneDNN computes ``dtype`` natively, torch elsewhere; in
+    float32 and bfloat16 oneDNN's matmul primitive (``onednn-matmul``, ``Matmul`` says why) where its
+    op built, else the inner product (``onednn``).
 
     For bf16 on an AVX-512 BF16 Zen 5 (2 threads, all of SmolLM2-135M's linears, ms per step):
     inductor's freezing left them as plain ``aten::mm`` calls on unpacked weights (21.6 ms at 16
     rows, the lm_head 3.7 more), prepacked oneDNN weights took 13.8 in all."""
     if name not in LINEAR_BACKENDS:
         raise ValueError(f"linear_backend must be one of {LINEAR_BACKENDS}, got {name!r}")
+    if name == "onednn-matmul" and dtype not in MATMUL_DTYPES:
+        raise ValueError(f"linear_backend='onednn-matmul' computes float32 or bfloat16, got {dtype}")
     usable = device.type == "cpu" and onednn_computes(dtype)
-    if name == "onednn" and not usable:
-        raise ValueError(f"linear_backend='onednn' needs a CPU device and a dtype its oneDNN computes natively "
+    if name in ("onednn", "onednn-matmul") and not usable:
+        raise ValueError(f"linear_backend={name!r} needs a CPU device and a dtype its oneDNN computes natively "
                          f"(float32 always; bfloat16/float16 with AVX-512 or AMX), got {device.type}, {dtype}")
-    return "onednn" if name == "onednn" or (name == "auto" and usable) else "torch"
+    if name != "auto":
+        return name
+    if not usable:
+        return "torch"
+    from splitserve.engine.attention import cpu_kernels
+    return "onednn-matmul" if dtype in MATMUL_DTYPES and cpu_kernels.matmul_available() else "onednn"
 
 
 # Linears of one module that read the same input, as `transformers` names them: one GEMM on their
@@ -167,24 +231,24 @@ class FusedLinears(torch.nn.Module):
     (``FusedMember``) asks for its slice: the first to ask for a given input runs the GEMM, the
     others take their slices of that result, and the last one lets it go."""
 
-    def __init__(self, linears: list[torch.nn.Linear]):
+    def __init__(self, linears: list[torch.nn.Linear], backend: str = "onednn"):
         super().__init__()
         self.sizes = [linear.out_features for linear in linears]
+        self.in_features = linears[0].in_features
         weight = torch.cat([linear.weight.detach() for linear in linears])
         biases = [linear.bias.detach() if linear.bias is not None else linear.weight.new_zeros(linear.out_features)
                   for linear in linears]
         has_bias = any(linear.bias is not None for linear in linears)
-        self.register_buffer("packed_weight", torch.ops.mkldnn._reorder_linear_weight(weight, BATCH_HINT),
-                             persistent=False)
+        self.op = packing(backend)
+        self.register_buffer("packed_weight", self.op.pack(weight), persistent=False)
         self.register_buffer("bias", torch.cat(biases) if has_bias else None, persistent=False)
-        self.op = linear_op()
         self._input: torch.Tensor | None = None
         self._parts: tuple[torch.Tensor, ...] = ()
         self._taken = 0
 
     def part(self, index: int, x: torch.Tensor) -> torch.Tensor:
         if self._input is not x:  # a new input (or a call that never finished): compute afresh
-            out = self.op(x, self.packed_weight, self.bias, sum(self.sizes))
+            out = self.op(x, self.packed_weight, self.bias, self.in_features, sum(self.sizes))
             self._input, self._parts, self._taken = x, out.split(self.sizes, dim=-1), 0
         result = self._parts[index]
         self._taken += 1
@@ -206,10 +270,11 @@ class FusedMember(torch.nn.Module):
         return self._group[0].part(self.index, x)
 
     def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, onednn, fused #{self.index}"
+        return (f"in_features={self.in_features}, out_features={self.out_features}, {self._group[0].op.name}, "
+                f"fused #{self.index}")
 
 
-def _fuse_groups(model: torch.nn.Module) -> int:
+def _fuse_groups(model: torch.nn.Module, backend: str) -> int:
     """Stack each FUSED_GROUPS set of plain linears that share a parent; returns how many were fused."""
     fused = 0
     for parent in list(model.modules()):
@@ -219,7 +284,7 @@ def _fuse_groups(model: torch.nn.Module) -> int:
                 continue
             if len({linear.in_features for linear in linears}) != 1:
                 continue
-            group = FusedLinears(linears)
+            group = FusedLinears(linears, backend)
             parent.add_module("fused_" + "_".join(n.split("_")[0] for n in names), group)
             for index, (name, linear) in enumerate(zip(names, linears)):
                 setattr(parent, name, FusedMember(group, index, linear))
@@ -227,16 +292,16 @@ def _fuse_groups(model: torch.nn.Module) -> int:
     return fused
 
 
-def pack_linear_layers(model: torch.nn.Module) -> int:
+def pack_linear_layers(model: torch.nn.Module, backend: str = "onednn") -> int:
     """Replace every ``nn.Linear`` of ``model`` by an oneDNN one (``FusedMember`` for the linears
     of a FUSED_GROUPS set, ``OnednnLinear`` for the others); returns how many.
 
     A weight tied to another module (the embedding of a tied ``lm_head``) stays where it is
     for that module; the packed copy is the linear's own."""
-    fused = _fuse_groups(model)
+    fused = _fuse_groups(model, backend)
     targets = [(name, module) for name, module in model.named_modules() if type(module) is torch.nn.Linear]
     for name, module in targets:
         parent_name, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent_name), child, OnednnLinear(module))
-    log.info("packed %d linear layers for oneDNN (%d of them in fused groups)", len(targets) + fused, fused)
+        setattr(model.get_submodule(parent_name), child, OnednnLinear(module, backend))
+    log.info("packed %d linear layers for %s (%d of them in fused groups)", len(targets) + fused, backend, fused)
     return len(targets) + fused

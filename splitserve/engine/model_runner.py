@@ -140,8 +140,8 @@ class ModelRunner:
         cache_rotary_embeddings(self.model, max(self.max_model_len, config.max_num_batched_tokens,
                                                 config.max_num_seqs, config.block_size), self.dtype, self.device)
         self.linear_backend = resolve_linear_backend(config.linear_backend, self.device, self.dtype)
-        if self.linear_backend == "onednn":
-            pack_linear_layers(self.model)
+        if self.linear_backend != "torch":
+            pack_linear_layers(self.model, self.linear_backend)
         # The decoder stack and the output projection, whatever the architecture calls them
         # (``model``/``lm_head`` in most, ``gpt_neox``/``embed_out`` in GPT-NeoX), and what its
         # head does to the logits after the projection. Taken after the packing above, which

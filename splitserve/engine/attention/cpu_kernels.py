@@ -2,6 +2,9 @@
 tiles; the page copy of the shm KV transport; the call of splitserve/engine/cpu_linear.py's packed linears; the int8-weight linears of
 splitserve/engine/quantization.py; the LoRA updates of splitserve/engine/lora/layers.py; the
 OpenMP thread binding of splitserve/engine/openmp.py), compiled for this machine on first use and cached.
+Beside them, and built apart (``matmul_available()``), the linears on oneDNN's matmul primitive
+(``csrc/onednn_matmul_cpu.cpp``, cpu_linear.py's ``onednn-matmul``): they link the oneDNN of the
+``onednn-cpu-gomp`` wheel, and a machine without it still has every other kernel.
 
 ``torch.utils.cpp_extension`` builds the sources with ``-O3 -march=native`` into
 ``cache_dir()/torch_extensions/<key>``, where the key covers the sources (and where they are), torch's
@@ -16,6 +19,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import platform
+import sys
 import threading
 from pathlib import Path
 
@@ -42,17 +46,31 @@ def _cpu_flags() -> str:
     return platform.processor()
 
 
-def _build_key() -> str:
+def _build_key(sources: list[Path] | None = None, flags: list[str] = CFLAGS) -> str:
+    sources = _SOURCES if sources is None else sources
     h = hashlib.sha256()
     # The checkout too: torch's build file names the sources by path, so two checkouts sharing one
     # build directory rebuilt it in turn, each start of one after the other's waiting ~80 s for it.
-    h.update(str(_SOURCES[0].parent.resolve()).encode())
-    for source in _SOURCES:
+    h.update(str(sources[0].parent.resolve()).encode())
+    for source in sources:
         h.update(source.read_bytes())
-    h.update(" ".join(CFLAGS).encode())
+    h.update(" ".join(flags).encode())
     h.update(torch.__version__.encode())
     h.update(_cpu_flags().encode())
     return h.hexdigest()[:16]
+
+
+def _build(prefix: str, sources: list[Path], ldflags: list[str], include: list[str] = ()) -> None:
+    from torch.utils import cpp_extension
+
+    from splitserve.engine.model_files import cache_dir
+
+    key = _build_key(sources, CFLAGS + ldflags)
+    build_dir = cache_dir() / "torch_extensions" / key
+    build_dir.mkdir(parents=True, exist_ok=True)
+    cpp_extension.load(name=f"{prefix}_{key}", sources=[str(s) for s in sources], extra_cflags=CFLAGS,
+                       extra_ldflags=ldflags, extra_include_paths=list(include), build_directory=str(build_dir),
+                       is_python_module=False, verbose=False)
 
 
 def load() -> None:
@@ -60,17 +78,44 @@ def load() -> None:
     with _lock:
         if _state.get("loaded"):
             return
-        from torch.utils import cpp_extension
-
-        from splitserve.engine.model_files import cache_dir
-
-        key = _build_key()
-        build_dir = cache_dir() / "torch_extensions" / key
-        build_dir.mkdir(parents=True, exist_ok=True)
-        cpp_extension.load(name=f"splitserve_cpu_{key}", sources=[str(s) for s in _SOURCES],
-                           extra_cflags=CFLAGS, extra_ldflags=["-fopenmp"], build_directory=str(build_dir),
-                           is_python_module=False, verbose=False)
+        _build("splitserve_cpu", _SOURCES, ["-fopenmp"])
         _state["loaded"] = True
+
+
+_MATMUL_SOURCES = [Path(__file__).parent / "csrc" / "onednn_matmul_cpu.cpp"]
+
+
+def onednn_root() -> Path | None:
+    """Where the ``onednn-cpu-gomp`` and ``onednn-devel-cpu-gomp`` wheels put oneDNN (their data
+    files go under the environment's prefix: ``include/dnnl.hpp``, ``lib/libdnnl.so.3``), if they did.
+    That build's OpenMP runtime is ``libgomp.so.1``, the one torch loads, so its threads are torch's."""
+    root = Path(sys.prefix)
+    return root if (root / "include" / "dnnl.hpp").is_file() and (root / "lib" / "libdnnl.so.3").is_file() else None
+
+
+def matmul_available() -> bool:
+    """Whether the ops of ``torch.ops.splitserve_dnnl`` (oneDNN's matmul primitive) are loaded; builds
+    them the first time, and remembers why not (``matmul_error()``)."""
+    with _lock:
+        if "matmul" in _state:
+            return _state["matmul"] is True
+        root = onednn_root()
+        try:
+            if root is None:
+                raise RuntimeError(f"no oneDNN under {sys.prefix} (pip install onednn-cpu-gomp onednn-devel-cpu-gomp)")
+            lib = root / "lib"
+            _build("splitserve_dnnl", _MATMUL_SOURCES, ["-fopenmp", f"-L{lib}", "-l:libdnnl.so.3", f"-Wl,-rpath,{lib}"],
+                   [str(root / "include")])
+            _state["matmul"] = True
+        except Exception as e:  # no wheel, a failed build: the inner product serves
+            _state["matmul"] = e
+            log.info("oneDNN matmul linears unavailable (%s)", e)
+        return _state["matmul"] is True
+
+
+def matmul_error() -> BaseException | None:
+    error = _state.get("matmul")
+    return error if isinstance(error, BaseException) else None
 
 
 # Head sizes the kernel is instantiated for (csrc/paged_attention_cpu.cpp, dispatch_head_dim).
@@ -104,3 +149,8 @@ if __name__ == "__main__":
     start = time.perf_counter()
     load()
     print(f"CPU attention kernels ready ({time.perf_counter() - start:.1f} s)")
+    start = time.perf_counter()
+    if matmul_available():
+        print(f"oneDNN matmul linears ready ({time.perf_counter() - start:.1f} s)")
+    else:
+        print(f"oneDNN matmul linears unavailable: {matmul_error()}")
