@@ -10,6 +10,8 @@ request generating exactly its length:
 Systems (``--systems``, comma-separated): ``splitserve`` (the engine, continuous batching,
 compiled step), ``splitserve-eager`` (the same with ``enforce_eager``),
 ``splitserve-torch-linear`` (the same with ``F.linear`` instead of oneDNN weights),
+``splitserve-inner-product`` (the same with torch's oneDNN inner product, ``linear_backend="onednn"``,
+instead of oneDNN's matmul primitive),
 ``splitserve-tp2`` (tensor_parallel_size=2: two rank processes of one thread each, against the
 others' threads; the model's heads must split in two, see ``bench/tensor_parallel.py``), ``static`` (the
 engine batching statically), ``hf`` (`transformers` ``generate`` in static batches of 8,
@@ -46,7 +48,8 @@ from bench.common import LoadSampler, median, wait_until_quiet, write_json
 from bench.vllm_server import vllm_env
 from splitserve.cli.workloads import BenchRequest, fresh_tokens, mixed, shared_prefix
 
-SYSTEMS = ("splitserve", "splitserve-eager", "splitserve-torch-linear", "splitserve-tp2", "static", "hf", "vllm")
+SYSTEMS = ("splitserve", "splitserve-eager", "splitserve-torch-linear", "splitserve-inner-product",
+           "splitserve-tp2", "static", "hf", "vllm")
 SHARED_PREFIX_LEN = 512
 # torch's threads at start (one per core): what each system gets unless it says otherwise.
 CORES = torch.get_num_threads()
@@ -200,6 +203,9 @@ def build(name: str, args, model_dir: str) -> object:
     if name == "splitserve-torch-linear":
         return SplitserveSystem(args.model, args.dtype, enforce_eager=False, max_model_len=args.max_model_len,
                                 linear_backend="torch")
+    if name == "splitserve-inner-product":
+        return SplitserveSystem(args.model, args.dtype, enforce_eager=False, max_model_len=args.max_model_len,
+                                linear_backend="onednn")
     if name == "splitserve-tp2":
         return SplitserveSystem(args.model, args.dtype, enforce_eager=False, max_model_len=args.max_model_len,
                                 tensor_parallel_size=2, threads=max(1, CORES // 2))

@@ -7,13 +7,16 @@ token per sequence: scheduling, input building, the forward, sampling and the up
 of ``--steps`` steps after two warm-up steps. ``--modes compiled,eager`` measures both steps
 in one run, the cells interleaved; a mode ending in ``+async`` runs with async scheduling on
 (splitserve/engine/async_scheduling.py: each ``step()`` launches the next step before it reads
-the tokens of the one before), the others with it off.
+the tokens of the one before), the others with it off. A mode ending in ``@<linear backend>`` runs
+with that ``linear_backend`` (``compiled@onednn,compiled@onednn-matmul``: the two ways of packing the
+CPU linears, interleaved); ``--rounds`` measures every cell that many times, the engines in turn.
 
     python -m bench.step_time --batches 1,8,32,64,128 --contexts 200,1000 --out bench/results/step_time.json
 """
 from __future__ import annotations
 
 import argparse
+import itertools
 import time
 
 import torch
@@ -33,8 +36,10 @@ def build(model: str, dtype: str, mode: str, batches: list[int], contexts: list[
     tokens = max(batches) * (max(contexts) + 64)
     gb = tokens * 2 * hf.num_hidden_layers * kv_heads * head_dim * element / 2**30 * 1.1
     start = time.perf_counter()
+    mode, _, linear_backend = mode.partition("@")
     step_mode, _, overlap = mode.partition("+")
     llm = LLM(model, dtype=dtype, enforce_eager=step_mode == "eager", max_num_seqs=max(batches),
+              linear_backend=linear_backend or "auto",
               async_scheduling="on" if overlap == "async" else "off",
               max_num_batched_tokens=max(EngineConfig.max_num_batched_tokens, max(batches)),
               kv_cache_memory_gb=gb, enable_prefix_caching=False, max_model_len=max(contexts) + 1024)
@@ -85,6 +90,7 @@ def main(argv=None) -> int:
     parser.add_argument("--modes", default="compiled",
                         help="compiled, eager, either with +async (comma-separated)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy; above 0: random sampling")
+    parser.add_argument("--rounds", type=int, default=1, help="measure every cell this many times")
     args = parser.parse_args(argv)
     batches = [int(b) for b in args.batches.split(",")]
     contexts = [int(c) for c in args.contexts.split(",")]
@@ -96,24 +102,24 @@ def main(argv=None) -> int:
         print(f"{mode}: up in {engines[mode][1]:.1f} s (compile {engines[mode][0].engine.runner.forward.warmup_s:.1f} s)",
               flush=True)
     cells = []
-    for context in contexts:
-        for batch in batches:
-            cell = {"batch": batch, "context": context}
-            for mode, (llm, _) in engines.items():
-                step_s, phase_ms = measure(llm, batch, context, args.steps, args.temperature)
-                cell[f"{mode}_ms"] = 1000 * step_s
-                cell[f"{mode}_us_per_seq"] = 1e6 * step_s / batch
-                # Host work: everything but the forward (schedule, inputs, sampling, update).
-                cell[f"{mode}_host_ms"] = sum(ms for phase, ms in phase_ms.items() if phase != "forward")
-                cell[f"{mode}_phase_ms"] = phase_ms
-            print("  ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in cell.items()
-                            if not isinstance(v, dict)),
-                  flush=True)
-            cells.append(cell)
+    for round_, context, batch in itertools.product(range(args.rounds), contexts, batches):
+        cell = {"batch": batch, "context": context, "round": round_}
+        for mode, (llm, _) in engines.items():
+            step_s, phase_ms = measure(llm, batch, context, args.steps, args.temperature)
+            cell[f"{mode}_ms"] = 1000 * step_s
+            cell[f"{mode}_us_per_seq"] = 1e6 * step_s / batch
+            # Host work: everything but the forward (schedule, inputs, sampling, update).
+            cell[f"{mode}_host_ms"] = sum(ms for phase, ms in phase_ms.items() if phase != "forward")
+            cell[f"{mode}_phase_ms"] = phase_ms
+        print("  ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in cell.items()
+                        if not isinstance(v, dict)),
+              flush=True)
+        cells.append(cell)
     write_json(args.out, {
         "benchmark": "step_time",
         "config": {"model": args.model, "dtype": str(engines[modes[0]][0].engine.runner.dtype), "modes": modes,
-                   "steps": args.steps, "batches": batches, "contexts": contexts, "temperature": args.temperature,
+                   "linear_backends": {m: e[0].engine.runner.linear_backend for m, e in engines.items()},
+                   "rounds": args.rounds, "steps": args.steps, "batches": batches, "contexts": contexts, "temperature": args.temperature,
                    "startup_s": {m: e[1] for m, e in engines.items()},
                    "compile_s": {m: e[0].engine.runner.forward.warmup_s for m, e in engines.items()}},
         "method": "decode steps over pages already holding `context` tokens; median engine.step() time; "

@@ -36,13 +36,14 @@ def record_steps(runner) -> list[tuple]:
     return seen, padding_rows
 
 
+@pytest.mark.parametrize("linear_backend", ["onednn", "onednn-matmul"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
-def test_steps_are_fed_padded_and_the_tokens_match_transformers(arch, tiny_model_dirs, make_llm, hf_reference,
-                                                                 step_mode):
+def test_steps_are_fed_padded_and_the_tokens_match_transformers(arch, linear_backend, tiny_model_dirs, make_llm,
+                                                                 hf_reference, step_mode):
     model = tiny_model_dirs[arch]
     # Prompts of 30-60 tokens: the first step carries ~350 prompt tokens, which are not a padded count.
     prompts = mixed_prompts(8, seed=23, lo=30, hi=60)
-    llm = make_llm(model, linear_backend="onednn", attention_backend="cpu", num_gpu_blocks=128, **step_mode)
+    llm = make_llm(model, linear_backend=linear_backend, attention_backend="cpu", num_gpu_blocks=128, **step_mode)
     runner = llm.engine.runner
     seen, padding_rows = record_steps(runner)
     assert_matches(llm.generate(prompts, GREEDY), prompts, hf_reference(model))
@@ -63,11 +64,12 @@ def test_steps_are_fed_padded_and_the_tokens_match_transformers(arch, tiny_model
 
 
 @pytest.mark.skipif(not onednn_computes(torch.bfloat16), reason="this CPU's oneDNN has no native bf16")
-def test_bf16_steps_give_the_same_tokens_padded_or_not(tiny_model_dirs, make_llm):
+@pytest.mark.parametrize("linear_backend", ["onednn", "onednn-matmul"])
+def test_bf16_steps_give_the_same_tokens_padded_or_not(linear_backend, tiny_model_dirs, make_llm):
     """bf16, where a CPU with AMX tiles prefills fresh chunks with its own kernel: the padded step
     gives the tokens of the same step unpadded (each linear then pads its own input, to the same rows)."""
     prompts = mixed_prompts(8, seed=29, lo=30, hi=60)
-    llm = make_llm(tiny_model_dirs["llama"], dtype="bfloat16", linear_backend="onednn", attention_backend="cpu",
+    llm = make_llm(tiny_model_dirs["llama"], dtype="bfloat16", linear_backend=linear_backend, attention_backend="cpu",
                    num_gpu_blocks=128, enable_prefix_caching=False)
     runner = llm.engine.runner
     seen, padding_rows = record_steps(runner)
@@ -91,6 +93,7 @@ def test_steps_are_not_padded_where_the_linears_do_not_pad(tiny_model_dirs, make
 
 def test_only_steps_whose_linears_all_pad_are_padded():
     assert step_padding("onednn", "cpu", None, False, False) is padded_rows
+    assert step_padding("onednn-matmul", "cpu", None, False, False) is padded_rows
     assert step_padding("torch", "cpu", None, False, False) is None  # linears that take any row count
     assert step_padding("onednn", "cpu", "int8", False, False) is None  # quantized linears do not pad
     assert step_padding("onednn", "cpu", None, True, False) is None  # LoRA's wrappers take a row per real token

@@ -13,7 +13,7 @@ def test_engine_throughput_runs_every_system_and_workload(tiny_model_dirs, tmp_p
     common = ["--model", str(tiny_model_dirs["llama"]), "--dtype", "float32", "--prompt-lens", "32,64",
               "--num-requests", "4", "--pairs", "1", "--max-model-len", "1024", "--settle-s", "0",
               "--quiet-timeout-s", "0", "--static-eager"]  # its compiled step is the splitserve system's: one compile fewer
-    systems = {"splitserve", "splitserve-eager", "splitserve-torch-linear", "static", "hf"}
+    systems = {"splitserve", "splitserve-eager", "splitserve-torch-linear", "splitserve-inner-product", "static", "hf"}
     engine_throughput.main(["--out", str(tmp_path / "systems.json"), "--workload", "mixed",
                             "--systems", ",".join(sorted(systems)), *common])
     engine_throughput.main(["--out", str(tmp_path / "workloads.json"), "--workload", "mixed,shared,prefill",
@@ -53,3 +53,15 @@ def test_step_time_table(tiny_model_dirs, tmp_path):
         phases = c["compiled_phase_ms"]
         assert phases["sample"] > 0 and phases["forward"] > 0
         assert c["compiled_host_ms"] == sum(ms for phase, ms in phases.items() if phase != "forward")
+
+
+def test_step_time_interleaves_the_linear_backends(tiny_model_dirs, tmp_path):
+    """``@<linear backend>`` modes: one engine each, every cell measured for each, round after round."""
+    out = tmp_path / "linears.json"
+    step_time.main(["--out", str(out), "--model", str(tiny_model_dirs["llama"]), "--dtype", "float32",
+                    "--batches", "2", "--contexts", "20", "--steps", "2", "--rounds", "2",
+                    "--modes", "eager@onednn,eager@onednn-matmul"])
+    result = json.loads(out.read_text())
+    assert result["config"]["linear_backends"] == {"eager@onednn": "onednn", "eager@onednn-matmul": "onednn-matmul"}
+    assert [(c["round"], c["batch"]) for c in result["cells"]] == [(0, 2), (1, 2)]
+    assert all(c["eager@onednn_ms"] > 0 and c["eager@onednn-matmul_ms"] > 0 for c in result["cells"])

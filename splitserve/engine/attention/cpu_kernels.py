@@ -52,7 +52,7 @@ def _build_key(sources: list[Path] | None = None, flags: list[str] = CFLAGS) -> 
     # The checkout too: torch's build file names the sources by path, so two checkouts sharing one
     # build directory rebuilt it in turn, each start of one after the other's waiting ~80 s for it.
     h.update(str(sources[0].parent.resolve()).encode())
-    for source in sources:
+    for source in [*sources, *sorted(sources[0].parent.glob("*.h"))]:  # the headers they include too
         h.update(source.read_bytes())
     h.update(" ".join(flags).encode())
     h.update(torch.__version__.encode())

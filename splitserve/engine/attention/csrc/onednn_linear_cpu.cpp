@@ -8,21 +8,11 @@
 #include <ATen/ATen.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 
-#include <algorithm>
-#include <cstdint>
 #include <optional>
 
+#include "linear_rows.h"
+
 namespace {
-
-constexpr int64_t kExactRows = 64;  // cpu_linear.EXACT_ROWS
-
-// cpu_linear.padded_rows: above 64 rows, rounded up to 8 steps an octave.
-int64_t padded_rows(int64_t rows) {
-  if (rows <= kExactRows) return rows;
-  const int bit_length = 64 - __builtin_clzll(static_cast<uint64_t>(rows - 1));
-  const int64_t step = int64_t{1} << std::max(bit_length - 4, 0);
-  return (rows + step - 1) / step * step;
-}
 
 at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias,
                          int64_t out_features) {
@@ -32,15 +22,8 @@ at::Tensor onednn_linear(const at::Tensor& x, const at::Tensor& weight, const st
           .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const std::optional<at::Tensor>&, c10::string_view,
                             c10::List<std::optional<at::Scalar>>, std::optional<c10::string_view>)>();
   at::Tensor x2d = x.reshape({-1, x.size(-1)});
-  const int64_t rows = x2d.size(0), padded = padded_rows(rows);
-  if (padded != rows) {
-    // Not constant_pad_nd: it fills the whole new tensor before copying the rows in (measured: ~40 us a
-    // call at 250 x 1,536 bf16, 4 calls a layer). Only the padding rows need zeros.
-    at::Tensor buffer = at::empty({padded, x2d.size(1)}, x2d.options());
-    buffer.narrow(0, 0, rows).copy_(x2d);
-    buffer.narrow(0, rows, padded - rows).zero_();
-    x2d = buffer;
-  }
+  const int64_t rows = x2d.size(0), padded = splitserve::padded_rows(rows);
+  x2d = splitserve::pad_rows(x2d, padded);
   at::Tensor out = linear_pointwise.call(x2d, weight, bias, "none", c10::List<std::optional<at::Scalar>>(), std::nullopt);
   if (padded != rows) out = out.narrow(0, 0, rows);
   std::vector<int64_t> sizes = x.sizes().vec();

@@ -22,18 +22,11 @@
 #include <optional>
 #include <tuple>
 
+#include "linear_rows.h"
+
 namespace {
 
 using dnnl::memory;
-
-constexpr int64_t kExactRows = 64;  // cpu_linear.EXACT_ROWS
-
-int64_t padded_rows(int64_t rows) {  // cpu_linear.padded_rows
-  if (rows <= kExactRows) return rows;
-  const int bit_length = 64 - __builtin_clzll(static_cast<uint64_t>(rows - 1));
-  const int64_t step = int64_t{1} << std::max(bit_length - 4, 0);
-  return (rows + step - 1) / step * step;
-}
 
 dnnl::engine& cpu_engine() {
   static dnnl::engine engine(dnnl::engine::kind::cpu, 0);
@@ -113,14 +106,9 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const std::opti
   TORCH_CHECK(x.size(-1) == in_features, "onednn_matmul_linear: input has ", x.size(-1), " features, not ",
               in_features);
   at::Tensor x2d = x.reshape({-1, in_features}).contiguous();
-  const int64_t rows = x2d.size(0), padded = padded_rows(rows);
+  const int64_t rows = x2d.size(0), padded = splitserve::padded_rows(rows);  // a bounded set of primitives
   const memory::data_type dt = data_type(x2d.scalar_type());
-  if (padded != rows) {  // a bounded set of primitives; only the padding rows need zeros
-    at::Tensor buffer = at::empty({padded, in_features}, x2d.options());
-    buffer.narrow(0, 0, rows).copy_(x2d);
-    buffer.narrow(0, rows, padded - rows).zero_();
-    x2d = buffer;
-  }
+  x2d = splitserve::pad_rows(x2d, padded);
   at::Tensor b;
   std::optional<memory::data_type> bias_dt;
   if (bias && bias->defined()) {
