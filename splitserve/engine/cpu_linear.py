@@ -135,11 +135,12 @@ class Matmul:
     """How ``onednn-matmul`` packs and calls a linear: oneDNN's matmul primitive, from the oneDNN of
     the ``onednn-cpu-gomp`` wheel (``csrc/onednn_matmul_cpu.cpp``, which says why).
 
-    SmolLM2-135M on 2 AMX Xeon cores, the engine's own steps, the two alternated in one process,
-    this / the inner product: bf16 decode steps 0.82-0.86x at 1-4 sequences, 0.91-0.95x at 8,
-    0.95-1.00x at 32-64; prefill steps 1.03-1.04x at 150 tokens, 0.92-0.96x at 250, 0.91-0.93x at 450.
     A decode step reads every weight from memory once, and this primitive reads them at the speed of
-    a plain 2-thread sum over memory (16 GB/s here), the inner product at ~88 % of it."""
+    a plain 2-thread sum over memory (16 GB/s on 2 AMX Xeon cores), the inner product at ~88 % of it.
+    SmolLM2-135M in bf16 there, each in a process of its own, this / the inner product: decode steps of
+    1-8 sequences 0.82-0.94x as long, of 32 0.90-1.04x; prefills of 150-250 tokens 0.89-1.12x, of 450
+    0.77-0.93x; through the stack under `vllm bench serve`, TPOT p50 0.92-0.94x
+    (docs/performance.md, "A decode step reads the weights at the memory's speed")."""
     name = "onednn-matmul"
 
     def __init__(self):
