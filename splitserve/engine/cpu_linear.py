@@ -137,9 +137,10 @@ class Matmul:
 
     A decode step reads every weight from memory once, and this primitive reads them at the speed of
     a plain 2-thread sum over memory (16 GB/s on 2 AMX Xeon cores), the inner product at ~88 % of it.
-    SmolLM2-135M in bf16 there, each in a process of its own, this / the inner product: decode steps of
-    1-8 sequences 0.82-0.94x as long, of 32 0.90-1.04x; prefills of 150-250 tokens 0.89-1.12x, of 450
-    0.77-0.93x; through the stack under `vllm bench serve`, TPOT p50 0.92-0.94x
+    SmolLM2-135M in bf16 there, each in a process of its own, three alternations on a noisy box, this /
+    the inner product: decode steps of 1-8 sequences shorter in every pair (0.54-0.93x), of 32
+    0.90-1.04x; prefills of 150-250 tokens 0.90-1.12x, of 450 0.77-0.93x; through the stack under
+    `vllm bench serve`, TPOT p50 0.92-0.94x
     (docs/performance.md, "A decode step reads the weights at the memory's speed")."""
     name = "onednn-matmul"
 
