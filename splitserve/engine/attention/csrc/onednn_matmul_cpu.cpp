@@ -55,12 +55,18 @@ dnnl::matmul::primitive_desc describe(int64_t rows, int64_t in, int64_t out, mem
 using WeightKey = std::tuple<int64_t, int64_t, int, int64_t>;  // in, out, dtype, hint
 using PrimitiveKey = std::tuple<int64_t, int64_t, int, int64_t, int64_t, int>;  // + rows, bias dtype (-1: none)
 
-std::mutex cache_lock;
-std::map<WeightKey, memory::desc> weight_layouts;
-std::map<PrimitiveKey, dnnl::matmul> primitives;
+// A primitive with the weight layout it reads, so that a call looks both up once.
+struct Matmul {
+  dnnl::matmul primitive;
+  memory::desc weights;
+};
 
-memory::desc weight_layout(int64_t in, int64_t out, memory::data_type dt, int64_t hint) {
-  std::lock_guard<std::mutex> guard(cache_lock);
+std::mutex cache_lock;  // guards both maps
+std::map<WeightKey, memory::desc> weight_layouts;
+std::map<PrimitiveKey, Matmul> primitives;
+
+// The caller holds cache_lock.
+const memory::desc& weight_layout_locked(int64_t in, int64_t out, memory::data_type dt, int64_t hint) {
   WeightKey key{in, out, static_cast<int>(dt), hint};
   auto it = weight_layouts.find(key);
   if (it == weight_layouts.end()) {
@@ -70,13 +76,20 @@ memory::desc weight_layout(int64_t in, int64_t out, memory::data_type dt, int64_
   return it->second;
 }
 
-dnnl::matmul primitive(int64_t rows, int64_t in, int64_t out, memory::data_type dt, int64_t hint,
-                       std::optional<memory::data_type> bias) {
-  const memory::desc weights = weight_layout(in, out, dt, hint);
+memory::desc weight_layout(int64_t in, int64_t out, memory::data_type dt, int64_t hint) {
+  std::lock_guard<std::mutex> guard(cache_lock);
+  return weight_layout_locked(in, out, dt, hint);
+}
+
+Matmul matmul(int64_t rows, int64_t in, int64_t out, memory::data_type dt, int64_t hint,
+              std::optional<memory::data_type> bias) {
   std::lock_guard<std::mutex> guard(cache_lock);
   PrimitiveKey key{in, out, static_cast<int>(dt), hint, rows, bias ? static_cast<int>(*bias) : -1};
   auto it = primitives.find(key);
-  if (it == primitives.end()) it = primitives.emplace(key, dnnl::matmul(describe(rows, in, out, dt, weights, bias))).first;
+  if (it == primitives.end()) {
+    const memory::desc weights = weight_layout_locked(in, out, dt, hint);
+    it = primitives.emplace(key, Matmul{dnnl::matmul(describe(rows, in, out, dt, weights, bias)), weights}).first;
+  }
   return it->second;
 }
 
@@ -117,8 +130,8 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const std::opti
   }
   at::Tensor y = at::empty({padded, out_features}, x2d.options());
   if (padded > 0) {
-    dnnl::matmul mm = primitive(padded, in_features, out_features, dt, batch_hint, bias_dt);
-    const memory::desc layout = weight_layout(in_features, out_features, dt, batch_hint);
+    const Matmul mm = matmul(padded, in_features, out_features, dt, batch_hint, bias_dt);
+    const memory::desc& layout = mm.weights;
     TORCH_CHECK(packed.numel() == static_cast<int64_t>(layout.get_size()),
                 "onednn_matmul_linear: the packed weight was not packed for this shape, dtype and hint");
     memory src(memory::desc({padded, in_features}, dt, memory::format_tag::ab), cpu_engine(), x2d.data_ptr());
@@ -128,7 +141,7 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& packed, const std::opti
     if (bias_dt) args.emplace(DNNL_ARG_BIAS, memory(memory::desc({1, out_features}, *bias_dt, memory::format_tag::ab),
                                                     cpu_engine(), b.data_ptr()));
     dnnl::stream& stream = thread_stream();
-    mm.execute(stream, args);
+    mm.primitive.execute(stream, args);
     stream.wait();
   }
   if (padded != rows) y = y.narrow(0, 0, rows);
