@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections import OrderedDict
 
 from splitserve.gateway.attempt import NO_ROOM_BACKOFF_S, NO_WORKER_BACKOFF_S, Retry, decide, run_attempt
 from splitserve.gateway.claim import ClaimLoop
@@ -35,6 +36,9 @@ log = logging.getLogger(__name__)
 
 # Pause before a retry, times the attempt number: a restarting worker gets a moment.
 RETRY_BACKOFF_S = 0.2
+# Requests whose client left during their admission, remembered until their claim (see forget).
+# An admission Redis never took is never claimed; the oldest are let go past this many.
+DEPARTED_KEPT = 1024
 
 
 class Dispatcher:
@@ -48,10 +52,12 @@ class Dispatcher:
         self.on_retry = on_retry  # called with the reason of each retry (metrics)
         self.ledger = Ledger(state)
         self.jobs: dict[str, Job] = {}
+        self._departed: OrderedDict[str, Finished] = OrderedDict()  # request id -> how its client left
         self.claims = ClaimLoop(state, gateway_id, self._start_attempt, self._ended_in_redis,
                                 needs_gate=self._needs_gate)
         self.watchdog = Watchdog(state, directory, gateway_id, lambda: list(self.jobs.values()),
-                                 adopt=self._adopt_lost_claim, claiming=lambda: self.claims.claiming)
+                                 adopt=self._adopt_lost_claim, claiming=lambda: self.claims.claiming,
+                                 departed=lambda request_id: self._departed.pop(request_id, None))
 
     async def start(self) -> "Dispatcher":
         await self.watchdog.beat()  # alive before the first admission: others keep its requests
@@ -87,10 +93,20 @@ class Dispatcher:
         claim anyway (``RedisState.admit(claim_lease_s=...)``)."""
         return not await self._needs_gate()
 
-    def forget(self, job: Job) -> None:
-        """A job whose admission was refused: it never existed."""
+    def forget(self, job: Job, departed: Finished | None = None) -> None:
+        """A job whose admission was refused or abandoned: it never existed here. ``departed``:
+        its client left (or its deadline passed) while Redis took it. Redis may then hold the
+        request, and this gateway's claim loop claim it (or the admission have claimed it, its
+        lease left to lapse: the watchdog); that claim records ``departed`` as its end, not
+        "nobody is waiting" nor "the gateway went away". The job cannot end itself: Redis may
+        have refused the request as a duplicate of another's, whose record a blind end would
+        overwrite."""
         if self.jobs.get(job.request_id) is job:
             del self.jobs[job.request_id]
+            if departed is not None:
+                self._departed[job.request_id] = departed
+                while len(self._departed) > DEPARTED_KEPT:
+                    self._departed.popitem(last=False)
 
     def cancel(self, request_id: str, outcome: Finished | None = None) -> bool:
         """End a running request here (Abort): True if this gateway had it and it had not ended."""
@@ -123,8 +139,8 @@ class Dispatcher:
         decided = asyncio.get_running_loop().create_future()
         job = self.jobs.get(claimed)
         if job is None:  # its handler is gone (the client left, or an earlier life of this gateway)
-            self.ledger.record_end(claimed, "aborted", finish_reason="aborted",
-                                   error="nobody is waiting for this request any more")
+            gone = self._departed.pop(claimed, None) or cancelled("nobody is waiting for this request any more")
+            self.ledger.record_end(claimed, gone.terminal_state, finish_reason=gone.finish_reason, error=gone.message)
             decided.set_result(True)
             return decided
         if job.finished:  # its end, on its way to Redis, takes it out of the queues

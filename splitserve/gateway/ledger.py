@@ -49,6 +49,7 @@ class Ledger:
         self.state = state
         self._writes: set[asyncio.Task] = set()  # terminal states and notes still on their way
         self._notes: dict[str, asyncio.Task] = {}  # each request's latest note on its way
+        self._ends: dict[str, asyncio.Task] = {}  # each request's latest terminal state on its way
 
     # ---- fail at once ------------------------------------------------------------------
     async def now(self, awaitable: Awaitable):
@@ -77,16 +78,33 @@ class Ledger:
 
     def record_end(self, request_id: str, state: str, **fields) -> None:
         """The request's terminal state, written once, in the background (the client already has
-        its answer), retried through an outage."""
+        its answer), retried through an outage. Ends of one request land in the order they were
+        made, so the first one made is the one Redis keeps (``finish`` keeps the first): a
+        deadline recorded as the job ended here is not overtaken by the "nobody is waiting"
+        abort of a claim whose reply came back just after (each write takes its own connection
+        from the pool, and a later one could reach Redis first)."""
+        before = self._ends.get(request_id)
+
         async def write():
+            if before is not None:
+                await asyncio.wait([before])
             try:
                 await self.must(lambda: self.state.finish(request_id, None, state, **fields), END_WAIT_S,
                                 f"recording the end of {request_id}")
             except Unavailable as e:
                 log.error("gave up recording the end of %s: %s", request_id, e)
-        task = asyncio.get_running_loop().create_task(write())
+        self._track(self._ends, request_id, asyncio.get_running_loop().create_task(write()))
+
+    def _track(self, latest: dict[str, asyncio.Task], request_id: str, task: asyncio.Task) -> None:
+        """``task`` is the latest write of its kind for ``request_id`` (the next one waits for it)."""
+        latest[request_id] = task
         self._writes.add(task)
-        task.add_done_callback(self._writes.discard)
+
+        def done(t: asyncio.Task) -> None:
+            self._writes.discard(t)
+            if latest.get(request_id) is t:
+                del latest[request_id]
+        task.add_done_callback(done)
 
     async def requeue(self, request_id: str, epoch: int | None, stop: Callable[[], bool]) -> bool:
         """Back in the queue in its old place; ``Unavailable`` if Redis stays away too long."""
@@ -105,15 +123,7 @@ class Ledger:
             if before is not None:
                 await asyncio.wait([before])
             await self.note(request_id, epoch, **fields)
-        task = asyncio.get_running_loop().create_task(write())
-        self._notes[request_id] = task
-        self._writes.add(task)
-
-        def done(t: asyncio.Task) -> None:
-            self._writes.discard(t)
-            if self._notes.get(request_id) is t:
-                del self._notes[request_id]
-        task.add_done_callback(done)
+        self._track(self._notes, request_id, asyncio.get_running_loop().create_task(write()))
 
     async def note(self, request_id: str, epoch: int, **fields) -> None:
         """Progress for GetRequest: an outage must not fail the request."""

@@ -19,6 +19,7 @@ the model, never a local path.
 """
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import logging
@@ -219,6 +220,9 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
             result = await self.ledger.now(self.state.admit(
                 request_id, self.dispatcher.gateway_id, admission.priority, admission.arrival_s,
                 {"prompt_tokens": len(admission.token_ids)}, admission.owner, room=room, **claim))
+        except asyncio.CancelledError:  # the client left, or its deadline passed, while Redis took it
+            self.dispatcher.forget(job, departed=self._rpc_gone(job))
+            raise
         except BaseException:
             self.dispatcher.forget(job)
             raise

@@ -68,15 +68,19 @@ async def end_if_ended_elsewhere(state, job: Job) -> None:
 
 class Watchdog:
     def __init__(self, state, directory: WorkerDirectory, gateway_id: str, jobs: Callable[[], Iterable[Job]],
-                 adopt: Callable[[Claimed], Awaitable[None]] | None = None, claiming: Callable[[], bool] = bool):
+                 adopt: Callable[[Claimed], Awaitable[None]] | None = None, claiming: Callable[[], bool] = bool,
+                 departed: Callable[[str], Finished | None] = lambda request_id: None):
         """``adopt(claimed)`` runs a claim whose reply was lost; ``claiming()`` says whether the
-        claim loop waits for a reply now (the claims Redis shows are then perhaps that one's)."""
+        claim loop waits for a reply now (the claims Redis shows are then perhaps that one's);
+        ``departed(request_id)``: how the client of a request claimed at its admission left while
+        it was admitted (``Dispatcher.forget``), else None; taken once."""
         self.state = state
         self.directory = directory
         self.gateway_id = gateway_id
         self.jobs = jobs
         self.adopt = adopt
         self.claiming = claiming
+        self.departed = departed
         self._task: asyncio.Task | None = None
 
     def start(self) -> "Watchdog":
@@ -145,10 +149,16 @@ class Watchdog:
                 await self.state.extend_lease(job.request_id, job.epoch, CLAIM_LEASE_S, now)
         mine = {j.request_id for j in self.jobs()}
         for request_id in await self.state.inflight_expired(now, limit=64):
-            if request_id not in mine:
-                log.warning("request %s: its gateway stopped renewing its claim; marking it failed", request_id)
-                await self.state.finish(request_id, None, "failed", finish_reason="error",
-                                        error="the gateway holding this request went away")
+            if request_id in mine:
+                continue
+            gone = self.departed(request_id)
+            if gone is not None:  # claimed as it was admitted, as its client left: never run here
+                await self.state.finish(request_id, None, gone.terminal_state, finish_reason=gone.finish_reason,
+                                        error=gone.message)
+                continue
+            log.warning("request %s: its gateway stopped renewing its claim; marking it failed", request_id)
+            await self.state.finish(request_id, None, "failed", finish_reason="error",
+                                    error="the gateway holding this request went away")
 
     async def check_queued(self) -> None:
         queued = [j for j in self.jobs() if j.state is JobState.QUEUED and not j.finished]

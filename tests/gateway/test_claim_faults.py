@@ -12,19 +12,26 @@ Decode calls).
   attempt already running. Before, a second attempt started (a second Decode, the client's
   tokens streamed twice); the running attempt now keeps the request, under the new epoch, and
   its end is recorded in Redis.
+* A request whose client left while Redis admitted it: claimed with no job here, it is recorded
+  as its client left (its deadline, or a cancel).
 """
 import asyncio
 import shutil
 import time
 
+import pytest
 import redis
 
+from splitserve.common.authz import scoped_id
+from splitserve.common.limits import RequestLimits
+from splitserve.engine.model_loader import DEFAULT_MODEL, load_tokenizer, resolve_model
 from splitserve.engine.sampling_params import SamplingParams
 from splitserve.gateway.dispatch import Dispatcher
-from splitserve.gateway.job import Finished, Tokens
+from splitserve.gateway.job import Finished, Tokens, cancelled, deadline_exceeded
+from splitserve.gateway.servicer import GenerationServicer
 from splitserve.gateway.workers import WorkerDirectory
-from splitserve.state.store import RedisState, make_async_client
-from splitserve.v1 import worker_pb2, worker_pb2_grpc
+from splitserve.state.store import TERMINAL_STATES, RedisState, make_async_client
+from splitserve.v1 import generation_pb2, worker_pb2, worker_pb2_grpc
 from tests.harness.redis_server import RedisServer
 from tests.harness.stand_ins import serve_decode_worker, stop_dispatcher
 
@@ -135,3 +142,102 @@ def test_a_redis_rolled_back_under_a_running_request_does_not_start_it_twice(tmp
         asyncio.run(main())
     finally:
         redis_server.close()
+
+
+@pytest.mark.parametrize("how", ["deadline", "client went away"])
+def test_a_request_whose_client_left_during_its_admission_is_recorded_as_it_left(how):
+    """The client's deadline passed (or it left) while Redis took the request: the handler's
+    admission is cancelled before the reply, so the gateway forgets the job, while Redis queues
+    it. The claim loop claims it later and finds no job. Its record says how the client left,
+    not "aborted: nobody is waiting" (which the cancel storm saw for a deadline request), and no
+    worker runs it."""
+    async def main(url):
+        state = RedisState(make_async_client(url))
+        worker = StreamingWorker()
+        server, address = await serve_decode_worker(worker)
+        await state.register_worker("w", "both", address, [], {}, ttl_s=60)
+        dispatcher = Dispatcher(state, WorkerDirectory(state), "g1")
+        try:
+            job = dispatcher.new_job("r1", [1, 2, 3], SamplingParams(max_tokens=TOKENS), 0, time.time(), None)
+            assert (await state.admit("r1", "g1", 0, job.arrival_s, {})).admitted
+            left = deadline_exceeded() if how == "deadline" else cancelled(how)
+            dispatcher.forget(job, departed=left)
+            await dispatcher.start()
+            async with asyncio.timeout(10):
+                while (record := await state.get("r1"))["state"] not in TERMINAL_STATES:
+                    await asyncio.sleep(0.05)
+            assert (record["state"], record["finish_reason"], record["error"]) == (
+                left.terminal_state, left.finish_reason, left.message), record
+            assert worker.decodes == 0
+            assert not dispatcher._departed  # taken by the claim
+        finally:
+            await stop_dispatcher(dispatcher, state, server)
+    with RedisServer() as server:
+        asyncio.run(main(server.url))
+
+
+def test_a_request_claimed_as_it_was_admitted_whose_client_left_is_recorded_as_it_left():
+    """The same, where the admission claims the request in the same call (placements that take
+    no capacity): nothing claims it again; its lease lapses, and the watchdog records how the
+    client left instead of failing it as a request whose gateway went away."""
+    async def main(url):
+        state = RedisState(make_async_client(url))
+        dispatcher = Dispatcher(state, WorkerDirectory(state), "g1")
+        job = dispatcher.new_job("r1", [1, 2, 3], SamplingParams(max_tokens=TOKENS), 0, time.time(), None)
+        admitted = await state.admit("r1", "g1", 0, job.arrival_s, {}, claim_lease_s=0.01, now_s=time.time())
+        assert admitted.admitted and admitted.claimed == "r1"
+        dispatcher.forget(job, departed=deadline_exceeded())
+        await asyncio.sleep(0.05)  # the lease lapses
+        await dispatcher.watchdog.renew_claims()
+        record = await state.get("r1")
+        assert (record["state"], record["error"]) == ("deadline", "deadline exceeded"), record
+        await state.client.aclose()
+    with RedisServer() as server:
+        asyncio.run(main(server.url))
+
+
+def test_the_gateway_forgets_an_admission_its_client_left_as_a_departure():
+    """The handler's side of the above, through GenerationServicer.admit: Redis runs the
+    admission, whose reply does not come before the client's deadline, and gRPC cancels the
+    handler. The claim that follows records the deadline."""
+    async def main(url):
+        state = RedisState(make_async_client(url))
+        worker = StreamingWorker()
+        server, address = await serve_decode_worker(worker)
+        # Decode-only: placements take capacity, so the admission does not claim (the claim loop does).
+        await state.register_worker("w", "decode", address, [], {}, ttl_s=60)
+        dispatcher = Dispatcher(state, WorkerDirectory(state), "g1")
+        tokenizer = load_tokenizer(resolve_model(DEFAULT_MODEL))
+        info = generation_pb2.ModelInfo(max_model_len=4096, vocab_size=len(tokenizer))
+        servicer = GenerationServicer(state, dispatcher, tokenizer, info, RequestLimits().resolve(4096, tokenizer),
+                                      grammars=object())
+        real_admit, ran = state.admit, asyncio.Event()
+
+        def admit(*args, **kwargs):  # Redis runs it; the reply is slower than the client's deadline
+            async def run():
+                await real_admit(*args, **kwargs)
+                ran.set()
+                await asyncio.sleep(3600)
+            return run()
+        state.admit = admit
+        request = generation_pb2.GenerateRequest(token_ids=[1, 2, 3], request_id="r1",
+                                            sampling=generation_pb2.SamplingParams(max_tokens=4))
+        handler = asyncio.create_task(servicer.admit(request, remaining_s=0.3))
+        await asyncio.wait_for(ran.wait(), 10)
+        await asyncio.sleep(0.3)
+        handler.cancel()  # what gRPC does at the deadline
+        with pytest.raises(asyncio.CancelledError):
+            await handler
+        request_id = scoped_id("", "r1")
+        assert request_id not in dispatcher.jobs
+        await dispatcher.start()
+        try:
+            async with asyncio.timeout(10):
+                while (record := await state.get(request_id))["state"] not in TERMINAL_STATES:
+                    await asyncio.sleep(0.05)
+            assert (record["state"], record["error"]) == ("deadline", "deadline exceeded"), record
+            assert worker.decodes == 0
+        finally:
+            await stop_dispatcher(dispatcher, state, server)
+    with RedisServer() as server:
+        asyncio.run(main(server.url))
