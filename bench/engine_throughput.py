@@ -26,6 +26,10 @@ prompt token ids (same lengths), so no round hits an earlier round's prefix cach
 wall time of the generate call; medians over the measured rounds; ratios against vLLM when
 it ran. Prefix caching is on for both engines (both defaults).
 
+Systems are built in the order ``--systems`` lists them, and on the development VMs the one
+built first ran slower, in one process or two (docs/performance.md, "the engine built first
+runs slower": the same A/B gave 0.42x and 1.37x). Run an A/B in both orders.
+
     python -m bench.engine_throughput --workload mixed,shared,prefill --systems splitserve,vllm \\
         --peer-python /path/to/vllm-venv/bin/python --out bench/results/engine_vs_vllm.json
 """
