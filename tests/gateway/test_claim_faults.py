@@ -69,6 +69,22 @@ async def outcome_of(job, timeout_s: float) -> tuple[list[int], Finished]:
                 return tokens, event
 
 
+async def dispatcher_with_a_worker(url: str, role: str):
+    """A Dispatcher ("g1") on Redis at ``url``, one stand-in worker of ``role`` registered."""
+    state = RedisState(make_async_client(url))
+    worker = StreamingWorker()
+    server, address = await serve_decode_worker(worker)
+    await state.register_worker("w", role, address, [], {}, ttl_s=60)
+    return state, worker, server, Dispatcher(state, WorkerDirectory(state), "g1")
+
+
+async def terminal_record(state, request_id: str, timeout_s: float = 10) -> dict:
+    async with asyncio.timeout(timeout_s):
+        while (record := await state.get(request_id))["state"] not in TERMINAL_STATES:
+            await asyncio.sleep(0.05)
+    return record
+
+
 def test_a_claim_whose_reply_is_lost_is_adopted():
     async def main(url):
         state = RedisState(make_async_client(url))
@@ -152,20 +168,14 @@ def test_a_request_whose_client_left_during_its_admission_is_recorded_as_it_left
     not "aborted: nobody is waiting" (which the cancel storm saw for a deadline request), and no
     worker runs it."""
     async def main(url):
-        state = RedisState(make_async_client(url))
-        worker = StreamingWorker()
-        server, address = await serve_decode_worker(worker)
-        await state.register_worker("w", "both", address, [], {}, ttl_s=60)
-        dispatcher = Dispatcher(state, WorkerDirectory(state), "g1")
+        state, worker, server, dispatcher = await dispatcher_with_a_worker(url, "both")
         try:
             job = dispatcher.new_job("r1", [1, 2, 3], SamplingParams(max_tokens=TOKENS), 0, time.time(), None)
             assert (await state.admit("r1", "g1", 0, job.arrival_s, {})).admitted
             left = deadline_exceeded() if how == "deadline" else cancelled(how)
             dispatcher.forget(job, departed=left)
             await dispatcher.start()
-            async with asyncio.timeout(10):
-                while (record := await state.get("r1"))["state"] not in TERMINAL_STATES:
-                    await asyncio.sleep(0.05)
+            record = await terminal_record(state, "r1")
             assert (record["state"], record["finish_reason"], record["error"]) == (
                 left.terminal_state, left.finish_reason, left.message), record
             assert worker.decodes == 0
@@ -201,12 +211,8 @@ def test_the_gateway_forgets_an_admission_its_client_left_as_a_departure():
     admission, whose reply does not come before the client's deadline, and gRPC cancels the
     handler. The claim that follows records the deadline."""
     async def main(url):
-        state = RedisState(make_async_client(url))
-        worker = StreamingWorker()
-        server, address = await serve_decode_worker(worker)
         # Decode-only: placements take capacity, so the admission does not claim (the claim loop does).
-        await state.register_worker("w", "decode", address, [], {}, ttl_s=60)
-        dispatcher = Dispatcher(state, WorkerDirectory(state), "g1")
+        state, worker, server, dispatcher = await dispatcher_with_a_worker(url, "decode")
         tokenizer = load_tokenizer(resolve_model(DEFAULT_MODEL))
         info = generation_pb2.ModelInfo(max_model_len=4096, vocab_size=len(tokenizer))
         servicer = GenerationServicer(state, dispatcher, tokenizer, info, RequestLimits().resolve(4096, tokenizer),
@@ -232,9 +238,7 @@ def test_the_gateway_forgets_an_admission_its_client_left_as_a_departure():
         assert request_id not in dispatcher.jobs
         await dispatcher.start()
         try:
-            async with asyncio.timeout(10):
-                while (record := await state.get(request_id))["state"] not in TERMINAL_STATES:
-                    await asyncio.sleep(0.05)
+            record = await terminal_record(state, request_id)
             assert (record["state"], record["error"]) == ("deadline", "deadline exceeded"), record
             assert worker.decodes == 0
         finally:
