@@ -41,6 +41,11 @@ class Tokens:
         return (TOKEN_BYTES * len(self.token_ids) + len(self.text.encode("utf-8", "surrogatepass"))
                 + sum(lp.ByteSize() for lp in self.logprobs))
 
+    def parsed(self, delta) -> "Tokens":
+        """These tokens with their text split by the sample's parser (``splitserve.gateway.chat_output``)."""
+        return Tokens(self.token_ids, self.logprobs, delta.content, delta.reasoning, delta.tool_calls,
+                      delta.tool_call_parts)
+
 
 @dataclass
 class Finished:

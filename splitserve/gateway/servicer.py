@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import logging
 import time
 import uuid
@@ -29,14 +28,13 @@ import weakref
 from dataclasses import dataclass
 from typing import Mapping
 
-from google.protobuf import json_format
-
 from splitserve.gateway.backpressure import Backpressure
 from splitserve.gateway.chat_output.plan import ChatOutputs, OutputPlan
 from splitserve.gateway.claim import CLAIM_LEASE_S
 from splitserve.gateway.detokenizer import TextStream
 from splitserve.gateway.dispatch import Dispatcher
 from splitserve.gateway.grammar_check import GrammarChecker
+from splitserve.gateway.info_messages import request_info, server_info
 from splitserve.gateway.lora_admin import LoRAAdmin
 from splitserve.gateway.job import Finished, Job, Tokens, cancelled, deadline_exceeded
 from splitserve.gateway.memory import Collector
@@ -248,7 +246,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 if isinstance(event, Tokens):
                     token_times.setdefault(index, []).extend([time.monotonic()] * len(event.token_ids))
                     if job.chat_output is not None:
-                        event = _parsed(event, job.chat_output.feed(event.text))
+                        event = event.parsed(job.chat_output.feed(event.text))
                     yield index, event
                     continue
                 rest = job.text.finish() if event.status is None else ""
@@ -257,8 +255,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 if job.chat_output is not None and event.status is None:
                     delta = job.chat_output.end(rest)
                     if delta:
-                        yield index, Tokens([], [], delta.content, delta.reasoning, delta.tool_calls,
-                                            delta.tool_call_parts)
+                        yield index, Tokens([]).parsed(delta)
                     event = dataclasses.replace(event, finish_reason=job.chat_output.finish_reason(event.finish_reason))
                 elif rest:
                     yield index, Tokens([], [], rest)
@@ -387,14 +384,7 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
                 break
         if info is None or not caller.may_touch(info.get("owner")):
             raise NotFound(f"no request {request.request_id!r} (finished requests are kept for a while, then expire)")
-        timeline = info.get("timeline")
-        if isinstance(timeline, str):
-            timeline = json.loads(timeline)
-        return generation_pb2.RequestInfo(request_id=request.request_id, state=str(info.get("state", "")),
-                                          priority=int(info.get("priority", 0)), attempt=int(info.get("attempt", 0)),
-                                          finish_reason=str(info.get("finish_reason", "")),
-                                          error=str(info.get("error", "")),
-                                          timeline=json_format.ParseDict(timeline or {}, generation_pb2.Timeline()))
+        return request_info(request.request_id, info)
 
     async def Tokenize(self, request, context):
         # The same limits as a Generate's admission: its sizes, the gateway's room, the encoders' queue.
@@ -426,20 +416,12 @@ class GenerationServicer(generation_pb2_grpc.GenerationServicer):
         return self.model_info
 
     async def GetServerInfo(self, request, context):
-        # Addresses are the admin's: anyone else learns roles and load, not where to connect.
         admin = self.authorizer.caller(context).admin
-        info = generation_pb2.ServerInfo(queue_depth=await self.ledger.now(self.state.queue_depth()))
+        queue_depth = await self.ledger.now(self.state.queue_depth())
         if self.metrics is not None:
-            self.metrics.queue_depth.set(info.queue_depth)
-        info.workers.add(worker_id=self.dispatcher.gateway_id, role="gateway",
-                         metrics_address=self.metrics_address if admin else "")
-        for w in await self.ledger.now(self.dispatcher.directory.list()):
-            info.workers.add(worker_id=w.worker_id, role=w.role, address=w.address if admin else "",
-                             transports=w.transports, kv_blocks_total=w.kv_blocks_total,
-                             kv_blocks_free=w.kv_blocks_free, kv_blocks_cached=w.kv_blocks_cached,
-                             num_running=w.num_running, num_waiting=w.num_waiting, loras=sorted(w.loras),
-                             metrics_address=w.metrics_address if admin else "")
-        return info
+            self.metrics.queue_depth.set(queue_depth)
+        workers = await self.ledger.now(self.dispatcher.directory.list())
+        return server_info(queue_depth, self.dispatcher.gateway_id, self.metrics_address, workers, admin)
 
 
 @dataclass(frozen=True)
@@ -461,8 +443,3 @@ def _duplicate_message(request_id: str, state: str | None, reuse_after_s: float)
     return (f"request_id {request_id!r} belongs to a request that is still running (state: {state}); a request id "
             "names one request: a second Generate does not attach to it (GetRequest reads it, Abort ends it)")
 
-
-def _parsed(tokens: Tokens, delta) -> Tokens:
-    """``tokens`` with their text split by the sample's parser (``splitserve.gateway.chat_output``)."""
-    return Tokens(tokens.token_ids, tokens.logprobs, delta.content, delta.reasoning, delta.tool_calls,
-                  delta.tool_call_parts)
