@@ -13,12 +13,20 @@ the handler frames that hold the message, and those sit in reference cycles that
 cyclic collector frees, whenever it next runs (measured: five bursts of seven 12 MB requests
 left the gateway 200-500 MiB larger). ``Collector.soon`` runs that collection shortly after
 such a refusal, at each of ``COLLECT_DELAYS_S`` (one round per burst).
+
+What the collection frees below the mmap threshold (the many smaller pieces a 12 MB message
+passes through on its way in) goes back to the free lists of the malloc arena of whichever
+thread held it, and glibc gives an arena's free pages back only from its top. Measured on a
+stack after six bursts of seven 12 MB requests: 275 MiB settled, 165 MiB after ``malloc_trim``,
+and the settled size grew from burst to burst (186, 200, 203, 253, 233, 275 MiB). So each
+collection here is followed by ``malloc_trim(0)``, which hands every arena's free pages back.
 """
 from __future__ import annotations
 
 import asyncio
 import ctypes
 import ctypes.util
+import functools
 import gc
 import logging
 
@@ -33,17 +41,33 @@ M_MMAP_THRESHOLD = -3  # mallopt parameter (malloc.h)
 MMAP_THRESHOLD_BYTES = 1 << 20
 
 
-def return_big_buffers() -> bool:
-    """Fix glibc's mmap threshold at ``MMAP_THRESHOLD_BYTES``; False where there is no glibc."""
+@functools.cache
+def _libc():
+    """The C library, where ctypes finds one (None elsewhere)."""
     name = ctypes.util.find_library("c")
     try:
-        libc = ctypes.CDLL(name) if name else None
-        ok = libc is not None and hasattr(libc, "mallopt") and libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) == 1
+        return ctypes.CDLL(name) if name else None
     except OSError:
-        ok = False
+        return None
+
+
+def return_big_buffers() -> bool:
+    """Fix glibc's mmap threshold at ``MMAP_THRESHOLD_BYTES``; False where there is no glibc."""
+    libc = _libc()
+    ok = libc is not None and hasattr(libc, "mallopt") and libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) == 1
     if not ok:
         log.info("mallopt unavailable: large freed buffers may stay in the heap")
     return ok
+
+
+def return_free_pages() -> bool:
+    """Hand the free pages of every malloc arena back to the system (glibc's ``malloc_trim``);
+    False where there is no glibc."""
+    libc = _libc()
+    if libc is None or not hasattr(libc, "malloc_trim"):
+        return False
+    libc.malloc_trim(0)
+    return True
 
 
 class Collector:
@@ -63,3 +87,4 @@ class Collector:
         if last:
             self._pending = []
         gc.collect()
+        return_free_pages()  # what the collection freed, out of the arenas (module docstring)

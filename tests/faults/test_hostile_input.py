@@ -40,9 +40,12 @@ HUGE_BYTES = 12_000_000
 COPIES_PER_REQUEST = 4
 # What bursts may leave behind, in bursts' worth of bytes over the gateway's memory before the
 # first, once its collections ran (settled_rss). Measured 100-176 MiB after 80 MiB bursts (1.3-2.2
-# bursts; the bound of 2 failed a CI run), not growing from burst to burst: memory the allocator
-# keeps, whose owner is not pinned down yet. Before the gateway collected refused requests, five
-# bursts left 200-500 MiB, growing from burst to burst: PILE_UP_BURSTS bounds that growth.
+# bursts; the bound of 2 failed a CI run). Part of it was free memory in the malloc arenas, which
+# grew from burst to burst (six bursts: 186 ... 275 MiB settled) and once failed PILE_UP_BURSTS
+# in a CI rehearsal (+89 MiB from the first burst to the third); the gateway now trims the arenas
+# after each collection (splitserve/gateway/memory.py), and six bursts settled at 159-176 MiB
+# (182-204 beside two busy loops). Before the gateway collected refused requests, five bursts
+# left 200-500 MiB, growing from burst to burst: PILE_UP_BURSTS bounds that growth.
 RETAINED_BURSTS = 3
 # How much more the last burst may leave than the first: what piling up would show.
 PILE_UP_BURSTS = 1
