@@ -266,3 +266,25 @@ def test_each_checkout_builds_the_kernels_in_a_directory_of_its_own(tmp_path, mo
         shutil.copyfile(source, copies[-1])
     monkeypatch.setattr(cpu_kernels, "_SOURCES", copies)
     assert cpu_kernels._build_key() != key  # the same sources elsewhere: another directory
+
+
+def test_a_build_lock_left_by_a_killed_process_does_not_hold_up_the_next_start(tmp_path):
+    """torch's build lock is a file it waits on while it exists, taken at every load: a process
+    killed mid-build (a worker stopped during its first start) left it, and every later start
+    waited forever. The build here is of a plain C++ function, in a cache of the test's own."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    source = tmp_path / "one_function.cpp"
+    source.write_text("extern \"C\" int splitserve_test_one() { return 1; }\n")
+    env = {**os.environ, "SPLITSERVE_CACHE": str(tmp_path / "cache")}
+    build = ("import sys; from pathlib import Path; from splitserve.engine.attention import cpu_kernels; "
+             f"sources = [Path({str(source)!r})]; d = cpu_kernels._build_dir(sources, []); "
+             "d.mkdir(parents=True); (d / 'lock').touch(); "  # what the killed build left
+             "cpu_kernels._build('left_lock', sources, []); print(d)")
+    done = subprocess.run([sys.executable, "-c", build], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    build_dir = Path(done.stdout.strip().splitlines()[-1])
+    assert not (build_dir / "lock").exists() and list(build_dir.glob("left_lock_*.so"))

@@ -16,6 +16,7 @@ The ops register under ``torch.ops.splitserve_cpu``; ``available()`` says whethe
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import platform
@@ -60,17 +61,26 @@ def _build_key(sources: list[Path] | None = None, flags: list[str] = CFLAGS) -> 
     return h.hexdigest()[:16]
 
 
+def _build_dir(sources: list[Path], ldflags: list[str]) -> Path:
+    from splitserve.engine.model_files import cache_dir
+    return cache_dir() / "torch_extensions" / _build_key(sources, CFLAGS + ldflags)
+
+
 def _build(prefix: str, sources: list[Path], ldflags: list[str], include: list[str] = ()) -> None:
     from torch.utils import cpp_extension
 
-    from splitserve.engine.model_files import cache_dir
-
-    key = _build_key(sources, CFLAGS + ldflags)
-    build_dir = cache_dir() / "torch_extensions" / key
+    build_dir = _build_dir(sources, ldflags)
     build_dir.mkdir(parents=True, exist_ok=True)
-    cpp_extension.load(name=f"{prefix}_{key}", sources=[str(s) for s in sources], extra_cflags=CFLAGS,
-                       extra_ldflags=ldflags, extra_include_paths=list(include), build_directory=str(build_dir),
-                       is_python_module=False, verbose=False)
+    # torch takes a lock file (``lock``, its FileBaton) around every load, built or not, and waits
+    # while it exists: one left by a process killed mid-build (a worker stopped during its first
+    # start) made every later start wait forever. An flock is released with its process, so whoever
+    # holds it is the only one here alive, and a ``lock`` file found then is stale.
+    with open(build_dir / "splitserve.flock", "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        (build_dir / "lock").unlink(missing_ok=True)
+        cpp_extension.load(name=f"{prefix}_{build_dir.name}", sources=[str(s) for s in sources], extra_cflags=CFLAGS,
+                           extra_ldflags=ldflags, extra_include_paths=list(include), build_directory=str(build_dir),
+                           is_python_module=False, verbose=False)
 
 
 def load() -> None:
