@@ -24,11 +24,10 @@ collection here is followed by ``malloc_trim(0)``, which hands every arena's fre
 from __future__ import annotations
 
 import asyncio
-import ctypes
-import ctypes.util
-import functools
 import gc
 import logging
+
+from splitserve.common.malloc import libc, return_free_pages
 
 log = logging.getLogger(__name__)
 
@@ -41,33 +40,13 @@ M_MMAP_THRESHOLD = -3  # mallopt parameter (malloc.h)
 MMAP_THRESHOLD_BYTES = 1 << 20
 
 
-@functools.cache
-def _libc():
-    """The C library, where ctypes finds one (None elsewhere)."""
-    name = ctypes.util.find_library("c")
-    try:
-        return ctypes.CDLL(name) if name else None
-    except OSError:
-        return None
-
-
 def return_big_buffers() -> bool:
     """Fix glibc's mmap threshold at ``MMAP_THRESHOLD_BYTES``; False where there is no glibc."""
-    libc = _libc()
-    ok = libc is not None and hasattr(libc, "mallopt") and libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) == 1
+    c = libc()
+    ok = c is not None and hasattr(c, "mallopt") and c.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_BYTES) == 1
     if not ok:
         log.info("mallopt unavailable: large freed buffers may stay in the heap")
     return ok
-
-
-def return_free_pages() -> bool:
-    """Hand the free pages of every malloc arena back to the system (glibc's ``malloc_trim``);
-    False where there is no glibc."""
-    libc = _libc()
-    if libc is None or not hasattr(libc, "malloc_trim"):
-        return False
-    libc.malloc_trim(0)
-    return True
 
 
 class Collector:
